@@ -1,0 +1,49 @@
+"""deepepochs: a PyTorch training loop driven by an explicit, spec-generated finite-state machine."""
+
+from deepepochs.callbacks import Callback
+from deepepochs.errors import (
+    CheckpointError,
+    ConfigError,
+    DistributedError,
+    InvalidTransition,
+    LoopError,
+)
+from deepepochs.fsm.events import Event
+from deepepochs.launch import launch
+from deepepochs.optim import Optimizer
+from deepepochs.patches import (
+    ConfusionMetrics,
+    ConfusionPatch,
+    MeanPatch,
+    PatchBase,
+    TensorPatch,
+    ValuePatch,
+)
+from deepepochs.tasks import EpochTask, rename
+from deepepochs.trainer import Trainer, TrainerBase
+from deepepochs.utils import set_seed
+
+__version__ = "0.7.0"
+
+__all__ = [
+    "Callback",
+    "CheckpointError",
+    "ConfigError",
+    "ConfusionMetrics",
+    "ConfusionPatch",
+    "DistributedError",
+    "EpochTask",
+    "Event",
+    "InvalidTransition",
+    "LoopError",
+    "MeanPatch",
+    "Optimizer",
+    "PatchBase",
+    "TensorPatch",
+    "Trainer",
+    "TrainerBase",
+    "ValuePatch",
+    "launch",
+    "rename",
+    "set_seed",
+]

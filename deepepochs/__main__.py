@@ -1,0 +1,33 @@
+"""`python -m deepepochs graph --format mermaid|dot|png|svg [--output FILE]`: draw the loop machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deepepochs.fsm.render import FORMATS, render
+
+__all__ = ["main"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deepepochs", description="deepepochs tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    graph = sub.add_parser("graph", help="draw the training-loop state machine")
+    graph.add_argument("--format", choices=FORMATS, default="mermaid")
+    graph.add_argument("--output", "-o", help="file to write (default: stdout; required for png/svg)")
+    graph.add_argument("--show-interrupts", action="store_true", help="draw every interrupt edge")
+    args = parser.parse_args(argv)
+    if args.format in ("png", "svg") and not args.output:
+        parser.error(f"--format {args.format} needs --output FILE")
+    out = render(args.format, show_interrupts=args.show_interrupts)
+    if args.output:
+        with open(args.output, "wb" if isinstance(out, bytes) else "w") as f:
+            f.write(out)
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

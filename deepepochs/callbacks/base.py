@@ -1,0 +1,84 @@
+"""`Callback` and the table that dispatches loop events to the callbacks that handle them."""
+
+from __future__ import annotations
+
+import inspect
+
+from deepepochs.errors import ConfigError
+from deepepochs.fsm.events import CallbackHooks
+from deepepochs.fsm.machine import load_spec
+
+__all__ = ["Callback", "HookTable"]
+
+
+class Callback(CallbackHooks):
+    """Base class of callbacks: override the `on_*` methods you need (names and arguments come from the
+    loop spec; see `deepepochs.Event`).
+
+    `before` hooks run in the order callbacks were given, `after` hooks in reverse order, so a callback
+    wraps the ones registered after it. A callback can stop the fit at the end of the epoch with
+    `trainer.request_stop(reason)`.
+
+    Example:
+        >>> class PrintLoss(Callback):
+        ...     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics,
+        ...                        epoch_idx):
+        ...         print(epoch_idx, train_metrics["loss"])
+    """
+
+
+class HookTable:
+    """Per event, the bound methods of the callbacks that override it, in dispatch order.
+
+    Only overriding callbacks are listed, so an event nobody handles costs one empty-tuple loop.
+    """
+
+    def __init__(self, callbacks=()):
+        self.callbacks: list[Callback] = []
+        self.by_event: dict[str, tuple] = {}
+        self.extend(callbacks)
+
+    def extend(self, callbacks) -> None:
+        """Attach more callbacks (checked now, not at batch 10,000)."""
+        for cb in callbacks:
+            check_callback(cb)
+            self.callbacks.append(cb)
+        self._compile()
+
+    def remove(self, callbacks) -> None:
+        """Detach callbacks (by identity)."""
+        ids = {id(c) for c in callbacks}
+        self.callbacks = [c for c in self.callbacks if id(c) not in ids]
+        self._compile()
+
+    def _compile(self) -> None:
+        by_event = {}
+        for hook in load_spec().hooks:
+            base = getattr(CallbackHooks, hook.name)
+            handlers = [getattr(cb, hook.name) for cb in self.callbacks
+                        if getattr(type(cb), hook.name, base) is not base]
+            by_event[hook.name] = tuple(reversed(handlers) if hook.is_after else handlers)
+        self.by_event = by_event
+
+    def __getitem__(self, event: str) -> tuple:
+        return self.by_event[event]
+
+
+def check_callback(cb) -> None:
+    """Raise `ConfigError` if `cb` is not a Callback or overrides a hook with an incompatible signature."""
+    if not isinstance(cb, CallbackHooks):
+        raise ConfigError(f"callbacks must be deepepochs.Callback instances (got {type(cb).__name__})")
+    for hook in load_spec().hooks:
+        method = getattr(type(cb), hook.name, None)
+        if method is None or method is getattr(CallbackHooks, hook.name):
+            continue
+        args = ["trainer", *hook.args]
+        try:
+            inspect.signature(getattr(cb, hook.name)).bind(*args)
+        except TypeError:
+            sig = inspect.signature(getattr(cb, hook.name))
+            raise ConfigError(
+                f"{type(cb).__name__}.{hook.name}{sig} cannot take the hook's arguments"
+                f" ({', '.join(args)}); define it as def {hook.name}(self, {', '.join(args)})"
+            ) from None
+

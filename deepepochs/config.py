@@ -1,0 +1,65 @@
+"""`TrainerConfig`: the validated, typed record of a Trainer's keyword arguments."""
+
+from __future__ import annotations
+
+import attrs
+
+from deepepochs.errors import ConfigError
+
+__all__ = ["METRIC_PATCHES", "NONFINITE", "PRECISIONS", "TrainerConfig", "check_choice"]
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+METRIC_PATCHES = ("tensor", "mean", "confusion")
+NONFINITE = ("raise", "skip")
+
+
+def check_choice(name: str, value, choices, hint: str = "") -> None:
+    """Raise `ConfigError` unless `value` is one of `choices`, naming the argument and the choices."""
+    if value not in choices:
+        accepted = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{name} must be one of {accepted} (got {value!r}){'; ' + hint if hint else ''}")
+
+
+def _choice(choices, hint=""):
+    def check(_instance, attribute, value):
+        check_choice(attribute.name, value, choices, hint)
+
+    return check
+
+
+def _positive_int(_instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{attribute.name} must be a positive int (got {value!r})")
+
+
+def _bool(_instance, attribute, value):
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be True or False (got {value!r})")
+
+
+@attrs.define(frozen=True)
+class TrainerConfig:
+    """Options of a Trainer that are plain values (models, losses and callbacks are held elsewhere).
+
+    Attributes:
+        epochs: total epoch target; a resumed or repeated fit continues up to it.
+        precision: 'fp32', 'fp16' (autocast + GradScaler) or 'bf16' (autocast, no scaler).
+        gradient_accumulation_steps: DataLoader batches per optimizer update.
+        metric_patch: how dataset-level metrics are aggregated: 'tensor', 'mean' or 'confusion'.
+        nonfinite: fp32 behaviour on an inf/NaN loss in an update window: 'raise' or 'skip' the update.
+        split_batches: under DDP, divide each DataLoader's batch size by the world size.
+        log_long, log_batch, log_tqdm, show_info: console options (DEV-2).
+    """
+
+    epochs: int = attrs.field(default=1000, validator=_positive_int)
+    precision: str = attrs.field(
+        default="fp32", validator=_choice(PRECISIONS, "use 'fp16' for float16 autocast"))
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=_positive_int)
+    metric_patch: str = attrs.field(default="tensor", validator=_choice(METRIC_PATCHES))
+    nonfinite: str = attrs.field(default="raise", validator=_choice(NONFINITE))
+    split_batches: bool = attrs.field(default=False, validator=_bool)
+    log_long: bool = attrs.field(default=False, validator=_bool)
+    log_batch: bool = attrs.field(default=True, validator=_bool)
+    log_tqdm: bool = attrs.field(default=False, validator=_bool)
+    show_info: bool = attrs.field(default=True, validator=_bool)
+    compile_model: bool = attrs.field(default=False, validator=_bool)

@@ -1,0 +1,109 @@
+"""Console output (CORE-5, DEV-2): run header, batch lines or tqdm bars, epoch and test lines.
+
+Reading a metric value is a host-device sync, so batch lines are refreshed at most every
+`REFRESH_S` seconds (terminal) or `LOG_REFRESH_S` seconds (a log file, one line each), never per batch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+
+__all__ = ["Console"]
+
+REFRESH_S = 0.1
+LOG_REFRESH_S = 10.0
+
+
+def _fmt(metrics: Mapping[str, float], digits: int) -> str:
+    return "  ".join(f"{k}: {v:.{digits}f}" for k, v in metrics.items())
+
+
+class Console:
+    """Prints on the main process only; everything is a no-op elsewhere or when switched off."""
+
+    def __init__(self, log_batch: bool, log_tqdm: bool, log_long: bool, show_info: bool, enabled: bool,
+                 stream=None):
+        self.stream = stream if stream is not None else sys.stdout
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.log_batch = log_batch and enabled
+        self.log_tqdm = log_tqdm and enabled and self.tty  # bars in a log file only make noise
+        self.show_info = show_info and enabled
+        self.digits = 7 if log_long else 4
+        self.interval = REFRESH_S if self.tty else LOG_REFRESH_S
+        self._due = 0.0
+        self._bar = None
+        self._prefix = ""
+        self._total = None
+        self._dirty = False
+
+    def _print(self, text: str) -> None:
+        if self._dirty:  # end an overwritten batch line first
+            self.stream.write("\r" + " " * 100 + "\r")
+            self._dirty = False
+        print(text, file=self.stream, flush=True)
+
+    def info(self, text: str) -> None:
+        """A run-information line (the header), shown with show_info=True."""
+        if self.show_info:
+            self._print(text)
+
+    def start_task(self, stage: str, epoch: int, epochs: int, total: int | None) -> None:
+        """A task begins: reset the refresh clock and open a progress bar when asked."""
+        self._prefix = f"E {epoch}/{epochs}  "
+        self._stage = stage.upper()
+        self._total = total
+        self._due = time.monotonic() + self.interval
+        if self.log_tqdm:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=f"{self._prefix}{self._stage}", leave=False, file=self.stream,
+                             dynamic_ncols=True)
+
+    def batch(self, batch_idx: int, metrics: Callable[[], Mapping[str, float]]) -> None:
+        """After batch `batch_idx` (1-based); `metrics()` is only called when a refresh is due."""
+        bar = self._bar
+        if bar is not None:
+            bar.update(1)
+        if not self.log_batch:
+            return
+        now = time.monotonic()
+        if now < self._due:
+            return
+        self._due = now + self.interval
+        values = metrics()
+        if bar is not None:
+            bar.set_postfix_str(_fmt(values, self.digits), refresh=False)
+            return
+        total = f"/{self._total}" if self._total else ""
+        line = f"{self._prefix}B {batch_idx}{total}  {self._stage}> {_fmt(values, self.digits)}"
+        if self.tty:
+            self.stream.write("\r" + line)
+            self.stream.flush()
+            self._dirty = True
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def end_task(self) -> None:
+        """Close the task's progress bar."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def epoch(self, epoch: int, epochs: int, stages: Mapping[str, Mapping[str, float]]) -> None:
+        """`E 1/3  TRAIN> loss: ...   VAL> loss: ...`."""
+        if not self.enabled:
+            return
+        parts = [f"{stage.upper()}> {_fmt(m, self.digits)}" for stage, m in stages.items() if m]
+        self._print(f"E {epoch}/{epochs}  " + "   ".join(parts))
+
+    def test(self, metrics: Mapping[str, float]) -> None:
+        """`E 1/1  TEST>  loss: ...`."""
+        if self.enabled:
+            self._print(f"E 1/1  TEST>  {_fmt(metrics, self.digits)}")
+
+    def close(self) -> None:
+        """Close any open bar."""
+        self.end_task()

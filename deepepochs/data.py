@@ -1,0 +1,115 @@
+"""Batch rules (DATA-1..4): splitting a batch into inputs and labels, device moves, sample counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from deepepochs.errors import ConfigError
+
+__all__ = ["batch_size_of", "call_model", "lookahead", "split_batch", "to_device"]
+
+
+def split_batch(batch, has_loss_fn: bool):
+    """Split one batch into `(batch_x, batch_y)`.
+
+    - tuple/list with a loss function: the last item is the label (any nesting), the rest the inputs;
+      one input is passed as itself, several as a tuple (`model(x1, x2)`).
+    - tuple/list without a loss function: every item is an input, `batch_y` is None.
+    - dict: every field is a keyword argument of the model, `batch_y` is None.
+    - anything else without a loss function: the single input.
+    """
+    if isinstance(batch, (tuple, list)):
+        if has_loss_fn:
+            if len(batch) < 2:
+                raise ConfigError(
+                    f"a tuple/list batch needs at least 2 items (inputs..., label) when a loss function is"
+                    f" given (got {len(batch)} item); return (x, y) from the dataset, or pass loss=None"
+                    " and let the model return its loss"
+                )
+            xs = tuple(batch[:-1])
+            return (xs[0] if len(xs) == 1 else xs), batch[-1]
+        return (batch[0] if len(batch) == 1 else tuple(batch)), None
+    if isinstance(batch, Mapping):
+        return batch, None
+    if has_loss_fn:
+        raise ConfigError(
+            f"cannot split a batch of type {type(batch).__name__} into inputs and a label: with a loss"
+            " function, batches must be tuples/lists whose last item is the label (got a bare"
+            f" {type(batch).__name__}); yield (x, y), or pass loss=None so the model computes its loss"
+        )
+    return batch, None
+
+
+def call_model(model, batch_x):
+    """`model(x)`, `model(*x)` for a tuple of inputs, or `model(**x)` for a dict."""
+    if isinstance(batch_x, tuple):
+        return model(*batch_x)
+    if isinstance(batch_x, Mapping):
+        return model(**batch_x)
+    return model(batch_x)
+
+
+def to_device(obj, device: torch.device, non_blocking: bool = False):
+    """Move tensors in nested tuples/lists/dicts to `device`; other leaves are returned unchanged.
+
+    `non_blocking` is only safe host->device (the copy is ordered on the stream before any use); callers
+    pass True for CUDA targets only.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, (list, tuple)):
+        moved = [to_device(o, device, non_blocking) for o in obj]
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*moved)
+        return type(obj)(moved)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, to_device(v, device, non_blocking)) for k, v in obj.items())
+    return obj
+
+
+def _first_tensor(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        for o in obj:
+            t = _first_tensor(o)
+            if t is not None:
+                return t
+    elif isinstance(obj, Mapping):
+        for o in obj.values():
+            t = _first_tensor(o)
+            if t is not None:
+                return t
+    return None
+
+
+def batch_size_of(batch_x, batch_y, batch_size_fn=None) -> int:
+    """Samples in a batch: `batch_size_fn(batch_x, batch_y)` if given, else dim 0 of the first tensor
+    found in the label, then in the inputs (MET-4)."""
+    if batch_size_fn is not None:
+        return int(batch_size_fn(batch_x, batch_y))
+    t = _first_tensor(batch_y)
+    if t is None or t.dim() == 0:
+        t = _first_tensor(batch_x)
+    if t is None or t.dim() == 0:
+        raise ConfigError(
+            "cannot infer the number of samples in a batch (no tensor with a batch dimension); pass"
+            " batch_size=callable(batch_x, batch_y) -> int to fit()/test()"
+        )
+    return t.shape[0]
+
+
+def lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:
+    """Yield `(item, is_last)`: one item is read ahead so the last batch is known before it runs, which
+    the window guards need (the last micro-batch of a task closes its window and syncs gradients)."""
+    it = iter(iterable)
+    try:
+        item = next(it)
+    except StopIteration:
+        return
+    for nxt in it:
+        yield item, False
+        item = nxt
+    yield item, True

@@ -1,0 +1,94 @@
+"""Render a `Spec` into the committed, generated modules of the package.
+
+Two files come out: `tables.py` (states, triggers, guards, actions, edges, hooks as plain literals the
+runtime loads without importing `spec/`) and `events.py` (the `Event` enum and the hook methods of
+`Callback`, each with the spec's one-line doc). `python -m spec` writes them; `python -m spec --check`
+exits non-zero when they differ from what the spec renders.
+"""
+
+from __future__ import annotations
+
+import pprint
+from pathlib import Path
+
+from deepepochs.fsm.schema import Spec
+
+__all__ = ["render_events", "render_tables", "write_or_check"]
+
+HEADER = (
+    '"""GENERATED from spec/loop.py by `make gen` (python -m spec): do not edit by hand."""\n\n'
+    "# fmt: off\n"
+)
+
+
+def _literal(name: str, value) -> str:
+    return f"{name} = {pprint.pformat(value, width=110, sort_dicts=False)}\n"
+
+
+def render_tables(spec: Spec) -> str:
+    """The source text of `deepepochs/fsm/tables.py`."""
+    parts = [
+        HEADER,
+        '__all__ = ["ACTIONS", "GUARDS", "HOOKS", "INITIAL", "INTERRUPT", "ROLLBACK", "STATES",'
+        ' "TRANSITIONS", "TRIGGERS"]\n\n',
+        _literal("INITIAL", spec.initial),
+        _literal("ROLLBACK", spec.rollback),
+        _literal("INTERRUPT", spec.interrupt),
+        "\n# (name, layer, idle, running, doc)\n",
+        _literal("STATES", tuple((s.name, s.layer, s.idle, s.running, s.doc) for s in spec.states)),
+        "\n# (name, hot, doc)\n",
+        _literal("TRIGGERS", tuple((t.name, t.hot, t.doc) for t in spec.triggers)),
+        "\n# (name, doc)\n",
+        _literal("GUARDS", tuple((g.name, g.doc) for g in spec.guards)),
+        _literal("ACTIONS", tuple((a.name, a.doc) for a in spec.actions)),
+        "\n# (trigger, source, dest, conditions, unless, actions, error, doc)\n",
+        _literal("TRANSITIONS", tuple(
+            (t.trigger, t.source, t.dest, t.conditions, t.unless, t.actions, t.error, t.doc)
+            for t in spec.transitions
+        )),
+        "\n# (name, args, states, doc)\n",
+        _literal("HOOKS", tuple((h.name, h.args, h.states, h.doc) for h in spec.hooks)),
+    ]
+    return "".join(parts)
+
+
+def _member(hook_name: str) -> str:
+    return hook_name.removeprefix("on_").upper()
+
+
+def render_events(spec: Spec) -> str:
+    """The source text of `deepepochs/fsm/events.py`."""
+    lines = [
+        HEADER,
+        "import enum\n\n",
+        '__all__ = ["CallbackHooks", "Event"]\n\n\n',
+        "class Event(str, enum.Enum):\n",
+        '    """Loop events; each value is the name of the `Callback` method that handles it."""\n\n',
+    ]
+    for h in spec.hooks:
+        lines.append(f"    {_member(h.name)} = {h.name!r}\n")
+        lines.append(f'    """{h.doc}"""\n')
+    lines += [
+        "\n\nclass CallbackHooks:\n",
+        '    """One no-op method per loop event; `Callback` subclasses override the ones they need.\n\n'
+        "    `before` hooks run in callback registration order, `after` hooks in reverse order.\n"
+        '    """\n',
+    ]
+    for h in spec.hooks:
+        args = "".join(f", {a}" for a in h.args)
+        lines.append(f"\n    def {h.name}(self, trainer{args}):\n")
+        lines.append(f'        """{h.doc}"""\n')
+    return "".join(lines)
+
+
+def write_or_check(spec: Spec, package_dir: Path, check: bool) -> list[Path]:
+    """Write the generated modules, or with `check` return those that are stale (and write nothing)."""
+    targets = {
+        package_dir / "fsm" / "tables.py": render_tables(spec),
+        package_dir / "fsm" / "events.py": render_events(spec),
+    }
+    stale = [p for p, text in targets.items() if not p.exists() or p.read_text() != text]
+    if not check:
+        for path in stale:
+            path.write_text(targets[path])
+    return stale

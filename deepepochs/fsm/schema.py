@@ -1,0 +1,218 @@
+"""Typed records the loop spec is written in.
+
+`spec/loop.py` (not shipped) builds one `Spec` from these records; `deepepochs.fsm.codegen` renders it to
+`deepepochs/fsm/tables.py`; `deepepochs.fsm.machine` builds the running machines from those tables. Every
+record carries a one-line `doc`, which the generated tables, the graph and the docs reuse.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import attrs
+
+__all__ = [
+    "LAYERS",
+    "Action",
+    "Guard",
+    "Hook",
+    "Spec",
+    "SpecError",
+    "State",
+    "Transition",
+    "Trigger",
+]
+
+#: Layers of the loop, outermost first; every state belongs to one.
+LAYERS = ("fit", "epoch", "stage", "task", "window", "step", "optimize", "rollback")
+
+
+class SpecError(ValueError):
+    """The spec is inconsistent (unknown name, duplicate, non-exclusive guards, ...)."""
+
+
+def _identifier(_instance, attribute, value):
+    if not (isinstance(value, str) and value.isidentifier()):
+        raise SpecError(f"{attribute.name} must be a Python identifier (got {value!r})")
+
+
+def _one_line(_instance, attribute, value):
+    if not (isinstance(value, str) and value.strip() and "\n" not in value):
+        raise SpecError(f"{attribute.name} must be one non-empty line (got {value!r})")
+
+
+_names = attrs.field(converter=tuple, default=())
+
+
+@attrs.frozen
+class State:
+    """A state of the loop machine.
+
+    Attributes:
+        name: identifier, unique in the spec.
+        layer: one of `LAYERS`.
+        doc: one line saying what is going on while the machine is in this state.
+        idle: `fit`/`test` may be called from here (only the initial state and none else).
+        running: the loop is running here, so an `interrupt` edge must lead to rollback.
+    """
+
+    name: str = attrs.field(validator=_identifier)
+    layer: str = attrs.field(validator=attrs.validators.in_(LAYERS))
+    doc: str = attrs.field(validator=_one_line)
+    idle: bool = False
+    running: bool = True
+
+
+@attrs.frozen
+class Trigger:
+    """An event that moves the machine.
+
+    `hot` triggers fire once or more per micro-batch and run on the compiled table; cold ones (a few per
+    epoch) run through `transitions`.
+    """
+
+    name: str = attrs.field(validator=_identifier)
+    doc: str = attrs.field(validator=_one_line)
+    hot: bool = False
+
+
+@attrs.frozen
+class Guard:
+    """A named side-effect-free predicate over the loop state that selects between edges."""
+
+    name: str = attrs.field(validator=_identifier)
+    doc: str = attrs.field(validator=_one_line)
+
+
+@attrs.frozen
+class Action:
+    """A named effect run when an edge is taken (after the state changes)."""
+
+    name: str = attrs.field(validator=_identifier)
+    doc: str = attrs.field(validator=_one_line)
+
+
+@attrs.frozen
+class Transition:
+    """An edge `source --trigger [conditions, not unless]--> dest / actions`.
+
+    `dest=None` marks an explicit error edge: taking it raises `InvalidTransition` with `error` as the
+    reason, so a (state, trigger) pair can be total over its guards and still refuse some outcomes.
+    """
+
+    trigger: str = attrs.field(validator=_identifier)
+    source: str = attrs.field(validator=_identifier)
+    dest: str | None
+    doc: str = attrs.field(validator=_one_line)
+    conditions: tuple[str, ...] = _names
+    unless: tuple[str, ...] = _names
+    actions: tuple[str, ...] = _names
+    error: str | None = None
+
+    def matches(self, outcome: dict[str, bool]) -> bool:
+        """Whether this edge is taken when the guards evaluate to `outcome`."""
+        return all(outcome[g] for g in self.conditions) and not any(outcome[g] for g in self.unless)
+
+    @property
+    def guard_label(self) -> str:
+        """The guards as drawn on the edge: `[a, !b]`, or an empty string."""
+        parts = [*self.conditions, *(f"!{g}" for g in self.unless)]
+        return f"[{', '.join(parts)}]" if parts else ""
+
+
+@attrs.frozen
+class Hook:
+    """A callback hook (loop event) with the 0.6 name and arguments.
+
+    Attributes:
+        name: method name on `Callback`, e.g. `on_before_fit`.
+        args: argument names after `trainer`.
+        states: the states the machine may be in when the hook runs (checked by conformance tests).
+        doc: one line.
+    """
+
+    name: str = attrs.field(validator=_identifier)
+    args: tuple[str, ...] = attrs.field(converter=tuple)
+    states: tuple[str, ...] = attrs.field(converter=tuple)
+    doc: str = attrs.field(validator=_one_line)
+
+    @property
+    def is_after(self) -> bool:
+        """`after` hooks run callbacks in reverse registration order."""
+        return self.name.startswith("on_after_")
+
+
+@attrs.frozen
+class Spec:
+    """The whole machine. `validate()` checks names and guard exclusivity; `SpecError` on failure."""
+
+    states: tuple[State, ...] = attrs.field(converter=tuple)
+    triggers: tuple[Trigger, ...] = attrs.field(converter=tuple)
+    guards: tuple[Guard, ...] = attrs.field(converter=tuple)
+    actions: tuple[Action, ...] = attrs.field(converter=tuple)
+    transitions: tuple[Transition, ...] = attrs.field(converter=tuple)
+    hooks: tuple[Hook, ...] = attrs.field(converter=tuple)
+    initial: str = "idle"
+    rollback: str = "rollback"
+    interrupt: str = "interrupt"
+
+    def state(self, name: str) -> State:
+        """The state called `name`."""
+        return next(s for s in self.states if s.name == name)
+
+    def edges(self, source: str, trigger: str) -> list[Transition]:
+        """All edges for one (state, trigger) pair, in spec order."""
+        return [t for t in self.transitions if t.source == source and t.trigger == trigger]
+
+    def guards_of(self, source: str, trigger: str) -> list[str]:
+        """Guard names the edges of (state, trigger) depend on, sorted."""
+        return sorted({g for t in self.edges(source, trigger) for g in (*t.conditions, *t.unless)})
+
+    def validate(self) -> Spec:
+        """Check the spec is well formed; returns self so it can be chained."""
+        for kind, records in (
+            ("state", self.states), ("trigger", self.triggers), ("guard", self.guards),
+            ("action", self.actions), ("hook", self.hooks),
+        ):
+            names = [r.name for r in records]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise SpecError(f"duplicate {kind} names: {dupes}")
+        states = {s.name for s in self.states}
+        known = {
+            "trigger": {t.name for t in self.triggers},
+            "guard": {g.name for g in self.guards},
+            "action": {a.name for a in self.actions},
+        }
+        if self.initial not in states or self.rollback not in states:
+            raise SpecError(f"initial {self.initial!r} and rollback {self.rollback!r} must be states")
+        for t in self.transitions:
+            where = f"edge {t.source} --{t.trigger}--> {t.dest}"
+            if t.source not in states or (t.dest is not None and t.dest not in states):
+                raise SpecError(f"{where}: unknown state")
+            if (t.dest is None) != (t.error is not None):
+                raise SpecError(f"{where}: an error edge needs dest=None and an error text, and only it")
+            for kind, names in (("trigger", (t.trigger,)), ("guard", (*t.conditions, *t.unless)),
+                                ("action", t.actions)):
+                unknown = [n for n in names if n not in known[kind]]
+                if unknown:
+                    raise SpecError(f"{where}: unknown {kind} {unknown}; known: {sorted(known[kind])}")
+        for h in self.hooks:
+            if not h.name.startswith("on_") or not set(h.states) <= states:
+                raise SpecError(f"hook {h.name}: name must start with on_ and states must exist")
+        pairs = sorted({(t.source, t.trigger) for t in self.transitions})
+        for source, trigger in pairs:
+            self._check_exclusive(source, trigger)
+        return self
+
+    def _check_exclusive(self, source: str, trigger: str) -> None:
+        edges = self.edges(source, trigger)
+        guards = self.guards_of(source, trigger)
+        for values in itertools.product((False, True), repeat=len(guards)):
+            outcome = dict(zip(guards, values))
+            taken = [t for t in edges if t.matches(outcome)]
+            if len(taken) != 1:
+                raise SpecError(
+                    f"({source}, {trigger}) with guards {outcome}: {len(taken)} edges match; guards of one"
+                    " (state, trigger) must be mutually exclusive and total (add an error edge if needed)"
+                )

@@ -1,0 +1,392 @@
+"""Start a training function in one process per device, the way ``torchrun`` would (DDP-1, DDP-2).
+
+``launch(main)`` is the entry point of multi-process training from a plain ``python train.py`` (or an IDE's
+run button). It does not train anything itself: it starts the processes, gives each one the environment
+variables ``torchrun`` would give it, runs ``main()`` in each, and hands rank 0's return value back.
+
+Division of labour with the Trainer:
+
+- ``launch`` sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+  ``MASTER_PORT`` in every child before ``main()`` runs. It never initialises a process group.
+- The Trainer built inside ``main()`` reads those variables, picks its device from ``LOCAL_RANK``,
+  initialises the default process group from the environment (gloo on CPU, nccl on CUDA) and destroys it
+  in ``close()``. Under ``torchrun`` the same variables come from ``torchrun``, so the Trainer's code path is
+  identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from numbers import Integral
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+
+from deepepochs.errors import ConfigError, DistributedError
+
+__all__ = ["launch"]
+
+T = TypeVar("T")
+
+# The variables torchrun exports to each worker; the Trainer reads them to join the group.
+_ENV_RANK = "RANK"
+_ENV_LOCAL_RANK = "LOCAL_RANK"
+_ENV_WORLD_SIZE = "WORLD_SIZE"
+_ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+_ENV_MASTER_ADDR = "MASTER_ADDR"
+_ENV_MASTER_PORT = "MASTER_PORT"
+_ENV_OMP_THREADS = "OMP_NUM_THREADS"
+
+# All processes run on this machine, so rank 0's rendezvous store listens on the loopback interface only.
+_MASTER_ADDR = "127.0.0.1"
+
+# After one rank fails, the others get this long to exit on their own (for example after their own
+# collective errored), then SIGTERM, then the same again before SIGKILL. Kept short so that a rank blocked
+# in a collective that will never complete does not keep the caller waiting.
+_SHUTDOWN_GRACE_S = 2.0
+
+# ``ProcessContext.join(grace_period=...)`` exists only in newer torch releases; older ones SIGTERM the
+# survivors at once, which is just as prompt.
+_JOIN_HAS_GRACE_PERIOD = "grace_period" in inspect.signature(mp.ProcessContext.join).parameters
+
+_RESULT_FILE = "rank0-result.pickle"
+
+_IMPORTABLE_FIX = (
+    "define main at the top level of an importable .py file and call launch(main) under "
+    "`if __name__ == '__main__':` (in a notebook, save main to a module, import it and pass the imported "
+    "function), or pass num_processes=1 to run it in this process"
+)
+
+
+def launch(main: Callable[[], T], num_processes: int | None = None) -> T:
+    """Run ``main()`` in ``num_processes`` processes and return rank 0's result.
+
+    Each process is a fresh Python interpreter (spawn start method) that imports ``main`` and calls it with
+    no arguments, so everything a rank needs (data, model, optimizer, ``Trainer``) is created inside
+    ``main``. The environment variables ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` are set in each process before ``main()`` runs, exactly as under
+    ``torchrun``; the ``Trainer`` initialises the process group from them. ``launch`` itself never does.
+
+    - Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` are set) or when a process group is already
+      initialised, ``main()`` is simply called and its result returned; the process count is then
+      ``torchrun``'s (``num_processes`` is ignored).
+    - ``num_processes=1`` calls ``main()`` in this process, without touching the environment; handy for
+      debugging, and any callable (a lambda too) is accepted.
+    - With several processes, the first failing process ends the whole group (the others are terminated,
+      even when blocked in a collective) and :class:`~deepepochs.errors.DistributedError` is raised here
+      with that process's traceback. Nothing is restarted.
+    - While the processes run, ``OMP_NUM_THREADS=1`` is set if the caller has not set it. The caller's
+      environment and its SIGINT/SIGTERM handlers are the same after the call as before it.
+
+    The return value of rank 0 travels back by pickle, so it must be a plain picklable object: a dict of
+    floats, lists, strings... Convert tensors with ``.item()`` or ``.tolist()`` (or at least ``.cpu()``);
+    the other ranks' return values are discarded.
+
+    Args:
+        main: A function taking no arguments. With more than one process it must be importable by the child
+            processes: defined at the top level of a module or of the script being run, not a lambda, not a
+            nested function, not defined in a notebook cell or an interactive session.
+        num_processes: How many processes to start. ``None`` means one per visible CUDA device
+            (``torch.cuda.device_count()``), or 1 when there is none. Choose the devices with
+            ``CUDA_VISIBLE_DEVICES``.
+
+    Returns:
+        What ``main()`` returned in the rank 0 process.
+
+    Raises:
+        ConfigError: ``num_processes`` is not a positive int or None, ``main`` is not callable, or (with
+            more than one process) ``main`` cannot be imported by the child processes.
+        DistributedError: A process raised an exception or died; the message holds its traceback.
+
+    Example:
+        ``launch`` runs any no-argument function; with one process it simply calls it:
+
+        >>> from deepepochs.launch import launch
+        >>> launch(lambda: {"loss": 0.25}, num_processes=1)
+        {'loss': 0.25}
+
+        A multi-process training script (save as ``train.py``, run ``python train.py``)::
+
+            import torch
+            from torch import nn
+            from torch.nn import functional as F
+            from torch.utils.data import DataLoader, TensorDataset
+            from deepepochs import Trainer, launch
+
+
+            def main():
+                x = torch.randn(256, 16)
+                y = (x[:, 0] > 0).long()
+                train_dl = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+                model = nn.Linear(16, 2)
+                opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+                with Trainer(model, F.cross_entropy, opt, epochs=3) as trainer:
+                    trainer.fit(train_dl)
+                    return trainer.test(train_dl)
+
+
+            if __name__ == "__main__":
+                print(launch(main, num_processes=2))
+    """
+    if not callable(main):
+        raise ConfigError(
+            f"main must be a callable taking no arguments (got {main!r} of type {type(main).__name__}); "
+            "pass the function itself, e.g. launch(main), not launch(main())"
+        )
+    _check_num_processes(num_processes)
+
+    # Already inside a distributed job: torchrun (or another launcher) started this process, or the caller
+    # set up the group by hand. Starting more processes here would nest jobs, so just run.
+    if _inside_distributed_job():
+        return main()
+
+    world_size = num_processes if num_processes is not None else max(1, torch.cuda.device_count())
+    if world_size == 1:
+        return main()
+    _check_importable(main)
+    return _spawn(main, int(world_size))
+
+
+def _check_num_processes(num_processes: object) -> None:
+    """Raise ConfigError unless ``num_processes`` is None or a positive integer (bool is not a count)."""
+    if num_processes is None:
+        return
+    if isinstance(num_processes, bool) or not isinstance(num_processes, Integral) or num_processes < 1:
+        raise ConfigError(
+            "num_processes must be a positive int, or None for one process per visible GPU "
+            f"(got {num_processes!r} of type {type(num_processes).__name__}); e.g. num_processes=2"
+        )
+
+
+def _inside_distributed_job() -> bool:
+    """Return whether this process already belongs to a distributed job (torchrun env or live group)."""
+    if _ENV_RANK in os.environ and _ENV_WORLD_SIZE in os.environ:
+        return True
+    return dist.is_available() and dist.is_initialized()
+
+
+def _check_importable(main: Callable[[], Any]) -> None:
+    """Raise ConfigError when spawned children could not import ``main``.
+
+    A spawned child is a new interpreter: it receives ``main`` pickled *by reference* (module name plus
+    qualified name) and imports it again. That fails for objects that have no importable name, and it
+    fails late and obscurely (an AttributeError in every child), so we check in the parent first.
+    """
+    name = getattr(main, "__qualname__", None) or getattr(main, "__name__", None) or repr(main)
+    if getattr(main, "__name__", None) == "<lambda>":
+        raise ConfigError(f"main is a lambda, which child processes cannot import; {_IMPORTABLE_FIX}")
+    if "<locals>" in name:
+        raise ConfigError(
+            f"main ({name!r}) is defined inside another function, which child processes cannot import; "
+            f"{_IMPORTABLE_FIX}"
+        )
+    # A script run as ``python train.py`` is fine: spawn re-imports it in each child as ``__mp_main__``.
+    # An interactive session or a notebook kernel has a ``__main__`` without a file to re-import.
+    if getattr(main, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
+        raise ConfigError(
+            f"main ({name!r}) is defined in an interactive session or notebook, whose code child processes "
+            f"cannot import; {_IMPORTABLE_FIX}"
+        )
+    try:
+        pickle.loads(pickle.dumps(main))
+    except Exception as exc:
+        raise ConfigError(
+            f"main ({name!r}) cannot be pickled for the child processes "
+            f"({type(exc).__name__}: {exc}); {_IMPORTABLE_FIX}"
+        ) from exc
+
+
+def _spawn(main: Callable[[], T], world_size: int) -> T:
+    """Start ``world_size`` children running ``main``, wait for all, and return rank 0's result."""
+    # Why spawn and not fork: a forked child inherits the parent's CUDA context (unusable, CUDA cannot be
+    # re-initialised after fork) and the state of threads that do not exist in the child (OpenMP pools,
+    # dataloader workers), which deadlocks. Spawn starts clean interpreters on every platform.
+    #
+    # Why a free port: a fixed MASTER_PORT (the usual 29500) collides with any other job on this machine.
+    # Binding port 0 lets the OS pick an unused one. It is released before rank 0's TCPStore binds it, a
+    # tiny window in which another program could take it; torch's own launchers accept the same race.
+    master_port = _find_free_port()
+
+    # Why OMP_NUM_THREADS=1: each process would otherwise start one OpenMP thread per core, so N processes
+    # oversubscribe the CPU N times over and CPU training slows down badly (torchrun sets the same
+    # default). It must be in the environment *before* spawning: torch reads it when the child imports it.
+    env_updates = {} if _ENV_OMP_THREADS in os.environ else {_ENV_OMP_THREADS: "1"}
+
+    with (
+        _restored_signal_handlers(),
+        _temporary_environ(env_updates),
+        tempfile.TemporaryDirectory(prefix="deepepochs-launch-") as result_dir,
+    ):
+        result_path = os.path.join(result_dir, _RESULT_FILE)
+        context = mp.start_processes(
+            _run_rank,
+            args=(main, world_size, master_port, result_path),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        join_kwargs = {"grace_period": _SHUTDOWN_GRACE_S} if _JOIN_HAS_GRACE_PERIOD else {}
+        try:
+            # join() returns False while some processes still run; on the first failure it terminates the
+            # others (a rank blocked in a collective would otherwise wait for its dead peer forever) and
+            # raises ProcessRaisedException (a traceback was captured) or ProcessExitedException.
+            while not context.join(**join_kwargs):
+                pass
+        except ProcessException as exc:
+            raise _distributed_error(exc, context.error_files, world_size) from exc
+        finally:
+            # Normally a no-op. Matters when the caller is interrupted (Ctrl-C) while waiting: no child
+            # may outlive the call.
+            _stop_processes(context.processes)
+
+        if not os.path.exists(result_path):
+            raise DistributedError(
+                f"launch: rank 0 of {world_size} exited without returning from main() (did main() call "
+                "sys.exit(0) or catch KeyboardInterrupt?); no result to return"
+            )
+        with open(result_path, "rb") as fh:
+            return pickle.load(fh)
+
+
+def _run_rank(
+    local_rank: int, main: Callable[[], Any], world_size: int, master_port: int, result_path: str
+) -> None:
+    """Child-process entry: export the torchrun-style environment, run ``main()``, save rank 0's result.
+
+    Top level of this module so that ``torch.multiprocessing`` can pickle it by reference.
+    """
+    os.environ.update(
+        {
+            _ENV_RANK: str(local_rank),
+            _ENV_LOCAL_RANK: str(local_rank),
+            _ENV_WORLD_SIZE: str(world_size),
+            _ENV_LOCAL_WORLD_SIZE: str(world_size),
+            _ENV_MASTER_ADDR: _MASTER_ADDR,
+            _ENV_MASTER_PORT: str(master_port),
+        }
+    )
+    # No init_process_group here: the Trainer creates the group from these variables (and so owns it and
+    # destroys it), exactly as it does under torchrun.
+    result = main()
+    if local_rank == 0:
+        _write_result(result, result_path)
+
+
+def _write_result(result: Any, result_path: str) -> None:
+    """Pickle rank 0's result to ``result_path`` atomically (the parent reads it after all ranks exit)."""
+    try:
+        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(
+            f"launch: the value main() returned on rank 0 ({type(result).__name__}) cannot be sent back to "
+            f"the caller ({type(exc).__name__}: {exc}); return plain picklable Python objects, converting "
+            "tensors with .item() or .tolist()"
+        ) from exc
+    partial_path = result_path + ".partial"
+    with open(partial_path, "wb") as fh:
+        fh.write(payload)
+    os.replace(partial_path, result_path)
+
+
+def _distributed_error(
+    exc: ProcessException, error_files: list[str | None], world_size: int
+) -> DistributedError:
+    """Build the caller-facing error from torch's, with the traceback of every rank that raised.
+
+    torch reports the rank whose exit it noticed first. When a rank's collective failed *because* its
+    peer died, both may have written a traceback; ordering them by the time they were written puts the
+    root cause first.
+    """
+    tracebacks = []
+    for rank, path in enumerate(error_files):
+        if path is None or not os.path.exists(path):
+            continue
+        with contextlib.suppress(Exception):
+            with open(path, "rb") as fh:
+                tracebacks.append((os.path.getmtime(path), rank, pickle.load(fh)))
+        # torch leaves these temporary files behind; they have been read now.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    tracebacks.sort()
+
+    if isinstance(exc, ProcessExitedException):
+        how = f"signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
+        header = (
+            f"launch: rank {exc.error_index} of {world_size} died with {how} without a Python traceback; "
+            "processes still running were stopped. A signal often means the system killed it (out of "
+            "memory); an exit code without traceback can come from os._exit(), sys.exit() or a crash in "
+            "native code. If main is defined in a script, check that launch() is called under "
+            "`if __name__ == '__main__':`."
+        )
+    else:
+        first_rank = tracebacks[0][1] if tracebacks else exc.error_index
+        header = (
+            f"launch: rank {first_rank} of {world_size} raised an exception; processes still running "
+            "were stopped."
+        )
+    if not tracebacks:
+        return DistributedError(f"{header}\n{exc.msg}")
+    sections = [f"\n--- rank {rank} traceback ---\n{text.rstrip()}" for _, rank, text in tracebacks]
+    return DistributedError(header + "\n" + "\n".join(sections))
+
+
+def _stop_processes(processes: list[Any]) -> None:
+    """Terminate (SIGTERM, then SIGKILL after a grace period) and reap every child still alive."""
+    alive = [p for p in processes if p.is_alive()]
+    for process in alive:
+        process.terminate()
+    for process in alive:
+        process.join(_SHUTDOWN_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _find_free_port() -> int:
+    """Return a TCP port on the loopback interface that is unused right now (chosen by the OS)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_MASTER_ADDR, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _temporary_environ(updates: Mapping[str, str]) -> Iterator[None]:
+    """Set ``updates`` in ``os.environ`` and afterwards restore each key's previous value (or absence)."""
+    previous = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _restored_signal_handlers() -> Iterator[None]:
+    """Give back the caller's SIGINT and SIGTERM handlers afterwards, whatever the code inside changed."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        yield
+    finally:
+        # Handlers can only be installed from the main thread; launched from another thread, nothing here
+        # could have changed them either. ``None`` means a handler not installed from Python: leave it.
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in saved.items():
+                if handler is not None and signal.getsignal(sig) is not handler:
+                    signal.signal(sig, handler)

@@ -1,0 +1,153 @@
+"""Optimizers and LR schedulers (CORE-4, CUST-4): the `Optimizer` wrapper and the trainer's group of them."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from deepepochs.config import check_choice
+from deepepochs.errors import ConfigError
+
+__all__ = ["Optimizer", "Optimizers"]
+
+
+def _is_optimizer(_instance, attribute, value):
+    if not isinstance(value, torch.optim.Optimizer):
+        raise ConfigError(f"{attribute.name} must be a torch.optim.Optimizer (got {type(value).__name__})")
+
+
+def _sched_on(_instance, attribute, value):
+    check_choice(attribute.name, value, ("epoch", "step"))
+
+
+@attrs.define
+class Optimizer:
+    """An optimizer with an optional LR scheduler.
+
+    Args:
+        opt: the `torch.optim.Optimizer`.
+        scheduler: an LR scheduler of `opt` (or None).
+        sched_on: 'epoch' steps the scheduler after each epoch; 'step' after each update the optimizer
+            actually made (a step skipped for inf/NaN gradients does not advance it).
+        sched_with_loss: pass the epoch's loss to `scheduler.step(loss)` (e.g. ReduceLROnPlateau): the
+            validation loss when validation ran, else the training loss. Only with sched_on='epoch'.
+
+    Example:
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> Trainer(model, loss, Optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, 10)))
+    """
+
+    opt: torch.optim.Optimizer = attrs.field(validator=_is_optimizer)
+    scheduler: object = None
+    sched_on: str = attrs.field(default="epoch", validator=_sched_on)
+    sched_with_loss: bool = False
+
+    def __attrs_post_init__(self):
+        if self.sched_with_loss and self.sched_on != "epoch":
+            raise ConfigError("sched_with_loss=True needs sched_on='epoch' (got sched_on='step')")
+        if self.scheduler is not None and not hasattr(self.scheduler, "step"):
+            raise ConfigError(f"scheduler must have a step() method (got {type(self.scheduler).__name__})")
+
+
+class Optimizers(Sequence):
+    """The trainer's optimizers, in `optimize_index` order."""
+
+    def __init__(self, opt, model: torch.nn.Module):
+        if opt is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            items = [Optimizer(torch.optim.Adam(params, lr=1e-3))] if params else []
+        else:
+            raw = list(opt) if isinstance(opt, (list, tuple)) else [opt]
+            items = []
+            for i, o in enumerate(raw):
+                if isinstance(o, Optimizer):
+                    items.append(o)
+                elif isinstance(o, torch.optim.Optimizer):
+                    items.append(Optimizer(o))
+                else:
+                    raise ConfigError(
+                        f"opt[{i}] must be a torch.optim.Optimizer or deepepochs.Optimizer (got"
+                        f" {type(o).__name__})" if isinstance(opt, (list, tuple)) else
+                        "opt must be None, a torch.optim.Optimizer, a deepepochs.Optimizer or a list of them"
+                        f" (got {type(o).__name__})"
+                    )
+        self.items: list[Optimizer] = items
+        self.all_indices = tuple(range(len(items)))
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+    def indices(self, optimize_index) -> tuple[int, ...]:
+        """Normalise `optimize_index` (None = all, an int, or a sequence of ints)."""
+        if optimize_index is None:
+            return self.all_indices
+        idx = (optimize_index,) if isinstance(optimize_index, int) else tuple(optimize_index)
+        bad = [i for i in idx if not (isinstance(i, int) and 0 <= i < len(self.items))]
+        if bad:
+            raise ConfigError(f"optimize_index must be in 0..{len(self.items) - 1} (got {optimize_index!r})")
+        return idx
+
+    def grads(self, index: int) -> list[torch.Tensor]:
+        """The existing gradients of one optimizer's parameters."""
+        return [p.grad for g in self.items[index].opt.param_groups for p in g["params"] if p.grad is not None]
+
+    def step(self, index: int) -> None:
+        """Step optimizer `index`, then its step-wise scheduler (only after a real step)."""
+        item = self.items[index]
+        item.opt.step()
+        if item.scheduler is not None and item.sched_on == "step":
+            item.scheduler.step()
+
+    def zero_grad(self, indices: Sequence[int]) -> None:
+        """Zero gradients (set to None, so the next backward writes instead of accumulating)."""
+        for i in indices:
+            self.items[i].opt.zero_grad(set_to_none=True)
+
+    def step_epoch(self, train_loss: float | None, val_loss: float | None) -> None:
+        """Step epoch-wise schedulers; those with `sched_with_loss` get the val loss, else the train loss."""
+        for item in self.items:
+            if item.scheduler is None or item.sched_on != "epoch":
+                continue
+            if item.sched_with_loss:
+                loss = val_loss if val_loss is not None else train_loss
+                if loss is None:
+                    raise ConfigError("sched_with_loss=True needs a loss, but no loss was computed this epoch")
+                item.scheduler.step(loss)
+            else:
+                with warnings.catch_warnings():
+                    # Epoch-wise scheduling after an epoch whose every step was skipped by the fp16 scaler
+                    # is intended; PyTorch would warn that optimizer.step() was not called.
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+                    item.scheduler.step()
+
+    def lrs(self) -> dict[str, float]:
+        """Learning rates of every param group, named `lr` or `lr_<opt>_<group>`."""
+        out = {}
+        for i, item in enumerate(self.items):
+            for j, group in enumerate(item.opt.param_groups):
+                key = "lr" if len(self.items) == 1 and len(item.opt.param_groups) == 1 else f"lr_{i}_{j}"
+                out[key] = float(group["lr"])
+        return out
+
+    def state_dict(self) -> dict:
+        """Optimizer and scheduler states, as lists in `optimize_index` order."""
+        return {
+            "optimizers": [item.opt.state_dict() for item in self.items],
+            "schedulers": [None if item.scheduler is None else item.scheduler.state_dict() for item in self.items],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; the number of optimizers must match."""
+        opts, scheds = state["optimizers"], state["schedulers"]
+        if len(opts) != len(self.items):
+            raise ConfigError(f"checkpoint has {len(opts)} optimizer states but the trainer has {len(self.items)}")
+        for item, o, s in zip(self.items, opts, scheds):
+            item.opt.load_state_dict(o)
+            if item.scheduler is not None and s is not None:
+                item.scheduler.load_state_dict(s)

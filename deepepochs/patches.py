@@ -1,0 +1,660 @@
+"""Patches: the per-batch state of a dataset-level metric, and how those states merge.
+
+A trainer evaluates batch by batch, but a metric must describe the whole dataset. A patch holds what
+batches contribute to a metric, merges with other batches' patches (``add``, ``+``) and with other
+processes' (``sync``), and computes the metric from the merged state (``forward``, or calling it):
+
+* :class:`TensorPatch` keeps all preds and targets: right for any metric; memory grows with the data.
+* :class:`MeanPatch` keeps a sample-weighted mean of per-batch metric values: exact for means over
+  samples (accuracy, mean losses), not for precision, recall or F1.
+* :class:`ValuePatch` does the same for values computed elsewhere, such as batch losses.
+* :class:`ConfusionPatch` keeps a confusion matrix: exact accuracy, precision, recall, F1 in constant memory.
+
+Loading and merging never force a host-device sync: tensors stay on their device, detached from autograd.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import math
+import numbers
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from deepepochs import metrics as _metrics
+from deepepochs.errors import ConfigError
+
+__all__ = [
+    "ConfusionMetrics",
+    "ConfusionPatch",
+    "ConfusionState",
+    "MeanPatch",
+    "MeanState",
+    "PatchBase",
+    "TensorPatch",
+    "TensorState",
+    "ValuePatch",
+    "merge_patches",
+]
+
+
+def _map_tensors(fn, obj):
+    """Apply ``fn`` to every tensor in a nest of tuples, lists, dicts and attrs records; keep other leaves."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {key: _map_tensors(fn, value) for key, value in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes positional fields
+        return type(obj)(*(_map_tensors(fn, value) for value in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(fn, value) for value in obj)
+    if attrs.has(type(obj)):
+        fields = [f for f in attrs.fields(type(obj)) if f.init]
+        return attrs.evolve(obj, **{f.alias: _map_tensors(fn, getattr(obj, f.name)) for f in fields})
+    return obj
+
+
+def _first_tensor(obj, min_dim: int = 0) -> torch.Tensor | None:
+    """The first tensor with at least ``min_dim`` dimensions in a nest, depth first, or None."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.dim() >= min_dim else None
+    if attrs.has(type(obj)):
+        obj = [getattr(obj, f.name) for f in attrs.fields(type(obj))]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return next((t for t in (_first_tensor(v, min_dim) for v in values) if t is not None), None)
+
+
+def _world_size() -> int:
+    """The number of processes to merge with: 1 unless a process group is initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _collective_device() -> torch.device:
+    """Where tensors must be for a collective: NCCL moves only CUDA tensors, gloo works on the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _metric_name(metric) -> str:
+    return getattr(metric, "__name__", None) or type(metric).__name__
+
+
+def _check_metric(metric) -> None:
+    if not callable(metric):
+        raise ConfigError(f"metric must be a callable taking (preds, targets) (got {type(metric).__name__})")
+
+
+def _check_total(instance, attribute, value) -> None:
+    for item in value.values() if isinstance(value, dict) else [value]:
+        if item is not None and not isinstance(item, (numbers.Real, torch.Tensor)):
+            raise TypeError(f"{attribute.name} must hold numbers or tensors (got {type(item).__name__})")
+
+
+def _check_matrix(instance, attribute, value) -> None:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != value.shape[1]:
+        raise TypeError(f"{attribute.name} must be a square [C, C] tensor (got {value!r:.60})")
+
+
+@attrs.define
+class TensorState:
+    """What a :class:`TensorPatch` holds: each loaded batch's detached preds and targets, in load order."""
+
+    preds: list = attrs.field(factory=list, validator=attrs.validators.instance_of(list))
+    targets: list = attrs.field(factory=list, validator=attrs.validators.instance_of(list))
+
+
+@attrs.define
+class MeanState:
+    """What :class:`MeanPatch` and :class:`ValuePatch` hold: a sample-weighted sum and the sample count.
+
+    ``total`` is None while empty, else a 0-d tensor or a float (or a dict of them for a dict-valued
+    metric); ``count`` is an int, a float or a tensor, whichever form the batch sizes came in.
+    """
+
+    total: object = attrs.field(default=None, validator=_check_total)
+    count: object = attrs.field(
+        default=0, validator=attrs.validators.instance_of((numbers.Real, torch.Tensor))
+    )
+
+
+@attrs.define
+class ConfusionState:
+    """What a :class:`ConfusionPatch` holds: an int64 ``[C, C]`` matrix, rows = true, columns = predicted."""
+
+    matrix: torch.Tensor = attrs.field(
+        factory=lambda: torch.zeros(0, 0, dtype=torch.int64), validator=_check_matrix
+    )
+
+
+class PatchBase(abc.ABC):
+    """The state one or more batches contribute to a dataset-level metric.
+
+    Subclasses implement :meth:`load`, :meth:`add` and :meth:`forward`; calling a patch calls
+    :meth:`forward`. ``a + b`` returns a new patch and leaves ``a`` and ``b`` unchanged: it adds ``b`` to
+    ``a.copy()``. ``sum(patches)`` works too. :meth:`sync` merges across processes with no extra code.
+
+    Args:
+        name: An optional display name for the metric.
+
+    Example:
+        >>> class MaxPatch(PatchBase):
+        ...     def load(self, values):
+        ...         self.value = values.detach().max()
+        ...         return self
+        ...     def add(self, other):
+        ...         self.value = torch.maximum(self.value, other.value)
+        ...         return self
+        ...     def forward(self):
+        ...         return self.value
+        >>> (MaxPatch().load(torch.tensor([1.0, 5.0])) + MaxPatch().load(torch.tensor([3.0])))()
+        tensor(5.)
+    """
+
+    def __init__(self, name: str | None = None):
+        self.name = name
+
+    @abc.abstractmethod
+    def load(self, *args, **kwargs) -> PatchBase:
+        """Replace the state with the one of a single batch; return self."""
+
+    @abc.abstractmethod
+    def add(self, other: PatchBase) -> PatchBase:
+        """Merge the state of ``other`` (a patch of the same class) into self, in place; return self."""
+
+    @abc.abstractmethod
+    def forward(self):
+        """Compute the metric from the state: a 0-d tensor, a number, or a dict of name -> value."""
+
+    def __call__(self):
+        return self.forward()
+
+    def copy(self) -> PatchBase:
+        """An independent copy (a deep copy here; subclasses override it with something cheaper)."""
+        return copy.deepcopy(self)
+
+    def __add__(self, other):
+        return self.copy().add(other) if isinstance(other, PatchBase) else NotImplemented
+
+    def __radd__(self, other):
+        # sum(patches) starts from the integer 0.
+        return self.copy() if isinstance(other, numbers.Number) and other == 0 else NotImplemented
+
+    def _check_same_kind(self, other) -> None:
+        if type(other) is not type(self):
+            raise TypeError(
+                f"cannot add a {type(other).__name__} to a {type(self).__name__}; "
+                "a patch merges only with patches of its own class"
+            )
+
+    def sync(self) -> PatchBase:
+        """Merge the states of all processes, so that every rank's patch holds the global state.
+
+        A collective: every rank must call it, in the same order, on patches of the same class and
+        configuration (an empty patch on a rank that saw no batch is fine). Without an initialised process
+        group, or with one process, it returns self unchanged.
+
+        This generic version gathers every rank's attributes with ``all_gather_object`` (tensors copied to
+        the CPU; callables such as the metric function stay home, every rank has its own), rebuilds the
+        patches on each rank and adds them in rank order, so all ranks end with the same state.
+
+        Returns:
+            self, now holding the merged state.
+        """
+        world = _world_size()
+        if world == 1:
+            return self
+        state = {
+            k: _map_tensors(lambda t: t.detach().cpu(), v) for k, v in vars(self).items() if not callable(v)
+        }
+        gathered = [None] * world
+        dist.all_gather_object(gathered, state)
+        local = _first_tensor(vars(self))
+        device = local.device if local is not None else torch.device("cpu")
+        merged = None
+        for rank, state in enumerate(gathered):
+            if rank == dist.get_rank():
+                part = self.copy()
+            else:
+                part = copy.copy(self)  # shares only the callables: every other attribute is replaced
+                part.__dict__.update({k: _map_tensors(lambda t: t.to(device), v) for k, v in state.items()})
+            merged = part if merged is None else merged.add(part)
+        self.__dict__.update(vars(merged))
+        return self
+
+
+def merge_patches(patches) -> PatchBase:
+    """Merge a non-empty iterable of patches of one class into a new patch, leaving the inputs unchanged.
+
+    Raises:
+        ConfigError: When ``patches`` is empty.
+    """
+    patches = list(patches)
+    if not patches:
+        raise ConfigError("patches must hold at least one patch (got an empty sequence)")
+    merged = patches[0].copy()
+    for patch in patches[1:]:
+        merged.add(patch)
+    return merged
+
+
+def _is_catable(obj) -> bool:
+    """Whether concatenated batches keep this structure (only tensors with a dim 0, and Nones)."""
+    if isinstance(obj, (dict, tuple, list)):
+        return all(_is_catable(value) for value in (obj.values() if isinstance(obj, dict) else obj))
+    return obj is None or (isinstance(obj, torch.Tensor) and obj.dim() >= 1)
+
+
+def _concat(batches: list):
+    """Concatenate batches leaf-wise along dim 0.
+
+    Tensors are concatenated (0-d ones stacked); tuples, lists and dicts holding tensors are concatenated
+    item by item; a list of plain values (one string or number per sample) is joined into one list; any
+    other leaf becomes the list of its per-batch values.
+    """
+    first = batches[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        return torch.stack(batches) if first.dim() == 0 else torch.cat(batches)
+    if isinstance(first, dict):
+        if any(not isinstance(batch, dict) or batch.keys() != first.keys() for batch in batches):
+            raise ValueError(f"TensorPatch batches must all be dicts with the keys {list(first)}")
+        return {key: _concat([batch[key] for batch in batches]) for key in first}
+    if isinstance(first, (tuple, list)) and all(
+        v is None or isinstance(v, (torch.Tensor, tuple, list, dict)) for v in first
+    ):
+        if any(not isinstance(batch, (tuple, list)) or len(batch) != len(first) for batch in batches):
+            raise ValueError(f"TensorPatch batches must all be sequences of {len(first)} items")
+        parts = [_concat([batch[i] for batch in batches]) for i in range(len(first))]
+        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
+    if isinstance(first, (tuple, list)):
+        return [value for batch in batches for value in batch]
+    return list(batches)
+
+
+class TensorPatch(PatchBase):
+    """Keeps every batch's predictions and targets; computes the metric once, on all of them.
+
+    Right for any metric. Memory grows with the dataset: the patch holds every loaded prediction and
+    target (detached, on their device) until dropped, and :meth:`sync` (the generic one) copies every
+    rank's data to every rank. Prefer :class:`ConfusionPatch` or :class:`MeanPatch` when the metric allows.
+
+    Loading stores references only (no copy, no sync). :meth:`forward` concatenates the batches, leaf-wise
+    along dim 0 for nested tuples, lists or dicts of tensors, and keeps the result instead of the pieces.
+
+    Args:
+        metric: A callable ``metric(all_preds, all_targets)`` returning a value or a dict of values.
+        batch_preds: One batch of predictions, a tensor or a nest of tensors.
+        batch_targets: The batch's targets (None when the metric needs none; None with ``batch_preds``
+            also None makes an empty patch).
+        name: An optional display name.
+
+    Example:
+        >>> from deepepochs.metrics import f1
+        >>> patch = TensorPatch(f1, torch.tensor([0, 1]), torch.tensor([0, 1]))
+        >>> (patch + TensorPatch(f1, torch.tensor([1]), torch.tensor([0])))()
+        tensor(0.6667)
+    """
+
+    def __init__(self, metric, batch_preds=None, batch_targets=None, name=None):
+        super().__init__(name)
+        _check_metric(metric)
+        self.metric = metric
+        self.state = TensorState()
+        if batch_preds is not None or batch_targets is not None:
+            self.load(batch_preds, batch_targets)
+
+    def load(self, batch_preds, batch_targets=None) -> TensorPatch:
+        """Replace the state with one batch's preds and targets (detached, not copied); return self."""
+        self.state = TensorState(
+            [_map_tensors(torch.Tensor.detach, batch_preds)],
+            [_map_tensors(torch.Tensor.detach, batch_targets)],
+        )
+        return self
+
+    def add(self, other: TensorPatch) -> TensorPatch:
+        """Append the batches of ``other`` after those of self; return self."""
+        self._check_same_kind(other)
+        self.state.preds.extend(other.state.preds)
+        self.state.targets.extend(other.state.targets)
+        return self
+
+    def copy(self) -> TensorPatch:
+        """A copy with its own batch lists; the tensors are shared, as nothing writes into them."""
+        new = copy.copy(self)
+        new.state = TensorState(list(self.state.preds), list(self.state.targets))
+        return new
+
+    def forward(self):
+        """Concatenate all batches and return ``metric(all_preds, all_targets)``."""
+        if not self.state.preds:
+            raise ValueError(f"{self!r} is empty: load a batch or add a loaded patch before computing it")
+        preds, targets = _concat(self.state.preds), _concat(self.state.targets)
+        if len(self.state.preds) > 1 and _is_catable(preds) and _is_catable(targets):
+            self.state = TensorState([preds], [targets])  # the next forward need not concatenate again
+        return self.metric(preds, targets)
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorPatch({_metric_name(self.metric)}, batches={len(self.state.preds)}, name={self.name!r})"
+        )
+
+
+def _scalar(value, what: str):
+    """A detached 0-d tensor (at least float32) or a float, from a per-batch value."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.detach().reshape(())
+        if not value.is_floating_point() or value.element_size() < 4:
+            # Half-precision sums lose counts quickly; integer values would truncate the mean.
+            value = value.to(torch.get_default_dtype())
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    got = (
+        f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+    )
+    raise ConfigError(f"{what} must be a number or a one-element tensor (got {got})")
+
+
+def _check_batch_size(batch_size):
+    if isinstance(batch_size, torch.Tensor) and batch_size.numel() == 1:
+        return batch_size.detach().reshape(())
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real) or not batch_size >= 0:
+        raise ConfigError(f"batch_size must be a number >= 0 or a one-element tensor (got {batch_size!r})")
+    return batch_size
+
+
+def _add_totals(a, b):
+    """Sum two totals without writing into either (copies of a state may share the same tensors)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, dict) != isinstance(b, dict) or (isinstance(a, dict) and a.keys() != b.keys()):
+        keys = [sorted(x) if isinstance(x, dict) else "a single value" for x in (a, b)]
+        raise ValueError(f"cannot merge mean patches of different metric results ({keys[0]} and {keys[1]})")
+    return {key: a[key] + b[key] for key in a} if isinstance(a, dict) else a + b
+
+
+class _MeanPatchBase(PatchBase):
+    """Shared behaviour of the patches whose state is a :class:`MeanState`."""
+
+    state: MeanState
+
+    def add(self, other):
+        """Add the sums and counts of ``other`` to those of self; return self."""
+        self._check_same_kind(other)
+        self.state = MeanState(
+            _add_totals(self.state.total, other.state.total), self.state.count + other.state.count
+        )
+        return self
+
+    def copy(self):
+        """A copy with its own state record; tensors are shared, as :meth:`add` never writes into them."""
+        new = copy.copy(self)
+        new.state = attrs.evolve(self.state)
+        return new
+
+    def forward(self):
+        """The sample-weighted mean sum / count as 0-d tensors (NaN while empty); never syncs."""
+        if self.state.total is None:
+            return torch.tensor(math.nan)
+        divide = lambda total: torch.as_tensor(total, dtype=_dtype_of(total)) / self.state.count
+        if isinstance(self.state.total, dict):
+            return {key: divide(value) for key, value in self.state.total.items()}
+        return divide(self.state.total)
+
+
+def _dtype_of(value) -> torch.dtype:
+    return value.dtype if isinstance(value, torch.Tensor) else torch.get_default_dtype()
+
+
+class MeanPatch(_MeanPatchBase):
+    """Computes a metric on each batch at once and keeps the sample-weighted mean of the results.
+
+    Exact for metrics that are means over samples (accuracy, mean absolute error): weighting each batch
+    by its sample count gives the whole-dataset value for uneven batches too. Not exact for precision,
+    recall or F1 (use :class:`TensorPatch` or :class:`ConfusionPatch`). The state is a detached sum and a
+    count: constant memory, no autograd graph kept, no host-device sync. :meth:`sync` is the generic one:
+    the state is a few numbers, and a rank left empty cannot know a dict-valued metric's keys, which a
+    fixed-shape ``all_reduce`` would need.
+
+    Args:
+        metric: A callable ``metric(preds, targets)`` returning a scalar (number or one-element tensor)
+            or a dict of scalars, each averaged on its own.
+        batch_preds: One batch of predictions. None with ``batch_targets`` also None makes an empty patch.
+        batch_targets: The batch's targets.
+        batch_size: The batch's sample count (an int, a float or a tensor); by default the length of dim 0
+            of the first tensor in the targets, else in the preds.
+        name: An optional display name.
+
+    Example:
+        >>> from deepepochs.metrics import accuracy
+        >>> p = MeanPatch(accuracy, torch.tensor([0, 1, 1]), torch.tensor([0, 1, 0]))
+        >>> (p + MeanPatch(accuracy, torch.tensor([1]), torch.tensor([1])))()
+        tensor(0.7500)
+    """
+
+    def __init__(self, metric, batch_preds=None, batch_targets=None, batch_size=None, name=None):
+        super().__init__(name)
+        _check_metric(metric)
+        self.metric = metric
+        self.state = MeanState()
+        if batch_preds is not None or batch_targets is not None:
+            self.load(batch_preds, batch_targets, batch_size)
+
+    def load(self, batch_preds, batch_targets=None, batch_size=None) -> MeanPatch:
+        """Compute the metric on one batch and replace the state with its weighted value; return self."""
+        if batch_size is None:
+            # A shape, so no sync.
+            found = _first_tensor(batch_targets, min_dim=1)
+            found = found if found is not None else _first_tensor(batch_preds, min_dim=1)
+            if found is None:
+                raise ConfigError(
+                    "batch_size cannot be inferred: neither targets nor preds hold a tensor with a batch "
+                    "dimension; pass batch_size= with the number of samples"
+                )
+            batch_size = found.shape[0]
+        count = _check_batch_size(batch_size)
+        value = self.metric(batch_preds, batch_targets)
+        what = f"the value of metric {_metric_name(self.metric)!r}"
+        if isinstance(value, dict):
+            total = {key: _scalar(item, f"{what}[{key!r}]") * count for key, item in value.items()}
+        else:
+            total = _scalar(value, what) * count
+        self.state = MeanState(total, count)
+        return self
+
+    def __repr__(self) -> str:
+        return f"MeanPatch({_metric_name(self.metric)}, name={self.name!r})"
+
+
+class ValuePatch(_MeanPatchBase):
+    """Keeps the sample-weighted mean of values computed elsewhere, such as per-batch mean losses.
+
+    Args:
+        batch_mean_value: The batch's mean, a number or a one-element tensor (detached here); None makes an
+            empty patch.
+        batch_size: The number of samples the mean was taken over (an int, a float or a tensor).
+        name: An optional display name.
+
+    Example:
+        >>> (ValuePatch(torch.tensor(1.0), 3) + ValuePatch(torch.tensor(3.0), 1))()
+        tensor(1.5000)
+    """
+
+    def __init__(self, batch_mean_value=None, batch_size=None, name=None):
+        super().__init__(name)
+        self.state = MeanState()
+        if batch_mean_value is not None:
+            self.load(batch_mean_value, batch_size)
+
+    def load(self, batch_mean_value, batch_size) -> ValuePatch:
+        """Replace the state with one batch's mean times its sample count; return self."""
+        if batch_size is None:
+            raise ConfigError("batch_size is required with batch_mean_value (got None)")
+        count = _check_batch_size(batch_size)
+        self.state = MeanState(_scalar(batch_mean_value, "batch_mean_value") * count, count)
+        return self
+
+    def sync(self) -> ValuePatch:
+        """Sum the totals and counts of all ranks with one ``all_reduce`` (see :meth:`PatchBase.sync`)."""
+        if _world_size() == 1:
+            return self
+        total, count = self.state.total, self.state.count
+        home = total.device if isinstance(total, torch.Tensor) else torch.device("cpu")
+        device = _collective_device()
+        # float64 keeps summed counts exact; this runs once per epoch, so the copies do not matter.
+        pair = [
+            torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
+            for x in (total, count)
+        ]
+        buffer = torch.stack(pair)
+        dist.all_reduce(buffer)
+        self.state = MeanState(*buffer.to(home, _dtype_of(total)).unbind())
+        return self
+
+    def __repr__(self) -> str:
+        return f"ValuePatch(name={self.name!r})"
+
+
+_DEFAULT_METRICS = _metrics.DEFAULT_CONFUSION
+
+
+def _pad_to(matrix: torch.Tensor, size: int) -> torch.Tensor:
+    extra = size - matrix.shape[0]
+    return torch.nn.functional.pad(matrix, (0, extra, 0, extra)) if extra else matrix
+
+
+class ConfusionPatch(PatchBase):
+    """Accumulates a confusion matrix; computes several classification metrics of the whole dataset from it.
+
+    Constant memory and exact dataset-level accuracy, precision, recall and F1 (scikit-learn's definitions,
+    see :mod:`deepepochs.metrics`). Matrices of different sizes (a batch lacking the highest classes) merge
+    by zero-padding the smaller one.
+
+    Args:
+        batch_preds: One batch of predictions (class indices, ``[N, C]`` scores or binary probabilities).
+            None with ``batch_targets`` also None makes an empty patch.
+        batch_targets: The batch's class indices or one-hot labels.
+        metrics: Names among 'accuracy', 'precision', 'recall', 'f1', 'confusion_matrix' (the ``[C, C]``
+            matrix itself, not a scalar), or the functions of those names from :mod:`deepepochs.metrics`
+            (result key: the function's ``__name__``).
+        average: 'macro' (default), 'binary', 'micro' or 'weighted'.
+        num_classes: The class count, or None to infer it (from class-index preds and targets this costs
+            one host sync per batch; see :func:`deepepochs.metrics.confusion_matrix`).
+        threshold: The probability at or above which a 1-D float pred predicts class 1.
+        name: An optional display name.
+
+    Example:
+        >>> p = ConfusionPatch(torch.tensor([0, 1]), torch.tensor([0, 1]), metrics=('accuracy', 'f1'))
+        >>> p = p + ConfusionPatch(torch.tensor([2]), torch.tensor([1]), metrics=('accuracy', 'f1'))
+        >>> {key: round(float(value), 4) for key, value in p().items()}
+        {'accuracy': 0.6667, 'f1': 0.5556}
+    """
+
+    def __init__(self, batch_preds=None, batch_targets=None, metrics=_DEFAULT_METRICS, average="macro",
+                 num_classes=None, threshold=0.5, name=None):  # fmt: skip
+        super().__init__(name)
+        self.metrics = _metrics._confusion_specs(metrics)
+        _metrics._check_average(average)
+        _metrics._check_num_classes(num_classes)
+        self.average, self.num_classes, self.threshold = average, num_classes, threshold
+        self.state = ConfusionState()
+        if batch_preds is not None or batch_targets is not None:
+            self.load(batch_preds, batch_targets)
+
+    def load(self, batch_preds, batch_targets) -> ConfusionPatch:
+        """Replace the state with the confusion matrix of one batch; return self."""
+        matrix = _metrics.confusion_matrix(batch_preds, batch_targets, self.num_classes, self.threshold)
+        self.state = ConfusionState(matrix)
+        return self
+
+    def add(self, other: ConfusionPatch) -> ConfusionPatch:
+        """Add the matrix of ``other`` to that of self, padding the smaller one; return self."""
+        self._check_same_kind(other)
+        mine, theirs = self.state.matrix, other.state.matrix
+        # An empty matrix lives on the CPU: follow the other operand, so sums stay where the data is.
+        device = mine.device if mine.shape[0] else theirs.device
+        size = max(mine.shape[0], theirs.shape[0])
+        self.state = ConfusionState(_pad_to(mine.to(device), size) + _pad_to(theirs.to(device), size))
+        return self
+
+    def copy(self) -> ConfusionPatch:
+        """A copy with its own state record; the matrix is shared, as :meth:`add` never writes into it."""
+        new = copy.copy(self)
+        new.state = attrs.evolve(self.state)
+        return new
+
+    def forward(self) -> dict:
+        """A dict of each requested metric, computed from the accumulated matrix."""
+        cm = self.state.matrix
+        compute = lambda kind: (
+            cm.clone() if kind == "confusion_matrix" else _metrics.from_confusion(cm, kind, self.average)
+        )
+        return {key: compute(kind) for key, kind in self.metrics}
+
+    def sync(self) -> ConfusionPatch:
+        """Sum the matrices of all ranks with ``all_reduce`` (see :meth:`PatchBase.sync`).
+
+        Ranks may hold matrices of different sizes, so the largest size is agreed first (one host read of
+        one integer), then the padded matrices are summed.
+        """
+        if _world_size() == 1:
+            return self
+        matrix, device = self.state.matrix, _collective_device()
+        size = torch.tensor([matrix.shape[0]], dtype=torch.int64, device=device)
+        dist.all_reduce(size, op=dist.ReduceOp.MAX)
+        buffer = _pad_to(matrix, int(size)).to(device)
+        dist.all_reduce(buffer)
+        self.state = ConfusionState(buffer.to(matrix.device))
+        return self
+
+    def __repr__(self) -> str:
+        keys = [key for key, _ in self.metrics]
+        return f"ConfusionPatch({keys}, average={self.average!r}, classes={self.state.matrix.shape[0]})"
+
+
+class ConfusionMetrics:
+    """Makes :class:`ConfusionPatch` objects of one configuration, for custom step methods (MET-3).
+
+    One confusion matrix per batch gives several metrics. A step returns the patch under one key; the
+    trainer flattens its dict result, so the metric names shown are the dict's keys. Arguments are those
+    of :class:`ConfusionPatch`, validated here once.
+
+    Example:
+        In a trainer subclass::
+
+            class MyTrainer(Trainer):
+                cm = ConfusionMetrics(('accuracy', 'precision', 'recall', 'f1'), average='macro')
+
+                def train_step(self, batch_x, batch_y, **step_args):
+                    preds = self.model(batch_x)
+                    self.loss(preds, batch_y)
+                    return {'cm': self.cm(preds, batch_y)}   # shown as accuracy, precision, recall, f1
+
+        >>> cm = ConfusionMetrics(('precision', 'recall'), average='micro')
+        >>> patch = cm(torch.tensor([0, 1, 1]), torch.tensor([0, 1, 0]))
+        >>> {key: round(float(value), 4) for key, value in patch().items()}
+        {'precision': 0.6667, 'recall': 0.6667}
+    """
+
+    def __init__(self, metrics=_DEFAULT_METRICS, average="macro", num_classes=None, threshold=0.5):
+        ConfusionPatch(metrics=metrics, average=average, num_classes=num_classes)  # validates, loads nothing
+        self.metrics, self.average, self.num_classes, self.threshold = (
+            metrics,
+            average,
+            num_classes,
+            threshold,
+        )
+
+    def __call__(self, preds, targets) -> ConfusionPatch:
+        """A :class:`ConfusionPatch` loaded with one batch."""
+        return ConfusionPatch(preds, targets, self.metrics, self.average, self.num_classes, self.threshold)
+
+    def __repr__(self) -> str:
+        return (
+            f"ConfusionMetrics({self.metrics!r}, average={self.average!r}, num_classes={self.num_classes!r})"
+        )

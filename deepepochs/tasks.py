@@ -1,0 +1,186 @@
+"""`EpochTask` (CUST-3) and the per-run accumulators of a task's loss and metric patches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from deepepochs.errors import ConfigError
+
+__all__ = ["STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "metric_name", "rename"]
+
+#: Step-method lookup order per stage: `step` first, then the stage's own, then `evaluate_step`.
+STEP_NAMES = {
+    "train": ("step", "train_step"),
+    "val": ("step", "val_step", "evaluate_step"),
+    "test": ("step", "test_step", "evaluate_step"),
+}
+
+
+def rename(metric: Callable, name: str) -> Callable:
+    """Give a metric function the display name `name` (returns a wrapper; the function is unchanged)."""
+
+    def renamed(*args, **kwargs):
+        return metric(*args, **kwargs)
+
+    renamed.__name__ = renamed.__qualname__ = name
+    renamed.__wrapped__ = metric
+    return renamed
+
+
+def metric_name(metric: Callable) -> str:
+    """The display name of a metric function."""
+    return getattr(metric, "__name__", None) or type(metric).__name__
+
+
+class EpochTask:
+    """One DataLoader of a stage, with its own metrics and step arguments.
+
+    Subclasses may define `step`, `train_step`, `val_step`, `test_step` or `evaluate_step`; those take
+    precedence over the trainer's methods of the same name. Inside them, trainer attributes such as
+    `self.model`, `self.loss`, `self.optimize` and `self.device` are reachable through the task.
+
+    Args:
+        dataloader: a DataLoader or any iterable of batches.
+        metrics: a metric function or a list of them, added to the stage's metrics.
+        do_loss: whether evaluation computes the loss.
+        batch_size: callable `(batch_x, batch_y) -> int` when the sample count cannot be inferred.
+        **step_args: extra keyword arguments passed to the step methods.
+
+    Example:
+        >>> trainer.fit(train_tasks=[EpochTask(train_dl, metrics=[accuracy])], val_dl=val_dl)
+    """
+
+    def __init__(self, dataloader, metrics=None, do_loss: bool = True, batch_size: Callable | None = None,
+                 **step_args):
+        if dataloader is None or not hasattr(dataloader, "__iter__"):
+            raise ConfigError(f"dataloader must be an iterable of batches (got {type(dataloader).__name__})")
+        self.dataloader = dataloader
+        self.metrics = _as_metric_list(metrics, "metrics")
+        self.do_loss = do_loss
+        self.batch_size = batch_size
+        self.step_args = step_args
+        self.trainer = None
+        self.stage: str | None = None
+        self.meters: TaskMeters | None = None
+
+    def __getattr__(self, name):
+        # Only called for attributes the task lacks: fall back to the trainer so that step methods
+        # written on a task can use self.model, self.loss, self.optimize, ...
+        trainer = self.__dict__.get("trainer")
+        if trainer is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(trainer, name)
+
+    def __len__(self):
+        return len(self.dataloader)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(stage={self.stage!r}, dataloader={type(self.dataloader).__name__})"
+
+
+def _as_metric_list(metrics, argname: str) -> list:
+    if metrics is None:
+        return []
+    items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
+    for m in items:
+        if not callable(m):
+            raise ConfigError(f"{argname} must be a callable or a list of callables (got {type(m).__name__})")
+    return items
+
+
+class TaskMeters:
+    """Loss sums and metric patches of one run of a task; the open window's part is kept apart so an
+    interrupt can drop it (ACC-3) without touching what completed windows contributed."""
+
+    __slots__ = ("loss_sum", "count", "patches", "window_losses", "window_patches", "first_batch")
+
+    def __init__(self):
+        self.loss_sum: torch.Tensor | None = None
+        self.count = 0
+        self.patches: dict = {}
+        self.window_losses: list = []
+        self.window_patches: list = []
+        self.first_batch = 0
+
+    def add_batch(self, loss: torch.Tensor | None, n: int, patches: Mapping | None) -> None:
+        """Record one batch into the open window."""
+        if loss is not None:
+            self.window_losses.append((loss, n))
+        if patches:
+            self.window_patches.append(patches)
+
+    def close_window(self) -> None:
+        """Fold the window into the task totals (one in-place add per batch, no host sync)."""
+        for loss, n in self.window_losses:
+            if self.loss_sum is None:
+                self.loss_sum = torch.zeros((), dtype=torch.float64, device=loss.device)
+            self.loss_sum.add_(loss, alpha=n)
+            self.count += n
+        for patches in self.window_patches:
+            for name, patch in patches.items():
+                have = self.patches.get(name)
+                self.patches[name] = patch if have is None else have.add(patch)
+        self.window_losses.clear()
+        self.window_patches.clear()
+
+    def discard_window(self) -> None:
+        """Forget the open window's contributions."""
+        self.window_losses.clear()
+        self.window_patches.clear()
+
+
+class BatchMetrics(Mapping):
+    """A batch's metrics, computed (and synced to the host) only when a key is read."""
+
+    def __init__(self, loss: torch.Tensor | None, patches: Mapping | None):
+        self._loss = loss
+        self._patches = patches or {}
+        self._values: dict | None = None
+
+    def _compute(self) -> dict:
+        if self._values is None:
+            values = {} if self._loss is None else {"loss": float(self._loss)}
+            for name, patch in self._patches.items():
+                values.update(flatten_value(name, patch.forward()))
+            self._values = values
+        return self._values
+
+    def __getitem__(self, key):
+        return self._compute()[key]
+
+    def __iter__(self):
+        return iter(self._compute())
+
+    def __len__(self):
+        return len(self._compute())
+
+
+def flatten_value(name: str, value) -> dict[str, float]:
+    """Turn a metric result into `{name: float}`; a dict result contributes its own keys."""
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            out.update(flatten_value(str(k), v))
+        return out
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(
+                f"metric {name!r} must return a scalar or a dict of scalars (got a tensor of shape"
+                f" {tuple(value.shape)}); reduce it to one number"
+            )
+        return {name: float(value)}
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {name: float(value)}
+    try:
+        import numpy as np
+
+        if isinstance(value, np.generic) and value.size == 1:
+            return {name: float(value)}
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    raise ConfigError(
+        f"metric {name!r} must return a number, a one-element tensor or a dict of them (got"
+        f" {type(value).__name__}: {value!r:.60})"
+    )

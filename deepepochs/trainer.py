@@ -1,0 +1,301 @@
+"""`Trainer`: wires the policies together and drives the loop machine through fit and test.
+
+The loop's decisions (accumulate or update, step or skip, sync or not, validate or not, continue or stop,
+save or not) are guarded edges of the machine in `deepepochs.fsm`; this module iterates data, calls the
+user's step methods and fires triggers. Read `spec/loop.py` for the order of everything below.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+
+import torch
+
+from deepepochs.callbacks.base import HookTable
+from deepepochs.config import TrainerConfig, check_choice
+from deepepochs.console import Console
+from deepepochs.data import batch_size_of, call_model, split_batch, to_device
+from deepepochs.distributed import select_policy
+from deepepochs.errors import ConfigError
+from deepepochs.fsm.render import render
+from deepepochs.loop import LoopState, StopRequest, bind_machine
+from deepepochs.optim import Optimizers
+from deepepochs.patches import ConfusionPatch, MeanPatch, PatchBase, TensorPatch, ValuePatch
+from deepepochs.precision import Precision
+from deepepochs.runner import Runner
+from deepepochs.tasks import STEP_NAMES, EpochTask, metric_name
+
+__all__ = ["Trainer", "TrainerBase"]
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device must be a torch.device or a string like 'cpu', 'cuda', 'cuda:1', 'mps'"
+                          f" (got {device!r})") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but CUDA is not available; use device='cpu' or None")
+    return dev
+
+
+class TrainerBase:
+    """Trains a model with a loss function and optimizer(s) on DataLoaders.
+
+    Subclass it to customise how a batch is computed: define `step`, `train_step`, `val_step`,
+    `test_step` or `evaluate_step` taking `(batch_x, batch_y, **step_args)` and returning None or
+    `{name: Patch}`. The lookup order is `step`, then the stage's own method, then `evaluate_step`
+    (val/test); for each name an `EpochTask`'s method wins over the trainer's.
+
+    Args:
+        model: the `torch.nn.Module`.
+        loss: `loss(model_out, batch_y)`, or None when the model returns its own loss (a scalar or a dict
+            with 'loss').
+        opt: None (Adam, lr=1e-3), a torch optimizer, a `deepepochs.Optimizer`, or a list of them.
+        epochs: total epoch target; repeated or resumed fits continue up to it.
+        device: None (CUDA if available, else CPU), a string or a `torch.device`.
+        callbacks: a list of `Callback`.
+        metrics: metric functions `(preds, targets) -> scalar | dict` for every stage.
+        metric_patch: 'tensor' (keep all predictions), 'mean' (sample-weighted batch means) or
+            'confusion' (a confusion matrix; classification metrics only).
+        precision: 'fp32', 'fp16' or 'bf16'.
+        gradient_accumulation_steps: DataLoader batches per update.
+        nonfinite: fp32 only: 'raise' on an inf/NaN loss, or 'skip' that update.
+        split_batches: under DDP, divide each DataLoader's batch size by the world size.
+        resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
+        log_long, log_batch, log_tqdm, show_info: console output.
+        compile_model: wrap the model in `torch.compile`.
+
+    Example:
+        >>> trainer = Trainer(nn.Linear(16, 2), F.cross_entropy, epochs=5)
+        >>> records = trainer.fit(train_dl, val_dl)
+        >>> trainer.test(test_dl)
+        >>> trainer.close()
+    """
+
+    def __init__(self, model, loss=None, opt=None, epochs=1000, device=None, callbacks=None, metrics=None,
+                 metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
+                 log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
+                 gradient_accumulation_steps=1, nonfinite="raise", split_batches=False):
+        self.config = TrainerConfig(
+            epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
+            metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
+            log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model)
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__})")
+        if loss is not None and not callable(loss):
+            raise ConfigError(f"loss must be a callable loss(model_out, batch_y) or None (got {type(loss).__name__})")
+        if not (resume is False or resume is True or isinstance(resume, str)):
+            raise ConfigError(f"resume must be False, True or a running id string (got {resume!r})")
+        self.device = _resolve_device(device)
+        self._dist = select_policy(self.device)
+        self.device = self._dist.device
+        self.loss_fn = loss
+        self.metrics = Runner.metric_list(metrics, "metrics")
+        self.resume = resume
+        self.running_id = running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        self.hyper_params = dict(hyper_params or {})
+        self._precision = Precision(self.config.precision, self.device)
+        model = model.to(self.device)
+        self.raw_model = model
+        self._opts = Optimizers(opt, model)
+        compiled = torch.compile(model) if compile_model else model
+        self._train_model = self._dist.wrap_model(compiled)
+        self._eval_model = compiled  # unwrapped: evaluation issues no DDP collectives (DDP-7)
+        self.model = self._train_model
+        self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=self._dist.is_main)
+        self._hooks = HookTable()
+        self._clippers = []
+        self.loop = LoopState()
+        self.machine = bind_machine(self)
+        self._runner = Runner(self)
+        self.history = {"train": {}, "val": {}}
+        self._closed = False
+        self._started = False
+        self.add_callbacks(callbacks or [])
+
+    # ---- public API ----
+    @property
+    def opt(self):
+        """The optimizers (a sequence of `deepepochs.Optimizer`, in `optimize_index` order)."""
+        return self._opts
+
+    @property
+    def callbacks(self) -> list:
+        """Attached callbacks, in registration order."""
+        return list(self._hooks.callbacks)
+
+    @property
+    def scaler(self):
+        """The fp16 `GradScaler`, or None."""
+        return self._precision.scaler
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on rank 0 (and in a single process)."""
+        return self._dist.is_main
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes training together."""
+        return self._dist.world_size
+
+    def add_callbacks(self, callbacks) -> None:
+        """Attach callbacks; their hook signatures are checked now. Callbacks with a `clip` method are
+        also registered as gradient clippers (the spec's clip_gradients action)."""
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        self._hooks.extend(callbacks)
+        for cb in callbacks:
+            if callable(getattr(cb, "clip", None)):
+                self._clippers.append(cb.clip)
+            attach = getattr(cb, "on_attach", None)
+            if callable(attach):
+                attach(self)
+
+    def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
+            train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None):
+        """Train toward the epoch target; returns `{'train': {name: [per epoch]}, 'val': {...}}` for the
+        epochs this call ran. An exception rolls the open window back and is re-raised with the flight
+        record; calling `fit` again continues where the run stopped."""
+        self._check_open()
+        if epochs is not None:
+            self.config = TrainerConfig(**{**_fields(self.config), "epochs": epochs})
+        if isinstance(val_freq, bool) or not isinstance(val_freq, int) or val_freq < 1:
+            raise ConfigError(f"val_freq must be a positive int (got {val_freq!r})")
+        if train_dl is not None and train_tasks:
+            raise ConfigError("pass either train_dl or train_tasks to fit(), not both")
+        common = Runner.metric_list(metrics, "metrics")
+        train = self._runner.make_tasks("train", train_dl, train_tasks, [*common,
+                                        *Runner.metric_list(train_metrics, "train_metrics")], True, batch_size)
+        if not train:
+            raise ConfigError("fit() needs training data: pass train_dl or train_tasks")
+        val = self._runner.make_tasks("val", val_dl, val_tasks, [*common,
+                                      *Runner.metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
+        return self._runner.guarded(lambda: self._runner.run_fit(train, val, val_freq))
+
+    def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
+        """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP)."""
+        self._check_open()
+        tasks = self._runner.make_tasks("test", test_dl, tasks, Runner.metric_list(metrics, "metrics"),
+                                        do_loss, batch_size)
+        if not tasks:
+            raise ConfigError("test() needs data: pass test_dl or tasks")
+        return self._runner.guarded(lambda: self._runner.run_test(tasks))
+
+    def loss(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True):
+        """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
+
+        `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
+        splits its batch by hand; the update then happens once per window via `self.optimize()`.
+        """
+        return self._runner.loss(model_out, batch_y, loss_adjust, do_optimize)
+
+    def optimize(self, optimize_index=None) -> None:
+        """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's
+        last micro-batch; earlier calls let gradients accumulate."""
+        self._runner.optimize(optimize_index)
+
+    def no_sync(self):
+        """Context in which backward does not all-reduce gradients (DDP); a no-op in one process."""
+        return self._runner.no_sync()
+
+    def main_process_first(self):
+        """Context: rank 0 runs the block first (e.g. downloading data), then the other ranks."""
+        return self._dist.main_process_first()
+
+    def request_stop(self, reason: str, source: str = "") -> None:
+        """Ask the fit to stop after the current epoch (the `stop_requested` guard)."""
+        self.loop.stop = StopRequest(reason, source)
+
+    def request_save(self, save) -> None:
+        """Ask for `save()` to run at this epoch's end (the `save_checkpoints` action)."""
+        self.loop.save_requests.append(save)
+
+    def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False):
+        """The loop's state graph as Mermaid/DOT text or PNG/SVG bytes (these need Graphviz `dot`).
+
+        On a live trainer the current state is highlighted; after a crash, the state that failed. The
+        last transitions are highlighted too. With `path`, the result is also written there.
+        """
+        current = self.loop.last_error_state or self.machine.state
+        recent = [(r.source, r.trigger, r.dest) for r in list(self.machine.history)[-6:]]
+        out = render(fmt, current=current, recent=recent, show_interrupts=show_interrupts)
+        if path is not None:
+            mode = "wb" if isinstance(out, bytes) else "w"
+            with open(path, mode) as f:
+                f.write(out)
+        return out
+
+    def close(self) -> None:
+        """Flush logs, remove hooks and release what the trainer created (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for cb in self._hooks.callbacks:
+            closer = getattr(cb, "on_close", None)
+            if callable(closer):
+                try:
+                    closer(self)
+                except Exception as e:  # close every callback even if one fails
+                    errors.append(e)
+        self._console.close()
+        self._dist.close()
+        if errors:
+            raise errors[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this Trainer was closed; create a new one")
+
+    # ---- step methods (override in a subclass or an EpochTask) ----
+    def train_step(self, batch_x, batch_y, **step_args):
+        """Default training step: forward, loss (backward and update), metric patches."""
+        return self._runner.default_step(batch_x, batch_y, "train")
+
+    def evaluate_step(self, batch_x, batch_y, **step_args):
+        """Default validation/test step: forward, loss, metric patches (no gradients)."""
+        return self._runner.default_step(batch_x, batch_y, self.loop.stage)
+
+    # ---- helpers used by the runner and by checkpoints ----
+    def _step_epoch_schedulers(self) -> None:
+        train = self._runner.last_metrics.get("train", {})
+        val = self._runner.last_metrics.get("val", {})
+        self._opts.step_epoch(train.get("loss"), val.get("loss"))
+
+    def _check_window_loss_finite(self) -> bool:
+        return self._runner.window_loss_finite()
+
+    def batch_patches(self, model_out, batch_y, metrics=None) -> dict:
+        """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""
+        task = self._runner.task
+        metrics = task.all_metrics if metrics is None else metrics
+        if not metrics:
+            return {}
+        kind = self.config.metric_patch
+        if kind == "confusion":
+            return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics)}
+        if kind == "mean":
+            return {metric_name(m): MeanPatch(m, model_out, batch_y) for m in metrics}
+        return {metric_name(m): TensorPatch(m, model_out, batch_y) for m in metrics}
+
+
+class Trainer(TrainerBase):
+    """The ready-to-use trainer; see `TrainerBase` for arguments and customisation."""
+
+
+def _fields(record) -> dict:
+    import attrs
+
+    return attrs.asdict(record)
+

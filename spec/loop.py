@@ -1,0 +1,221 @@
+"""The training loop of deepepochs, as data. This file is the single source of truth for the loop order.
+
+Run `make gen` after editing it: the generator renders `deepepochs/fsm/tables.py` and
+`deepepochs/fsm/events.py`; `make check-gen` (CI) fails when they are stale.
+
+Reading guide: a micro-batch of training goes
+`window_open --begin_batch--> step_forward --backward--> step_backward --optimize-->` either back to
+`step_backward` (the window is not complete: gradients accumulate) or through the optimize layer
+(`optimize_unscaled --clip--> optimize_clipped --apply_update (step|skip per optimizer)--> ...
+--finish_update--> step_optimized`), then `--end_batch-->` the next micro-batch or the closed window.
+"""
+
+from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
+
+S = State
+STATES = [
+    S("idle", "fit", "No fit or test is running; fit() and test() may be called.", idle=True, running=False),
+    S("fit_running", "fit", "Inside fit(), between epochs."),
+    S("fit_done", "fit", "fit() reached its epoch target or an early stop; after-fit hooks run."),
+    S("epoch_running", "epoch", "An epoch has begun; its training stage is next."),
+    S("epoch_trained", "epoch", "The epoch's training stage is done; validation runs next if it is due."),
+    S("epoch_end", "epoch", "The epoch's stages are done; after-epoch hooks request checkpoints or a stop."),
+    S("stage_train", "stage", "The training stage, between its tasks."),
+    S("stage_val", "stage", "The validation stage, between its tasks."),
+    S("stage_test", "stage", "The test stage (test()), between its tasks."),
+    S("task_train", "task", "A training task iterates its DataLoader, between accumulation windows."),
+    S("task_val", "task", "A validation task iterates its DataLoader, between batches."),
+    S("task_test", "task", "A test task iterates its DataLoader, between batches."),
+    S("window_open", "window", "Inside an accumulation window, between its micro-batches."),
+    S("step_forward", "step", "A training micro-batch's step method runs the forward pass and the loss."),
+    S("step_backward", "step", "The step has backpropagated a loss into the accumulated gradients."),
+    S("step_optimized", "step", "The step has applied the window's update; gradients are zeroed."),
+    S("val_batch", "step", "One validation batch is evaluated without gradients."),
+    S("test_batch", "step", "One test batch is evaluated without gradients."),
+    S("optimize_unscaled", "optimize", "Gradients are unscaled (fp16) and normalised by the window's samples."),
+    S("optimize_clipped", "optimize", "Gradients are clipped; each optimizer now steps or skips."),
+    S("rollback", "rollback", "An exception interrupted the loop; the open window is being discarded.",
+      running=False),
+]
+
+T = Trigger
+TRIGGERS = [
+    T("fit", "fit() was called."),
+    T("test", "test() was called."),
+    T("next_epoch", "The fit decides whether another epoch runs."),
+    T("finish", "fit() returns to idle after its after-fit hooks."),
+    T("begin_train", "The epoch starts its training stage."),
+    T("validate", "The epoch's training stage ended; validation runs if it is due."),
+    T("end_epoch", "After-epoch hooks ran; epoch-wise schedulers step and requested checkpoints are saved."),
+    T("begin_task", "A stage starts one of its tasks (EpochTask)."),
+    T("end_task", "A task's DataLoader is exhausted; its metrics are final."),
+    T("end_stage", "All tasks of a stage are done."),
+    T("begin_window", "A training task opens an accumulation window.", hot=True),
+    T("begin_batch", "A batch (micro-batch in training) was read and moved to the device.", hot=True),
+    T("backward", "The step backpropagates a loss.", hot=True),
+    T("optimize", "The step asks for an update (self.optimize or self.loss with do_optimize).", hot=True),
+    T("clip", "The unscaled gradients are clipped by the registered clippers.", hot=True),
+    T("apply_update", "One optimizer steps, or skips when its gradients are not finite.", hot=True),
+    T("finish_update", "The update is done: the scaler updates and gradients are zeroed.", hot=True),
+    T("end_batch", "The batch's step returned its metrics.", hot=True),
+    T("interrupt", "An exception or KeyboardInterrupt escaped the running loop."),
+    T("recover", "Rollback is done; the trainer is ready for fit() or test() again."),
+]
+
+G = Guard
+GUARDS = [
+    G("epochs_remaining", "Completed epochs are fewer than the epoch target."),
+    G("stop_requested", "A callback requested a stop (early stopping) during this fit."),
+    G("val_due", "Validation tasks exist and this epoch is a multiple of val_freq."),
+    G("window_boundary", "This micro-batch closes its window (the k-th batch, or the task's last batch)."),
+    G("grads_finite", "The current optimizer's gradients are finite (the scaler found no inf/NaN)."),
+    G("has_save_requests", "Callbacks requested checkpoint saves during this epoch's end."),
+]
+
+A = Action
+ACTIONS = [
+    A("start_epoch", "Advance the 1-based epoch counter and set distributed samplers' epoch."),
+    A("report_early_stop", "Record and print why the fit stopped before its epoch target."),
+    A("open_window", "Reset the window's sample count, loss sums and metric patches."),
+    A("sync_gradients", "DDP: synchronise gradients in this backward (the window's updating micro-batch)."),
+    A("skip_gradient_sync", "DDP: no_sync for this backward; gradients accumulate locally."),
+    A("unscale_gradients", "Unscale fp16 gradients, normalise by the window's samples, check finiteness."),
+    A("clip_gradients", "Run the gradient clippers (GradClipCallback) on the unscaled gradients."),
+    A("step_optimizer", "Step the optimizer, then its step-wise scheduler."),
+    A("skip_optimizer", "Leave the optimizer and its step-wise scheduler untouched; run skip hooks."),
+    A("update_scaler", "Let the GradScaler adjust its scale from this update's inf checks."),
+    A("zero_grad", "Zero the updated optimizers' gradients (set_to_none)."),
+    A("close_window", "Fold the window's loss sums and metric patches into the task's."),
+    A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured)."),
+    A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end."),
+    A("discard_window", "Drop the open window's gradients, loss sums, patches and scaler step state."),
+    A("reset_loop", "Clear per-run loop state so that the next fit starts a fresh window."),
+]
+
+RUNNING = [s.name for s in STATES if s.running]
+E = Transition
+TRANSITIONS = [
+    E("fit", "idle", "fit_running", "A fit starts or resumes toward the epoch target."),
+    E("test", "idle", "stage_test", "A test run starts."),
+    E("next_epoch", "fit_running", "epoch_running", "Another epoch runs.",
+      conditions=["epochs_remaining"], unless=["stop_requested"], actions=["start_epoch"]),
+    E("next_epoch", "fit_running", "fit_done", "A callback stopped the fit early.",
+      conditions=["stop_requested"], actions=["report_early_stop"]),
+    E("next_epoch", "fit_running", "fit_done", "The epoch target is reached.",
+      unless=["epochs_remaining", "stop_requested"]),
+    E("finish", "fit_done", "idle", "fit() returns its records."),
+    E("begin_train", "epoch_running", "stage_train", "The training stage starts."),
+    E("begin_task", "stage_train", "task_train", "A training task starts."),
+    E("begin_window", "task_train", "window_open", "A window opens.", actions=["open_window"]),
+    E("begin_batch", "window_open", "step_forward", "The window's last micro-batch: gradients sync.",
+      conditions=["window_boundary"], actions=["sync_gradients"]),
+    E("begin_batch", "window_open", "step_forward", "An inner micro-batch: no gradient sync.",
+      unless=["window_boundary"], actions=["skip_gradient_sync"]),
+    E("backward", "step_forward", "step_backward", "The first loss of the step is backpropagated."),
+    E("backward", "step_backward", "step_backward", "Another loss of the same step is backpropagated."),
+    E("backward", "step_optimized", "step_backward", "A loss after this step's update (e.g. a GAN)."),
+    E("optimize", "step_backward", "optimize_unscaled", "The window is complete: update.",
+      conditions=["window_boundary"], actions=["unscale_gradients"]),
+    E("optimize", "step_backward", "step_backward", "The window is not complete: keep accumulating.",
+      unless=["window_boundary"]),
+    E("clip", "optimize_unscaled", "optimize_clipped", "Gradients are clipped.", actions=["clip_gradients"]),
+    E("apply_update", "optimize_clipped", "optimize_clipped", "Finite gradients: the optimizer steps.",
+      conditions=["grads_finite"], actions=["step_optimizer"]),
+    E("apply_update", "optimize_clipped", "optimize_clipped", "inf/NaN gradients: the step is skipped.",
+      unless=["grads_finite"], actions=["skip_optimizer"]),
+    E("finish_update", "optimize_clipped", "step_optimized", "The update is complete.",
+      actions=["update_scaler", "zero_grad"]),
+    E("end_batch", "step_optimized", "task_train", "The updating micro-batch closes the window.",
+      actions=["close_window"]),
+    E("end_batch", "step_backward", "window_open", "An inner micro-batch ends; the window stays open.",
+      unless=["window_boundary"]),
+    E("end_batch", "step_backward", None, "The window's last micro-batch ended without an update.",
+      conditions=["window_boundary"],
+      error="the window's last micro-batch ended with gradients that were never applied; a custom step"
+            " that calls self.loss(..., do_optimize=False) must call self.optimize()"),
+    E("end_batch", "step_forward", "window_open", "A micro-batch without backward ends inside the window.",
+      unless=["window_boundary"]),
+    E("end_batch", "step_forward", "task_train", "A micro-batch without backward closes the window.",
+      conditions=["window_boundary"], actions=["close_window"]),
+    E("end_task", "task_train", "stage_train", "The training task is done."),
+    E("end_stage", "stage_train", "epoch_trained", "The training stage is done."),
+    E("validate", "epoch_trained", "stage_val", "Validation is due.", conditions=["val_due"]),
+    E("validate", "epoch_trained", "epoch_end", "No validation this epoch.", unless=["val_due"]),
+    E("begin_task", "stage_val", "task_val", "A validation task starts."),
+    E("begin_batch", "task_val", "val_batch", "A validation batch is evaluated."),
+    E("end_batch", "val_batch", "task_val", "The validation batch is done."),
+    E("end_task", "task_val", "stage_val", "The validation task is done."),
+    E("end_stage", "stage_val", "epoch_end", "The validation stage is done."),
+    E("end_epoch", "epoch_end", "fit_running", "The epoch is complete; checkpoints are written.",
+      conditions=["has_save_requests"], actions=["step_epoch_schedulers", "save_checkpoints"]),
+    E("end_epoch", "epoch_end", "fit_running", "The epoch is complete.",
+      unless=["has_save_requests"], actions=["step_epoch_schedulers"]),
+    E("begin_task", "stage_test", "task_test", "A test task starts."),
+    E("begin_batch", "task_test", "test_batch", "A test batch is evaluated."),
+    E("end_batch", "test_batch", "task_test", "The test batch is done."),
+    E("end_task", "task_test", "stage_test", "The test task is done."),
+    E("end_stage", "stage_test", "idle", "test() returns its metrics."),
+    *(E("interrupt", name, "rollback", "An exception escaped; roll back.", actions=["discard_window"])
+      for name in RUNNING),
+    E("recover", "rollback", "idle", "The trainer is ready again.", actions=["reset_loop"]),
+]
+
+STEP = ("step_forward", "step_backward", "step_optimized")
+H = Hook
+HOOKS = [
+    H("on_before_fit", ["epochs"], ["fit_running"], "fit() starts; `epochs` is the epoch target."),
+    H("on_before_epoch", ["train_tasks", "val_tasks", "epoch_idx"], ["epoch_running"],
+      "An epoch starts (1-based `epoch_idx`)."),
+    H("on_before_train_epochs", ["tasks", "epoch_idx"], ["stage_train"], "The training stage starts."),
+    H("on_before_train_epoch", ["task"], ["task_train"], "A training task starts."),
+    H("on_before_train_batch", ["batch_x", "batch_y", "batch_idx"], ["step_forward"],
+      "A training batch is on the device; `batch_idx` is 1-based within the task."),
+    H("on_before_train_forward", [], ["step_forward"], "The model's forward pass is about to run."),
+    H("on_after_train_forward", ["model_out"], ["step_forward"], "The forward pass returned `model_out`."),
+    H("on_before_backward", ["loss"], ["step_backward"], "`loss` is about to be backpropagated."),
+    H("on_after_backward", ["loss"], ["step_backward"], "`loss` was backpropagated."),
+    H("on_before_optimize", ["optimize_index"], ["optimize_unscaled"],
+      "Gradients are unscaled and normalised; optimizers `optimize_index` are about to step."),
+    H("on_skip_optimize", ["optimize_index"], ["optimize_clipped"],
+      "Optimizer `optimize_index` skipped its step (inf/NaN gradients)."),
+    H("on_after_optimize", ["optimize_index"], ["step_optimized"], "The update was applied."),
+    H("on_train_metrics", ["loss", "model_out", "batch_y", "task"], list(STEP),
+      "Training metrics of a batch are about to be computed."),
+    H("on_after_train_batch", ["metrics", "batch_idx"], ["window_open", "task_train"],
+      "A training batch finished with its batch `metrics`."),
+    H("on_after_train_epoch", ["task", "metrics"], ["task_train"], "A training task finished."),
+    H("on_after_train_epochs", ["tasks", "metrics", "epoch_idx"], ["stage_train"],
+      "The training stage finished with its `metrics`."),
+    H("on_before_val_epochs", ["tasks", "epoch_idx"], ["stage_val"], "The validation stage starts."),
+    H("on_before_val_epoch", ["task"], ["task_val"], "A validation task starts."),
+    H("on_before_val_batch", ["batch_x", "batch_y", "batch_idx"], ["val_batch"],
+      "A validation batch is on the device."),
+    H("on_before_val_forward", [], ["val_batch"], "The validation forward pass is about to run."),
+    H("on_after_val_forward", ["model_out"], ["val_batch"], "The validation forward pass returned."),
+    H("on_val_metrics", ["loss", "model_out", "batch_y", "task"], ["val_batch"],
+      "Validation metrics of a batch are about to be computed."),
+    H("on_after_val_batch", ["metrics", "batch_idx"], ["task_val"], "A validation batch finished."),
+    H("on_after_val_epoch", ["task", "metrics"], ["task_val"], "A validation task finished."),
+    H("on_after_val_epochs", ["tasks", "metrics", "epoch_idx"], ["stage_val"],
+      "The validation stage finished with its `metrics`."),
+    H("on_after_epoch", ["train_tasks", "val_tasks", "train_metrics", "val_metrics", "epoch_idx"],
+      ["epoch_end"], "An epoch finished; callbacks may request checkpoints or a stop here."),
+    H("on_after_fit", [], ["fit_done"], "fit() finished (target reached or stopped early)."),
+    H("on_before_test_epochs", ["tasks"], ["stage_test"], "The test stage starts."),
+    H("on_before_test_epoch", ["task"], ["task_test"], "A test task starts."),
+    H("on_before_test_batch", ["batch_x", "batch_y", "batch_idx"], ["test_batch"],
+      "A test batch is on the device."),
+    H("on_before_test_forward", [], ["test_batch"], "The test forward pass is about to run."),
+    H("on_after_test_forward", ["model_out"], ["test_batch"], "The test forward pass returned."),
+    H("on_test_metrics", ["loss", "model_out", "batch_y", "task"], ["test_batch"],
+      "Test metrics of a batch are about to be computed."),
+    H("on_after_test_batch", ["metrics", "batch_idx"], ["task_test"], "A test batch finished."),
+    H("on_after_test_epoch", ["task", "metrics"], ["task_test"], "A test task finished."),
+    H("on_after_test_epochs", ["tasks", "metrics"], ["stage_test"], "The test stage finished."),
+    H("on_rollback", ["exception", "state"], ["rollback"],
+      "An exception interrupted the loop in `state`; the open window was discarded."),
+    H("on_interrupted", ["exception"], ["idle"],
+      "fit() or test() was interrupted and rolled back; `exception` is re-raised after this hook."),
+]
+
+SPEC = Spec(STATES, TRIGGERS, GUARDS, ACTIONS, TRANSITIONS, HOOKS).validate()
