@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from deepepochs.callbacks.base import HookTable
+from deepepochs.checkpoint import load_into
 from deepepochs.config import TrainerConfig, check_choice
 from deepepochs.console import Console
 from deepepochs.data import batch_size_of, call_model, split_batch, to_device
@@ -96,6 +97,7 @@ class TrainerBase:
         self.loss_fn = loss
         self.metrics = Runner.metric_list(metrics, "metrics")
         self.resume = resume
+        self._resume_pending = resume is not False  # honoured once, at the first fit or test
         self.running_id = running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         self.hyper_params = dict(hyper_params or {})
         self._precision = Precision(self.config.precision, self.device)
@@ -167,7 +169,7 @@ class TrainerBase:
             raise ConfigError(f"val_freq must be a positive int (got {val_freq!r})")
         if train_dl is not None and train_tasks:
             raise ConfigError("pass either train_dl or train_tasks to fit(), not both")
-        common = Runner.metric_list(metrics, "metrics")
+        common = [*self.metrics, *Runner.metric_list(metrics, "metrics")]
         train = self._runner.make_tasks("train", train_dl, train_tasks, [*common,
                                         *Runner.metric_list(train_metrics, "train_metrics")], True, batch_size)
         if not train:
@@ -179,8 +181,8 @@ class TrainerBase:
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP)."""
         self._check_open()
-        tasks = self._runner.make_tasks("test", test_dl, tasks, Runner.metric_list(metrics, "metrics"),
-                                        do_loss, batch_size)
+        tasks = self._runner.make_tasks("test", test_dl, tasks,
+                                        [*self.metrics, *Runner.metric_list(metrics, "metrics")], do_loss, batch_size)
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
         return self._runner.guarded(lambda: self._runner.run_test(tasks))
@@ -213,6 +215,19 @@ class TrainerBase:
     def request_save(self, save) -> None:
         """Ask for `save()` to run at this epoch's end (the `save_checkpoints` action)."""
         self.loop.save_requests.append(save)
+
+    def load_checkpoint(self, path):
+        """Load one checkpoint file: model, optimizers, schedulers, GradScaler, completed epoch and the
+        monitors' state; the next `fit` continues with the following epoch. Every rank loads (DDP).
+
+        Overrides a pending `resume=...`; the running id stays as it is. Returns the file's contents as a
+        `deepepochs.checkpoint.Checkpoint`. Raises `CheckpointError` naming the path when the file is
+        missing, unreadable or does not fit this trainer.
+        """
+        self._check_open()
+        ckpt = load_into(self, path)
+        self._resume_pending = False
+        return ckpt
 
     def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False):
         """The loop's state graph as Mermaid/DOT text or PNG/SVG bytes (these need Graphviz `dot`).

@@ -1,0 +1,206 @@
+"""FSM-5: real runs follow the spec. Each recorded transition is a table edge, and the whole recorded path
+equals the trace the spec yields for the scenario (an independent walk over the spec's edges driven by the
+loop grammar documented in spec/loop.py)."""
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from deepepochs import Callback, EpochTask, Trainer, TrainerBase
+from deepepochs.fsm.machine import load_spec
+
+SPEC = load_spec()
+EDGES = {(t.source, t.trigger, t.dest) for t in SPEC.transitions}
+
+
+class SpecWalker:
+    """Walks the spec's edges, choosing each edge by the guard outcomes the scenario implies."""
+
+    def __init__(self):
+        self.state = SPEC.initial
+        self.trace = []
+
+    def fire(self, trigger, **guards):
+        edges = SPEC.edges(self.state, trigger)
+        outcome = collections.defaultdict(bool, guards)
+        edge = next(t for t in edges if t.matches(outcome))
+        self.trace.append((self.state, trigger, edge.dest))
+        self.state = edge.dest
+
+
+def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None,),), val_freq=1, start=0):
+    """The spec trace of `fit`: `train_batches`/`val_batches` are lists of batch counts per task;
+    `updates` is, per step, the list of optimize calls (each a backward then an optimize)."""
+    w = walker
+    w.fire("fit")
+    for epoch in range(start + 1, epochs + 1):
+        w.fire("next_epoch", epochs_remaining=True)
+        w.fire("begin_train")
+        for n in train_batches:
+            w.fire("begin_task")
+            for b in range(n):
+                pos = b % k
+                boundary = pos == k - 1 or b == n - 1
+                if pos == 0:
+                    w.fire("begin_window")
+                w.fire("begin_batch", window_boundary=boundary)
+                for _call in updates:
+                    w.fire("backward")
+                    w.fire("optimize", window_boundary=boundary)
+                    if boundary:
+                        w.fire("clip")
+                        for _opt in _call:
+                            w.fire("apply_update", grads_finite=True)
+                        w.fire("finish_update")
+                w.fire("end_batch", window_boundary=boundary)
+            w.fire("end_task")
+        w.fire("end_stage")
+        due = bool(val_batches) and epoch % val_freq == 0
+        w.fire("validate", val_due=due)
+        if due:
+            for n in val_batches:
+                w.fire("begin_task")
+                for _ in range(n):
+                    w.fire("begin_batch")
+                    w.fire("end_batch")
+                w.fire("end_task")
+            w.fire("end_stage")
+        w.fire("end_epoch")
+    w.fire("next_epoch", epochs_remaining=False)
+    w.fire("finish")
+    return w.trace
+
+
+def expected_test(walker, test_batches):
+    w = walker
+    w.fire("test")
+    for n in test_batches:
+        w.fire("begin_task")
+        for _ in range(n):
+            w.fire("begin_batch")
+            w.fire("end_batch")
+        w.fire("end_task")
+    w.fire("end_stage")
+    return w.trace
+
+
+def _data(n, batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+
+
+def _recorded(trainer):
+    return [(r.source, r.trigger, r.dest) for r in trainer.machine.history]
+
+
+def _trainer(**kw):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 2)
+    t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
+                log_batch=False, show_info=False, **kw)
+    t.machine.history = collections.deque()  # keep the whole path
+    t._console.enabled = False
+    return t
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_fit_and_test_follow_the_spec_trace(precision, k):
+    """Single process, AMP on/off, accumulation 1/k with a tail window, validation every second epoch."""
+    train, val = _data(40, 8), _data(20, 8)  # 5 train batches (tail window for k=3), 3 val batches
+    t = _trainer(precision=precision, gradient_accumulation_steps=k, epochs=3)
+    t.fit(train, val, val_freq=2)
+    t.test(val)
+    walker = SpecWalker()
+    expected_fit(walker, 3, [5], [3], k=k, val_freq=2)
+    expected_test(walker, [3])
+    recorded = _recorded(t)
+    assert set(recorded) <= EDGES
+    assert recorded == walker.trace
+
+
+class TwoOptimizerTrainer(TrainerBase):
+    """A custom step with two losses and two optimizers, each optimizing its own half."""
+
+    def train_step(self, batch_x, batch_y, **step_args):
+        out = self.model(batch_x)
+        self.loss(out, batch_y, do_optimize=False)
+        self.optimize(optimize_index=0)
+        out = self.model(batch_x)
+        self.loss(out, batch_y, do_optimize=False)
+        self.optimize(optimize_index=1)
+
+
+def test_two_optimizers_and_several_tasks_follow_the_spec_trace():
+    """Multi-optimizer custom steps and two training tasks produce the spec's trace."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1)]
+    t = TwoOptimizerTrainer(model, F.cross_entropy, opts, device="cpu", epochs=2, log_batch=False,
+                            show_info=False, gradient_accumulation_steps=2)
+    t._console.enabled = False
+    t.machine.history = collections.deque()
+    t.fit(train_tasks=[EpochTask(_data(24, 8)), EpochTask(_data(16, 8, seed=1))])
+    walker = SpecWalker()
+    expected_fit(walker, 2, [3, 2], [], k=2, updates=((0,), (1,)))
+    assert _recorded(t) == walker.trace
+
+
+class FailAt(Callback):
+    def __init__(self, batch):
+        self.batch = batch
+
+    def on_after_backward(self, trainer, loss):
+        if trainer.loop.batch_idx == self.batch and trainer.loop.epoch == 1:
+            raise RuntimeError("injected")
+
+
+def test_an_interrupted_fit_follows_the_interrupt_and_recover_edges():
+    """An error in a step leads through interrupt -> rollback -> recover -> idle, all spec edges."""
+    t = _trainer(epochs=1, callbacks=[FailAt(2)])
+    with pytest.raises(RuntimeError, match="injected"):
+        t.fit(_data(24, 8))
+    recorded = _recorded(t)
+    assert set(recorded) <= EDGES
+    assert recorded[-2:] == [("step_backward", "interrupt", "rollback"), ("rollback", "recover", "idle")]
+    assert t.machine.state == "idle"
+
+
+class HookRecorder(Callback):
+    """Records (hook, machine state) for every hook of the spec."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_") and name not in ("on_attach", "on_close"):
+            seen = object.__getattribute__(self, "seen")
+
+            def record(trainer, *args):
+                seen.append((name, trainer.machine.state))
+
+            return record
+        return object.__getattribute__(self, name)
+
+
+for _hook in SPEC.hooks:  # make every hook count as overridden
+    setattr(HookRecorder, _hook.name, lambda self, trainer, *args: None)
+
+
+def test_every_hook_runs_in_a_state_the_spec_allows():
+    """Each hook fires while the machine is in one of the states its spec record names."""
+    rec = HookRecorder()
+    t = _trainer(epochs=2, callbacks=[rec], gradient_accumulation_steps=2)
+    t.fit(_data(24, 8), _data(16, 8))
+    t.test(_data(16, 8))
+    allowed = {h.name: set(h.states) for h in SPEC.hooks}
+    assert rec.seen, "no hooks recorded"
+    for name, state in rec.seen:
+        assert state in allowed[name], (name, state)
+    names = [n for n, _ in rec.seen]
+    assert names[0] == "on_before_fit" and "on_after_fit" in names and names[-1] == "on_after_test_epochs"

@@ -1,0 +1,236 @@
+"""Structure of the generated tables (FSM-2, FSM-4) and agreement of the two runtimes (FSM-3)."""
+
+import collections
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepepochs.errors import InvalidTransition
+from deepepochs.fsm import codegen, tables
+from deepepochs.fsm.machine import LoopMachine, build_machine, compile_table, load_spec, machine_edges
+from deepepochs.fsm.schema import LAYERS, Spec, SpecError, State, Transition, Trigger
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = load_spec()
+
+
+def _graph():
+    out = collections.defaultdict(set)
+    for t in SPEC.transitions:
+        if t.dest is not None:
+            out[t.source].add(t.dest)
+    return out
+
+
+def _reachable(start):
+    graph, seen, todo = _graph(), {start}, [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_generated_tables_match_the_spec():
+    """`python -m spec --check` passes: the committed tables are what the spec renders (FSM-2)."""
+    result = subprocess.run([sys.executable, "-m", "spec", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generated_files_carry_the_do_not_edit_header():
+    """Both generated modules start with the header naming the command that made them."""
+    for name in ("tables.py", "events.py"):
+        text = (ROOT / "deepepochs" / "fsm" / name).read_text()
+        assert text.startswith('"""GENERATED from spec/loop.py by `make gen`'), name
+
+
+def test_tables_round_trip_to_the_source_spec():
+    """spec/loop.py -> tables.py -> Spec gives back exactly the records of the source spec."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from spec.loop import SPEC as SOURCE
+    finally:
+        sys.path.remove(str(ROOT))
+    assert SPEC == SOURCE
+
+
+def test_check_mode_reports_a_stale_file(tmp_path):
+    """write_or_check with check=True lists files that differ and writes nothing."""
+    (tmp_path / "fsm").mkdir()
+    (tmp_path / "fsm" / "tables.py").write_text("stale\n")
+    stale = codegen.write_or_check(SPEC, tmp_path, check=True)
+    assert {p.name for p in stale} == {"tables.py", "events.py"}
+    assert (tmp_path / "fsm" / "tables.py").read_text() == "stale\n"
+
+
+def test_every_state_has_a_layer_and_a_doc_and_every_name_a_one_line_doc():
+    """FSM-1: states are named by layer; every trigger, guard and action has a one-line description."""
+    assert {s.layer for s in SPEC.states} <= set(LAYERS)
+    for record in (*SPEC.states, *SPEC.triggers, *SPEC.guards, *SPEC.actions, *SPEC.transitions, *SPEC.hooks):
+        assert record.doc and "\n" not in record.doc
+
+
+def test_every_state_is_reachable_from_the_initial_state():
+    """FSM-4: no dead states."""
+    assert _reachable(SPEC.initial) == {s.name for s in SPEC.states}
+
+
+def test_every_non_final_state_has_an_exit():
+    """FSM-4: every state has at least one edge to another state (the loop has no final state)."""
+    graph = _graph()
+    for state in SPEC.states:
+        assert graph[state.name] - {state.name}, state.name
+
+
+def test_guards_are_exclusive_and_total_for_every_state_and_trigger():
+    """FSM-4: for each (state, trigger), exactly one edge matches every guard outcome."""
+    pairs = {(t.source, t.trigger) for t in SPEC.transitions}
+    for source, trigger in pairs:
+        guards = SPEC.guards_of(source, trigger)
+        for values in itertools.product((False, True), repeat=len(guards)):
+            outcome = dict(zip(guards, values))
+            assert sum(t.matches(outcome) for t in SPEC.edges(source, trigger)) == 1, (source, trigger, outcome)
+
+
+def test_every_running_state_has_an_interrupt_edge_to_rollback():
+    """FSM-4: an interrupt edge leads from every running state to rollback."""
+    for state in SPEC.states:
+        edges = SPEC.edges(state.name, SPEC.interrupt)
+        if state.running:
+            assert [t.dest for t in edges] == [SPEC.rollback], state.name
+        else:
+            assert edges == [], state.name
+
+
+def test_rollback_always_returns_to_an_idle_state_that_accepts_fit_and_test():
+    """FSM-4: rollback leads only to idle states, from which fit and test can be called."""
+    dests = {t.dest for t in SPEC.transitions if t.source == SPEC.rollback}
+    assert dests and all(SPEC.state(d).idle for d in dests)
+    for d in dests:
+        assert {"fit", "test"} <= {t.trigger for t in SPEC.transitions if t.source == d}
+
+
+def test_hot_triggers_are_the_per_batch_ones():
+    """FSM-3: exactly the window/step/optimize triggers are hot; fit/epoch/stage/task ones are cold."""
+    hot = {t.name for t in SPEC.triggers if t.hot}
+    assert hot == {"begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
+                   "finish_update", "end_batch"}
+
+
+def test_only_one_module_imports_transitions():
+    """FSM-3: deepepochs/fsm/machine.py is the single adapter over `transitions`."""
+    importers = [p.relative_to(ROOT).as_posix() for p in (ROOT / "deepepochs").rglob("*.py")
+                 if "import transitions" in p.read_text() or "from transitions" in p.read_text()]
+    assert importers == ["deepepochs/fsm/machine.py"]
+
+
+def _machine_with(outcome):
+    guards = {g.name: (lambda name=g.name: outcome[name]) for g in SPEC.guards}
+    actions = {a.name: (lambda: None) for a in SPEC.actions}
+    return build_machine(SPEC, guards, actions)
+
+
+def test_machine_edges_equal_the_spec_edges():
+    """The built transitions machine holds exactly the spec's edges (read back from its own structures)."""
+    got = sorted(machine_edges(_machine_with({})), key=repr)
+    want = sorted(((t.source, t.trigger, t.dest, t.conditions, t.unless, t.actions,
+                    f"_error_{t.source}_{t.trigger}" if t.error else None) for t in SPEC.transitions), key=repr)
+    assert got == want
+
+
+def test_compiled_table_agrees_with_transitions_on_every_state_trigger_and_guard_outcome():
+    """FSM-3: exhaustive comparison of accept/reject/error and the resulting state."""
+    guard_names = [g.name for g in SPEC.guards]
+    for values in itertools.product((False, True), repeat=len(guard_names)):
+        outcome = dict(zip(guard_names, values))
+        machine = _machine_with(outcome)
+        model = machine.models[0]
+        table = compile_table(machine)
+        for state, trigger in itertools.product([s.name for s in SPEC.states], [t.name for t in SPEC.triggers]):
+            model.state = state
+            try:
+                ok = model.trigger(trigger)
+                via_transitions = ("moved", model.state) if ok else ("refused", state)
+            except InvalidTransition:
+                via_transitions = ("error", state)
+            except Exception as e:  # transitions' MachineError: no edge
+                assert type(e).__name__ == "MachineError"
+                via_transitions = ("invalid", state)
+            edges = table.get((state, trigger))
+            if edges is None:
+                via_table = ("invalid", state)
+            else:
+                pred, dest, _acts, err = next(e for e in edges if e[0] is None or e[0]())
+                via_table = ("error", state) if err is not None else ("moved", dest)
+            assert via_transitions == via_table, (state, trigger, outcome)
+
+
+def test_invalid_trigger_names_the_state_the_trigger_and_the_allowed_triggers():
+    """FSM-3: the error says where the machine is, what was fired and what would have been accepted."""
+    guards = {g.name: (lambda: False) for g in SPEC.guards}
+    actions = {a.name: (lambda: None) for a in SPEC.actions}
+    m = LoopMachine(guards, actions, lambda: (0, 0))
+    with pytest.raises(InvalidTransition, match=r"'optimize' in state 'idle'.*allowed in 'idle': \['fit', 'test'\]"):
+        m.fire("optimize")
+    with pytest.raises(InvalidTransition, match=r"'finish' in state 'idle'"):
+        m.fire_cold("finish")
+
+
+def test_error_edge_raises_its_reason():
+    """The explicit error edge (a window closed with unapplied gradients) raises its documented text."""
+    outcome = {g.name: True for g in SPEC.guards}
+    guards = {g: (lambda g=g: outcome[g]) for g in outcome}
+    actions = {a.name: (lambda: None) for a in SPEC.actions}
+    m = LoopMachine(guards, actions, lambda: (1, 1))
+    m.model.state = "step_backward"
+    with pytest.raises(InvalidTransition, match="must call self.optimize"):
+        m.fire("end_batch")
+    assert m.state == "step_backward"
+
+
+def test_spec_validation_rejects_overlapping_guards():
+    """A spec whose edges both match one guard outcome is refused with the offending pair."""
+    states = [State("idle", "fit", "Idle.", idle=True, running=False), State("a", "fit", "A."),
+              State("rollback", "rollback", "R.", running=False)]
+    triggers = [Trigger("go", "Go."), Trigger("interrupt", "I."), Trigger("recover", "R.")]
+    edges = [Transition("go", "idle", "a", "One."), Transition("go", "idle", "idle", "Two.")]
+    with pytest.raises(SpecError, match=r"\(idle, go\).*2 edges match"):
+        Spec(states, triggers, [], [], edges, []).validate()
+
+
+def test_hook_names_come_from_the_spec():
+    """CUST-1: Event values, Callback methods and spec hooks are the same set, with the spec's args."""
+    import inspect
+
+    from deepepochs import Callback, Event
+
+    hooks = {h.name: h for h in SPEC.hooks}
+    assert {e.value for e in Event} == set(hooks)
+    methods = {n for n in dir(Callback) if n.startswith("on_") and n not in ("on_attach", "on_close")}
+    assert methods == set(hooks)
+    for name, hook in hooks.items():
+        params = list(inspect.signature(getattr(Callback, name)).parameters)
+        assert params == ["self", "trainer", *hook.args], name
+
+
+def test_hook_names_keep_the_06_api():
+    """CUST-1: the deepepochs 0.6 hook names users' callbacks rely on all exist."""
+    names = {h.name for h in SPEC.hooks}
+    for stage in ("train", "val", "test"):
+        for pattern in ("on_before_{}_epochs", "on_before_{}_epoch", "on_before_{}_batch",
+                        "on_before_{}_forward", "on_after_{}_forward", "on_{}_metrics", "on_after_{}_batch",
+                        "on_after_{}_epoch", "on_after_{}_epochs"):
+            assert pattern.format(stage) in names
+    assert {"on_before_fit", "on_before_epoch", "on_before_backward", "on_after_backward", "on_before_optimize",
+            "on_after_optimize", "on_after_epoch", "on_after_fit"} <= names
+
+
+def test_raw_tables_have_the_documented_shapes():
+    """The generated literals keep the column order documented in their comments."""
+    assert all(len(row) == 5 for row in tables.STATES)
+    assert all(len(row) == 8 for row in tables.TRANSITIONS)
+    assert all(len(row) == 4 for row in tables.HOOKS)
