@@ -120,40 +120,58 @@ class LoopActions:
         Each micro-batch backpropagated `loss * n_i / (k * n_first)`; the window's gradient should be
         `sum(n_i * loss_i) / N` with N the window's samples over all ranks, so we multiply by
         `w * k * n_first / N` (DDP already averaged over the w ranks). For full windows of equal batches
-        the factor is exactly 1 and no pass over the gradients is made.
+        the factor is exactly 1 and no pass over the gradients is made. Gradients found non-finite are
+        left alone: their optimizer skips this update.
+
+        Host syncs: fp16 reads all optimizers' inf flags at once (the read `GradScaler.step` would make);
+        fp32/bf16 read one flag for the window's losses. Nothing else here waits for the device.
         """
         t, loop = self.t, self.loop
-        precision, opts = t._precision, t._opts
+        opts, indices = t._opts, loop.update_indices
+        found = t._precision.unscale([opts[i].opt for i in indices])
+        if found is None:  # fp32/bf16: no scaler; the window's losses decide (one check per update)
+            found = [t._check_window_loss_finite()] * len(indices)
         finite = loop.finite
         finite.clear()
-        window_total = t._dist.global_sum(loop.window_samples) if loop.window_size > 1 else None
-        for i in loop.update_indices:
-            ok = precision.unscale(opts[i].opt)
-            if ok is None:  # fp32/bf16: no scaler, check the window's loss when asked to
-                ok = t._check_window_loss_finite()
-            finite[i] = ok
-            if window_total and ok:
-                factor = t._dist.world_size * loop.window_size * loop.window_first_size / window_total
-                if factor != 1.0:
-                    grads = opts.grads(i)
-                    if grads:
-                        torch._foreach_mul_(grads, factor)
+        finite.update(zip(indices, found))
+        if loop.window_size > 1:
+            window_total = t._dist.global_sum(loop.window_samples)  # a collective under DDP: every rank
+            factor = t._dist.world_size * loop.window_size * loop.window_first_size / window_total
+            if factor != 1.0:
+                seen, grads = set(), []
+                for i in indices:
+                    if finite[i]:
+                        for g in opts.grads(i):
+                            if id(g) not in seen:  # a parameter shared by two optimizers: scale it once
+                                seen.add(id(g))
+                                grads.append(g)
+                if grads:
+                    torch._foreach_mul_(grads, factor)
 
     def act_clip_gradients(self) -> None:
+        """Run each registered clipper as `clip(trainer, indices, finite)` on the unscaled gradients."""
+        loop = self.loop
         for clip in self.t._clippers:
-            clip(self.t, self.loop.update_indices, self.loop.finite)
+            clip(self.t, loop.update_indices, loop.finite)
 
     def act_step_optimizer(self) -> None:
+        """Step optimizer `opt_index`, then its step-wise scheduler."""
         self.t._opts.step(self.loop.opt_index)
 
     def act_skip_optimizer(self) -> None:
+        """Leave optimizer `opt_index` and its scheduler untouched; tell the callbacks."""
         for hook in self.t._hooks["on_skip_optimize"]:
             hook(self.t, self.loop.opt_index)
 
     def act_update_scaler(self) -> None:
-        self.t._precision.update()
+        """Hand this update's inf records to the scaler, which adjusts its scale once per iteration."""
+        t, loop = self.t, self.loop
+        opts = t._opts
+        token = (loop.epoch, loop.batch_idx, id(loop.meters))  # this batch; Runner.loss builds the same
+        t._precision.finish([opts[i].opt for i in loop.update_indices], len(opts), token)
 
     def act_zero_grad(self) -> None:
+        """Drop the updated optimizers' gradients (set to None: the next backward writes, not adds)."""
         self.t._opts.zero_grad(self.loop.update_indices)
 
     def act_close_window(self) -> None:
@@ -169,6 +187,8 @@ class LoopActions:
             save()
 
     def act_discard_window(self) -> None:
+        """Rollback: drop every gradient, the interrupted update's scaler records, the window's loss sums
+        and patches; completed updates stay (ACC-3)."""
         t, loop = self.t, self.loop
         t._opts.zero_grad(t._opts.all_indices)
         t._precision.discard_step_state()
@@ -191,4 +211,4 @@ def bind_machine(trainer) -> LoopMachine:
     spec = load_spec()
     guards = {g.name: getattr(acts, f"guard_{g.name}") for g in spec.guards}
     actions = {a.name: getattr(acts, f"act_{a.name}") for a in spec.actions}
-    return LoopMachine(guards, actions, trainer.loop.position)
+    return LoopMachine(guards, actions, trainer.loop)

@@ -26,6 +26,7 @@ from deepepochs.patches import ConfusionPatch, MeanPatch, PatchBase, TensorPatch
 from deepepochs.precision import Precision
 from deepepochs.runner import Runner
 from deepepochs.tasks import STEP_NAMES, EpochTask, metric_name
+from deepepochs.writer import RunWriters
 
 __all__ = ["Trainer", "TrainerBase"]
 
@@ -92,7 +93,7 @@ class TrainerBase:
         if not (resume is False or resume is True or isinstance(resume, str)):
             raise ConfigError(f"resume must be False, True or a running id string (got {resume!r})")
         self.device = _resolve_device(device)
-        self._dist = select_policy(self.device)
+        self._dist = select_policy(self.device, split_batches=self.config.split_batches)
         self.device = self._dist.device
         self.loss_fn = loss
         self.metrics = Runner.metric_list(metrics, "metrics")
@@ -117,6 +118,7 @@ class TrainerBase:
         self.history = {"train": {}, "val": {}}
         self._closed = False
         self._started = False
+        self._writers = RunWriters(self)  # TensorBoard writers, created on first use (LOG-1)
         self.add_callbacks(callbacks or [])
 
     # ---- public API ----
@@ -236,13 +238,22 @@ class TrainerBase:
         last transitions are highlighted too. With `path`, the result is also written there.
         """
         current = self.loop.last_error_state or self.machine.state
-        recent = [(r.source, r.trigger, r.dest) for r in list(self.machine.history)[-6:]]
+        recent = [(r.source, r.trigger, r.dest) for r in self.machine.records()[-6:]]
         out = render(fmt, current=current, recent=recent, show_interrupts=show_interrupts)
         if path is not None:
             mode = "wb" if isinstance(out, bytes) else "w"
             with open(path, mode) as f:
                 f.write(out)
         return out
+
+    def writer(self, log_dir=None):
+        """The run's shared TensorBoard `SummaryWriter` for `log_dir`, writing `<log_dir>/<running_id>`.
+
+        Created on first use; every logging callback asking for the same folder gets the same writer, and
+        `close()` flushes and closes it. `log_dir=None` means the folder already in use (else the first
+        `log_dir` of an attached callback, else './logs'). Non-main ranks get a writer that does nothing.
+        """
+        return self._writers.get(log_dir)
 
     def close(self) -> None:
         """Flush logs, remove hooks and release what the trainer created (idempotent)."""
@@ -257,6 +268,10 @@ class TrainerBase:
                     closer(self)
                 except Exception as e:  # close every callback even if one fails
                     errors.append(e)
+        try:
+            self._writers.close()  # after on_close, so callbacks can still write their last records
+        except Exception as e:
+            errors.append(e)
         self._console.close()
         self._dist.close()
         if errors:

@@ -135,22 +135,22 @@ class LoopMachine:
     Args:
         guards: guard name -> zero-argument callable returning a real bool.
         actions: action name -> zero-argument callable.
-        position: zero-argument callable returning `(epoch, batch)` for the flight record.
+        loop: an object with `epoch` and `batch_idx` attributes, read for the flight record.
         history: how many transitions the flight recorder keeps.
 
     The probe attribute, when set, is called as `probe(state)` after every transition; tests use it to
     inject faults at each state.
     """
 
-    def __init__(self, guards, actions, position: Callable[[], tuple[int, int]], history: int = 64):
+    def __init__(self, guards, actions, loop, history: int = 64):
         self.spec = load_spec()
         self.machine = build_machine(self.spec, guards, actions)
         self.model = self.machine.models[0]
         self.table = compile_table(self.machine)
-        self.history: collections.deque[Record] = collections.deque(maxlen=history)
-        self.position = position
+        # Plain tuples (epoch, batch, source, trigger, dest): cheaper to make than namedtuples per trigger.
+        self.history: collections.deque[tuple] = collections.deque(maxlen=history)
+        self.loop = loop
         self.probe: Callable[[str], None] | None = None
-        self._hot = frozenset(t.name for t in self.spec.triggers if t.hot)
         self._cold = frozenset(t.name for t in self.spec.triggers if not t.hot)
 
     @property
@@ -160,7 +160,8 @@ class LoopMachine:
 
     def fire(self, trigger: str) -> str:
         """Fire a hot trigger on the compiled table; returns the new state."""
-        source = self.model.state
+        model = self.model
+        source = model.state
         edges = self.table.get((source, trigger))
         if edges is None:
             self._invalid(source, trigger)
@@ -168,9 +169,9 @@ class LoopMachine:
             if pred is None or pred():
                 if error is not None:
                     error()
-                self.model.state = dest
-                epoch, batch = self.position()
-                self.history.append(Record(epoch, batch, source, trigger, dest))
+                model.state = dest
+                loop = self.loop
+                self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
                 for action in actions:
                     action()
                 if self.probe is not None:
@@ -188,8 +189,7 @@ class LoopMachine:
         except MachineError:
             self._invalid(source, trigger)
         dest = self.model.state
-        epoch, batch = self.position()
-        self.history.append(Record(epoch, batch, source, trigger, dest))
+        self.history.append((self.loop.epoch, self.loop.batch_idx, source, trigger, dest))
         if self.probe is not None:
             self.probe(dest)
         return dest
@@ -207,8 +207,12 @@ class LoopMachine:
         """Force the initial state (used only after a rollback failed half-way)."""
         self.model.state = self.spec.initial
 
+    def records(self) -> list[Record]:
+        """The recorded transitions, oldest first, as `Record`s."""
+        return [Record(*r) for r in self.history]
+
     def flight_record(self, last: int = 12) -> str:
         """The last transitions as text, newest last, one per line."""
         lines = [f"  epoch {r.epoch} batch {r.batch}: {r.source} --{r.trigger}--> {r.dest}"
-                 for r in list(self.history)[-last:]]
+                 for r in self.records()[-last:]]
         return "\n".join(["last transitions of the deepepochs loop (newest last):", *lines])

@@ -50,15 +50,18 @@ def to_dot(current: str | None = None, recent: Sequence[tuple[str, str, str]] = 
     hot = {(s, t, d) for s, t, d in recent}
     lines = ["digraph deepepochs_loop {", '  rankdir=TB; node [shape=box, style="rounded", fontsize=10];',
              "  edge [fontsize=9];"]
-    for layer in LAYERS:
+    for layer in LAYERS:  # one row per layer, outermost on top
         states = [s for s in spec.states if s.layer == layer]
-        lines.append(f'  subgraph cluster_{layer} {{ label="{layer}"; style=dashed;')
+        lines.append(f"  subgraph layer_{layer} {{ rank=same;")
+        lines.append(f'    layer_{layer}_label [shape=plaintext, label="{layer}", fontcolor=gray40];')
         for s in states:
             attrs_ = [f'tooltip="{s.doc}"']
             if s.name == current:
                 attrs_.append('style="rounded,filled", fillcolor=salmon, color=red, penwidth=2')
             lines.append(f"    {s.name} [{', '.join(attrs_)}];")
         lines.append("  }")
+    labels = [f"layer_{layer}_label" for layer in LAYERS]
+    lines.append(f"  {' -> '.join(labels)} [style=invis];")
     if any(t == "error" for _, _, t, _ in edges):
         lines.append('  error [shape=octagon, color=red, label="InvalidTransition"];')
     for source, trigger, dest, label in edges:

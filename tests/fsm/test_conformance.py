@@ -95,7 +95,7 @@ def _data(n, batch, seed=0):
 
 
 def _recorded(trainer):
-    return [(r.source, r.trigger, r.dest) for r in trainer.machine.history]
+    return [(r.source, r.trigger, r.dest) for r in trainer.machine.records()]
 
 
 def _trainer(**kw):

@@ -11,6 +11,7 @@ import pytest
 from deepepochs.errors import InvalidTransition
 from deepepochs.fsm import codegen, tables
 from deepepochs.fsm.machine import LoopMachine, build_machine, compile_table, load_spec, machine_edges
+from deepepochs.loop import LoopState
 from deepepochs.fsm.schema import LAYERS, Spec, SpecError, State, Transition, Trigger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +174,7 @@ def test_invalid_trigger_names_the_state_the_trigger_and_the_allowed_triggers():
     """FSM-3: the error says where the machine is, what was fired and what would have been accepted."""
     guards = {g.name: (lambda: False) for g in SPEC.guards}
     actions = {a.name: (lambda: None) for a in SPEC.actions}
-    m = LoopMachine(guards, actions, lambda: (0, 0))
+    m = LoopMachine(guards, actions, LoopState())
     with pytest.raises(InvalidTransition, match=r"'optimize' in state 'idle'.*allowed in 'idle': \['fit', 'test'\]"):
         m.fire("optimize")
     with pytest.raises(InvalidTransition, match=r"'finish' in state 'idle'"):
@@ -185,7 +186,7 @@ def test_error_edge_raises_its_reason():
     outcome = {g.name: True for g in SPEC.guards}
     guards = {g: (lambda g=g: outcome[g]) for g in outcome}
     actions = {a.name: (lambda: None) for a in SPEC.actions}
-    m = LoopMachine(guards, actions, lambda: (1, 1))
+    m = LoopMachine(guards, actions, LoopState(epoch=1, batch_idx=1))
     m.model.state = "step_backward"
     with pytest.raises(InvalidTransition, match="must call self.optimize"):
         m.fire("end_batch")
