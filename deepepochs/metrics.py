@@ -148,30 +148,24 @@ def _class_indices(preds, targets, threshold) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _count_confusion(pred_idx, target_idx, num_classes, shape_classes) -> torch.Tensor:
-    known = num_classes if num_classes is not None else shape_classes
-    if known:
-        if pred_idx.device.type == "cpu" and pred_idx.numel():
-            # On the CPU the range check costs no device sync, so bad labels fail loudly here; elsewhere
-            # out-of-range samples are dropped below rather than forcing a sync on every batch.
-            low, high = (int(v) for v in torch.aminmax(torch.cat([pred_idx, target_idx])))
-            if low < 0 or high >= known:
-                raise ConfigError(
-                    f"class indices must lie in [0, {known - 1}] for {known} classes "
-                    f"(got values in [{low}, {high}]); pass a larger num_classes or fix the labels"
-                )
-        num_classes = known
-    elif pred_idx.numel() == 0:
-        num_classes = 0
-    else:
+    c = num_classes if num_classes is not None else shape_classes
+    if not c and pred_idx.numel():
         # The one host sync of this module: only the data can tell how many classes there are.
         low, high = (int(v) for v in torch.aminmax(torch.cat([pred_idx, target_idx])))
         if low < 0:
             raise ConfigError(f"class indices must be >= 0 (got {low})")
-        num_classes = high + 1
-    c = num_classes
+        c = high + 1
     valid = (pred_idx >= 0) & (pred_idx < c) & (target_idx >= 0) & (target_idx < c)
+    if pred_idx.device.type == "cpu" and not bool(valid.all()):
+        # On the CPU this check costs no device sync, so bad labels fail loudly; on other devices
+        # out-of-range samples are dropped below rather than forcing a sync on every batch.
+        low, high = (int(v) for v in torch.aminmax(torch.cat([pred_idx, target_idx])))
+        raise ConfigError(
+            f"class indices must lie in [0, {c - 1}] for {c} classes "
+            f"(got values in [{low}, {high}]); pass a larger num_classes or fix the labels"
+        )
     # Row = true class, column = predicted class; invalid samples land in a spare last bin that is cut off.
-    flat = torch.where(valid, target_idx * c + pred_idx, torch.full_like(pred_idx, c * c))
+    flat = torch.where(valid, target_idx * c + pred_idx, c * c)
     counts = torch.zeros(c * c + 1, dtype=torch.int64, device=pred_idx.device)
     # index_add_ instead of bincount: bincount sizes its output from the data's maximum, a host sync on CUDA,
     # and index_add_ is deterministic on CUDA.
@@ -186,8 +180,9 @@ def confusion_matrix(preds, targets, num_classes=None, threshold=0.5) -> torch.T
         preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
         targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
         num_classes: The class count C. None infers it from the shapes of ``[N, C]`` inputs, else from the
-            largest class index (a host-device sync). With ``num_classes`` given, indices outside
-            ``[0, num_classes)`` raise ConfigError on the CPU and are not counted on other devices.
+            largest class index (a host-device sync). When C is given or comes from shapes, indices outside
+            ``[0, C)`` raise ConfigError on the CPU and are not counted on other devices, where checking
+            would cost a sync per batch.
         threshold: The probability at or above which a 1-D float pred predicts class 1.
 
     Returns:

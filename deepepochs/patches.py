@@ -193,13 +193,11 @@ class PatchBase(abc.ABC):
     def sync(self) -> PatchBase:
         """Merge the states of all processes, so that every rank's patch holds the global state.
 
-        A collective: every rank must call it, in the same order, on patches of the same class and
-        configuration (an empty patch on a rank that saw no batch is fine). Without an initialised process
-        group, or with one process, it returns self unchanged.
-
-        This generic version gathers every rank's attributes with ``all_gather_object`` (tensors copied to
-        the CPU; callables such as the metric function stay home, every rank has its own), rebuilds the
-        patches on each rank and adds them in rank order, so all ranks end with the same state.
+        A collective: all ranks call it in the same order on patches of one class and configuration (an
+        empty patch where a rank saw no batch). Without a process group of 2+ ranks it returns self as is.
+        This generic version gathers every rank's attributes with ``all_gather_object`` (tensors via the
+        CPU; callables such as the metric stay home, each rank has its own), then adds the patches in rank
+        order, so all ranks end with the same state.
 
         Returns:
             self, now holding the merged state.
@@ -215,12 +213,14 @@ class PatchBase(abc.ABC):
         local = _first_tensor(vars(self))
         device = local.device if local is not None else torch.device("cpu")
         merged = None
-        for rank, state in enumerate(gathered):
+        for rank, received in enumerate(gathered):
             if rank == dist.get_rank():
                 part = self.copy()
             else:
                 part = copy.copy(self)  # shares only the callables: every other attribute is replaced
-                part.__dict__.update({k: _map_tensors(lambda t: t.to(device), v) for k, v in state.items()})
+                part.__dict__.update(
+                    {k: _map_tensors(lambda t: t.to(device), v) for k, v in received.items()}
+                )
             merged = part if merged is None else merged.add(part)
         self.__dict__.update(vars(merged))
         return self
@@ -347,17 +347,22 @@ class TensorPatch(PatchBase):
 def _scalar(value, what: str):
     """A detached 0-d tensor (at least float32) or a float, from a per-batch value."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.detach().reshape(())
+        value = value.detach() if value.dim() == 0 else value.detach().reshape(())
         if not value.is_floating_point() or value.element_size() < 4:
             # Half-precision sums lose counts quickly; integer values would truncate the mean.
             value = value.to(torch.get_default_dtype())
         return value
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
-    got = (
-        f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-    )
+    got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
     raise ConfigError(f"{what} must be a number or a one-element tensor (got {got})")
+
+
+def _weighted(value, count):
+    """value * count; an empty batch (a count of plain 0) adds 0 even when its metric value is NaN."""
+    if isinstance(count, numbers.Real) and count == 0:
+        return torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
+    return value * count
 
 
 def _check_batch_size(batch_size):
@@ -461,14 +466,11 @@ class MeanPatch(_MeanPatchBase):
         value = self.metric(batch_preds, batch_targets)
         what = f"the value of metric {_metric_name(self.metric)!r}"
         if isinstance(value, dict):
-            total = {key: _scalar(item, f"{what}[{key!r}]") * count for key, item in value.items()}
+            total = {key: _weighted(_scalar(item, f"{what}[{key!r}]"), count) for key, item in value.items()}
         else:
-            total = _scalar(value, what) * count
+            total = _weighted(_scalar(value, what), count)
         self.state = MeanState(total, count)
         return self
-
-    def __repr__(self) -> str:
-        return f"MeanPatch({_metric_name(self.metric)}, name={self.name!r})"
 
 
 class ValuePatch(_MeanPatchBase):
@@ -496,7 +498,7 @@ class ValuePatch(_MeanPatchBase):
         if batch_size is None:
             raise ConfigError("batch_size is required with batch_mean_value (got None)")
         count = _check_batch_size(batch_size)
-        self.state = MeanState(_scalar(batch_mean_value, "batch_mean_value") * count, count)
+        self.state = MeanState(_weighted(_scalar(batch_mean_value, "batch_mean_value"), count), count)
         return self
 
     def sync(self) -> ValuePatch:
@@ -515,9 +517,6 @@ class ValuePatch(_MeanPatchBase):
         dist.all_reduce(buffer)
         self.state = MeanState(*buffer.to(home, _dtype_of(total)).unbind())
         return self
-
-    def __repr__(self) -> str:
-        return f"ValuePatch(name={self.name!r})"
 
 
 _DEFAULT_METRICS = _metrics.DEFAULT_CONFUSION
@@ -545,8 +544,8 @@ class ConfusionPatch(PatchBase):
         average: 'macro' (default), 'binary', 'micro' or 'weighted'.
         num_classes: The class count, or None to infer it (from class-index preds and targets this costs
             one host sync per batch; see :func:`deepepochs.metrics.confusion_matrix`).
-        threshold: The probability at or above which a 1-D float pred predicts class 1.
         name: An optional display name.
+        threshold: The probability at or above which a 1-D float pred predicts class 1.
 
     Example:
         >>> p = ConfusionPatch(torch.tensor([0, 1]), torch.tensor([0, 1]), metrics=('accuracy', 'f1'))
@@ -556,7 +555,7 @@ class ConfusionPatch(PatchBase):
     """
 
     def __init__(self, batch_preds=None, batch_targets=None, metrics=_DEFAULT_METRICS, average="macro",
-                 num_classes=None, threshold=0.5, name=None):  # fmt: skip
+                 num_classes=None, name=None, threshold=0.5):  # fmt: skip
         super().__init__(name)
         self.metrics = _metrics._confusion_specs(metrics)
         _metrics._check_average(average)
@@ -643,18 +642,11 @@ class ConfusionMetrics:
 
     def __init__(self, metrics=_DEFAULT_METRICS, average="macro", num_classes=None, threshold=0.5):
         ConfusionPatch(metrics=metrics, average=average, num_classes=num_classes)  # validates, loads nothing
-        self.metrics, self.average, self.num_classes, self.threshold = (
-            metrics,
-            average,
-            num_classes,
-            threshold,
-        )
+        self.metrics, self.average = metrics, average
+        self.num_classes, self.threshold = num_classes, threshold
 
     def __call__(self, preds, targets) -> ConfusionPatch:
         """A :class:`ConfusionPatch` loaded with one batch."""
-        return ConfusionPatch(preds, targets, self.metrics, self.average, self.num_classes, self.threshold)
-
-    def __repr__(self) -> str:
-        return (
-            f"ConfusionMetrics({self.metrics!r}, average={self.average!r}, num_classes={self.num_classes!r})"
+        return ConfusionPatch(
+            preds, targets, self.metrics, self.average, self.num_classes, threshold=self.threshold
         )

@@ -129,7 +129,9 @@ class TaskMeters:
         for patches in self.window_patches:
             for name, patch in patches.items():
                 have = self.patches.get(name)
-                self.patches[name] = patch if have is None else have.add(patch)
+                # The first batch's patch is copied so that the accumulator never aliases a batch's own
+                # patch (callbacks may still read that batch's values later).
+                self.patches[name] = patch.copy() if have is None else have.add(patch)
         self.window_losses.clear()
         self.window_patches.clear()
 

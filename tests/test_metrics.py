@@ -226,6 +226,17 @@ def test_binary_average_on_multiclass_data_is_refused():
             r"cm must be a square \[C, C\] tensor of counts \(got \[2, 3\]\)",
         ),
     ],
+    ids=[
+        "num_classes",
+        "beta",
+        "preds_shape",
+        "sample_count",
+        "not_tensors",
+        "out_of_range",
+        "negative_index",
+        "confusion_name",
+        "confusion_shape",
+    ],
 )
 def test_bad_arguments_raise_config_error_naming_them(call, message):
     """Each bad argument raises ConfigError whose message names it, what is accepted and what came."""

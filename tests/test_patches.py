@@ -1,4 +1,4 @@
-"""Patches give whole-dataset metrics from uneven batches, merge without side effects, and sync across ranks."""
+"""Patches give whole-dataset metrics from uneven batches, merge without side effects, sync across ranks."""
 
 import datetime
 import functools
@@ -26,7 +26,11 @@ from deepepochs.patches import (
     merge_patches,
 )
 
-skm = pytest.importorskip("sklearn.metrics")
+
+def _skm():
+    """scikit-learn's metrics, imported on first use so the spawned sync workers need not load it."""
+    return pytest.importorskip("sklearn.metrics")
+
 
 NUM_SAMPLES, NUM_CLASSES = 103, 4
 BATCH_SIZES = (1, 7, 30, 2, 50, 13)  # uneven, and the tiny batches lack most classes
@@ -51,7 +55,7 @@ def _batches(*tensors, sizes=BATCH_SIZES):
 
 def _sk_scores(targets, preds, average="macro"):
     """Whole-dataset reference values from scikit-learn (zero_division=0)."""
-    t, p = np.asarray(targets), np.asarray(preds)
+    t, p, skm = np.asarray(targets), np.asarray(preds), _skm()
     return {
         "accuracy": skm.accuracy_score(t, p),
         "precision": skm.precision_score(t, p, average=average, zero_division=0),
@@ -86,7 +90,7 @@ def test_mean_patch_accuracy_over_uneven_batches_equals_the_whole_dataset():
     """Sample-weighted MeanPatch accuracy equals the accuracy of the whole dataset."""
     logits, targets = _dataset()
     merged = merge_patches([MeanPatch(dm.accuracy, p, t) for p, t in _batches(logits, targets)])
-    assert float(merged()) == pytest.approx(skm.accuracy_score(targets, logits.argmax(1)))
+    assert float(merged()) == pytest.approx(_skm().accuracy_score(targets, logits.argmax(1)))
 
 
 def test_value_patch_of_batch_mean_losses_equals_the_mean_over_all_samples():
@@ -105,7 +109,7 @@ def test_confusion_patch_over_uneven_batches_equals_sklearn_on_the_whole_dataset
     assert {patch.state.matrix.shape[0] for patch in patches} != {NUM_CLASSES}
     merged = merge_patches(patches)
     assert _as_floats(merged()) == pytest.approx(_sk_scores(targets, preds, average))
-    np.testing.assert_array_equal(merged.state.matrix.numpy(), skm.confusion_matrix(targets, preds))
+    np.testing.assert_array_equal(merged.state.matrix.numpy(), _skm().confusion_matrix(targets, preds))
 
 
 def test_confusion_patch_accepts_the_metric_functions_under_their_names():
@@ -241,8 +245,16 @@ def test_mean_patch_weights_each_key_of_a_dict_valued_metric():
         return {"acc": correct.mean(), "err": 1 - correct.mean()}
 
     merged = sum(MeanPatch(metric, p, t) for p, t in _batches(logits, targets))
-    accuracy = skm.accuracy_score(targets, logits.argmax(1))
+    accuracy = _skm().accuracy_score(targets, logits.argmax(1))
     assert _as_floats(merged()) == pytest.approx({"acc": accuracy, "err": 1 - accuracy})
+
+
+def test_an_empty_batch_adds_nothing_to_a_mean_patch_even_when_its_metric_is_nan():
+    """A batch of 0 samples weighs 0, so the NaN mean of an empty batch does not poison the dataset mean."""
+    mean_of_preds = lambda preds, targets: preds.float().mean()
+    full = MeanPatch(mean_of_preds, torch.tensor([1.0, 3.0]), torch.tensor([0, 0]))
+    empty = MeanPatch(mean_of_preds, torch.zeros(0), torch.zeros(0))
+    assert math.isnan(empty.metric(torch.zeros(0), None)) and float((full + empty)()) == 2.0
 
 
 def test_mean_patch_infers_batch_size_from_targets_then_preds():
@@ -312,12 +324,26 @@ def test_sync_without_a_process_group_returns_the_patch_unchanged():
         (lambda: ConfusionMetrics(num_classes=-2), r"num_classes must be None or a positive int \(got -2\)"),
         (
             lambda: MeanPatch(lambda p, t: torch.ones(3), torch.zeros(3)),
-            r"metric '<lambda>' must be a number or a one-element tensor \(got a tensor of shape \[3\]\)",
+            r"metric '<lambda>' must be a number or a one-element tensor \(got shape \[3\]\)",
         ),
         (lambda: MeanPatch("accuracy"), r"metric must be a callable taking \(preds, targets\) \(got str\)"),
         (lambda: ValuePatch(1.0), r"batch_size is required with batch_mean_value"),
         (lambda: ValuePatch(1.0, -1), r"batch_size must be a number >= 0 .*\(got -1\)"),
         (lambda: merge_patches([]), r"patches must hold at least one patch"),
+    ],
+    ids=[
+        "unknown_name",
+        "unknown_function",
+        "partial",
+        "no_metrics",
+        "duplicate",
+        "average",
+        "num_classes",
+        "non_scalar",
+        "not_callable",
+        "no_batch_size",
+        "negative_batch_size",
+        "merge_nothing",
     ],
 )
 def test_bad_patch_arguments_raise_config_error_naming_them(build, message):
@@ -356,7 +382,7 @@ def _sync_worker(rank, world_size, init_method, out_dir):
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         logits, targets = _dataset()
@@ -375,13 +401,22 @@ def _sync_worker(rank, world_size, init_method, out_dir):
             # A rank that saw no batch takes part with an empty patch.
             "empty_rank_value": (ValuePatch() if rank else ValuePatch(2.0, 4)).sync()(),
             "empty_rank_tensor": (
-                TensorPatch(dm.accuracy) if rank else TensorPatch(dm.accuracy, *batches[0])
+                TensorPatch(dm.accuracy) if rank else TensorPatch(dm.accuracy, *batches[-1])
             ).sync()(),
-            "empty_rank_confusion": (ConfusionPatch() if rank else ConfusionPatch(*batches[0])).sync()(),
+            "empty_rank_confusion": (ConfusionPatch() if rank else ConfusionPatch(*batches[-1])).sync()(),
         }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _flat(results):
+    """{'a': {'b': x}} -> {'a.b': float(x)}, since pytest.approx compares flat dicts only."""
+    flat = {}
+    for key, value in results.items():
+        for sub, item in value.items() if isinstance(value, dict) else [(None, value)]:
+            flat[key if sub is None else f"{key}.{sub}"] = float(item)
+    return flat
 
 
 def _free_port():
@@ -392,7 +427,7 @@ def _free_port():
 
 @pytest.mark.distributed
 def test_sync_gives_every_rank_the_whole_dataset_metrics(tmp_path):
-    """With two gloo processes holding unequal shards, every rank's synced patches give whole-dataset values."""
+    """Two gloo processes with unequal shards: after sync every rank gets the whole-dataset values."""
     world_size = 2
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.spawn(
@@ -402,27 +437,26 @@ def test_sync_gives_every_rank_the_whole_dataset_metrics(tmp_path):
         join=False,
         daemon=True,
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail("the two sync processes did not finish within 60 s")
+            pytest.fail("the two sync processes did not finish within 120 s")
 
     logits, targets = _dataset()
     preds = logits.argmax(1)
-    first = _batches(logits, targets, sizes=(3, 37))[0]
+    last = _batches(logits[:SHARD], targets[:SHARD], sizes=(3, 37))[-1]
     expected = {
         "tensor": _sk_scores(targets, preds)["f1"],
-        "mean": skm.accuracy_score(targets, preds),
+        "mean": _skm().accuracy_score(targets, preds),
         "value": float(F.cross_entropy(logits, targets)),
         "confusion": _sk_scores(targets, preds),
         "custom": float(logits.abs().max()),
         "empty_rank_value": 2.0,
-        "empty_rank_tensor": float(dm.accuracy(*first)),
-        "empty_rank_confusion": _sk_scores(first[1], first[0].argmax(1)),
+        "empty_rank_tensor": float(dm.accuracy(*last)),
+        "empty_rank_confusion": _sk_scores(last[1], last[0].argmax(1)),
     }
     for rank in range(world_size):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        got = {key: _as_floats(v) if isinstance(v, dict) else float(v) for key, v in results.items()}
-        assert got == pytest.approx(expected), f"rank {rank}"
+        assert _flat(results) == pytest.approx(_flat(expected)), f"rank {rank}"
