@@ -50,6 +50,7 @@ class LoopState:
     window_first_size: int = 0
     window_samples: int = 0
     window_boundary: bool = False
+    window_updated: bool = False
     val_due: bool = False
     stop: StopRequest | None = None
     save_requests: list = attrs.Factory(list)
@@ -107,6 +108,7 @@ class LoopActions:
         loop.window_pos = 0
         loop.window_samples = 0
         loop.window_first_size = 0
+        loop.window_updated = False
 
     def act_sync_gradients(self) -> None:
         self.t._dist.set_grad_sync(True)
@@ -157,6 +159,7 @@ class LoopActions:
     def act_step_optimizer(self) -> None:
         """Step optimizer `opt_index`, then its step-wise scheduler."""
         self.t._opts.step(self.loop.opt_index)
+        self.loop.window_updated = True  # from here on an interrupt must not replay this window
 
     def act_skip_optimizer(self) -> None:
         """Leave optimizer `opt_index` and its scheduler untouched; tell the callbacks."""
@@ -176,6 +179,13 @@ class LoopActions:
 
     def act_close_window(self) -> None:
         self.loop.meters.close_window()
+        self.loop.window_pos = 0
+        opts = self.t._opts
+        if len(opts) > 1:
+            # With several optimizers a later loss of the step (e.g. a GAN's generator loss) writes
+            # gradients into parameters an earlier update already zeroed; drop them so that they cannot
+            # leak into the next window.
+            opts.zero_grad(opts.all_indices)
 
     def act_step_epoch_schedulers(self) -> None:
         self.t._step_epoch_schedulers()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 
 import torch
 
+from deepepochs.checkpoint import resume_once
 from deepepochs.data import batch_size_of, call_model, lookahead, split_batch, to_device
 from deepepochs.errors import ConfigError, LoopError
 from deepepochs.loop import ResumePoint
@@ -88,16 +90,20 @@ class Runner:
             return run()
         except BaseException as exc:
             self._rollback(exc)
-            note = t.machine.flight_record()
+            loop = t.loop
+            note = (f"deepepochs: {type(exc).__name__} raised in state {loop.last_error_state!r} (epoch"
+                    f" {loop.epoch}, batch {loop.batch_idx}, stage {self._failed_stage!r});"
+                    f" {t.machine.flight_record()}")
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
-            exc.deepepochs_flight_record = list(t.machine.history)
+            exc.deepepochs_flight_record = t.machine.records()
             raise
 
     def _rollback(self, exc):
         t, loop, machine = self.t, self.t.loop, self.t.machine
         state = machine.state
         loop.last_error_state = state
+        self._failed_stage = loop.stage
         self._record_resume_point(state)
         try:
             if machine.spec.state(state).running:
@@ -118,17 +124,20 @@ class Runner:
             hook(t, exc)
 
     def _record_resume_point(self, state):
+        """Remember where an interrupted fit resumes: completed windows (and tasks) are kept, so the next
+        fit continues after the last completed update instead of repeating or skipping data."""
         loop = self.t.loop
-        if loop.stage == "train" and self._train_progress is not None:
-            done = loop.batch_idx if state == "step_optimized" else loop.batch_idx - loop.window_pos
+        if self._train_done is not None and loop.epoch:  # this epoch's training had finished
+            loop.resume = ResumePoint(loop.epoch, -1, 0)
+            self._saved_meters = self._train_done
+        elif loop.stage == "train" and self._train_progress is not None:
+            updated = state == "step_optimized" or loop.window_updated
+            done = loop.batch_idx if updated else loop.batch_idx - loop.window_pos
             index, meters_list = self._train_progress
             if loop.meters is not None:
                 loop.meters.first_batch = done
             loop.resume = ResumePoint(loop.epoch, index, done)
             self._saved_meters = meters_list
-        elif loop.stage in ("val", None) and self._train_done is not None and loop.epoch:
-            loop.resume = ResumePoint(loop.epoch, -1, 0)
-            self._saved_meters = self._train_done
 
     # ---- fit ----
     _train_progress = None
@@ -140,6 +149,7 @@ class Runner:
         fire = machine.fire_cold
         loop.target_epochs = t.config.epochs
         records = {"train": {}, "val": {}}
+        resume_once(t)  # Trainer(resume=...): before the machine starts, so a bad file leaves it idle
         fire("fit")
         self._header()
         self._run_hooks("on_before_fit", t.config.epochs)
@@ -236,6 +246,7 @@ class Runner:
 
     def run_test(self, tasks):
         t, loop = self.t, self.t.loop
+        resume_once(t)  # a first test() after a restart evaluates the resumed run's checkpoints
         t.machine.fire_cold("test")
         self._header()
         loop.epoch = max(loop.epoch, 0)
@@ -306,8 +317,6 @@ class Runner:
                 loss = None
             meters.add_batch(loss, n, patches)
             fire("end_batch")
-            if loop.window_boundary:
-                loop.window_pos = 0
             if after_batch:
                 metrics = BatchMetrics(loss, patches)
                 for hook in after_batch:
@@ -363,16 +372,18 @@ class Runner:
     def _task_metrics(self, meters: TaskMeters) -> dict:
         dist = self.t._dist
         out = {}
-        if meters.loss_sum is not None or dist.world_size > 1:
+        total = meters.loss_total()
+        if total is not None or dist.world_size > 1:
             stats = torch.zeros(2, dtype=torch.float64, device=self.t.device)
-            if meters.loss_sum is not None:
-                stats[0] = meters.loss_sum
+            if total is not None:
+                stats[0] = total
                 stats[1] = meters.count
             stats = dist.reduce_sum(stats)
             if stats[1] > 0:
                 out["loss"] = float(stats[0] / stats[1])
-        for name, patch in sorted(meters.patches.items()) if dist.world_size > 1 else meters.patches.items():
-            out.update(flatten_value(name, dist.sync_patch(patch).forward()))
+        # Under DDP: merged copies (global metrics on every rank), names agreed even for an empty shard.
+        for name, patch in dist.sync_patches(meters.patches).items():
+            out.update(flatten_value(name, patch.forward()))
         return out
 
     def _stage_metrics(self, tasks, meters_list) -> dict:
@@ -397,6 +408,7 @@ class Runner:
         return t.batch_patches(model_out, batch_y)
 
     def loss(self, model_out, batch_y, loss_adjust, do_optimize):
+        """`Trainer.loss`: compute the loss; in training backpropagate it (scaled) and maybe update."""
         t = self.t
         if t.loss_fn is None:
             loss = model_out.get("loss") if isinstance(model_out, dict) else model_out
@@ -409,23 +421,26 @@ class Runner:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ConfigError(f"the loss must be a scalar tensor (got {shape}); reduce it, e.g. with .mean()")
+        # The batch's reported loss: the sub-batch losses of a hand-split batch, weighted by loss_adjust,
+        # add up to the batch mean. Detached: statistics must not keep the graph alive.
         value = loss.detach() if loss_adjust == 1.0 else loss.detach() * loss_adjust
         self._step_loss = value if self._step_loss is None else self._step_loss + value
-        if t.loop.stage != "train":
+        loop = t.loop
+        if loop.stage != "train":
             return loss
-        fire = t.machine.fire
-        fire("backward")
+        t.machine.fire("backward")
         for hook in t._hooks["on_before_backward"]:
             hook(t, loss)
-        loop = t.loop
-        # Weight this micro-batch by its share of the window: n_i / (k * n_first). The update step
-        # corrects the rare remainder (short tail window, ragged batch) so that the window's gradient is
-        # exactly the per-sample mean over the window.
+        # Weight this micro-batch by its share of the window: n_i / (k * n_first). For a window of k equal
+        # batches that is 1/k, the usual accumulation factor; the update (unscale_gradients) multiplies by
+        # k * n_first / N once, so a short tail window or a ragged batch weighs each sample exactly as a
+        # full window does. Dividing here, not at the update, keeps fp16 gradients in range while they add up.
         factor = loss_adjust
         if loop.window_size > 1:
             factor *= self._batch_n / (loop.window_size * loop.window_first_size)
         scaled = loss if factor == 1.0 else loss * factor
-        t._precision.scale(scaled).backward()
+        # fp16: every loss of one batch is scaled with the same scale (see deepepochs.precision).
+        t._precision.scale(scaled, (loop.epoch, loop.batch_idx, id(loop.meters))).backward()
         for hook in t._hooks["on_after_backward"]:
             hook(t, loss)
         if do_optimize:
@@ -433,45 +448,73 @@ class Runner:
         return loss
 
     def optimize(self, optimize_index):
+        """`Trainer.optimize`: on the window's last micro-batch run the optimize layer of the machine:
+        unscale -> clip -> step or skip per optimizer -> scaler update and zero_grad."""
         t = self.t
-        if t.loop.stage != "train":
+        loop = t.loop
+        if loop.stage != "train":
             return
-        loop, fire = t.loop, t.machine.fire
+        fire = t.machine.fire
         loop.update_indices = t._opts.indices(optimize_index)
         if fire("optimize") != "optimize_unscaled":
-            return
+            return  # an inner micro-batch: gradients keep accumulating
         for hook in t._hooks["on_before_optimize"]:
             hook(t, optimize_index)
         fire("clip")
         for i in loop.update_indices:
             loop.opt_index = i
-            fire("apply_update")
+            fire("apply_update")  # grads_finite picks the step or the skip edge for optimizer i
         fire("finish_update")
+        t.loop.window_updated = True
         for hook in t._hooks["on_after_optimize"]:
             hook(t, optimize_index)
 
     @contextlib.contextmanager
     def no_sync(self):
-        dist = self.t._dist
+        """`Trainer.no_sync`: backward inside does not all-reduce gradients (a no-op in one process).
+
+        On exit the sync setting the machine chose for this micro-batch is restored (on only for a
+        window's last micro-batch), so a hand-split batch inside an inner micro-batch still does not sync.
+        """
+        t = self.t
+        dist = t._dist
         dist.set_grad_sync(False)
         try:
             yield
         finally:
-            dist.set_grad_sync(True)
+            loop = t.loop
+            dist.set_grad_sync(loop.window_boundary if loop.stage == "train" else True)
 
     def window_loss_finite(self) -> bool:
-        """fp32 finite check of the window's losses (one host read per update)."""
+        """Whether the update window's losses are all finite (fp32/bf16; fp16 asks the scaler instead).
+
+        By design this reads one value on the host per update (the guard needs a Python bool): under fp32
+        nothing else tells a NaN update apart, and one read per update, not per batch, is cheap. Under DDP
+        the flag is summed over the ranks first, so every rank takes the same step/skip edge (gradients
+        are averaged, so one rank's NaN reaches all). Raises FloatingPointError with nonfinite='raise'.
+        """
         t, loop = self.t, self.t.loop
         losses = [loss for loss, _ in loop.meters.window_losses]
         if self._step_loss is not None:
             losses.append(self._step_loss)
-        if not losses:
+        dist = t._dist
+        if not losses and dist.world_size == 1:
             return True
-        ok = bool(torch.isfinite(losses[0] if len(losses) == 1 else torch.stack(losses)).all())
+        if len(losses) == 1:
+            total = losses[0].reshape(())
+        elif losses:  # inf and NaN survive a sum; float32 keeps fp16 losses from overflowing in it
+            total = torch.stack([v.reshape(()).float() for v in losses]).sum()
+        else:
+            total = torch.zeros((), device=t.device)
+        if dist.world_size > 1:
+            bad = dist.reduce_sum((~torch.isfinite(total)).float().reshape(1))
+            ok = bad.item() == 0.0
+        else:
+            ok = math.isfinite(total.item())
         if not ok and t.config.nonfinite == "raise":
             raise FloatingPointError(
-                f"non-finite loss in the update window ending at epoch {loop.epoch} batch {loop.batch_idx};"
-                " pass nonfinite='skip' to Trainer to skip such updates, or use precision='fp16'"
+                f"non-finite loss in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
+                f" (precision={t.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
             )
         return ok
 

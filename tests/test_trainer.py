@@ -318,6 +318,7 @@ def test_an_error_in_the_loop_carries_the_flight_record_and_leaves_the_trainer_u
         t.fit(data)
     notes = "\n".join(info.value.__notes__)
     assert "last transitions of the deepepochs loop" in notes
+    assert "raised in state 'task_train' (epoch 1, batch 2" in notes
     assert "epoch 1 batch 2: step_optimized --end_batch--> task_train" in notes
     assert t.machine.state == "idle"
     t._hooks.remove(t.callbacks)
