@@ -1,6 +1,13 @@
 """deepepochs: a PyTorch training loop driven by an explicit, spec-generated finite-state machine."""
 
-from deepepochs.callbacks import Callback
+from deepepochs.callbacks import (
+    AnalyzeCallback,
+    Callback,
+    CheckCallback,
+    GradClipCallback,
+    InterpreteCallback,
+    LogCallback,
+)
 from deepepochs.errors import (
     CheckpointError,
     ConfigError,
@@ -26,7 +33,9 @@ from deepepochs.utils import set_seed
 __version__ = "0.7.0"
 
 __all__ = [
+    "AnalyzeCallback",
     "Callback",
+    "CheckCallback",
     "CheckpointError",
     "ConfigError",
     "ConfusionMetrics",
@@ -34,7 +43,10 @@ __all__ = [
     "DistributedError",
     "EpochTask",
     "Event",
+    "GradClipCallback",
+    "InterpreteCallback",
     "InvalidTransition",
+    "LogCallback",
     "LoopError",
     "MeanPatch",
     "Optimizer",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from deepepochs.checkpoint import resume_once
 from deepepochs.fsm.machine import LoopMachine, load_spec
 
 __all__ = ["LoopActions", "LoopState", "ResumePoint", "StopRequest", "bind_machine"]
@@ -66,6 +67,11 @@ class LoopState:
         return self.epoch, self.batch_idx
 
 
+# States in which a training step has not returned yet (its batch is not in the meters).
+_IN_STEP = frozenset({"step_forward", "step_backward", "step_optimized", "optimize_unscaled",
+                      "optimize_clipped"})
+
+
 class LoopActions:
     """Guards and actions of the spec for one trainer."""
 
@@ -92,7 +98,13 @@ class LoopActions:
     def guard_has_save_requests(self) -> bool:
         return bool(self.loop.save_requests)
 
+    def guard_resume_pending(self) -> bool:
+        return bool(self.t._resume_pending)
+
     # ---- actions ----
+    def act_resume_checkpoint(self) -> None:
+        resume_once(self.t)
+
     def act_start_epoch(self) -> None:
         loop = self.loop
         loop.epoch = loop.completed_epochs + 1
@@ -203,8 +215,18 @@ class LoopActions:
         t._opts.zero_grad(t._opts.all_indices)
         t._precision.discard_step_state()
         t._dist.set_grad_sync(True)
-        if loop.meters is not None:
-            loop.meters.discard_window()
+        meters = loop.meters
+        if meters is not None:
+            if loop.stage == "train" and loop.window_updated:
+                # The window's update was applied, so the next fit resumes after it: the window is complete
+                # and its loss statistics stay. A step interrupted after its update has not handed back its
+                # batch yet: count the batch's loss (its metric patches never came back).
+                runner = t._runner
+                if loop.last_error_state in _IN_STEP and runner._step_loss is not None:
+                    meters.add_batch(runner._step_loss, runner._batch_n, None)
+                meters.close_window()
+            else:
+                meters.discard_window()
         loop.save_requests.clear()
 
     def act_reset_loop(self) -> None:

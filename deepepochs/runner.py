@@ -13,7 +13,6 @@ import math
 
 import torch
 
-from deepepochs.checkpoint import resume_once
 from deepepochs.data import batch_size_of, call_model, lookahead, split_batch, to_device
 from deepepochs.errors import ConfigError, LoopError
 from deepepochs.loop import ResumePoint
@@ -60,7 +59,12 @@ class Runner:
                 if not isinstance(task, EpochTask):
                     raise ConfigError(f"{stage}_tasks must hold EpochTask objects (got {type(task).__name__})")
                 out.append(task)
-        for task in out:
+        for i, task in enumerate(out):
+            if _len_or_none(task.dataloader) == 0:
+                raise ConfigError(
+                    f"the {stage} data of task {i} is empty (len 0): check the dataset size, batch_size and"
+                    " drop_last; a DataLoader must yield at least one batch"
+                )
             task.trainer = self.t
             task.stage = stage
             task.all_metrics = [*metrics, *task.metrics]
@@ -149,7 +153,6 @@ class Runner:
         fire = machine.fire_cold
         loop.target_epochs = t.config.epochs
         records = {"train": {}, "val": {}}
-        resume_once(t)  # Trainer(resume=...): before the machine starts, so a bad file leaves it idle
         fire("fit")
         self._header()
         self._run_hooks("on_before_fit", t.config.epochs)
@@ -246,7 +249,6 @@ class Runner:
 
     def run_test(self, tasks):
         t, loop = self.t, self.t.loop
-        resume_once(t)  # a first test() after a restart evaluates the resumed run's checkpoints
         t.machine.fire_cold("test")
         self._header()
         loop.epoch = max(loop.epoch, 0)

@@ -70,10 +70,12 @@ GUARDS = [
     G("window_boundary", "This micro-batch closes its window (the k-th batch, or the task's last batch)."),
     G("grads_finite", "The current optimizer's gradients are finite (the scaler found no inf/NaN)."),
     G("has_save_requests", "Callbacks requested checkpoint saves during this epoch's end."),
+    G("resume_pending", "Trainer(resume=...) asked for a resume that has not happened yet."),
 ]
 
 A = Action
 ACTIONS = [
+    A("resume_checkpoint", "Load the newest checkpoint of the monitors' folders (or start fresh)."),
     A("start_epoch", "Advance the 1-based epoch counter and set distributed samplers' epoch."),
     A("report_early_stop", "Record and print why the fit stopped before its epoch target."),
     A("open_window", "Reset the window's sample count, loss sums and metric patches."),
@@ -95,8 +97,13 @@ ACTIONS = [
 RUNNING = [s.name for s in STATES if s.running]
 E = Transition
 TRANSITIONS = [
-    E("fit", "idle", "fit_running", "A fit starts or resumes toward the epoch target."),
-    E("test", "idle", "stage_test", "A test run starts."),
+    E("fit", "idle", "fit_running", "The first fit of a resume=... trainer loads the newest checkpoint.",
+      conditions=["resume_pending"], actions=["resume_checkpoint"]),
+    E("fit", "idle", "fit_running", "A fit starts or continues toward the epoch target.",
+      unless=["resume_pending"]),
+    E("test", "idle", "stage_test", "A first test of a resume=... trainer loads the newest checkpoint.",
+      conditions=["resume_pending"], actions=["resume_checkpoint"]),
+    E("test", "idle", "stage_test", "A test run starts.", unless=["resume_pending"]),
     E("next_epoch", "fit_running", "epoch_running", "Another epoch runs.",
       conditions=["epochs_remaining"], unless=["stop_requested"], actions=["start_epoch"]),
     E("next_epoch", "fit_running", "fit_done", "A callback stopped the fit early.",

@@ -414,3 +414,15 @@ def test_graph_command_line_writes_mermaid_and_dot(tmp_path):
     subprocess.run([sys.executable, "-m", "deepepochs", "graph", "--format", "dot", "-o", str(tmp_path / "g.dot")],
                    check=True)
     assert (tmp_path / "g.dot").read_text().startswith("digraph deepepochs_loop")
+
+
+def test_an_empty_dataloader_is_refused_before_training():
+    """REL-2: an empty DataLoader (e.g. drop_last with too few samples) is named before anything runs."""
+    x, y = _binary(8, 4)
+    empty = DataLoader(TensorDataset(x, y), batch_size=16, drop_last=True)
+    t = quiet(nn.Linear(4, 2), epochs=1)
+    with pytest.raises(ConfigError, match=r"the train data of task 0 is empty \(len 0\)"):
+        t.fit(empty)
+    with pytest.raises(ConfigError, match=r"the test data of task 0 is empty"):
+        t.test(empty)
+    assert t.machine.state == "idle" and t.loop.completed_epochs == 0

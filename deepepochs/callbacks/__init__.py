@@ -1,5 +1,18 @@
 """Callbacks: the `Callback` base class and the ready-made ones."""
 
+from deepepochs.callbacks.analyze import AnalyzeCallback
 from deepepochs.callbacks.base import Callback, HookTable
+from deepepochs.callbacks.check import CheckCallback
+from deepepochs.callbacks.grad_clip import GradClipCallback
+from deepepochs.callbacks.interprete import InterpreteCallback
+from deepepochs.callbacks.log import LogCallback
 
-__all__ = ["Callback", "HookTable"]
+__all__ = [
+    "AnalyzeCallback",
+    "Callback",
+    "CheckCallback",
+    "GradClipCallback",
+    "HookTable",
+    "InterpreteCallback",
+    "LogCallback",
+]

@@ -1,0 +1,191 @@
+"""`CheckCallback`: monitor a metric, save best or latest checkpoints, stop early (CKPT-1, CKPT-4).
+
+The callback only decides; the machine does the rest. At each epoch's end (`on_after_epoch`) it reads
+the monitored global metric, updates its best value and patience counter, and calls
+`trainer.request_save(...)` and/or `trainer.request_stop(...)`. The spec's `end_epoch` edge then writes
+the requested files (`save_checkpoints`, after epoch-wise schedulers stepped, so the file resumes the
+schedule exactly) and `next_epoch` takes the `stop_requested` edge. A stop requested in the same epoch
+therefore still gets that epoch's checkpoint. The file format is in `deepepochs.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from deepepochs import checkpoint
+from deepepochs.callbacks.base import Callback
+from deepepochs.config import check_choice
+from deepepochs.errors import ConfigError
+
+__all__ = ["CheckCallback"]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.=+-]")
+
+
+class CheckCallback(Callback):
+    """Save the best (or latest) checkpoint by a monitored metric and stop after `patience` bad epochs.
+
+    Args:
+        monitor: metric name as it appears in the stage's metrics, e.g. 'loss' or 'acc'.
+        on_stage: 'val' (the validation metrics) or 'train'.
+        mode: 'min' (lower is better) or 'max'.
+        patience: stop the fit after this many checks in a row without improvement; 0 never stops.
+        save_best: True keeps the snapshot of the best epoch (for evaluation; `test` uses it); False
+            keeps the latest epoch's snapshot (for resuming).
+        ckpt_dir: root folder; files go to `<ckpt_dir>/<running_id>/<on_stage>-<monitor>.<best|latest>.ckpt`.
+
+    Each file holds the full training state and the state of every `CheckCallback` of the trainer.
+    Under DDP the metric is global, every rank takes the same decisions, and only rank 0 writes.
+    Epochs where the stage did not run (e.g. `val_freq` > 1) are not checks. During `test`, the first
+    `CheckCallback` (in declaration order) with a saved file supplies the weights; the model gets its
+    pre-test weights back afterwards, also when the test fails.
+
+    Example:
+        >>> checker = CheckCallback('loss', on_stage='val', mode='min', patience=5)
+        >>> trainer = Trainer(model, F.cross_entropy, opt, epochs=50, callbacks=[checker], resume=True)
+        >>> trainer.fit(train_dl, val_dl)
+        >>> trainer.test(test_dl)  # evaluates the best validation-loss epoch's weights
+    """
+
+    def __init__(self, monitor: str, on_stage: str = "val", mode: str = "min", patience: int = 0,
+                 save_best: bool = True, ckpt_dir="./checkpoints"):
+        if not isinstance(monitor, str) or not monitor:
+            raise ConfigError(f"CheckCallback monitor must be a non-empty metric name string, e.g. 'loss'"
+                              f" (got {monitor!r})")
+        check_choice("CheckCallback on_stage", on_stage, ("val", "train"))
+        check_choice("CheckCallback mode", mode, ("min", "max"),
+                     "'min' when lower is better (losses), 'max' when higher is better (accuracy)")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ConfigError(f"CheckCallback patience must be an int >= 0, 0 turning early stopping off"
+                              f" (got {patience!r})")
+        if not isinstance(save_best, bool):
+            raise ConfigError(f"CheckCallback save_best must be True or False (got {save_best!r})")
+        if not isinstance(ckpt_dir, (str, os.PathLike)):
+            raise ConfigError(f"CheckCallback ckpt_dir must be a path (str or os.PathLike)"
+                              f" (got {type(ckpt_dir).__name__})")
+        self.monitor = monitor
+        self.on_stage = on_stage
+        self.mode = mode
+        self.patience = patience
+        self.save_best = save_best
+        self.ckpt_dir = Path(ckpt_dir)
+        kind = "best" if save_best else "latest"
+        #: Stable key of this monitor inside checkpoints; also names its file.
+        self.monitor_id = f"{on_stage}-{monitor}.{kind}"
+        self.file_name = _UNSAFE.sub("_", self.monitor_id) + checkpoint.SUFFIX
+        self._reset()
+        self._test_backup = None
+
+    def _reset(self) -> None:
+        self.best: float | None = None
+        self.best_epoch: int | None = None
+        self.bad_epochs = 0
+        self.last: float | None = None
+        self.saved_epoch: int | None = None
+
+    def __repr__(self) -> str:
+        return (f"CheckCallback({self.monitor!r}, on_stage={self.on_stage!r}, mode={self.mode!r},"
+                f" patience={self.patience}, save_best={self.save_best}, ckpt_dir={str(self.ckpt_dir)!r})")
+
+    # ---- files and state ----
+    def path(self, trainer) -> Path:
+        """This monitor's file for the trainer's current run."""
+        return self.ckpt_dir / str(trainer.running_id) / self.file_name
+
+    def state_dict(self) -> dict:
+        """The monitor's state as stored in every checkpoint (numbers, strings and None only)."""
+        return {"monitor": self.monitor, "on_stage": self.on_stage, "mode": self.mode,
+                "save_best": self.save_best, "best": self.best, "best_epoch": self.best_epoch,
+                "bad_epochs": self.bad_epochs, "last": self.last, "saved_epoch": self.saved_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; a state recorded with another `mode` is ignored (its best
+        value would compare the wrong way)."""
+        if state.get("mode", self.mode) != self.mode:
+            return
+        self.best = state.get("best")
+        self.best_epoch = state.get("best_epoch")
+        self.bad_epochs = int(state.get("bad_epochs", 0))
+        self.last = state.get("last")
+        self.saved_epoch = state.get("saved_epoch")
+
+    # ---- hooks ----
+    def on_attach(self, trainer) -> None:
+        """Refuse two monitors with the same id: they would overwrite each other's file and state."""
+        same = [m for m in checkpoint.monitors_of(trainer) if m.monitor_id == self.monitor_id]
+        if len(same) > 1:
+            raise ConfigError(f"two CheckCallbacks monitor {self.monitor_id!r} ({same[0]!r} and {same[1]!r});"
+                              " they would write the same file: keep one of them")
+
+    def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
+        """Check the metric, then request this epoch's save and/or a stop."""
+        metrics = val_metrics if self.on_stage == "val" else train_metrics
+        if not metrics:
+            if self.on_stage == "val" and not val_tasks:
+                raise ConfigError(f"CheckCallback({self.monitor!r}, on_stage='val') needs validation metrics,"
+                                  " but fit() got no validation data; pass val_dl (or val_tasks) to fit, or"
+                                  " use on_stage='train'")
+            return  # the stage did not run this epoch (val_freq): not a check
+        if self.monitor not in metrics:
+            names = ", ".join(repr(n) for n in metrics)
+            raise ConfigError(f"CheckCallback monitor must name a {self.on_stage} metric: one of {names}"
+                              f" (got {self.monitor!r})")
+        value = float(metrics[self.monitor])
+        self.last = value
+        improved = not math.isnan(value) and (
+            self.best is None or (value < self.best if self.mode == "min" else value > self.best))
+        if improved:
+            self.best, self.best_epoch, self.bad_epochs = value, epoch_idx, 0
+        else:
+            self.bad_epochs += 1
+        if improved or not self.save_best:
+            self.saved_epoch = epoch_idx  # before the save runs, so the file records itself
+            trainer.request_save(lambda: self._save(trainer))
+        if self.patience and self.bad_epochs >= self.patience:
+            best = "none" if self.best is None else f"{self.best:.6g} at epoch {self.best_epoch}"
+            trainer.request_stop(f"{self.on_stage} {self.monitor} did not improve for {self.bad_epochs}"
+                                 f" epoch(s) (best {best})", f"CheckCallback({self.monitor_id})")
+
+    def _save(self, trainer) -> None:
+        # Runs in the save_checkpoints action: every monitor has checked this epoch by now, so the
+        # snapshot carries all of their states. Every rank took the same decision; rank 0 writes.
+        if trainer._dist.is_main:
+            checkpoint.write_atomic(checkpoint.snapshot(trainer).to_dict(), self.path(trainer))
+
+    def on_before_test_epochs(self, trainer, tasks):
+        """The first CheckCallback swaps in the weights of the first monitor that has a file."""
+        monitors = checkpoint.monitors_of(trainer)
+        if not monitors or monitors[0] is not self:
+            return  # one coordinator, so the weights are swapped (and restored) exactly once
+        if trainer.world_size > 1:
+            # Rank 0 may still be writing the last epoch's file: wait for it, so that all ranks see the
+            # same files and pick the same monitor (a collective used as a barrier).
+            trainer._dist.reduce_sum(torch.zeros(1, device=trainer.device))
+        source = next((m.path(trainer) for m in monitors if m.path(trainer).is_file()), None)
+        if source is None:
+            return
+        ckpt = checkpoint.read_checkpoint(source)
+        # Back up before touching the weights: a failing load_state_dict may have copied some of them.
+        self._test_backup = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+                                 else copy.deepcopy(v)) for k, v in trainer.raw_model.state_dict().items()}
+        checkpoint.load_model_state(trainer, ckpt.model, source)
+        trainer._console.info(f"Testing the weights of {source} (epoch {ckpt.epoch})")
+
+    def on_after_test_epochs(self, trainer, tasks, metrics):
+        """Give the model its pre-test weights back."""
+        self._restore(trainer)
+
+    def on_interrupted(self, trainer, exception):
+        """A failed test (or fit) must not leave the checkpoint's weights in the model."""
+        self._restore(trainer)
+
+    def _restore(self, trainer) -> None:
+        backup, self._test_backup = self._test_backup, None
+        if backup is not None:
+            trainer.raw_model.load_state_dict(backup)

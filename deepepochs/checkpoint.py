@@ -1,0 +1,315 @@
+"""Checkpoint files (CKPT-2, CKPT-3, CKPT-5): what a snapshot holds, atomic writes, finding and loading.
+
+A checkpoint is a plain `torch.save` dict; `torch.load(path, weights_only=True)` reads it without
+deepepochs (only tensors, numbers, strings, lists, dicts and None are stored, unless a scheduler of
+yours keeps other objects in its state). Keys:
+
+==================  ==========================================================================
+`format_version`    int, currently 1; a newer version is refused with a clear error.
+`running_id`        str, the run that wrote the file (informational: the folder name wins on resume,
+                    so a renamed run folder keeps working).
+`epoch`             int, completed epochs when saved; a resumed fit continues with `epoch + 1`.
+`world_size`        int, processes that trained (informational: any world size loads the file).
+`model`             the unwrapped model's `state_dict()`: no `module.` (DDP) or `_orig_mod.`
+                    (`torch.compile`) prefixes, so single-process, DDP and compiled runs share it.
+`optimizers`        list, `optimizer.state_dict()` per optimizer in `optimize_index` order.
+`schedulers`        list, the scheduler's `state_dict()` or None, parallel to `optimizers`.
+`scaler`            the fp16 `GradScaler.state_dict()`, or None without a scaler.
+`monitors`          dict, monitor id (e.g. `'val-loss.best'`) -> that `CheckCallback`'s state
+                    (best value and epoch, epochs without improvement, last saved epoch). Every
+                    file holds every monitor's state, whichever monitor wrote it.
+==================  ==========================================================================
+
+Files live at `<ckpt_dir>/<running_id>/<monitor file>.ckpt` and contain no absolute paths, so a run
+folder (or a whole `ckpt_dir`) can be moved or renamed. A write goes to a hidden temporary file in the
+same folder and is renamed over the target with `os.replace`, which is atomic on POSIX and Windows: a
+crash mid-save leaves the previous checkpoint intact, and the leftover temporary file (it does not end
+in `.ckpt`) is never picked by resume.
+
+Monitors are found by duck typing, like gradient clippers: a callback with a `monitor_id` string,
+a `ckpt_dir`, `state_dict()` and `load_state_dict(state)` (see `deepepochs.callbacks.check`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+import torch
+
+from deepepochs.errors import CheckpointError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SUFFIX",
+    "Checkpoint",
+    "find_checkpoint",
+    "load_model_state",
+    "load_into",
+    "monitors_of",
+    "read_checkpoint",
+    "resume_once",
+    "snapshot",
+    "write_atomic",
+]
+
+FORMAT_VERSION = 1
+SUFFIX = ".ckpt"
+_TEMP_SUFFIX = ".tmp"
+# Prefixes a wrapped model adds to parameter names: torch.compile's OptimizedModule and DDP.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def _non_negative_int(_instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"checkpoint key {attribute.name!r} must be a non-negative int (got {value!r})")
+
+
+def _mapping(_instance, attribute, value):
+    if not isinstance(value, Mapping):
+        raise CheckpointError(f"checkpoint key {attribute.name!r} must be a dict"
+                              f" (got {type(value).__name__})")
+
+
+def _list(_instance, attribute, value):
+    if not isinstance(value, (list, tuple)):
+        raise CheckpointError(f"checkpoint key {attribute.name!r} must be a list"
+                              f" (got {type(value).__name__})")
+
+
+@attrs.define(kw_only=True)
+class Checkpoint:
+    """The typed contents of a checkpoint file; `to_dict()` is exactly what `torch.save` writes.
+
+    Attributes mirror the file's keys (see the module docstring).
+    """
+
+    format_version: int = attrs.field(default=FORMAT_VERSION, validator=_non_negative_int)
+    running_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    epoch: int = attrs.field(default=0, validator=_non_negative_int)
+    world_size: int = attrs.field(default=1, validator=_non_negative_int)
+    model: Mapping = attrs.field(factory=dict, validator=_mapping)
+    optimizers: list = attrs.field(factory=list, validator=_list)
+    schedulers: list = attrs.field(factory=list, validator=_list)
+    scaler: Mapping | None = None
+    monitors: Mapping = attrs.field(factory=dict, validator=_mapping)
+
+    def to_dict(self) -> dict:
+        """The plain dict stored in the file."""
+        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self))}
+
+    @classmethod
+    def from_dict(cls, data, path="<memory>") -> Checkpoint:
+        """Validate a loaded dict; `CheckpointError` names `path` and what is wrong."""
+        if not isinstance(data, Mapping):
+            raise CheckpointError(f"{path} is not a deepepochs checkpoint (a dict was expected, got"
+                                  f" {type(data).__name__})")
+        names = [f.name for f in attrs.fields(cls)]
+        missing = [n for n in ("format_version", "epoch", "model") if n not in data]
+        if missing:
+            raise CheckpointError(f"{path} is not a deepepochs checkpoint: keys {missing} are missing"
+                                  f" (found {sorted(map(str, data))})")
+        version = data["format_version"]
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format_version {version}, but this deepepochs reads up to"
+                                  f" {FORMAT_VERSION}; upgrade deepepochs to load it")
+        try:
+            return cls(**{n: data[n] for n in names if n in data})
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+
+
+def monitors_of(trainer) -> list:
+    """The trainer's checkpoint monitors (e.g. `CheckCallback`s), in declaration order."""
+    return [cb for cb in trainer.callbacks if isinstance(getattr(cb, "monitor_id", None), str)]
+
+
+def snapshot(trainer) -> Checkpoint:
+    """The trainer's current training state as a `Checkpoint` (tensors are not copied)."""
+    opts = trainer.opt.state_dict()
+    return Checkpoint(
+        running_id=str(trainer.running_id),
+        epoch=trainer.loop.completed_epochs,
+        world_size=trainer.world_size,
+        model=trainer.raw_model.state_dict(),
+        optimizers=opts["optimizers"],
+        schedulers=opts["schedulers"],
+        scaler=trainer._precision.state_dict(),
+        monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
+    )
+
+
+# ---- writing ----
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename durable (POSIX); harmless to skip where directories cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(data: Mapping, path) -> Path:
+    """`torch.save(data)` to `path` atomically: a temporary file in the same folder, then `os.replace`.
+
+    The temporary file must be in the same folder: `os.replace` is atomic only within one file system.
+    A failed write removes it and raises `CheckpointError`; the previous file at `path` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Hidden, unique per writer, and not ending in SUFFIX: resume never mistakes it for a checkpoint.
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}")
+    try:
+        with open(temp, "wb") as f:
+            torch.save(dict(data), f)
+            f.flush()
+            os.fsync(f.fileno())  # the data must be on disk before the rename makes it the checkpoint
+        os.replace(temp, path)
+    except BaseException as e:
+        try:
+            temp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(e, Exception):
+            raise CheckpointError(f"writing checkpoint {path} failed ({e!r}); the previous file, if any,"
+                                  " is unchanged") from e
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+# ---- reading ----
+def read_checkpoint(path) -> Checkpoint:
+    """Read and validate one checkpoint file onto the CPU; `CheckpointError` names the path on failure.
+
+    `weights_only=True` is tried first (safe unpickling); a file holding other objects (e.g. a custom
+    scheduler's state) is read again with full unpickling: only load checkpoints you trust.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    try:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            if "weights_only" not in str(e):
+                raise
+            data = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}".split("\n")[0]) from e
+    return Checkpoint.from_dict(data, path)
+
+
+def _unwrap_keys(state: Mapping, expected: set) -> Mapping:
+    """Strip wrapper prefixes (`_orig_mod.`, `module.`) when that is what makes the keys match.
+
+    Our own files never carry them (we save the unwrapped model), but a state dict saved from a DDP or
+    compiled module by other code would; stripping only on a mismatch keeps a real submodule named
+    `module` intact.
+    """
+    keys = set(state)
+    while keys != expected:
+        prefix = next((p for p in _WRAPPER_PREFIXES if keys and all(k.startswith(p) for k in keys)), None)
+        if prefix is None:
+            break
+        state = {k[len(prefix):]: v for k, v in state.items()}
+        keys = set(state)
+    return state
+
+
+def load_model_state(trainer, state: Mapping, path="<memory>") -> None:
+    """Load a model state dict into `trainer.raw_model` (strict); `CheckpointError` names `path`."""
+    model = trainer.raw_model
+    state = _unwrap_keys(state, set(model.state_dict()))
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} does not fit the model: {e}") from e
+
+
+def load_into(trainer, path, ckpt: Checkpoint | None = None) -> Checkpoint:
+    """Restore everything a checkpoint holds into `trainer` (model, optimizers, schedulers, scaler,
+    completed epoch, monitors); the trainer's running id is left alone.
+
+    Monitors absent from the file keep their state; states of monitors the trainer lacks are ignored.
+    """
+    path = Path(path)
+    ckpt = read_checkpoint(path) if ckpt is None else ckpt
+    load_model_state(trainer, ckpt.model, path)
+    try:
+        trainer.opt.load_state_dict({"optimizers": ckpt.optimizers, "schedulers": ckpt.schedulers})
+    except (ValueError, RuntimeError, KeyError, IndexError) as e:
+        raise CheckpointError(f"checkpoint {path}: optimizer or scheduler state does not fit: {e}") from e
+    trainer._precision.load_state_dict(ckpt.scaler)
+    for monitor in monitors_of(trainer):
+        state = ckpt.monitors.get(monitor.monitor_id)
+        if state is not None:
+            monitor.load_state_dict(state)
+    loop = trainer.loop
+    loop.completed_epochs = ckpt.epoch
+    loop.epoch = ckpt.epoch
+    loop.stop = None
+    loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
+    return ckpt
+
+
+# ---- finding ----
+def _checkpoints_in(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if p.suffix == SUFFIX and not p.name.startswith(".") and p.is_file()]
+
+
+def find_checkpoint(ckpt_dirs, running_id: str | None = None) -> Path | None:
+    """The newest checkpoint (by modification time) under `<ckpt_dir>/<run>/` for all `ckpt_dirs`.
+
+    With `running_id`, only that run's folders are searched and finding none is a `CheckpointError`
+    naming the folders searched; without it, None means there is no checkpoint at all.
+    """
+    dirs = list(dict.fromkeys(Path(d) for d in ckpt_dirs))
+    if running_id is None:
+        runs = [run for d in dirs if d.is_dir() for run in d.iterdir() if run.is_dir()]
+    else:
+        runs = [d / running_id for d in dirs]
+    found = [p for run in runs for p in _checkpoints_in(run)]
+    if not found:
+        if running_id is None:
+            return None
+        searched = ", ".join(str(r) for r in runs) or "(no CheckCallback, so no ckpt_dir to search)"
+        raise CheckpointError(f"resume={running_id!r}: no checkpoint of that run was found;"
+                              f" searched {searched}")
+    # Newest first by mtime; the path breaks ties so the choice is deterministic.
+    return max(found, key=lambda p: (p.stat().st_mtime_ns, str(p)))
+
+
+def resume_once(trainer) -> None:
+    """Honour `Trainer(resume=...)` at the first fit or test; a no-op afterwards.
+
+    `resume=True` loads the newest checkpoint across the monitors' `ckpt_dir`s and starts fresh when
+    there is none; `resume='<running id>'` loads that run's newest checkpoint or raises. The run folder's
+    name becomes `trainer.running_id`, so new checkpoints go on into the same (possibly renamed) folder.
+    A failed resume stays pending, so fixing the files and calling fit again retries it.
+    """
+    if not getattr(trainer, "_resume_pending", False):
+        return
+    run = trainer.resume if isinstance(trainer.resume, str) else None
+    dirs = [m.ckpt_dir for m in monitors_of(trainer)]
+    path = find_checkpoint(dirs, run)
+    if path is None:
+        searched = ", ".join(str(d) for d in dict.fromkeys(dirs)) or "nowhere: no CheckCallback"
+        trainer._console.info(f"resume=True: no checkpoint found (searched {searched}); starting fresh")
+    else:
+        ckpt = load_into(trainer, path)
+        trainer.running_id = path.parent.name
+        trainer._console.info(f"Resumed from {path}: {ckpt.epoch} epoch(s) completed,"
+                              f" running id {trainer.running_id}")
+    trainer._resume_pending = False

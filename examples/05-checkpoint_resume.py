@@ -1,0 +1,82 @@
+"""Checkpoints, early stopping and resume with `CheckCallback` (synthetic data, CPU, offline).
+
+1. Train part of the run with two monitors: the best validation loss (for evaluation) and the latest epoch
+   (for resuming), with early stopping.
+2. "Restart the process": a fresh model and Trainer with `resume=True` continue to the same epoch target.
+3. `test` evaluates the best epoch's weights, then puts the trained weights back.
+
+Run: `python examples/05-checkpoint_resume.py` (or `--small` for a few seconds' run).
+"""
+
+import argparse
+import pathlib
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from deepepochs import CheckCallback, Optimizer, Trainer, set_seed
+
+
+def make_data(n, seed):
+    """Two Gaussian blobs in 16 dimensions (a binary classification task)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 2, (n,), generator=g)
+    x = torch.randn(n, 16, generator=g) + (y[:, None] * 2 - 1) * 0.6
+    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
+
+
+def accuracy(preds, targets):
+    return (preds.argmax(dim=1) == targets).float().mean()
+
+
+def make_trainer(ckpt_dir, epochs, resume):
+    """Model, optimizer + scheduler and the two monitors: what a training script builds on every start."""
+    set_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    callbacks = [
+        # Best validation loss, early stop after 4 epochs without improvement; test() evaluates this one.
+        CheckCallback("loss", on_stage="val", mode="min", patience=4, ckpt_dir=ckpt_dir),
+        # The latest epoch, for resuming (metric names are the functions' names).
+        CheckCallback("accuracy", on_stage="val", mode="max", save_best=False, ckpt_dir=ckpt_dir),
+    ]
+    return Trainer(model, F.cross_entropy, Optimizer(opt, sched), epochs=epochs, callbacks=callbacks,
+                   metrics=[accuracy], resume=resume, log_batch=False)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="fewer samples and epochs")
+    args = parser.parse_args()
+    n, epochs = (256, 4) if args.small else (2048, 12)
+    train_dl, val_dl, test_dl = make_data(n, 1), make_data(n // 4, 2), make_data(n // 4, 3)
+
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        # First start: train half of the epochs, as if the job were stopped there.
+        with make_trainer(ckpt_dir, epochs=epochs // 2, resume=True) as trainer:
+            trainer.fit(train_dl, val_dl)
+            run_id = trainer.running_id
+
+        # Second start: same script, epoch target `epochs`; resume=True picks the newest checkpoint.
+        with make_trainer(ckpt_dir, epochs=epochs, resume=True) as trainer:
+            records = trainer.fit(train_dl, val_dl)
+            print(f"resumed run {trainer.running_id} (same as first: {trainer.running_id == run_id});"
+                  f" this start trained {len(records['train']['loss'])} epoch(s),"
+                  f" lr now {trainer.opt[0].opt.param_groups[0]['lr']:.4f}")
+            weights = trainer.raw_model[0].weight.detach().clone()
+            results = trainer.test(test_dl)  # evaluates the best val-loss epoch's weights
+            print(f"test on the best epoch's weights: {results}")
+            print("trained weights restored after test:", torch.equal(weights, trainer.raw_model[0].weight))
+
+        # The files are plain torch.save dicts.
+        for path in sorted(pathlib.Path(ckpt_dir, run_id).glob("*.ckpt")):
+            data = torch.load(path, weights_only=True)
+            print(f"{path.name}: epoch {data['epoch']}, keys {sorted(data)}")
+
+
+if __name__ == "__main__":
+    main()
