@@ -75,7 +75,9 @@ class Console:
         self._due = now + self.interval
         values = metrics()
         if bar is not None:
-            bar.set_postfix_str(_fmt(values, self.digits), refresh=False)
+            # Redraw now: this branch already runs at most once per refresh interval, and without it the
+            # metrics would wait for tqdm's next redraw (or never show, on a task's last refresh).
+            bar.set_postfix_str(_fmt(values, self.digits), refresh=True)
             return
         total = f"/{self._total}" if self._total else ""
         line = f"{self._prefix}B {batch_idx}{total}  {self._stage}> {_fmt(values, self.digits)}"

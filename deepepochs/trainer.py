@@ -65,7 +65,9 @@ class TrainerBase:
             'confusion' (a confusion matrix; classification metrics only).
         precision: 'fp32', 'fp16' or 'bf16'.
         gradient_accumulation_steps: DataLoader batches per update.
-        nonfinite: fp32 only: 'raise' on an inf/NaN loss, or 'skip' that update.
+        nonfinite: fp32/bf16: 'raise' FloatingPointError (with the flight record) when an update window
+            has an inf/NaN loss, or 'skip' that update. Checking costs one host read per update (not per
+            batch), by design. fp16 ignores it: the GradScaler skips overflowing updates itself.
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
         resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
         log_long, log_batch, log_tqdm, show_info: console output.

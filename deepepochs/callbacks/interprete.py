@@ -1,0 +1,282 @@
+"""`InterpreteCallback` (LOG-2): keep the k samples a per-sample metric ranks best (or worst).
+
+Selection is exact and deterministic: the kept samples are the first k of the whole stage's samples
+stably sorted by the metric (descending for `mode='max'`, ascending for `mode='min'`), so among equal
+values the sample seen first wins. A heap of `(value, -insertion index, record)` holds them; the index is
+unique, so two records are never compared (tensors have no order).
+"""
+
+from __future__ import annotations
+
+import heapq
+import warnings
+from collections.abc import Callable, Mapping
+
+import torch
+
+from deepepochs.callbacks.base import Callback
+from deepepochs.config import check_choice
+from deepepochs.errors import ConfigError, DeepEpochsWarning
+
+__all__ = ["InterpreteCallback"]
+
+STAGES = ("val", "test")
+
+
+class InterpreteCallback(Callback):
+    """Keep the `k` samples with the highest (`mode='max'`) or lowest (`mode='min'`) per-sample metric.
+
+    The watched stages run the default evaluation step, which calls `metric(model_out, batch_y)` in the
+    `on_val_metrics`/`on_test_metrics` hooks; a custom `val_step`/`test_step`/`evaluate_step` does not fire
+    those hooks, so nothing is collected there (a warning says so). Samples are collected anew each time a
+    stage runs: after `fit` the validation samples are those of the last validation; after `test`, the
+    test's. Under DDP each rank keeps the best of its own shard.
+
+    Args:
+        metric: `metric(preds, targets) -> Tensor[N]`, one score per sample (e.g.
+            `lambda p, y: F.cross_entropy(p, y, reduction='none')`). NaN scores are never kept.
+        k: how many samples to keep.
+        mode: 'max' keeps the highest scores, 'min' the lowest.
+        image_data: also write the kept samples' inputs as images (the first input of a multi-input
+            model; of a dict, the first field) with a table of their values and labels, to the trainer's
+            shared TensorBoard writer: `interprete/val` at the end of fit, `interprete/test` after test.
+            Inputs must be `[C, H, W]` (C = 1, 3 or 4) or `[H, W]`; float images are min-max scaled.
+        stages: the stages to watch, from ('val', 'test').
+        log_dir: the writer's folder (None: the one the trainer's other logging callbacks use).
+
+    Example:
+        >>> worst = InterpreteCallback(lambda p, y: F.cross_entropy(p, y, reduction='none'), k=10)
+        >>> trainer = Trainer(model, F.cross_entropy, callbacks=[worst])
+        >>> trainer.test(test_dl)
+        >>> for value, pred, label, x in worst.top_samples():
+        ...     print(f"{value:.3f}", pred.argmax().item(), label.item())
+    """
+
+    def __init__(self, metric: Callable, k: int = 100, mode: str = "max", image_data: bool = False,
+                 stages=STAGES, log_dir=None):
+        if not callable(metric):
+            raise ConfigError(f"metric must be a callable metric(preds, targets) -> Tensor[N] (got"
+                              f" {type(metric).__name__})")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"k must be a positive int (got {k!r})")
+        check_choice("mode", mode, ("max", "min"), "'max' keeps the highest scores, 'min' the lowest")
+        if not isinstance(image_data, bool):
+            raise ConfigError(f"image_data must be True or False (got {image_data!r})")
+        stages = (stages,) if isinstance(stages, str) else tuple(stages)
+        if not stages or any(s not in STAGES for s in stages):
+            raise ConfigError(f"stages must be a non-empty selection of {STAGES!r} (got {stages!r})")
+        self.metric = metric
+        self.k = k
+        self.mode = mode
+        self.image_data = image_data
+        self.stages = stages
+        self.log_dir = log_dir
+        self._sign = 1.0 if mode == "max" else -1.0
+        self._heaps: dict[str, list] = {s: [] for s in STAGES}
+        self._seen = dict.fromkeys(STAGES, 0)
+        self._batches = dict.fromkeys(STAGES, 0)
+        self._collected = dict.fromkeys(STAGES, 0)
+        self._inputs = None
+        self._last: str | None = None
+
+    # ---- results ----
+    def top_samples(self, stage: str | None = None) -> list[list]:
+        """The kept samples, best first, as `[value, pred, label, input]` records.
+
+        `value` is a float; `pred`, `label` and `input` are per-sample CPU tensors (a tuple of them for
+        a multi-input model, a dict for dict inputs or outputs). `stage` is 'val' or 'test'; None means
+        the stage that ran last.
+        """
+        if stage is None:
+            stage = self._last
+            if stage is None:
+                return []
+        check_choice("stage", stage, STAGES)
+        return [list(entry[2]) for entry in sorted(self._heaps[stage], reverse=True)]
+
+    # ---- hooks: validation ----
+    def on_before_val_epochs(self, trainer, tasks, epoch_idx):
+        """Validation starts: forget the previous validation's samples."""
+        self._start("val")
+
+    def on_before_val_batch(self, trainer, batch_x, batch_y, batch_idx):
+        """Remember the batch's inputs for the metrics hook."""
+        self._before_batch("val", batch_x)
+
+    def on_val_metrics(self, trainer, loss, model_out, batch_y, task):
+        """Score the batch's samples and keep those that rank among the best k so far."""
+        self._collect("val", model_out, batch_y)
+
+    def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
+        """Validation is done."""
+        self._end("val")
+
+    def on_after_fit(self, trainer):
+        """Log the last validation's samples as images (with `image_data`)."""
+        if self.image_data and "val" in self.stages and self._heaps["val"]:
+            self._write_images(trainer, "val")
+
+    # ---- hooks: test ----
+    def on_before_test_epochs(self, trainer, tasks):
+        """A test starts: forget the previous test's samples."""
+        self._start("test")
+
+    def on_before_test_batch(self, trainer, batch_x, batch_y, batch_idx):
+        """Remember the batch's inputs for the metrics hook."""
+        self._before_batch("test", batch_x)
+
+    def on_test_metrics(self, trainer, loss, model_out, batch_y, task):
+        """Score the batch's samples and keep those that rank among the best k so far."""
+        self._collect("test", model_out, batch_y)
+
+    def on_after_test_epochs(self, trainer, tasks, metrics):
+        """Log the test's samples as images (with `image_data`)."""
+        self._end("test")
+        if self.image_data and "test" in self.stages and self._heaps["test"]:
+            self._write_images(trainer, "test")
+
+    def on_interrupted(self, trainer, exception):
+        """Drop the reference to the interrupted batch's inputs."""
+        self._inputs = None
+
+    # ---- internals ----
+    def _start(self, stage):
+        if stage not in self.stages:
+            return
+        self._heaps[stage] = []
+        self._seen[stage] = self._batches[stage] = self._collected[stage] = 0
+        self._last = stage
+
+    def _before_batch(self, stage, batch_x):
+        if stage in self.stages:
+            self._inputs = batch_x
+            self._batches[stage] += 1
+
+    def _end(self, stage):
+        self._inputs = None
+        if stage in self.stages and self._batches[stage] and not self._collected[stage]:
+            warnings.warn(
+                f"InterpreteCallback saw {self._batches[stage]} {stage} batches but no predictions: a custom"
+                f" {stage}_step/evaluate_step does not run the on_{stage}_metrics hook; use the default step"
+                " or call the callback's metric yourself", DeepEpochsWarning, stacklevel=3)
+
+    def _collect(self, stage, model_out, batch_y):
+        if stage not in self.stages:
+            return
+        batch_x, self._inputs = self._inputs, None
+        scores = self.metric(model_out, batch_y)
+        if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
+            got = (f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)
+                   else type(scores).__name__)
+            raise ConfigError(f"InterpreteCallback's metric must return one score per sample, a 1-D tensor"
+                              f" of shape [N] (got {got}); e.g. use reduction='none' in a loss function")
+        self._collected[stage] += 1
+        n = scores.shape[0]
+        base = self._seen[stage]
+        self._seen[stage] += n
+        values = scores.detach()
+        if values.dtype != torch.float64:
+            values = values.float()
+        key = values if self._sign > 0 else -values
+        heap = self._heaps[stage]
+        keep = ~torch.isnan(key)
+        if len(heap) == self.k:  # only strictly better samples can enter: on a tie, the earlier one stays
+            keep &= key > heap[0][0]
+        idx = keep.nonzero().flatten()  # the one host sync of the batch
+        if idx.numel() == 0:
+            return
+        if idx.numel() > self.k:  # at most k of this batch can be kept: the batch's stable top k
+            order = torch.sort(key[idx], descending=True, stable=True).indices[: self.k]
+            idx = idx[order].sort().values
+        picked = values[idx].double().cpu().tolist()
+        preds, labels, inputs = (_per_sample(obj, idx, n) for obj in (model_out, batch_y, batch_x))
+        for j, pos in enumerate(idx.tolist()):
+            value = picked[j]
+            entry = (self._sign * value, -(base + pos), [value, preds[j], labels[j], inputs[j]])
+            if len(heap) < self.k:
+                heapq.heappush(heap, entry)
+            elif entry > heap[0]:
+                heapq.heapreplace(heap, entry)
+
+    def _write_images(self, trainer, stage):
+        if not trainer.is_main_process:
+            return
+        records = self.top_samples(stage)
+        images = [_as_image(_first_input(r[3])) for r in records]
+        if any(img is None for img in images):
+            warnings.warn("InterpreteCallback(image_data=True) needs image inputs of shape [C, H, W] with"
+                          " C in 1, 3, 4, or [H, W]; the kept samples were not written as images",
+                          DeepEpochsWarning, stacklevel=2)
+            return
+        writer = trainer.writer(self.log_dir)
+        step = trainer.loop.completed_epochs
+        tag = f"interprete/{stage}"
+        if len({img.shape for img in images}) == 1:
+            writer.add_images(tag, torch.stack(images), step, dataformats="NCHW")
+        else:
+            for i, img in enumerate(images):
+                writer.add_image(f"{tag}/{i}", img, step, dataformats="CHW")
+        rows = [f"| {i} | {r[0]:.6g} | {_brief(r[2])} | {_brief(r[1])} |" for i, r in enumerate(records)]
+        table = "\n".join([f"{self.mode} {self.k} by metric", "", "| rank | value | label | prediction |",
+                           "|---|---|---|---|", *rows])
+        writer.add_text(tag, table, step)
+        writer.flush()
+
+
+def _per_sample(obj, idx: torch.Tensor, n: int) -> list:
+    """The samples `idx` of a batch structure `obj` of `n` samples, one CPU object per sample.
+
+    Tensors with `n` rows are gathered and each sample cloned (so a kept sample does not keep its batch's
+    storage alive); tuples/lists/dicts keep their structure per sample; a list of `n` plain values (e.g.
+    collated strings) gives one value per sample; anything else is shared by all samples.
+    """
+    m = idx.numel()
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0 or obj.shape[0] != n:
+            return [obj.detach().cpu()] * m
+        rows = obj.detach().index_select(0, idx.to(obj.device)).cpu()
+        return [rows[j].clone() for j in range(m)]
+    if isinstance(obj, Mapping):
+        fields = {key: _per_sample(value, idx, n) for key, value in obj.items()}
+        return [{key: fields[key][j] for key in fields} for j in range(m)]
+    if isinstance(obj, (tuple, list)):
+        if len(obj) == n and not any(isinstance(v, (torch.Tensor, Mapping, tuple, list)) for v in obj):
+            positions = idx.tolist()
+            return [obj[p] for p in positions]
+        parts = [_per_sample(v, idx, n) for v in obj]
+        return [tuple(part[j] for part in parts) for j in range(m)]
+    return [obj] * m
+
+
+def _first_input(x):
+    if isinstance(x, Mapping):
+        return next(iter(x.values()), None)
+    if isinstance(x, tuple):
+        return x[0] if x else None
+    return x
+
+
+def _as_image(x) -> torch.Tensor | None:
+    """A `[C, H, W]` float image in [0, 1] (uint8 kept as is), or None if `x` is not an image."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+        return None
+    if x.dim() == 2:
+        x = x.unsqueeze(0)
+    if x.shape[0] not in (1, 3, 4):
+        return None
+    if x.dtype == torch.uint8:
+        return x
+    x = x.float()
+    lo, hi = x.min(), x.max()
+    return (x - lo) / (hi - lo) if hi > lo else torch.zeros_like(x)
+
+
+def _brief(x) -> str:
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 1:
+            return f"{x.item():.6g}"
+        if x.dim() == 1 and x.is_floating_point():  # class scores: the predicted class
+            return f"argmax {int(x.argmax())}"
+        return f"tensor{tuple(x.shape)}"
+    text = str(x)
+    return text if len(text) <= 40 else text[:37] + "..."
