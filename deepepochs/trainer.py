@@ -8,24 +8,22 @@ user's step methods and fires triggers. Read `spec/loop.py` for the order of eve
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
 
 import torch
 
 from deepepochs.callbacks.base import HookTable
 from deepepochs.checkpoint import load_into
-from deepepochs.config import TrainerConfig, check_choice
+from deepepochs.config import TrainerConfig
 from deepepochs.console import Console
-from deepepochs.data import batch_size_of, call_model, split_batch, to_device
 from deepepochs.distributed import select_policy
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import render
 from deepepochs.loop import LoopState, StopRequest, bind_machine
 from deepepochs.optim import Optimizers
-from deepepochs.patches import ConfusionPatch, MeanPatch, PatchBase, TensorPatch, ValuePatch
+from deepepochs.patches import ConfusionPatch, MeanPatch, TensorPatch
 from deepepochs.precision import Precision
 from deepepochs.runner import Runner
-from deepepochs.tasks import STEP_NAMES, EpochTask, metric_name
+from deepepochs.tasks import metric_name
 from deepepochs.writer import RunWriters
 
 __all__ = ["Trainer", "TrainerBase"]

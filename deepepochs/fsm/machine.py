@@ -71,7 +71,8 @@ def build_machine(spec: Spec, guards: Mapping[str, Callable[[], bool]],
 
     Error edges become internal transitions whose `before` callback raises `InvalidTransition`.
     """
-    missing = sorted({g.name for g in spec.guards} - set(guards)) + sorted({a.name for a in spec.actions} - set(actions))
+    missing = sorted({g.name for g in spec.guards} - set(guards))
+    missing += sorted({a.name for a in spec.actions} - set(actions))
     if missing:
         raise ValueError(f"build_machine: no callable given for {missing}")
     model = _Model(guards, dict(actions))

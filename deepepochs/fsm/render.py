@@ -36,7 +36,7 @@ def _label(trigger, conds, unless):
 def _edges(show_interrupts: bool):
     spec, edges = _static_machine_edges()
     out = []
-    for source, trigger, dest, conds, unless, _actions, error in edges:
+    for source, trigger, dest, conds, unless, _actions, _error in edges:
         if trigger == spec.interrupt and not show_interrupts:
             continue
         out.append((source, trigger, dest if dest is not None else "error", _label(trigger, conds, unless)))

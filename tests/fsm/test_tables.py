@@ -11,8 +11,8 @@ import pytest
 from deepepochs.errors import InvalidTransition
 from deepepochs.fsm import codegen, tables
 from deepepochs.fsm.machine import LoopMachine, build_machine, compile_table, load_spec, machine_edges
-from deepepochs.loop import LoopState
 from deepepochs.fsm.schema import LAYERS, Spec, SpecError, State, Transition, Trigger
+from deepepochs.loop import LoopState
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = load_spec()
