@@ -46,7 +46,8 @@ class TrainerConfig:
         precision: 'fp32', 'fp16' (autocast + GradScaler) or 'bf16' (autocast, no scaler).
         gradient_accumulation_steps: DataLoader batches per optimizer update.
         metric_patch: how dataset-level metrics are aggregated: 'tensor', 'mean' or 'confusion'.
-        nonfinite: fp32 behaviour on an inf/NaN loss in an update window: 'raise' or 'skip' the update.
+        nonfinite: fp32/bf16 behaviour on an inf/NaN loss in an update window: 'raise' or 'skip' the
+            update (one host read per update, by design; fp16 relies on the GradScaler instead).
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
         log_long, log_batch, log_tqdm, show_info: console options (DEV-2).
     """

@@ -181,9 +181,12 @@ class LoopActions:
     def act_update_scaler(self) -> None:
         """Hand this update's inf records to the scaler, which adjusts its scale once per iteration."""
         t, loop = self.t, self.loop
+        precision = t._precision
+        if precision.scaler is None:  # fp32/bf16
+            return
         opts = t._opts
         token = (loop.epoch, loop.batch_idx, id(loop.meters))  # this batch; Runner.loss builds the same
-        t._precision.finish([opts[i].opt for i in loop.update_indices], len(opts), token)
+        precision.finish([opts[i].opt for i in loop.update_indices], len(opts), token)
 
     def act_zero_grad(self) -> None:
         """Drop the updated optimizers' gradients (set to None: the next backward writes, not adds)."""

@@ -23,6 +23,11 @@ def _sched_on(_instance, attribute, value):
     check_choice(attribute.name, value, ("epoch", "step"))
 
 
+def _is_bool(_instance, attribute, value):
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be True or False (got {value!r})")
+
+
 @attrs.define
 class Optimizer:
     """An optimizer with an optional LR scheduler.
@@ -43,13 +48,19 @@ class Optimizer:
     opt: torch.optim.Optimizer = attrs.field(validator=_is_optimizer)
     scheduler: object = None
     sched_on: str = attrs.field(default="epoch", validator=_sched_on)
-    sched_with_loss: bool = False
+    sched_with_loss: bool = attrs.field(default=False, validator=_is_bool)
 
     def __attrs_post_init__(self):
         if self.sched_with_loss and self.sched_on != "epoch":
             raise ConfigError("sched_with_loss=True needs sched_on='epoch' (got sched_on='step')")
-        if self.scheduler is not None and not hasattr(self.scheduler, "step"):
+        if self.scheduler is not None and not callable(getattr(self.scheduler, "step", None)):
             raise ConfigError(f"scheduler must have a step() method (got {type(self.scheduler).__name__})")
+        owner = getattr(self.scheduler, "optimizer", self.opt)
+        if owner is not self.opt:
+            # The scheduler would change the learning rate of an optimizer this wrapper never steps, and its
+            # step-after-skip bookkeeping would follow the wrong optimizer.
+            raise ConfigError("scheduler must schedule the optimizer it is wrapped with (got a scheduler of"
+                              f" another {type(owner).__name__}); pass Optimizer(opt, scheduler_of_opt)")
 
 
 class Optimizers(Sequence):
@@ -84,13 +95,25 @@ class Optimizers(Sequence):
         return len(self.items)
 
     def indices(self, optimize_index) -> tuple[int, ...]:
-        """Normalise `optimize_index` (None = all, an int, or a sequence of ints)."""
+        """Normalise `optimize_index` (None = all, an int, or a sequence of distinct ints) to a tuple."""
         if optimize_index is None:
             return self.all_indices
-        idx = (optimize_index,) if isinstance(optimize_index, int) else tuple(optimize_index)
-        bad = [i for i in idx if not (isinstance(i, int) and 0 <= i < len(self.items))]
-        if bad:
-            raise ConfigError(f"optimize_index must be in 0..{len(self.items) - 1} (got {optimize_index!r})")
+        if isinstance(optimize_index, int) and not isinstance(optimize_index, bool):
+            if 0 <= optimize_index < len(self.items):
+                return (optimize_index,)
+            idx = (optimize_index,)
+        else:
+            try:
+                idx = tuple(optimize_index)
+            except TypeError:
+                idx = (optimize_index,)
+        valid = all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(self.items) for i in idx)
+        if not valid or len(set(idx)) != len(idx):
+            raise ConfigError(
+                f"optimize_index must be None (all optimizers), an int or a sequence of distinct ints in"
+                f" 0..{len(self.items) - 1} (got {optimize_index!r}); the trainer has {len(self.items)}"
+                " optimizer(s)"
+            )
         return idx
 
     def grads(self, index: int) -> list[torch.Tensor]:
@@ -98,7 +121,12 @@ class Optimizers(Sequence):
         return [p.grad for g in self.items[index].opt.param_groups for p in g["params"] if p.grad is not None]
 
     def step(self, index: int) -> None:
-        """Step optimizer `index`, then its step-wise scheduler (only after a real step)."""
+        """Step optimizer `index`, then its step-wise scheduler (only after a real step).
+
+        A skipped update calls neither, so the scheduler never advances past its optimizer and PyTorch's
+        "lr_scheduler.step() before optimizer.step()" warning cannot fire (it checks the counter that
+        `LRScheduler` wraps around `opt.step`).
+        """
         item = self.items[index]
         item.opt.step()
         if item.scheduler is not None and item.sched_on == "step":
@@ -117,7 +145,8 @@ class Optimizers(Sequence):
             if item.sched_with_loss:
                 loss = val_loss if val_loss is not None else train_loss
                 if loss is None:
-                    raise ConfigError("sched_with_loss=True needs a loss, but no loss was computed this epoch")
+                    raise ConfigError("sched_with_loss=True needs a loss, but no loss was computed this"
+                                      " epoch; keep do_val_loss=True or use sched_with_loss=False")
                 item.scheduler.step(loss)
             else:
                 with warnings.catch_warnings():
@@ -139,14 +168,16 @@ class Optimizers(Sequence):
         """Optimizer and scheduler states, as lists in `optimize_index` order."""
         return {
             "optimizers": [item.opt.state_dict() for item in self.items],
-            "schedulers": [None if item.scheduler is None else item.scheduler.state_dict() for item in self.items],
+            "schedulers": [None if item.scheduler is None else item.scheduler.state_dict()
+                           for item in self.items],
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; the number of optimizers must match."""
         opts, scheds = state["optimizers"], state["schedulers"]
         if len(opts) != len(self.items):
-            raise ConfigError(f"checkpoint has {len(opts)} optimizer states but the trainer has {len(self.items)}")
+            raise ConfigError(f"checkpoint has {len(opts)} optimizer states but the trainer has"
+                              f" {len(self.items)}")
         for item, o, s in zip(self.items, opts, scheds):
             item.opt.load_state_dict(o)
             if item.scheduler is not None and s is not None:

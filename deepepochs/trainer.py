@@ -99,7 +99,9 @@ class TrainerBase:
         self.metrics = Runner.metric_list(metrics, "metrics")
         self.resume = resume
         self._resume_pending = resume is not False  # honoured once, at the first fit or test
-        self.running_id = running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        # Under DDP rank 0's id: all ranks must name the same checkpoint and log folders.
+        self.running_id = self._dist.broadcast_object(
+            running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
         self.hyper_params = dict(hyper_params or {})
         self._precision = Precision(self.config.precision, self.device)
         model = model.to(self.device)

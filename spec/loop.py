@@ -33,7 +33,8 @@ STATES = [
     S("val_batch", "step", "One validation batch is evaluated without gradients."),
     S("test_batch", "step", "One test batch is evaluated without gradients."),
     S("optimize_unscaled", "optimize", "Gradients are unscaled (fp16) and normalised by the window's samples."),
-    S("optimize_clipped", "optimize", "Gradients are clipped; each optimizer now steps or skips."),
+    S("optimize_clipped", "optimize", "Gradients are clipped; optimizers step in turn (the last one stepped)."),
+    S("optimize_skipped", "optimize", "The last optimizer skipped its step: its gradients were not finite."),
     S("rollback", "rollback", "An exception interrupted the loop; the open window is being discarded.",
       running=False),
 ]
@@ -85,7 +86,7 @@ ACTIONS = [
     A("clip_gradients", "Run the gradient clippers (GradClipCallback) on the unscaled gradients."),
     A("step_optimizer", "Step the optimizer, then its step-wise scheduler."),
     A("skip_optimizer", "Leave the optimizer and its step-wise scheduler untouched; run skip hooks."),
-    A("update_scaler", "Let the GradScaler adjust its scale from this update's inf checks."),
+    A("update_scaler", "Hand this update's inf checks to the GradScaler; its scale changes once per iteration."),
     A("zero_grad", "Zero the updated optimizers' gradients (set_to_none)."),
     A("close_window", "Fold the window's loss sums and metric patches into the task's."),
     A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured)."),
@@ -95,6 +96,7 @@ ACTIONS = [
 ]
 
 RUNNING = [s.name for s in STATES if s.running]
+OPTIMIZING = ("optimize_clipped", "optimize_skipped")  # after clip: the last optimizer stepped / skipped
 E = Transition
 TRANSITIONS = [
     E("fit", "idle", "fit_running", "The first fit of a resume=... trainer loads the newest checkpoint.",
@@ -126,12 +128,15 @@ TRANSITIONS = [
     E("optimize", "step_backward", "step_backward", "The window is not complete: keep accumulating.",
       unless=["window_boundary"]),
     E("clip", "optimize_unscaled", "optimize_clipped", "Gradients are clipped.", actions=["clip_gradients"]),
-    E("apply_update", "optimize_clipped", "optimize_clipped", "Finite gradients: the optimizer steps.",
-      conditions=["grads_finite"], actions=["step_optimizer"]),
-    E("apply_update", "optimize_clipped", "optimize_clipped", "inf/NaN gradients: the step is skipped.",
-      unless=["grads_finite"], actions=["skip_optimizer"]),
-    E("finish_update", "optimize_clipped", "step_optimized", "The update is complete.",
-      actions=["update_scaler", "zero_grad"]),
+    *(E("apply_update", source, "optimize_clipped", "Finite gradients: the optimizer steps.",
+        conditions=["grads_finite"], actions=["step_optimizer"]) for source in OPTIMIZING),
+    *(E("apply_update", source, "optimize_skipped", "inf/NaN gradients: the step is skipped.",
+        unless=["grads_finite"], actions=["skip_optimizer"]) for source in OPTIMIZING),
+    *(E("finish_update", source, "step_optimized", "The update is complete.",
+        actions=["update_scaler", "zero_grad"]) for source in OPTIMIZING),
+    E("optimize", "step_optimized", "optimize_unscaled",
+      "Another optimizer of the same step updates (e.g. optimize(0) then optimize(1) after one backward).",
+      actions=["unscale_gradients"]),
     E("end_batch", "step_optimized", "task_train", "The updating micro-batch closes the window.",
       actions=["close_window"]),
     E("end_batch", "step_backward", "window_open", "An inner micro-batch ends; the window stays open.",
@@ -183,7 +188,7 @@ HOOKS = [
     H("on_after_backward", ["loss"], ["step_backward"], "`loss` was backpropagated."),
     H("on_before_optimize", ["optimize_index"], ["optimize_unscaled"],
       "Gradients are unscaled and normalised; optimizers `optimize_index` are about to step."),
-    H("on_skip_optimize", ["optimize_index"], ["optimize_clipped"],
+    H("on_skip_optimize", ["optimize_index"], ["optimize_skipped"],
       "Optimizer `optimize_index` skipped its step (inf/NaN gradients)."),
     H("on_after_optimize", ["optimize_index"], ["step_optimized"], "The update was applied."),
     H("on_train_metrics", ["loss", "model_out", "batch_y", "task"], list(STEP),

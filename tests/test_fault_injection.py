@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from deepepochs import Trainer, TrainerBase
+from deepepochs import Callback, Trainer, TrainerBase
 from deepepochs.fsm.machine import load_spec
 
 SPEC = load_spec()
@@ -47,6 +47,17 @@ SCENARIOS = {
 }
 
 
+class Poison(Callback):
+    """fp16 only: writes inf into a gradient on fixed (epoch, batch) pairs, so that the scaler skips those
+    windows' updates, deterministically in the reference run and in replays alike."""
+
+    AT = {(1, 2), (2, 1)}
+
+    def on_after_backward(self, trainer, loss):
+        if (trainer.loop.epoch, trainer.loop.batch_idx) in self.AT:
+            next(trainer.raw_model.parameters()).grad.fill_(float("inf"))
+
+
 def _make(scenario):
     cfg = dict(SCENARIOS[scenario])
     two = cfg.pop("two_opts")
@@ -59,7 +70,9 @@ def _make(scenario):
     else:
         opts = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
         cls = Trainer
-    t = cls(model, F.cross_entropy, opts, epochs=EPOCHS, device="cpu", log_batch=False, show_info=False, **cfg)
+    callbacks = [Poison()] if cfg["precision"] == "fp16" else []
+    t = cls(model, F.cross_entropy, opts, epochs=EPOCHS, device="cpu", log_batch=False, show_info=False,
+            callbacks=callbacks, **cfg)
     t._console.enabled = False
     return t
 
@@ -99,6 +112,8 @@ def _probe(state, exc_type, occurrence=2):
 @pytest.mark.parametrize("state", STATES)
 def test_a_fault_on_entering_any_state_is_recovered_exactly(scenario, state):
     """Raise on entering `state`; the trainer rolls back, and fit+test again match an uninterrupted run."""
+    if state == "optimize_skipped" and SCENARIOS[scenario]["precision"] != "fp16":
+        pytest.skip("reachable only when the fp16 scaler skips a step (covered by the fp16 scenario)")
     exc_type = KeyboardInterrupt if STATES.index(state) % 3 == 0 else Injected
     t = _make(scenario)
     occurrence = 1 if state in ("fit_done", "stage_test", "task_test") else 2
