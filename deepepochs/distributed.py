@@ -1,16 +1,54 @@
 """Distributed policy: process group, DDP wrapping, sharding, gradient sync and global reductions.
 
-`SingleProcess` is the policy of an ordinary run: every method is a cheap no-op or identity, so the
-trainer calls them unconditionally and the per-batch path has no `if distributed` branches.
+The trainer holds one policy object and calls the same methods whatever the world size:
+
+- `SingleProcess` is the policy of an ordinary run: every method is a cheap no-op or identity, so the
+  trainer calls them unconditionally and the per-batch path has no `if distributed` branches.
+- `DDPPolicy` is chosen by `select_policy` when the environment describes a job of several processes
+  (`RANK`/`WORLD_SIZE`, as set by `torchrun` or `deepepochs.launch`) or a process group of several ranks is
+  already initialised. It joins the group, wraps the model in `DistributedDataParallel`, shards plain
+  DataLoaders and turns local counts, loss sums and metric patches into global ones.
+
+Which collectives run, and when (every rank must issue them in the same order):
+
+- Trainer construction: `init_process_group` (unless a group exists), rank 0's running id, and DDP's own
+  parameter broadcast.
+- fit(), per training task: one `all_gather_object` (do the batch counts agree? rank 0's shuffle seed).
+- First fit, after the `on_before_fit` hooks: parameters and buffers broadcast from rank 0.
+- Each training micro-batch: DDP's buffer broadcast in forward; the gradient all-reduce only on the
+  window's updating micro-batch.
+- Each update: the window's global sample count (with accumulation) and the fp32 finite-loss flag.
+- End of each task: the batch-count check (training), the loss sums, one exchange per metric patch.
+
+Evaluation runs on the unwrapped module and issues no collective per batch, so validation and test shards
+of different lengths cannot deadlock (DDP-7).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
+import os
+import weakref
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
-__all__ = ["SingleProcess", "select_policy"]
+from deepepochs.errors import ConfigError, DistributedError
+from deepepochs.patches import _map_tensors
+
+__all__ = ["DDPPolicy", "EvalShardSampler", "SingleProcess", "select_policy"]
 
 
 class SingleProcess:
@@ -21,7 +59,7 @@ class SingleProcess:
     local_rank = 0
     is_main = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, split_batches: bool = False):
         self.device = device
         self.model = None
 
@@ -52,8 +90,16 @@ class SingleProcess:
         """A metric patch merged over all ranks."""
         return patch
 
+    def sync_patches(self, patches: dict) -> dict:
+        """`{name: patch}` merged over all ranks, in a rank-independent name order."""
+        return patches
+
     def broadcast_model(self, model: torch.nn.Module) -> None:
         """Make every rank's parameters and buffers equal to rank 0's."""
+
+    def broadcast_object(self, obj):
+        """Rank 0's value of a picklable object (e.g. the running id), on every rank."""
+        return obj
 
     def check_batch_counts(self, count: int, stage: str) -> None:
         """Raise if ranks ran different numbers of training batches (a hang otherwise)."""
@@ -66,6 +112,393 @@ class SingleProcess:
         """Release what this policy created (process groups it initialised)."""
 
 
-def select_policy(device: torch.device):
-    """The policy for this process: `SingleProcess` unless a distributed environment is detected."""
-    return SingleProcess(device)
+def select_policy(device: torch.device, split_batches: bool = False):
+    """The policy for this process: `DDPPolicy` in a job of several processes, else `SingleProcess`.
+
+    A job of several processes is recognised by `RANK` and `WORLD_SIZE` in the environment with
+    `WORLD_SIZE > 1` (torchrun, `deepepochs.launch`), or by an initialised default process group of
+    several ranks (the caller set it up; it stays the caller's to destroy).
+    """
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            return DDPPolicy(device, split_batches)
+        return SingleProcess(device, split_batches)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and _env_int("WORLD_SIZE") > 1:
+        if not dist.is_available():
+            raise DistributedError(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} asks for distributed training, but this torch build "
+                "has no torch.distributed support; run a single process or install a build with it"
+            )
+        return DDPPolicy(device, split_batches)
+    return SingleProcess(device, split_batches)
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"environment variable {name} must be an integer (got {value!r})") from None
+
+
+# How many live DDPPolicy objects use the default group this module initialised (0: none, or the group
+# belongs to the caller). Two Trainers may share one group; the last one to close destroys it.
+_owned_group_users = 0
+
+# The job's rendezvous store (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), opened once per process, and how
+# many groups were initialised on it. Why not `init_process_group()` from the environment each time: that
+# opens a new store per group and rank 0 re-binds MASTER_PORT for it, so a second Trainer in the same
+# process races peers still connected to the old store (a run of repeated re-inits hung here once). One
+# store with a fresh key prefix per group avoids the race; every rank creates its Trainers in the same
+# order, so the prefixes agree. The store stays open until the process exits.
+_env_store = None
+_groups_initialised = 0
+
+
+def _init_group_from_env(backend: str) -> None:
+    """Initialise the default process group from the torchrun-style environment variables."""
+    global _env_store, _groups_initialised
+    if _env_store is None:
+        try:
+            _env_store, _, _ = next(dist.rendezvous("env://"))
+        except ValueError as exc:  # a variable is missing or malformed
+            raise DistributedError(
+                f"cannot join the distributed job described by the environment ({exc}); start the script "
+                "with torchrun or deepepochs.launch, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
+                "MASTER_PORT"
+            ) from exc
+    store = dist.PrefixStore(f"deepepochs/group-{_groups_initialised}", _env_store)
+    _groups_initialised += 1
+    dist.init_process_group(backend, store=store, rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"))
+
+
+class EvalShardSampler(Sampler[int]):
+    """Rank `rank` of `world_size` gets indices `rank, rank + world_size, ...` of `range(num_samples)`.
+
+    Over all ranks every index appears exactly once: no padding, so shards may differ in length by one.
+    Used for validation and test data, where a padded duplicate would be counted twice in a metric.
+    """
+
+    def __init__(self, num_samples: int, rank: int, world_size: int):
+        self.num_samples = num_samples
+        self.rank = rank
+        self.world_size = world_size
+
+    def __iter__(self):
+        return iter(range(self.rank, self.num_samples, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_samples, self.world_size))
+
+
+class DDPPolicy:
+    """Several processes, one model replica each, gradients all-reduced by `DistributedDataParallel`.
+
+    Args:
+        device: the device the trainer resolved. On CUDA it is replaced by `cuda:<LOCAL_RANK>` (one GPU per
+            process) and made the current CUDA device.
+        split_batches: divide the batch size of the DataLoaders this policy shards by the world size.
+    """
+
+    def __init__(self, device: torch.device, split_batches: bool = False):
+        global _owned_group_users
+        self.split_batches = split_batches
+        self.device = self._local_device(device)
+        if self.device.type == "cuda":
+            # Before the group exists: NCCL binds each rank's communicator to the current device.
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            _init_group_from_env("nccl" if self.device.type == "cuda" else "gloo")
+            _owned_group_users = 0
+            self._owns_group = True
+        else:
+            self._owns_group = _owned_group_users > 0
+        if self._owns_group:
+            _owned_group_users += 1
+        self._closed = False
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.is_main = self.rank == 0
+        self._nccl = dist.get_backend() == "nccl"
+        self.model: DistributedDataParallel | None = None
+        # Shuffling samplers of training shards; weak, so DataLoaders of finished fits can be collected.
+        self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()
+
+    @staticmethod
+    def _local_device(device: torch.device) -> torch.device:
+        """`cuda:<LOCAL_RANK>` for a CUDA run (one process per visible GPU); other devices unchanged."""
+        if device.type != "cuda":
+            return device
+        if "LOCAL_RANK" in os.environ:
+            index = _env_int("LOCAL_RANK")
+        elif device.index is not None:
+            index = device.index
+        else:
+            index = (dist.get_rank() if dist.is_initialized() else 0) % torch.cuda.device_count()
+        if index >= torch.cuda.device_count():
+            raise DistributedError(
+                f"LOCAL_RANK={index} but only {torch.cuda.device_count()} CUDA device(s) are visible; start "
+                "at most one process per visible GPU (torchrun --nproc-per-node, launch num_processes) or "
+                "choose the devices with CUDA_VISIBLE_DEVICES"
+            )
+        return torch.device("cuda", index)
+
+    # ---- model ----
+    def wrap_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        """Wrap `model` in DDP (its constructor already broadcasts rank 0's parameters)."""
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=device_ids)
+        return self.model
+
+    def broadcast_model(self, model: torch.nn.Module) -> None:
+        """Copy rank 0's parameters and buffers to every rank (after init callbacks changed them, DDP-5)."""
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    def broadcast_object(self, obj):
+        """Rank 0's value of a picklable object (e.g. the running id), on every rank."""
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        """Enable or suspend DDP's gradient all-reduce for the next forward/backward.
+
+        This is exactly what `DistributedDataParallel.no_sync()` toggles: with it off, DDP's forward does
+        not prepare the reducer, backward leaves gradients local, and the next synchronising backward
+        all-reduces the accumulated local gradients together (ACC-2). It must be set before the forward.
+        """
+        if self.model is not None:
+            self.model.require_backward_grad_sync = enabled
+
+    # ---- data ----
+    def prepare_dataloader(self, dataloader, stage: str):
+        """Shard a plain DataLoader; use anything else as given. Training data is checked for equal lengths.
+
+        A plain DataLoader (exact class `DataLoader` over a map-style dataset, with the sampler that
+        `shuffle=` chose and the batch sampler built from `batch_size`) is rebuilt with:
+
+        - stage 'train': a `DistributedSampler` with the original shuffling and padded, equal-length shards,
+          seeded by rank 0's `torch.initial_seed()`; its epoch is set by `set_epoch`;
+        - stages 'val'/'test': an `EvalShardSampler` (each sample on exactly one rank, no padding,
+          original order); the DataLoader's `drop_last` is not applied, so no sample is lost.
+
+        With `split_batches` the rebuilt DataLoader's batch size is the original divided by the world size.
+        Other iterables (DataLoaders with a user sampler or batch sampler, DataLoader subclasses, iterable
+        datasets, plain iterables) are used unchanged; a user `DistributedSampler` still gets `set_epoch`.
+
+        For training this is a collective: all ranks compare their batch counts, because a rank with more
+        training batches than another would wait forever in a gradient all-reduce.
+        """
+        sharded = _shard(dataloader, stage, self.rank, self.world_size, self.split_batches)
+        data = dataloader if sharded is None else sharded
+        if stage != "train":
+            return data
+        sampler = getattr(data, "sampler", None)
+        count = _len_or_minus_one(data)
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, (count, torch.initial_seed() % 2**62))
+        counts = [c for c, _ in gathered]
+        if len(set(counts)) > 1 and -1 not in counts:
+            per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            raise DistributedError(
+                f"the training data has a different number of batches on each rank ({per_rank}); under DDP "
+                "every rank must run the same number of training batches, or a rank would wait forever in "
+                "the gradient all-reduce of a batch the others never run. Pass a plain DataLoader (sharded "
+                "into equal-length shards automatically) or give every rank the same number of batches"
+            )
+        if isinstance(sampler, DistributedSampler):
+            if sharded is not None:
+                sampler.seed = gathered[0][1]  # the same permutation on every rank: disjoint shards
+            self._epoch_samplers.add(sampler)
+        return data
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the training shards' samplers: a new shuffle each epoch, the same on all ranks."""
+        for sampler in list(self._epoch_samplers):
+            sampler.set_epoch(epoch)
+
+    def check_batch_counts(self, count: int, stage: str) -> None:
+        """After a training task: raise `DistributedError` on every rank if ranks ran different counts.
+
+        The up-front comparison in `prepare_dataloader` prevents the hang for data with a length; this
+        catches iterables without one that still ended in step.
+        """
+        if stage != "train":
+            return
+        local = torch.tensor([count], dtype=torch.int64, device=self._collective_device())
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        counts = [int(c) for c in gathered]  # one host read per task
+        if len(set(counts)) > 1:
+            per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            raise DistributedError(
+                f"ranks ran different numbers of training batches in this task ({per_rank}); every rank "
+                "must run the same number of training batches under DDP"
+            )
+
+    # ---- global values ----
+    def _collective_device(self) -> torch.device:
+        """NCCL moves only CUDA tensors; gloo works on CPU tensors."""
+        return self.device if self._nccl else torch.device("cpu")
+
+    def global_sum(self, value: int) -> int:
+        """Sum of an int over all ranks (one small all-reduce and one host read)."""
+        buffer = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(buffer)
+        return int(buffer.item())
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over all ranks, returned on `tensor`'s device; `tensor` is left unchanged."""
+        buffer = tensor.detach().to(self._collective_device(), copy=True)
+        dist.all_reduce(buffer)
+        return buffer.to(tensor.device)
+
+    def sync_patch(self, patch):
+        """A copy of `patch` holding the merge of every rank's patch (the input is left unchanged)."""
+        return patch.copy().sync()
+
+    def sync_patches(self, patches: dict) -> dict:
+        """Every rank's `{name: patch}` merged, so all ranks see global metrics (MET-5).
+
+        The inputs are left unchanged (merging twice would count other ranks twice). Names are agreed
+        first: a rank whose shard was empty holds no patch, so it cannot take part in a patch's own
+        `sync`; patches missing on some rank are exchanged whole and merged in rank order instead.
+        """
+        names = sorted(patches)
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, names)
+        if all(other == names for other in gathered):
+            return {name: self.sync_patch(patches[name]) for name in names}
+        everywhere = set.intersection(*(set(other) for other in gathered))
+        merged = {name: self.sync_patch(patches[name]) for name in sorted(everywhere)}
+        partial = sorted(set().union(*gathered) - everywhere)
+        local = {name: _portable(patches[name]) for name in partial if name in patches}
+        parts = [None] * self.world_size
+        try:
+            dist.all_gather_object(parts, local)
+        except (AttributeError, TypeError, RuntimeError) as exc:
+            raise DistributedError(
+                f"metric patches {partial} exist on some ranks only (a rank had no batch) and must be sent "
+                f"whole, which needs picklable metric functions ({type(exc).__name__}: {exc}); define "
+                "metrics at the top level of a module (no lambdas or local functions)"
+            ) from exc
+        for name in partial:
+            found = [_to_device(part[name], self.device) for part in parts if name in part]
+            total = found[0]
+            for patch in found[1:]:
+                total.add(patch)
+            merged[name] = total
+        return {name: merged[name] for name in sorted(merged)}
+
+    # ---- coordination ----
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """Rank 0 runs the block, then a barrier releases the other ranks to run it (e.g. reuse a cache)."""
+        if not self.is_main:
+            self._barrier()
+        try:
+            yield
+        finally:
+            if self.is_main:
+                self._barrier()
+
+    def _barrier(self) -> None:
+        if self._nccl:
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Destroy the default process group if this module created it and no other trainer still uses it."""
+        global _owned_group_users
+        if self._closed:
+            return
+        self._closed = True
+        self.model = None
+        if not self._owns_group:
+            return
+        _owned_group_users -= 1
+        if _owned_group_users == 0 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _len_or_minus_one(data) -> int:
+    try:
+        return len(data)
+    except TypeError:
+        return -1
+
+
+def _is_plain(dataloader) -> bool:
+    """A DataLoader whose sampling the caller left to `DataLoader` itself (`shuffle=` and `batch_size=`)."""
+    if type(dataloader) is not DataLoader or isinstance(dataloader.dataset, IterableDataset):
+        return False
+    sampler = dataloader.sampler
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler._num_samples is not None:
+            return False
+    elif type(sampler) is not SequentialSampler:
+        return False
+    batch_sampler = dataloader.batch_sampler
+    if dataloader.batch_size is None:
+        return batch_sampler is None
+    return type(batch_sampler) is BatchSampler and batch_sampler.sampler is sampler
+
+
+_DATALOADER_PARAMETERS = frozenset(inspect.signature(DataLoader.__init__).parameters)
+# Settings copied from the original DataLoader (those this torch version knows).
+_COPIED = tuple(
+    name
+    for name in (
+        "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+        "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+    )
+    if name in _DATALOADER_PARAMETERS
+)
+
+
+def _shard(dataloader, stage: str, rank: int, world_size: int, split_batches: bool):
+    """The rebuilt, sharded DataLoader, or None when `dataloader` is to be used as given."""
+    if not _is_plain(dataloader):
+        return None
+    batch_size = dataloader.batch_size
+    if split_batches:
+        if batch_size is None or batch_size % world_size:
+            raise ConfigError(
+                f"split_batches=True divides each DataLoader's batch_size by the world size {world_size}, "
+                f"so batch_size must be a multiple of it (got batch_size={batch_size}); use a batch size "
+                f"divisible by {world_size}, or split_batches=False for a per-process batch size"
+            )
+        batch_size //= world_size
+    dataset = dataloader.dataset
+    if stage == "train":
+        shuffle = isinstance(dataloader.sampler, RandomSampler)
+        # drop_last=False: shards are padded (by repeating samples) to equal length, so every rank runs
+        # the same number of batches; the DataLoader's own drop_last still drops short batches.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                     drop_last=False)
+        drop_last = dataloader.drop_last
+    else:
+        sampler = EvalShardSampler(len(dataset), rank, world_size)
+        drop_last = False
+    settings = {name: getattr(dataloader, name) for name in _COPIED}
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **settings)
+
+
+def _portable(patch):
+    """A shallow copy of `patch` with its tensors on the CPU, ready to be pickled to another rank."""
+    clone = copy.copy(patch)
+    clone.__dict__.update(
+        {key: _map_tensors(lambda t: t.detach().cpu(), value) for key, value in vars(patch).items()}
+    )
+    return clone
+
+
+def _to_device(patch, device: torch.device):
+    """`patch` (received from another rank) with its tensors moved to `device`."""
+    moved = {key: _map_tensors(lambda t: t.to(device), value) for key, value in vars(patch).items()}
+    patch.__dict__.update(moved)
+    return patch

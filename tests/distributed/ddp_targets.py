@@ -1,0 +1,246 @@
+"""Training functions that ``tests/distributed/test_ddp.py`` runs in two processes through ``launch``.
+
+Spawned children import their ``main`` by module and name, so the functions live here, not in the test
+module. Each rank writes what it observed to ``$DEEPEPOCHS_TEST_OUT/rank<r>.pt``; the parent process
+compares the files with references it computes itself (plain PyTorch and a single-process Trainer).
+The data, model and optimizer builders are shared with the parent so both sides start identically.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from deepepochs import Callback, Trainer
+from deepepochs.errors import ConfigError, DistributedError
+
+__all__ = [
+    "BATCH",
+    "EPOCHS",
+    "OUT_ENV",
+    "TRAIN_N",
+    "VAL_N",
+    "accuracy",
+    "make_data",
+    "make_model",
+    "make_optimizer",
+    "raise_on_rank_1_during_training",
+    "run_scenarios",
+    "sample_count",
+    "trainer_kwargs",
+]
+
+OUT_ENV = "DEEPEPOCHS_TEST_OUT"
+FEATURES, CLASSES = 5, 3
+TRAIN_N = 36  # even: DistributedSampler pads nothing, so the shards hold exactly the dataset
+VAL_N = 37  # odd: the evaluation shards differ in length (19 and 18 samples)
+BATCH = 4  # per rank; the single-process reference uses 2 * BATCH
+EPOCHS = 3
+
+
+# ---- shared by the workers and the parent ----------------------------------------------------------
+def make_data(n: int, seed: int, index_feature: bool = False) -> TensorDataset:
+    """A classification dataset; with `index_feature` the first feature is the sample's index."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=generator)
+    if index_feature:
+        x[:, 0] = torch.arange(n, dtype=x.dtype)
+    y = torch.randint(0, CLASSES, (n,), generator=generator)
+    return TensorDataset(x, y)
+
+
+def make_model() -> nn.Module:
+    """The same initial weights in every process (no BatchNorm: its statistics are per-rank by design)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum: the momentum buffer makes any gradient error persist across updates."""
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def accuracy(preds, targets):
+    """Fraction of correct argmax predictions."""
+    return (preds.argmax(-1) == targets).float().mean()
+
+
+def sample_count(preds, targets):
+    """Number of samples the metric saw: exposes duplicated or lost evaluation samples."""
+    return torch.tensor(float(len(targets)))
+
+
+def trainer_kwargs(**overrides) -> dict:
+    """Keyword arguments of every Trainer in these tests (quiet, CPU, fp32)."""
+    return {"epochs": EPOCHS, "device": "cpu", "metrics": [accuracy, sample_count], "log_batch": False,
+            "show_info": False, **overrides}
+
+
+# ---- in the workers ----------------------------------------------------------------------------------
+def _counting_allreduce(calls: list, bucket):
+    """DDP communication hook: count gradient all-reduces, then do the default one."""
+    calls.append(bucket.index())
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def _state(model: nn.Module) -> dict:
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+def _train(k: int = 1, batch_size: int = BATCH, split_batches: bool = False) -> dict:
+    """Fit with validation, then test; weights, records, test metrics and gradient all-reduce count."""
+    train_dl = DataLoader(make_data(TRAIN_N, 1), batch_size=batch_size)
+    val_dl = DataLoader(make_data(VAL_N, 2), batch_size=6)
+    model = make_model()
+    kwargs = trainer_kwargs(gradient_accumulation_steps=k, split_batches=split_batches)
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
+        syncs: list = []
+        trainer._train_model.register_comm_hook(syncs, _counting_allreduce)
+        records = trainer.fit(train_dl, val_dl)
+        test = trainer.test(val_dl)
+        group_during_fit = dist.is_initialized()
+        return {"state": _state(trainer.raw_model), "records": records, "test": test, "syncs": len(syncs),
+                "world_size": trainer.world_size, "is_main": trainer.is_main_process,
+                "group_during_fit": group_during_fit}
+
+
+def _error_of(run) -> dict | None:
+    try:
+        run()
+    except (ConfigError, DistributedError) as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return None
+
+
+def _split_batches_error() -> dict | None:
+    """split_batches with a batch size the world size does not divide."""
+    model = make_model()
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(split_batches=True)) as t:
+        return _error_of(lambda: t.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=5)))
+
+
+def _uneven_training_error() -> dict | None:
+    """A user sampler giving rank 0 two batches and rank 1 one: an error at fit(), not a hang."""
+    dataset = make_data(TRAIN_N, 1)
+    indices = list(range(8 if os.environ["RANK"] == "0" else 4))
+    model = make_model()
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs()) as trainer:
+        return _error_of(lambda: trainer.fit(DataLoader(dataset, batch_size=BATCH, sampler=indices)))
+
+
+def _tiny_test_set() -> dict:
+    """Test on one sample: rank 1's shard is empty and holds no metric patch at all."""
+    model = make_model()
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs()) as trainer:
+        dataset = make_data(VAL_N, 2)
+        return trainer.test(DataLoader(TensorDataset(*dataset[:1]), batch_size=5))
+
+
+class _RecordIndices(Callback):
+    """Records the sample indices (first feature) of every training batch, per epoch."""
+
+    def __init__(self):
+        self.seen: dict = {}
+
+    def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
+        self.seen.setdefault(trainer.loop.epoch, []).extend(batch_x[:, 0].round().long().tolist())
+
+
+def _shuffled_indices() -> dict:
+    """shuffle=True: the indices each rank trains on, per epoch."""
+    recorder = _RecordIndices()
+    dl = DataLoader(make_data(16, 3, index_feature=True), batch_size=BATCH, shuffle=True)
+    model = make_model()
+    kwargs = trainer_kwargs(epochs=2, metrics=None, callbacks=[recorder])
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
+        trainer.fit(dl)
+    return recorder.seen
+
+
+class _RankDependentInit(Callback):
+    """Re-initialises every parameter to `rank + 1` before the fit: ranks disagree until broadcast."""
+
+    def on_before_fit(self, trainer, epochs):
+        with torch.no_grad():
+            for parameter in trainer.raw_model.parameters():
+                parameter.fill_(dist.get_rank() + 1.0)
+
+
+def _broadcast_after_init_callbacks() -> list:
+    """After a fit with lr=0 every parameter must hold rank 0's value, 1.0."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    kwargs = trainer_kwargs(epochs=1, metrics=None, callbacks=[_RankDependentInit()])
+    with Trainer(model, F.cross_entropy, opt, **kwargs) as trainer:
+        trainer.fit(DataLoader(make_data(8, 1), batch_size=BATCH))
+        return sorted({float(v) for p in trainer.raw_model.parameters() for v in p.detach().flatten()})
+
+
+def _main_process_first(out: Path) -> dict:
+    """Rank 0 writes a file inside the block (slowly); the other ranks must find it when they enter."""
+    marker = out / "prepared.txt"
+    model = make_model()
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs()) as trainer:
+        with trainer.main_process_first():
+            if trainer.is_main_process:
+                time.sleep(0.5)
+                marker.write_text("ready")
+                return {"found": True}
+            return {"found": marker.exists()}
+
+
+def _user_group_survives_close(out: Path) -> dict:
+    """A process group the caller initialised is used by the Trainer and left alive by close()."""
+    dist.init_process_group("gloo", init_method=f"file://{out / 'user-group-store'}",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        model = make_model()
+        with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(epochs=1)) as trainer:
+            trainer.fit(DataLoader(make_data(8, 1), batch_size=BATCH))
+            world_size = trainer.world_size
+        return {"world_size": world_size, "alive_after_close": dist.is_initialized()}
+    finally:
+        dist.destroy_process_group()
+
+
+def run_scenarios() -> int:
+    """All two-process scenarios in one launch (process start-up dominates the cost)."""
+    out = Path(os.environ[OUT_ENV])
+    rank = int(os.environ["RANK"])
+    results = {"equivalence": _train(k=1)}
+    results["group_destroyed_after_close"] = not dist.is_initialized()
+    results["accumulation"] = _train(k=2)
+    results["split_batches"] = _train(k=1, batch_size=2 * BATCH, split_batches=True)
+    results["split_batches_error"] = _split_batches_error()
+    results["uneven_training_error"] = _uneven_training_error()
+    results["tiny_test_set"] = _tiny_test_set()
+    results["shuffled_indices"] = _shuffled_indices()
+    results["broadcast_values"] = _broadcast_after_init_callbacks()
+    results["main_process_first"] = _main_process_first(out)
+    results["user_group"] = _user_group_survives_close(out)
+    torch.save(results, out / f"rank{rank}.pt")
+    return rank
+
+
+class _FailOnRank1(Callback):
+    """Raises on rank 1 after its second training batch; rank 0 goes on into the next all-reduce."""
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        if dist.get_rank() == 1 and batch_idx == 2:
+            if OUT_ENV in os.environ:  # when it failed, so the caller can time its own error
+                (Path(os.environ[OUT_ENV]) / "failed_at").write_text(repr(time.time()))
+            raise RuntimeError("rank 1 failed during training on purpose")
+
+
+def raise_on_rank_1_during_training() -> None:
+    """A training run in which rank 1 raises mid-epoch while rank 0 keeps training."""
+    model = make_model()
+    kwargs = trainer_kwargs(epochs=50, metrics=None, callbacks=[_FailOnRank1()])
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
+        trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))

@@ -1,0 +1,528 @@
+"""Distributed training with the Trainer (DDP-2..7, ACC-1/2, MET-5): two gloo processes on the CPU.
+
+The two-process scenarios run in one `launch` (process start-up is most of the cost); each rank saves
+what it saw to a file and the tests compare those files with references computed here: a plain PyTorch
+loop and a single-process Trainer with the whole batch. Every launch and subprocess has a deadline, after
+which its processes are killed and the test fails instead of hanging.
+"""
+
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
+
+from deepepochs import Trainer
+from deepepochs.distributed import EvalShardSampler, SingleProcess, _shard, select_policy
+from deepepochs.errors import ConfigError
+from deepepochs.launch import launch
+
+# Spawned children import their targets by module name; they inherit this sys.path entry.
+TARGETS_DIR = Path(__file__).resolve().parent
+if str(TARGETS_DIR) not in sys.path:
+    sys.path.insert(0, str(TARGETS_DIR))
+
+import ddp_targets as T  # noqa: E402  (needs the sys.path entry above)
+
+REPO = TARGETS_DIR.parents[1]
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+EXACT = 1e-5  # DDP-6: fp32 weights within float tolerance of the one-process run
+
+
+# ---- bounded runs -------------------------------------------------------------------------------------
+def _launch_with_deadline(main, seconds: float):
+    """`launch(main, num_processes=2)`, killing its processes (and failing) after `seconds`."""
+    before = set(multiprocessing.active_children())
+    expired = threading.Event()
+
+    def stop():
+        expired.set()
+        for child in set(multiprocessing.active_children()) - before:
+            child.kill()
+
+    timer = threading.Timer(seconds, stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        return launch(main, num_processes=2)
+    finally:
+        timer.cancel()
+        if expired.is_set():
+            pytest.fail(f"{main.__name__} did not finish within {seconds} s; its processes were killed")
+
+
+def _script_env() -> dict:
+    """This environment without torchrun variables, on the CPU only."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _torchrun(*args) -> list:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={port}",
+            "--nproc-per-node=2", *map(str, args)]
+
+
+# ---- the two-process scenarios and the references -----------------------------------------------------
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, scripts):
+    """What rank 0 and rank 1 recorded in `ddp_targets.run_scenarios` (the background runs go on meanwhile)."""
+    out = tmp_path_factory.mktemp("ddp")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in TORCHRUN_VARIABLES:
+            patch.delenv(name, raising=False)
+        patch.setenv(T.OUT_ENV, str(out))
+        _launch_with_deadline(T.run_scenarios, seconds=240)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _windows(k: int):
+    """Index ranges of the one-process run: windows of k batches of 2 * BATCH, the tail shorter."""
+    size = 2 * T.BATCH * k
+    return [range(start, min(start + size, T.TRAIN_N)) for start in range(0, T.TRAIN_N, size)]
+
+
+def plain_reference(k: int) -> dict:
+    """Plain PyTorch, one process, batch 2 * BATCH: each window's loss is the mean over its samples."""
+    x, y = T.make_data(T.TRAIN_N, 1).tensors
+    model = T.make_model()
+    opt = T.make_optimizer(model)
+    for _ in range(T.EPOCHS):
+        for window in _windows(k):
+            F.cross_entropy(model(x[window]), y[window]).backward()
+            opt.step()
+            opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    """The Trainer in this process with batch 2 * BATCH (k = 1 and 2): state, records and test metrics."""
+    out = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in TORCHRUN_VARIABLES:
+            patch.delenv(name, raising=False)
+        for k in (1, 2):
+            model = T.make_model()
+            with Trainer(model, F.cross_entropy, T.make_optimizer(model),
+                         **T.trainer_kwargs(gradient_accumulation_steps=k)) as trainer:
+                records = trainer.fit(DataLoader(T.make_data(T.TRAIN_N, 1), batch_size=2 * T.BATCH),
+                                      DataLoader(T.make_data(T.VAL_N, 2), batch_size=6))
+                out[k] = {"state": trainer.raw_model.state_dict(), "records": records}
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[key] - b[key]).abs().max()) for key in a)
+
+
+def _metrics_on(state: dict, dataset: TensorDataset) -> dict:
+    """Loss, accuracy and sample count of the weights `state` on the whole dataset at once."""
+    model = T.make_model()
+    model.load_state_dict(state)
+    x, y = dataset.tensors
+    with torch.no_grad():
+        logits = model(x)
+    return {"loss": float(F.cross_entropy(logits, y)), "accuracy": float(T.accuracy(logits, y)),
+            "sample_count": float(len(y))}
+
+
+# ---- DDP-6: the same weights as one process with the whole batch ---------------------------------------
+@pytest.mark.distributed
+@pytest.mark.parametrize(("scenario", "k"), [("equivalence", 1), ("accumulation", 2), ("split_batches", 1)])
+def test_ddp_weights_equal_one_process_with_the_whole_batch(ranks, single_process, scenario, k):
+    """World size 2 x batch b (also k=2 with a tail window, and split_batches) = one process, batch 2b."""
+    reference = plain_reference(k)
+    for rank in ranks:
+        state = rank[scenario]["state"]
+        assert _max_diff(state, reference) < EXACT
+        assert _max_diff(state, single_process[k]["state"]) < EXACT
+    assert _max_diff(ranks[0][scenario]["state"], ranks[1][scenario]["state"]) == 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("scenario", "syncs"), [("equivalence", 5 * T.EPOCHS), ("accumulation", 3 * T.EPOCHS)])
+def test_gradients_are_all_reduced_only_on_the_updating_micro_batch(ranks, scenario, syncs):
+    """ACC-2: 5 batches per epoch; with k=2 the windows are 2+2+1, so 3 all-reduces per epoch, not 5."""
+    assert [rank[scenario]["syncs"] for rank in ranks] == [syncs, syncs]
+
+
+# ---- MET-5 / DDP-3: global metrics, exactly-once evaluation shards -----------------------------------------
+@pytest.mark.distributed
+@pytest.mark.parametrize(("scenario", "k"), [("equivalence", 1), ("accumulation", 2)])
+def test_validation_metrics_under_ddp_equal_the_single_process_metrics(ranks, single_process, scenario, k):
+    """37 validation samples over 2 ranks: each counted once, every epoch's metrics as in one process."""
+    expected = single_process[k]["records"]["val"]
+    for rank in ranks:
+        records = rank[scenario]["records"]["val"]
+        assert records["sample_count"] == [float(T.VAL_N)] * T.EPOCHS
+        for name, values in expected.items():
+            assert records[name] == pytest.approx(values, abs=EXACT), name
+
+
+@pytest.mark.distributed
+def test_test_metrics_equal_a_recomputation_on_the_whole_dataset(ranks):
+    """trainer.test under DDP = loss/accuracy of the final weights over all 37 samples at once."""
+    for rank in ranks:
+        expected = _metrics_on(rank["equivalence"]["state"], T.make_data(T.VAL_N, 2))
+        assert rank["equivalence"]["test"] == pytest.approx(expected, abs=EXACT)
+
+
+@pytest.mark.distributed
+def test_every_rank_reports_the_same_global_metrics(ranks):
+    """Training and validation records and test results are identical on both ranks."""
+    for scenario in ("equivalence", "accumulation", "split_batches"):
+        assert ranks[0][scenario]["records"] == ranks[1][scenario]["records"]
+        assert ranks[0][scenario]["test"] == ranks[1][scenario]["test"]
+
+
+@pytest.mark.distributed
+def test_an_empty_evaluation_shard_still_gives_global_metrics(ranks):
+    """A one-sample test set leaves rank 1 without any batch; both ranks report that sample's metrics."""
+    expected = _metrics_on(T.make_model().state_dict(), TensorDataset(*T.make_data(T.VAL_N, 2)[:1]))
+    for rank in ranks:
+        assert rank["tiny_test_set"] == pytest.approx(expected, abs=EXACT)
+
+
+# ---- DDP-3: sharding and sampler epochs ------------------------------------------------------------------
+@pytest.mark.distributed
+def test_shuffled_training_shards_are_disjoint_complete_and_reshuffled_each_epoch(ranks):
+    """shuffle=True: per epoch the two shards partition the 16 samples, in a new order each epoch."""
+    seen = [rank["shuffled_indices"] for rank in ranks]
+    for epoch in (1, 2):
+        assert sorted(seen[0][epoch] + seen[1][epoch]) == list(range(16))
+    assert seen[0][1] != seen[0][2]
+
+
+# ---- DDP-5, DDP-4, DDP-2 -------------------------------------------------------------------------------------
+@pytest.mark.distributed
+def test_parameters_are_broadcast_from_rank_0_after_init_callbacks(ranks):
+    """on_before_fit sets rank r's weights to r + 1; after the broadcast both ranks hold rank 0's 1.0."""
+    assert [rank["broadcast_values"] for rank in ranks] == [[1.0], [1.0]]
+
+
+@pytest.mark.distributed
+def test_main_process_first_lets_rank_0_finish_before_the_others_start(ranks):
+    """Rank 1 enters the block only after rank 0 wrote its file."""
+    assert [rank["main_process_first"]["found"] for rank in ranks] == [True, True]
+
+
+@pytest.mark.distributed
+def test_trainer_destroys_only_the_process_group_it_created(ranks):
+    """A group the Trainer initialised is gone after close(); a group the caller initialised survives."""
+    for rank in ranks:
+        assert rank["equivalence"]["group_during_fit"] and rank["equivalence"]["world_size"] == 2
+        assert rank["group_destroyed_after_close"]
+        assert rank["user_group"] == {"world_size": 2, "alive_after_close": True}
+    assert [rank["equivalence"]["is_main"] for rank in ranks] == [True, False]
+
+
+# ---- DDP-7 and configuration errors ------------------------------------------------------------------------
+@pytest.mark.distributed
+def test_different_training_batch_counts_raise_instead_of_hanging(ranks):
+    """A user sampler giving rank 0 two batches and rank 1 one: DistributedError on both ranks at fit()."""
+    for rank in ranks:
+        error = rank["uneven_training_error"]
+        assert error["type"] == "DistributedError"
+        assert "different number of batches on each rank (rank 0: 2, rank 1: 1)" in error["message"]
+
+
+@pytest.mark.distributed
+def test_split_batches_needs_a_batch_size_the_world_size_divides(ranks):
+    """split_batches with batch_size=5 and 2 processes: a ConfigError that names both numbers."""
+    for rank in ranks:
+        assert rank["split_batches_error"]["type"] == "ConfigError"
+        assert "must be a multiple of it (got batch_size=5)" in rank["split_batches_error"]["message"]
+
+
+# ---- REL-4 -------------------------------------------------------------------------------------------------
+@pytest.mark.distributed
+def test_a_rank_raising_during_training_makes_launch_raise_within_seconds(scripts):
+    """Rank 1 raises mid-epoch while rank 0 waits in the gradient all-reduce: the caller gets the error."""
+    outcome = json.loads(_succeeded(scripts["rank_failure"]).stdout.strip().splitlines()[-1])
+    assert outcome["error_type"] == "DistributedError", outcome
+    assert "rank 1 failed during training on purpose" in outcome["message"]
+    # launch's grace period is 2 s; the margin is for a loaded machine.
+    assert outcome["seconds_after_the_failure"] < 20 and outcome["children_left"] == 0
+
+
+# ---- sharding rules, without processes ------------------------------------------------------------------
+def _dataset(n=37):
+    return TensorDataset(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.zeros(n))
+
+
+class _Subclass(DataLoader):
+    pass
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+@pytest.mark.parametrize(
+    ("make", "plain"),
+    [
+        (lambda ds: DataLoader(ds, batch_size=4), True),
+        (lambda ds: DataLoader(ds, batch_size=4, shuffle=True, drop_last=True), True),
+        (lambda ds: DataLoader(ds, batch_size=None), True),
+        (lambda ds: DataLoader(ds, batch_size=4, sampler=list(range(10))), False),
+        (lambda ds: DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, replacement=True)), False),
+        (lambda ds: DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 4, False)), False),
+        (lambda ds: DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 2, 0)), False),
+        (lambda ds: _Subclass(ds, batch_size=4), False),
+        (lambda ds: DataLoader(_Stream(), batch_size=2), False),
+    ],
+    ids=["sequential", "shuffled", "unbatched", "index-list", "with-replacement", "batch-sampler",
+         "user-distributed-sampler", "subclass", "iterable-dataset"],
+)
+def test_only_plain_dataloaders_are_resharded(make, plain):
+    """DDP-3: the trainer rebuilds DataLoaders that use DataLoader's own sampling; others are kept."""
+    assert (_shard(make(_dataset()), "train", 0, 2, False) is not None) == plain
+
+
+def test_training_shards_are_padded_to_equal_length_and_keep_the_loader_settings():
+    """37 samples, 2 ranks: 19 indices each (one repeated), shuffling and drop_last kept."""
+    original = DataLoader(_dataset(), batch_size=4, shuffle=True, drop_last=True)
+    shards = [_shard(original, "train", rank, 2, False) for rank in (0, 1)]
+    for shard in shards:
+        assert isinstance(shard.sampler, DistributedSampler) and shard.sampler.shuffle
+        assert len(shard.sampler) == 19 and shard.drop_last and shard.batch_size == 4
+    indices = list(shards[0].sampler) + list(shards[1].sampler)
+    assert set(indices) == set(range(37)) and len(indices) == 38
+
+
+def test_evaluation_shards_hold_every_sample_exactly_once():
+    """37 samples over 3 ranks: 13 + 12 + 12 indices, no padding, drop_last not applied."""
+    original = DataLoader(_dataset(), batch_size=5, drop_last=True)
+    shards = [_shard(original, "val", rank, 3, False) for rank in range(3)]
+    assert all(isinstance(s.sampler, EvalShardSampler) and not s.drop_last for s in shards)
+    assert [len(s.sampler) for s in shards] == [13, 12, 12]
+    assert sorted(i for s in shards for i in s.sampler) == list(range(37))
+    seen = sorted(int(v) for s in shards for x, _ in s for v in x.flatten())
+    assert seen == list(range(37))
+
+
+def test_split_batches_divides_the_batch_size_by_the_world_size():
+    """split_batches: 8 per batch over 4 ranks gives 2 per rank; 6 over 4 is a ConfigError."""
+    assert _shard(DataLoader(_dataset(), batch_size=8), "train", 0, 4, True).batch_size == 2
+    with pytest.raises(ConfigError, match=r"batch_size must be a multiple of it \(got batch_size=6\)"):
+        _shard(DataLoader(_dataset(), batch_size=6), "train", 0, 4, True)
+
+
+@pytest.mark.parametrize("env", [{}, {"RANK": "0", "WORLD_SIZE": "1"}])
+def test_without_several_processes_the_policy_is_single_process(monkeypatch, env):
+    """No torchrun variables, or a world size of 1: the no-op policy, no process group."""
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    policy = select_policy(torch.device("cpu"))
+    assert isinstance(policy, SingleProcess) and policy.world_size == 1
+    assert policy.sync_patches({"a": 1}) == {"a": 1}
+
+
+# ---- scripts: smoke checks, multi-GPU checks, example 21 ----------------------------------------------
+# Runs several scripts in one interpreter (each as __main__ with its own argv), to pay torch's import
+# once: the one-process smoke run, the plain one-process example, and the CUDA command lines, which must
+# skip without CUDA.
+_DRIVER = textwrap.dedent(
+    """
+    import contextlib, io, json, runpy, sys
+    sys.path.insert(0, "tests")
+    outcomes = []
+    for argv in json.loads(sys.argv[1]):
+        sys.argv = argv
+        out = io.StringIO()
+        code = 0
+        with contextlib.redirect_stdout(out):
+            try:
+                runpy.run_path(argv[0], run_name="__main__")
+            except SystemExit as exc:
+                code = exc.code or 0
+        outcomes.append({"argv": argv, "code": code, "stdout": out.getvalue()})
+    print(json.dumps(outcomes))
+    """
+)
+
+
+# Calls launch on a training run in which rank 1 fails; prints the outcome as JSON.
+_FAILING_LAUNCH = textwrap.dedent(
+    """
+    import json, multiprocessing, os, pathlib, sys, time
+    sys.path.insert(0, "tests/distributed")
+    import ddp_targets
+    from deepepochs.launch import launch
+    os.environ[ddp_targets.OUT_ENV] = sys.argv[1]
+    try:
+        launch(ddp_targets.raise_on_rank_1_during_training, num_processes=2)
+        outcome = {"error_type": None, "message": "launch returned"}
+    except Exception as exc:
+        outcome = {"error_type": type(exc).__name__, "message": str(exc)}
+    failed_at = float((pathlib.Path(sys.argv[1]) / "failed_at").read_text())
+    outcome["seconds_after_the_failure"] = time.time() - failed_at
+    outcome["children_left"] = len(multiprocessing.active_children())
+    print(json.dumps(outcome))
+    """
+)
+
+
+class _Background:
+    """A command running in its own session, output to files (a full pipe would block it)."""
+
+    def __init__(self, command: list, seconds: float, folder: Path):
+        self.command, self.deadline = command, time.monotonic() + seconds
+        self.stdout, self.stderr = open(folder / "stdout", "w+"), open(folder / "stderr", "w+")
+        self.process = subprocess.Popen(command, cwd=REPO, env=_script_env(), stdout=self.stdout,
+                                        stderr=self.stderr, text=True, start_new_session=True)
+
+    def result(self) -> subprocess.CompletedProcess:
+        """Wait for the command (up to its deadline; then kill its session and fail)."""
+        try:
+            self.process.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{' '.join(map(str, self.command))} did not finish in time\n{self._read()[1]}")
+        stdout, stderr = self._read()
+        return subprocess.CompletedProcess(self.command, self.process.returncode, stdout, stderr)
+
+    def _read(self):
+        for f in (self.stdout, self.stderr):
+            f.flush()
+            f.seek(0)
+        return self.stdout.read(), self.stderr.read()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # torchrun's or launch's workers too
+            self.process.wait()
+
+    def close(self) -> None:
+        self.kill()
+        self.stdout.close()
+        self.stderr.close()
+
+
+def _skip_forms(tmp: Path) -> list:
+    return [
+        ["tests/smoke_training.py", "--device", "cuda", "--precision", "fp16", "--output", str(tmp / "a")],
+        ["tests/smoke_launch.py", "--expected-world-size=4", "--device=cuda", "--precision=fp16",
+         "--output", str(tmp / "b")],
+        ["tests/multigpu_training.py", "--expected-world-size", "4", "--precision", "fp16",
+         "--output", str(tmp / "c.json")],
+        ["tests/multigpu_evaluation.py", "--expected-world-size", "4", "--precision", "fp16",
+         "--output", str(tmp / "d")],
+        ["tests/single_gpu_checkpoint.py", "--checkpoint", str(tmp / "missing.ckpt"), "--source-world-size",
+         "4", "--precision", "fp16", "--device", "cuda:0", "--output", str(tmp / "e")],
+    ]
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """All script runs, started together in the background (they overlap with the in-process launches)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in
+               ("in_one_process", "smoke_torchrun", "smoke_launch", "example_launch", "example_torchrun",
+                "rank_failure")}
+    one = folders["in_one_process"]
+    in_one_process = [["tests/smoke_training.py", "--output", str(one / "smoke")],
+                      ["examples/21-distributed.py", "--small"]]
+    if not torch.cuda.is_available():
+        in_one_process += _skip_forms(one)
+    commands = {
+        "in_one_process": [sys.executable, "-c", _DRIVER, json.dumps(in_one_process)],
+        "smoke_torchrun": _torchrun("tests/smoke_training.py", "--output", folders["smoke_torchrun"] / "out"),
+        "smoke_launch": [sys.executable, "tests/smoke_launch.py", "--num-processes=2", "--expected-world-size=2",
+                         "--device=cpu", "--output", folders["smoke_launch"] / "out"],
+        "example_launch": [sys.executable, "examples/21-distributed.py", "--small", "--num-processes", "2"],
+        "example_torchrun": _torchrun("examples/21-distributed.py", "--small"),
+        "rank_failure": [sys.executable, "-c", _FAILING_LAUNCH, folders["rank_failure"]],
+    }
+    runs = {name: _Background(list(map(str, command)), 240, folders[name]) for name, command in commands.items()}
+    runs["folders"] = folders
+    yield runs
+    for name in commands:
+        runs[name].close()
+
+
+def _result(folder: Path) -> dict:
+    return json.loads((folder / "result.json").read_text())
+
+
+def _succeeded(run: _Background) -> subprocess.CompletedProcess:
+    done = run.result()
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+@pytest.mark.distributed
+def test_smoke_training_passes_in_one_process_and_the_cuda_command_lines_skip_cleanly(scripts):
+    """`python tests/smoke_training.py --output DIR` passes; without CUDA the seed's CUDA lines exit 0."""
+    smoke, example, *skipped = json.loads(_succeeded(scripts["in_one_process"]).stdout.strip().splitlines()[-1])
+    folder = scripts["folders"]["in_one_process"]
+    assert smoke["code"] == 0, smoke["stdout"]
+    assert _result(folder / "smoke")["status"] == "passed" and _result(folder / "smoke")["world_size"] == 1
+    for outcome in skipped:
+        assert outcome["code"] == 0, outcome
+        assert "skipped: CUDA not available" in outcome["stdout"], outcome
+    if skipped:
+        assert json.loads((folder / "c.json").read_text())["status"] == "skipped"
+        assert _result(folder / "d")["status"] == "skipped"
+
+
+@pytest.mark.distributed
+def test_smoke_training_passes_under_torchrun_with_two_cpu_processes(scripts):
+    """`torchrun --nproc-per-node=2 tests/smoke_training.py --output DIR`: world size 2, all checks pass."""
+    _succeeded(scripts["smoke_torchrun"])
+    result = _result(scripts["folders"]["smoke_torchrun"] / "out")
+    assert result["status"] == "passed" and result["world_size"] == 2, result["checks"]
+
+
+@pytest.mark.distributed
+def test_smoke_launch_passes_with_two_cpu_processes(scripts):
+    """`python tests/smoke_launch.py --num-processes=2 --expected-world-size=2 --device=cpu`."""
+    _succeeded(scripts["smoke_launch"])
+    result = _result(scripts["folders"]["smoke_launch"] / "out")
+    assert result["status"] == "passed" and result["world_size"] == 2, result["checks"]
+
+
+@pytest.mark.distributed
+def test_example_21_runs_in_one_cpu_process_by_default(scripts):
+    """`python examples/21-distributed.py` without GPUs trains in the calling process (world size 1)."""
+    outcomes = json.loads(_succeeded(scripts["in_one_process"]).stdout.strip().splitlines()[-1])
+    example = outcomes[1]
+    assert example["code"] == 0 and "test results (world size 1)" in example["stdout"], example
+
+
+@pytest.mark.distributed
+def test_example_21_trains_with_two_processes_through_launch(scripts):
+    """`python examples/21-distributed.py --small --num-processes 2` prints rank 0's global test result."""
+    assert "test results (world size 2)" in _succeeded(scripts["example_launch"]).stdout
+
+
+@pytest.mark.distributed
+def test_example_21_trains_under_torchrun_with_two_cpu_processes(scripts):
+    """`torchrun --nproc-per-node=2 examples/21-distributed.py --small`: one result line, from rank 0."""
+    assert _succeeded(scripts["example_torchrun"]).stdout.count("test results (world size 2)") == 1
