@@ -287,7 +287,7 @@ class Runner:
     def _train_batches(self, task, data, meters):
         t, loop = self.t, self.t.loop
         fire = t.machine.fire
-        hooks = t._hooks
+        hooks = t._hooks.by_event
         before_batch, after_batch = hooks["on_before_train_batch"], hooks["on_after_train_batch"]
         k = t.config.gradient_accumulation_steps
         loop.window_size = k
@@ -315,7 +315,7 @@ class Runner:
                 hook(t, batch_x, batch_y, loop.batch_idx)
             with autocast():  # forward and loss of default and custom steps alike (AMP-1)
                 result = step_fn(batch_x, batch_y, **step_args)
-            patches = self._check_step_result(result, n)
+            patches = None if result is None else self._check_step_result(result, n)
             loss = self._step_loss
             if patches and "loss" in patches:
                 loss = None
@@ -348,7 +348,7 @@ class Runner:
                 hook(t, batch_x, batch_y, loop.batch_idx)
             with autocast():
                 result = step_fn(batch_x, batch_y, **step_args)
-            patches = self._check_step_result(result, n)
+            patches = None if result is None else self._check_step_result(result, n)
             loss = None if (patches and "loss" in patches) else self._step_loss
             meters.add_batch(loss, n, patches)
             meters.close_window()
@@ -402,15 +402,18 @@ class Runner:
     # ---- inside a step ----
     def default_step(self, batch_x, batch_y, stage):
         t = self.t
-        ev = _EV[stage]
-        self._run_hooks(ev["before_forward"])
+        ev, hooks, task = _EV[stage], t._hooks.by_event, self.task
+        for hook in hooks[ev["before_forward"]]:
+            hook(t)
         model_out = call_model(t.model, batch_x)  # under the step's autocast (see _train_batches)
-        self._run_hooks(ev["after_forward"], model_out)
+        for hook in hooks[ev["after_forward"]]:
+            hook(t, model_out)
         loss = None
-        if stage == "train" or self.task.do_loss:
+        if stage == "train" or task.do_loss:
             loss = self.loss(model_out, batch_y, 1.0, True)
-        self._run_hooks(ev["metrics"], loss, model_out, batch_y, self.task)
-        return t.batch_patches(model_out, batch_y)
+        for hook in hooks[ev["metrics"]]:
+            hook(t, loss, model_out, batch_y, task)
+        return t.batch_patches(model_out, batch_y) if task.all_metrics else None
 
     def loss(self, model_out, batch_y, loss_adjust, do_optimize):
         """`Trainer.loss`: compute the loss; in training backpropagate it (scaled) and maybe update."""
@@ -422,7 +425,7 @@ class Runner:
                                   f" 'loss' (got {type(model_out).__name__})")
         else:
             loss = t.loss_fn(model_out, batch_y)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ConfigError(f"the loss must be a scalar tensor (got {shape}); reduce it, e.g. with .mean()")
         # The batch's reported loss: the sub-batch losses of a hand-split batch, weighted by loss_adjust,
@@ -433,7 +436,8 @@ class Runner:
         if loop.stage != "train":
             return loss
         t.machine.fire("backward")
-        for hook in t._hooks["on_before_backward"]:
+        hooks = t._hooks.by_event
+        for hook in hooks["on_before_backward"]:
             hook(t, loss)
         # Weight this micro-batch by its share of the window: n_i / (k * n_first). For a window of k equal
         # batches that is 1/k, the usual accumulation factor; the update (unscale_gradients) multiplies by
@@ -448,7 +452,7 @@ class Runner:
         # and PyTorch advises against running backward under autocast.
         with t._precision.no_autocast():
             t._precision.scale(scaled, (loop.epoch, loop.batch_idx, id(loop.meters))).backward()
-        for hook in t._hooks["on_after_backward"]:
+        for hook in hooks["on_after_backward"]:
             hook(t, loss)
         if do_optimize:
             self.optimize(None)
@@ -465,7 +469,8 @@ class Runner:
         loop.update_indices = t._opts.indices(optimize_index)
         if fire("optimize") != "optimize_unscaled":
             return  # an inner micro-batch: gradients keep accumulating
-        for hook in t._hooks["on_before_optimize"]:
+        hooks = t._hooks.by_event
+        for hook in hooks["on_before_optimize"]:
             hook(t, optimize_index)
         fire("clip")
         for i in loop.update_indices:
@@ -473,7 +478,7 @@ class Runner:
             fire("apply_update")  # grads_finite picks the step or the skip edge for optimizer i
         fire("finish_update")
         t.loop.window_updated = True
-        for hook in t._hooks["on_after_optimize"]:
+        for hook in hooks["on_after_optimize"]:
             hook(t, optimize_index)
 
     @contextlib.contextmanager

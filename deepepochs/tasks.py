@@ -94,11 +94,13 @@ class TaskMeters:
     """Loss sums and metric patches of one run of a task; the open window's part is kept apart so an
     interrupt can drop it (ACC-3) without touching what completed windows contributed."""
 
-    __slots__ = ("loss_sum", "host_sum", "count", "patches", "window_losses", "window_patches", "first_batch")
+    __slots__ = ("loss_sum", "host_sum", "host", "count", "patches", "window_losses", "window_patches",
+                 "first_batch")
 
     def __init__(self):
         self.loss_sum: torch.Tensor | None = None
         self.host_sum = 0.0
+        self.host: bool | None = None
         self.count = 0
         self.patches: dict = {}
         self.window_losses: list = []
@@ -118,8 +120,11 @@ class TaskMeters:
         On the CPU a loss is read as a Python float (no device to sync with, and ~5x cheaper than an in-place
         tensor add); on an accelerator the sum stays on the device (one async add, no host sync).
         """
+        host = self.host
         for loss, n in self.window_losses:
-            if loss.device.type == "cpu":
+            if host is None:  # decided once: reading .device per batch costs more than the add
+                host = self.host = loss.device.type == "cpu"
+            if host:
                 self.host_sum += float(loss) * n
             elif self.loss_sum is None:
                 self.loss_sum = loss.detach().double() * n

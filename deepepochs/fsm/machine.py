@@ -163,8 +163,9 @@ class LoopMachine:
         """Fire a hot trigger on the compiled table; returns the new state."""
         model = self.model
         source = model.state
-        edges = self.table.get((source, trigger))
-        if edges is None:
+        try:
+            edges = self.table[source, trigger]
+        except KeyError:
             self._invalid(source, trigger)
         for pred, dest, actions, error in edges:
             if pred is None or pred():
