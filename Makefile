@@ -40,5 +40,9 @@ graph: install
 bench: install
 	$(PYTHON) benchmarks/loop_overhead.py
 
+.PHONY: bench-memory
+bench-memory: install
+	$(PYTHON) benchmarks/memory_steady.py
+
 clean:
 	rm -rf build dist *.egg-info $(STAMP) .pytest_cache .ruff_cache

@@ -25,7 +25,7 @@ class Console:
 
     def __init__(self, log_batch: bool, log_tqdm: bool, log_long: bool, show_info: bool, enabled: bool,
                  stream=None):
-        self.stream = stream if stream is not None else sys.stdout
+        self._stream = stream  # None: whatever sys.stdout is when printing (it may be redirected later)
         self.enabled = enabled
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.log_batch = log_batch and enabled
@@ -38,6 +38,15 @@ class Console:
         self._prefix = ""
         self._total = None
         self._dirty = False
+
+    @property
+    def stream(self):
+        """The output stream: the one given, else the current `sys.stdout`."""
+        return self._stream if self._stream is not None else sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        self._stream = value
 
     def _print(self, text: str) -> None:
         if self._dirty:  # end an overwritten batch line first

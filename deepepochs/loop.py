@@ -142,12 +142,14 @@ class LoopActions:
         """
         t, loop = self.t, self.loop
         opts, indices = t._opts, loop.update_indices
-        found = t._precision.unscale([opts[i].opt for i in indices])
-        if found is None:  # fp32/bf16: no scaler; the window's losses decide (one check per update)
-            found = [t._check_window_loss_finite()] * len(indices)
         finite = loop.finite
         finite.clear()
-        finite.update(zip(indices, found))
+        if t._precision.scaler is None:  # fp32/bf16: the window's losses decide (one check per update)
+            ok = t._check_window_loss_finite()
+            for i in indices:
+                finite[i] = ok
+        else:
+            finite.update(zip(indices, t._precision.unscale([opts[i].opt for i in indices])))
         if loop.window_size > 1:
             window_total = t._dist.global_sum(loop.window_samples)  # a collective under DDP: every rank
             factor = t._dist.world_size * loop.window_size * loop.window_first_size / window_total

@@ -124,6 +124,7 @@ class Runner:
             t.model = t._train_model
             t._console.close()
             self._step_loss = None
+            self._pending_nonfinite = None
         for hook in t._hooks["on_interrupted"]:
             hook(t, exc)
 
@@ -277,6 +278,7 @@ class Runner:
         else:
             self._eval_batches(task, data, meters, ev)
         t._console.end_task()
+        self._raise_pending_nonfinite()
         t._dist.check_batch_counts(loop.batch_idx, stage)
         metrics = self._task_metrics(meters)
         self._run_hooks(ev["after_task"], task, metrics)
@@ -295,6 +297,7 @@ class Runner:
         has_loss = t.loss_fn is not None
         step_fn, step_args, size_fn = task.step_fn, task.step_args, task.batch_size
         console, autocast = t._console, t._precision.autocast
+        log_batch = console.log_batch or console.log_tqdm
         for batch, is_last in lookahead(data):
             if loop.window_pos == 0:
                 fire("begin_window")
@@ -325,7 +328,8 @@ class Runner:
                 metrics = BatchMetrics(loss, patches)
                 for hook in after_batch:
                     hook(t, metrics, loop.batch_idx)
-            console.batch(loop.batch_idx, lambda loss=loss, p=patches: BatchMetrics(loss, p))
+            if log_batch:
+                console.batch(loop.batch_idx, lambda loss=loss, p=patches: BatchMetrics(loss, p))
 
     def _eval_batches(self, task, data, meters, ev):
         t, loop = self.t, self.t.loop
@@ -518,6 +522,12 @@ class Runner:
             total = torch.stack([v.reshape(()).float() for v in losses]).sum()
         else:
             total = torch.zeros((), device=t.device)
+        if dist.world_size == 1 and total.device.type != "cpu" and t.config.nonfinite == "raise":
+            # PERF-2: no host read per update on an accelerator. Keep a device-side flag and check it at
+            # the task's end, where the loop reads values anyway; 'skip' needs the per-update read.
+            bad = ~torch.isfinite(total.detach().reshape(()))
+            self._pending_nonfinite = bad if self._pending_nonfinite is None else self._pending_nonfinite | bad
+            return True
         if dist.world_size > 1:
             bad = dist.reduce_sum((~torch.isfinite(total)).float().reshape(1))
             ok = bad.item() == 0.0
@@ -529,6 +539,19 @@ class Runner:
                 f" (precision={t.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
             )
         return ok
+
+    _pending_nonfinite = None
+
+    def _raise_pending_nonfinite(self):
+        """Raise for an inf/NaN loss an accelerator run flagged without a host read (see window_loss_finite)."""
+        flag, self._pending_nonfinite = self._pending_nonfinite, None
+        if flag is not None and bool(flag):
+            loop = self.t.loop
+            raise FloatingPointError(
+                f"non-finite loss in a training update during epoch {loop.epoch} (task ending at batch"
+                f" {loop.batch_idx}); on {self.t.device} nonfinite='raise' checks at the task's end to avoid a"
+                " host sync per update: pass nonfinite='skip' to skip such updates as they happen"
+            )
 
     # ---- misc ----
     def _run_hooks(self, event, *args):

@@ -173,3 +173,23 @@ def test_cuda_fp32_accumulation_with_a_tail_window_equals_the_concatenated_step(
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_cuda_fp32_nonfinite_raise_reads_no_value_per_update_and_raises_at_the_task_end():
+    """PERF-2: on CUDA, fp32 nonfinite='raise' flags an inf loss on the device and raises at the task's end."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    bad = {"n": 0}
+
+    def loss(out, y):
+        bad["n"] += 1
+        value = F.cross_entropy(out, y)
+        return value * float("inf") if bad["n"] == 2 else value
+
+    x = torch.randn(32, 4)
+    y = (x[:, 0] > 0).long()
+    trainer = Trainer(model, loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1, device="cuda",
+                      log_batch=False, show_info=False)
+    with pytest.raises(FloatingPointError, match="checks at the task's end"):
+        trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8))
+    assert trainer.machine.state == "idle"

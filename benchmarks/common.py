@@ -1,0 +1,117 @@
+"""Helpers shared by the benchmark scripts: machine details, a time-stamping batch iterable, JSON output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["RESULTS_DIR", "Stamped", "devnull", "machine_info", "median", "quiet_stdout", "write_json"]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """What a reader needs to compare numbers across machines."""
+    info = {
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    try:
+        import deepepochs
+
+        info["deepepochs"] = deepepochs.__version__
+    except ImportError:  # the throughput benchmark's --raw mode works without it
+        info["deepepochs"] = None
+    return info
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
+
+
+class Stamped:
+    """A re-iterable sequence of batches that records `perf_counter()` when each batch is handed out.
+
+    Every loop under test (raw, deepepochs, peers) iterates the same object, so the cost of the stamp is
+    identical for all of them; the stamps give a steady-state time per batch that leaves out per-epoch
+    fixed costs (setup, end-of-epoch metrics, a framework's fit() preparation).
+    """
+
+    def __init__(self, batches: list):
+        self.batches = batches
+        self.stamps: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        stamps = self.stamps
+        stamps.clear()
+        clock = time.perf_counter
+        for batch in self.batches:
+            stamps.append(clock())
+            yield batch
+
+    def steady_us(self, skip: int = 5) -> float:
+        """Mean interval between batch hand-outs after the first `skip` batches, in microseconds."""
+        s = self.stamps
+        if len(s) <= skip + 1:
+            skip = 0
+        if len(s) < 2:
+            return float("nan")
+        return (s[-1] - s[skip]) / (len(s) - 1 - skip) * 1e6
+
+
+_DEVNULL = None
+
+
+def devnull():
+    """One os.devnull text stream for the whole process, never closed: objects created under
+    `quiet_stdout()` may keep a reference to it (deepepochs' console binds sys.stdout when created)."""
+    global _DEVNULL
+    if _DEVNULL is None:
+        _DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    return _DEVNULL
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Send stdout to os.devnull (a non-TTY stream, like a log file) for the duration."""
+    with contextlib.redirect_stdout(devnull()):
+        yield
+
+
+def write_json(path, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=False)
+        f.write("\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return path

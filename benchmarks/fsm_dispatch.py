@@ -1,0 +1,150 @@
+"""FSM dispatch cost: µs per hot trigger (`LoopMachine.fire`), per cold trigger (`fire_cold`, through
+`transitions`), and per training batch's sequence of hot triggers, with no-op guards and actions so only
+dispatch is measured. Run alone (`python benchmarks/fsm_dispatch.py`) or from loop_overhead.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import median  # noqa: E402
+
+from deepepochs.fsm.machine import LoopMachine, load_spec  # noqa: E402
+
+__all__ = ["TRAIN_BATCH_TRIGGERS", "measure"]
+
+#: The hot triggers one training batch fires with one optimizer and no accumulation (see spec/loop.py).
+TRAIN_BATCH_TRIGGERS = ("begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
+                        "finish_update", "end_batch")
+
+
+class _Position:
+    """What the flight recorder reads: `epoch` and `batch_idx` attributes (or a call returning both)."""
+
+    epoch = 1
+    batch_idx = 1
+
+    def __call__(self):
+        return self.epoch, self.batch_idx
+
+
+def _machine(flags: dict) -> LoopMachine:
+    spec = load_spec()
+    # Guards not listed in `flags` are False (the plain path: e.g. no resume pending).
+    guards = {g.name: (lambda name=g.name: flags.get(name, False)) for g in spec.guards}
+    actions = {a.name: (lambda: None) for a in spec.actions}
+    return LoopMachine(guards, actions, _Position())
+
+
+def _enter(machine: LoopMachine, *cold: str) -> None:
+    for trigger in cold:
+        machine.fire_cold(trigger)
+
+
+def _time_per_call(fn, calls: int, repeats: int) -> float:
+    """Median over `repeats` of the µs per call of `fn`, which performs `calls` calls per invocation."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return median(samples)
+
+
+def measure(n: int = 20000, repeats: int = 5) -> dict:
+    """Dispatch costs in µs; `n` triggers (or batches) per repeat."""
+    flags = {"epochs_remaining": True, "stop_requested": False, "val_due": True, "window_boundary": True,
+             "grads_finite": True, "has_save_requests": False}
+
+    # Hot, unguarded and action-free: a validation batch's begin_batch/end_batch pair.
+    m = _machine(flags)
+    _enter(m, "fit", "next_epoch", "begin_train", "begin_task")
+    for trigger in TRAIN_BATCH_TRIGGERS:  # one training batch, then leave to the validation stage
+        m.fire(trigger)
+    _enter(m, "end_task", "end_stage", "validate", "begin_task")
+    fire = m.fire
+
+    def hot_pairs():
+        for _ in range(n // 2):
+            fire("begin_batch")
+            fire("end_batch")
+
+    hot = _time_per_call(hot_pairs, 2 * (n // 2), repeats)
+
+    # Cold: end_task/begin_task between the validation stage and its task, through `transitions`.
+    cold_n = max(n // 20, 200)
+    fire_cold = m.fire_cold
+
+    def cold_pairs():
+        for _ in range(cold_n // 2):
+            fire_cold("end_task")
+            fire_cold("begin_task")
+
+    cold = _time_per_call(cold_pairs, 2 * (cold_n // 2), repeats)
+
+    # One training batch: the 8 hot triggers with their guards (window_boundary, grads_finite).
+    t = _machine(flags)
+    _enter(t, "fit", "next_epoch", "begin_train", "begin_task")
+    tfire = t.fire
+    seq = TRAIN_BATCH_TRIGGERS
+    batches = n // len(seq)
+
+    def train_batches():
+        for _ in range(batches):
+            for trigger in seq:
+                tfire(trigger)
+
+    per_batch = _time_per_call(train_batches, batches, repeats)
+
+    # Baseline: a bare Python method call, the floor of any dispatch.
+    class _Obj:
+        def noop(self, _trigger):
+            return None
+
+    noop = _Obj().noop
+
+    def bare():
+        for _ in range(n):
+            noop("x")
+
+    bare_call = _time_per_call(bare, n, repeats)
+    return {
+        "hot_fire_us": hot,
+        "cold_fire_us": cold,
+        "train_batch_triggers": list(seq),
+        "train_batch_dispatch_us": per_batch,
+        "bare_method_call_us": bare_call,
+        "triggers_per_repeat": n,
+        "repeats": repeats,
+    }
+
+
+def format_table(result: dict) -> str:
+    rows = [
+        ("`LoopMachine.fire` (hot, compiled table)", result["hot_fire_us"]),
+        ("`LoopMachine.fire_cold` (cold, `transitions`)", result["cold_fire_us"]),
+        (f"one training batch ({len(result['train_batch_triggers'])} hot triggers)",
+         result["train_batch_dispatch_us"]),
+        ("bare Python method call (floor)", result["bare_method_call_us"]),
+    ]
+    lines = ["| dispatch | µs |", "|---|---:|"]
+    lines += [f"| {name} | {value:.2f} |" for name, value in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=20000, help="triggers per repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    print(format_table(measure(args.n, args.repeats)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""Loop overhead: deepepochs against a raw PyTorch loop (and Ignite / Lightning when installed).
+
+Every variant trains its own copy of the same model with the same optimizer settings on the same list of
+pre-batched (x, y) tensors (so no DataLoader cost), on the CPU with one thread. In every round each
+variant runs one epoch (a fit() call or the raw loop), in a random order, so drift of a shared machine
+hits all variants alike; time per batch = epoch time / batches. The rounds are split into blocks, and
+each block builds all variants from fresh model copies (memory placement alone can shift one copy's
+speed by several percent). The table reports medians over rounds and
+ratios to the variant's raw reference: wall time, and process CPU time paired per round with a bootstrap
+95% interval (the number to trust when other jobs share the machine). "steady" is the mean interval
+between batch hand-outs after the first five, which leaves out per-fit fixed costs.
+
+    python benchmarks/loop_overhead.py            # full run (a couple of minutes), writes JSON
+    python benchmarks/loop_overhead.py --quick    # seconds; for smoke tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import logging
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import RESULTS_DIR, Stamped, machine_info, median, quiet_stdout, write_json  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+import deepepochs  # noqa: E402
+
+PERF1_OFF, PERF1_DEFAULT = 1.03, 1.10
+
+
+# ---- models and data ------------------------------------------------------------------------------
+def tiny_model() -> nn.Module:
+    """The seed README's quick-start model: a raw step is a few hundred µs, so overhead shows most."""
+    return nn.Linear(16, 2)
+
+
+def mlp_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+MODELS = {
+    # name: (factory, input features, classes, batch size)
+    "tiny": (tiny_model, 16, 2, 32),
+    "mlp": (mlp_model, 128, 10, 64),
+}
+
+
+def make_batches(features: int, classes: int, batch_size: int, count: int) -> list:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(batch_size, features, generator=g),
+             torch.randint(0, classes, (batch_size,), generator=g)) for _ in range(count)]
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+# ---- variants: setup() is untimed, epoch(data) runs one timed epoch --------------------------------
+class Raw:
+    """The honest reference: zero_grad(set_to_none=True), forward, loss, backward, step."""
+
+    reference = None
+    note = "plain PyTorch loop"
+
+    def __init__(self, model):
+        self.model, self.opt = model, adam(model)
+
+    def epoch(self, data):
+        model, opt = self.model, self.opt
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+
+
+class RawAccumulate(Raw):
+    """Raw loop with 4 micro-batches per update (equal batches, so each loss is divided by 4)."""
+
+    k = 4
+    note = "plain PyTorch, 4 micro-batches per update"
+
+    def epoch(self, data):
+        model, opt, k = self.model, self.opt, self.k
+        last = len(data) - 1
+        for i, (x, y) in enumerate(data):
+            loss = F.cross_entropy(model(x), y) / k
+            loss.backward()
+            if (i + 1) % k == 0 or i == last:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+
+class RawFp16(Raw):
+    """Raw loop under CPU float16 autocast with torch.amp.GradScaler('cpu')."""
+
+    note = "plain PyTorch, fp16 autocast + CPU GradScaler"
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.scaler = torch.amp.GradScaler("cpu")
+
+    def epoch(self, data):
+        model, opt, scaler = self.model, self.opt, self.scaler
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
+class DeepEpochs:
+    """deepepochs.Trainer.fit for one more epoch per call (the trainer is built once, untimed)."""
+
+    reference = "raw"
+    kwargs: dict = {"log_batch": False, "show_info": False}
+    note = "console off (log_batch=False, show_info=False; epoch lines to devnull)"
+
+    def __init__(self, model):
+        self.epochs = 0
+        with quiet_stdout():  # the console binds sys.stdout when it is created: keep it on devnull
+            self.trainer = deepepochs.Trainer(model, F.cross_entropy, adam(model), device="cpu",
+                                              **self.kwargs)
+
+    def epoch(self, data):
+        self.epochs += 1
+        self.trainer.fit(data, epochs=self.epochs)
+
+    def close(self):
+        self.trainer.close()
+
+
+class DeepEpochsDefault(DeepEpochs):
+    kwargs = {}
+    note = "default console (batch + epoch lines, run header) to a non-TTY stream"
+
+
+class DeepEpochsAccumulate(DeepEpochs):
+    reference = "raw_acc4"
+    kwargs = {"log_batch": False, "show_info": False, "gradient_accumulation_steps": 4}
+    note = "console off, gradient_accumulation_steps=4"
+
+
+class DeepEpochsFp16(DeepEpochs):
+    reference = "raw_fp16"
+    kwargs = {"log_batch": False, "show_info": False, "precision": "fp16"}
+    note = "console off, precision='fp16' (CPU autocast + GradScaler)"
+
+
+class Ignite:
+    """pytorch-ignite's create_supervised_trainer with its defaults (it reads loss.item() per batch)."""
+
+    reference = "raw"
+    note = "create_supervised_trainer, defaults"
+
+    def __init__(self, model):
+        from ignite.engine import create_supervised_trainer
+
+        self.engine = create_supervised_trainer(model, adam(model), F.cross_entropy, device="cpu")
+
+    def epoch(self, data):
+        self.engine.run(data, max_epochs=1)
+
+
+class Lightning:
+    """lightning.Trainer.fit for one epoch (a new L.Trainer per epoch, built untimed; optimizer kept)."""
+
+    reference = "raw"
+    note = "no logger, checkpointing, progress bar or model summary"
+
+    def __init__(self, model):
+        import lightning as L
+
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        opt = adam(model)
+
+        class Module(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = model
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return F.cross_entropy(self.net(x), y)
+
+            def configure_optimizers(self):
+                return opt
+
+        self.L, self.module, self.trainer = L, Module(), None
+
+    def prepare(self):
+        """Untimed, before each epoch: a fresh L.Trainer (fit() runs max_epochs once per trainer)."""
+        self.trainer = self.L.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+
+    def epoch(self, data):
+        self.trainer.fit(self.module, train_dataloaders=data)
+
+
+VARIANTS = {
+    "raw": Raw,
+    "deepepochs": DeepEpochs,
+    "deepepochs_console": DeepEpochsDefault,
+    "raw_acc4": RawAccumulate,
+    "deepepochs_acc4": DeepEpochsAccumulate,
+    "raw_fp16": RawFp16,
+    "deepepochs_fp16": DeepEpochsFp16,
+    "ignite": Ignite,
+    "lightning": Lightning,
+}
+PEERS = {"ignite": "ignite", "lightning": "lightning"}
+
+
+def available_variants(requested) -> tuple[list[str], dict]:
+    skipped = {}
+    names = []
+    for name in requested:
+        module = PEERS.get(name)
+        if module is not None:
+            try:
+                __import__(module)
+            except ImportError as e:
+                skipped[name] = f"not installed ({e.msg}); pip install -e '.[bench]'"
+                continue
+        names.append(name)
+    return names, skipped
+
+
+# ---- the measurement ------------------------------------------------------------------------------
+def paired_ratio(values: list[float], refs: list[float], seed: int = 0) -> tuple[float, float, float]:
+    """Median of per-round ratios (each round runs every variant once, in random order, so the two runs of
+    a pair are close in time) and its bootstrap 95% interval."""
+    ratios = [a / b for a, b in zip(values, refs)]
+    rng = random.Random(seed)
+    boot = sorted(median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
+    return median(ratios), boot[25], boot[974]
+
+
+def run_model(model_name: str, variants: list[str], rounds: int, batches: int, blocks: int) -> list[dict]:
+    """`rounds` interleaved rounds, split into `blocks`; each block builds every variant afresh (new model
+    copy, optimizer, trainer), because where a copy's tensors land in memory can shift a variant's speed
+    by several percent for a whole block, which no amount of rounds over the same copies averages out."""
+    factory, features, classes, batch_size = MODELS[model_name]
+    torch.manual_seed(0)
+    init = factory()
+    data = Stamped(make_batches(features, classes, batch_size, batches))
+    wall = {name: [] for name in variants}
+    cpu = {name: [] for name in variants}
+    steady = {name: [] for name in variants}
+    order = list(variants)
+    rng = random.Random(0)
+    blocks = max(1, min(blocks, rounds))
+    for block in range(blocks):
+        runners = {name: VARIANTS[name](copy.deepcopy(init)) for name in variants}
+        prepare = {name: getattr(runner, "prepare", lambda: None) for name, runner in runners.items()}
+        for name, runner in runners.items():  # warm-up epoch: optimizer state, first-call caches
+            with quiet_stdout():
+                prepare[name]()
+                runner.epoch(data)
+        for _ in range(rounds // blocks + (block < rounds % blocks)):
+            rng.shuffle(order)
+            for name in order:
+                runner = runners[name]
+                with quiet_stdout():
+                    prepare[name]()
+                    gc.collect()
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    runner.epoch(data)
+                    elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+                wall[name].append(elapsed / len(data) * 1e6)
+                cpu[name].append(elapsed_cpu / len(data) * 1e6)
+                steady[name].append(data.steady_us())
+        for runner in runners.values():
+            getattr(runner, "close", lambda: None)()
+    rows = []
+    for name in variants:
+        ref = VARIANTS[name].reference
+        row = {
+            "model": model_name, "variant": name, "reference": ref, "note": VARIANTS[name].note,
+            "batch_size": batch_size, "batches": batches, "rounds": rounds, "blocks": blocks,
+            "params": sum(p.numel() for p in init.parameters()),
+            "us_per_batch": median(wall[name]), "cpu_us_per_batch": median(cpu[name]),
+            "steady_us_per_batch": median(steady[name]),
+            "rounds_us_per_batch": wall[name], "rounds_cpu_us_per_batch": cpu[name],
+            "rounds_steady": steady[name],
+        }
+        if ref is not None and ref in wall:
+            row["ratio"] = row["us_per_batch"] / median(wall[ref])
+            row["cpu_ratio"] = row["cpu_us_per_batch"] / median(cpu[ref])
+            row["steady_ratio"] = row["steady_us_per_batch"] / median(steady[ref])
+            row["paired_ratio"] = paired_ratio(wall[name], wall[ref])[0]
+            row["paired_cpu_ratio"], row["paired_cpu_ci_low"], row["paired_cpu_ci_high"] = paired_ratio(
+                cpu[name], cpu[ref])
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| model | variant | wall µs/batch | wall ratio | CPU µs/batch | paired CPU ratio (95% CI)"
+             " | steady ratio |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+
+    def fmt(row, key):
+        return f"{row[key]:.3f}" if key in row else "—"
+
+    for row in rows:
+        ref = f" (vs {row['reference']})" if row["reference"] not in (None, "raw") else ""
+        ci = (f"{row['paired_cpu_ratio']:.3f} ({row['paired_cpu_ci_low']:.3f}–{row['paired_cpu_ci_high']:.3f})"
+              if "paired_cpu_ratio" in row else "—")
+        lines.append(f"| {row['model']} | {row['variant']}{ref} | {row['us_per_batch']:.0f} |"
+                     f" {fmt(row, 'ratio')} | {row['cpu_us_per_batch']:.0f} | {ci} | {fmt(row, 'steady_ratio')} |")
+    return "\n".join(lines)
+
+
+def perf1_verdict(rows: list[dict]) -> dict:
+    """PERF-1 on the tiny model, judged on the paired CPU-time ratio (the wall ratio is reported too; on a
+    dedicated machine they agree, on a shared one only CPU time is trustworthy)."""
+    tiny = {row["variant"]: row for row in rows if row["model"] == "tiny"}
+    verdict = {}
+    for variant, limit in (("deepepochs", PERF1_OFF), ("deepepochs_console", PERF1_DEFAULT)):
+        if variant in tiny:
+            row = tiny[variant]
+            verdict[variant] = {"paired_cpu_ratio": row["paired_cpu_ratio"],
+                                "ci95": [row["paired_cpu_ci_low"], row["paired_cpu_ci_high"]],
+                                "wall_ratio": row["ratio"], "limit": limit,
+                                "met": row["paired_cpu_ratio"] <= limit}
+    return verdict
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="deepepochs loop overhead against a raw PyTorch loop")
+    parser.add_argument("--rounds", type=int, default=25, help="interleaved rounds, tiny model")
+    parser.add_argument("--mlp-rounds", type=int, default=15, help="interleaved rounds, MLP")
+    parser.add_argument("--blocks", type=int, default=5,
+                        help="rebuild every variant (fresh model copies) this many times per model")
+    parser.add_argument("--tiny-batches", type=int, default=100, help="batches per epoch, tiny model")
+    parser.add_argument("--mlp-batches", type=int, default=30, help="batches per epoch, MLP")
+    parser.add_argument("--models", default="tiny,mlp", help="comma-separated: tiny, mlp")
+    parser.add_argument("--variants", default="",
+                        help=f"comma-separated subset of {list(VARIANTS)} (default: all on the tiny model;"
+                             " all but the fp16 pair on the MLP, where CPU fp16 matmuls are slow)")
+    parser.add_argument("--no-fsm", action="store_true", help="skip the FSM dispatch micro-benchmark")
+    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (the numbers mean nothing)")
+    parser.add_argument("--output", default=str(RESULTS_DIR / "loop_overhead.json"),
+                        help="JSON file to write ('' for none)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.mlp_rounds, args.blocks, args.tiny_batches, args.mlp_batches = 2, 2, 1, 8, 4
+    torch.set_num_threads(1)  # one thread: stable numbers, and the Python overhead is what we measure
+    warnings.filterwarnings("ignore", module=r"(lightning|pytorch_lightning|lightning_fabric)(\.|$)")
+    requested = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in requested if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    models = [m for m in args.models.split(",") if m]
+    for model in models:
+        if model not in MODELS:
+            parser.error(f"unknown model {model!r}; choose from {list(MODELS)}")
+    rows, skipped = [], {}
+    t0 = time.perf_counter()
+    for model in models:
+        wanted = requested or [v for v in VARIANTS if model == "tiny" or "fp16" not in v]
+        variants, skipped_now = available_variants(wanted)
+        skipped.update(skipped_now)
+        batches = args.tiny_batches if model == "tiny" else args.mlp_batches
+        rounds = args.rounds if model == "tiny" else args.mlp_rounds
+        print(f"measuring {model}: {len(variants)} variants x {rounds} rounds ({args.blocks} blocks) x"
+              f" {batches} batches",
+              file=sys.stderr)
+        rows += run_model(model, variants, rounds, batches, args.blocks)
+    info = machine_info()
+    print(f"## Loop overhead: {info['cpu']}, torch {info['torch']}, 1 thread\n")
+    print("Per round every variant runs one epoch, in random order; µs/batch = median over rounds of the"
+          " epoch's time / batches; ratios are to the variant's raw loop. CPU = process time, paired per"
+          " round (robust to other load on a shared machine); steady = wall time per batch after the"
+          " first five, leaving out per-fit fixed costs.\n")
+    print(format_table(rows))
+    for name, why in skipped.items():
+        print(f"\n_{name} skipped: {why}_")
+    payload = {"benchmark": "loop_overhead", "machine": info, "settings": vars(args), "skipped": skipped,
+               "results": rows}
+    verdict = perf1_verdict(rows)
+    if verdict:
+        payload["perf1"] = verdict
+        print("\nPERF-1 (tiny model): " + "; ".join(
+            f"{k} {v['paired_cpu_ratio']:.3f}x CPU (95% CI {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}),"
+            f" {v['wall_ratio']:.3f}x wall (limit {v['limit']:.2f}x):"
+            f" {'met' if v['met'] else 'NOT met'}" for k, v in verdict.items()))
+    if not args.no_fsm:
+        import fsm_dispatch
+
+        fsm = fsm_dispatch.measure(n=2000 if args.quick else 20000)
+        payload["fsm_dispatch"] = fsm
+        print("\n## FSM dispatch (no-op guards and actions)\n")
+        print(fsm_dispatch.format_table(fsm))
+    payload["elapsed_s"] = time.perf_counter() - t0
+    if args.output:
+        write_json(args.output, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Every numbered example runs to completion with `--small` (EX-1), so none of them rots."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]-*.py"))
+
+# Examples that take more than ~20 s with --small on a 2-core CPU machine: torch.compile's first
+# compilation (cold cache ~45 s), launching several processes (~35 s when the machine is busy). The others
+# take 5-12 s, most of it importing torch.
+SLOW = {"19-compile.py", "21-distributed.py"}
+
+
+def _params():
+    for path in EXAMPLES:
+        marks = [pytest.mark.slow] if path.name in SLOW else []
+        yield pytest.param(path, id=path.stem, marks=marks)
+
+
+def test_examples_exist():
+    """The examples folder holds the numbered scripts the README lists."""
+    names = {p.name for p in EXAMPLES}
+    assert "01-basic.py" in names and len(names) >= 16, sorted(names)
+
+
+@pytest.mark.parametrize("path", list(_params()))
+def test_example_runs_with_small_flag(path, tmp_path):
+    """`python examples/NN-name.py --small` exits 0 (run in a scratch folder so files land there)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MPLBACKEND": "Agg"}
+    proc = subprocess.run([sys.executable, str(path), "--small"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=150)
+    assert proc.returncode == 0, f"{path.name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+# ---- benchmark scripts: smoke runs at tiny sizes (numbers meaningless), so they do not rot either ----
+BENCH = ROOT / "benchmarks"
+
+
+def _run(args, tmp_path, timeout=150):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_loop_overhead_benchmark_runs_quickly(tmp_path):
+    """loop_overhead.py --quick prints the ratio table and the FSM dispatch table and writes JSON."""
+    out = tmp_path / "loop.json"
+    text = _run([BENCH / "loop_overhead.py", "--quick", "--models", "tiny", "--variants", "raw,deepepochs",
+                 "--output", out], tmp_path)
+    assert "| tiny | deepepochs |" in text and "FSM dispatch" in text, text
+    assert out.exists()
+
+
+def test_memory_benchmark_runs_quickly(tmp_path):
+    """memory_steady.py reports RSS at each epoch end and writes JSON."""
+    out = tmp_path / "mem.json"
+    text = _run([BENCH / "memory_steady.py", "--epochs", "2", "--batches", "30", "--val-batches", "5",
+                 "--every", "10", "--output", out], tmp_path)
+    assert "RSS growth" in text and out.exists(), text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_throughput_benchmark_skips_without_cuda(tmp_path):
+    """multigpu_benchmark.py --device cuda on a machine without CUDA says so and exits 0."""
+    assert "skipped: CUDA not available" in _run([BENCH / "multigpu_benchmark.py", "--device", "cuda"], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("raw", [False, True], ids=["deepepochs", "raw"])
+def test_throughput_benchmark_cpu_smoke(tmp_path, raw):
+    """multigpu_benchmark.py runs on the CPU at tiny sizes, for the trainer and the raw loop, and writes JSON."""
+    out = tmp_path / "tp.json"
+    args = [BENCH / "multigpu_benchmark.py", "--device", "cpu", "--steps", "3", "--warmup", "1", "--batch-size",
+            "2", "--image-size", "64", "--output", out] + (["--raw"] if raw else [])
+    text = _run(args, tmp_path, timeout=300)
+    assert "parameters" in text and out.exists(), text
