@@ -8,7 +8,7 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["batch_size_of", "call_model", "lookahead", "split_batch", "to_device"]
+__all__ = ["batch_size_of", "call_model", "first_tensor", "lookahead", "split_batch", "to_device"]
 
 
 def split_batch(batch, has_loss_fn: bool):
@@ -70,20 +70,23 @@ def to_device(obj, device: torch.device, non_blocking: bool = False):
     return obj
 
 
-def _first_tensor(obj):
+def first_tensor(obj, accept=None):
+    """The first tensor in nested tuples/lists/dicts (depth first) for which `accept(tensor)` holds."""
     if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        for o in obj:
-            t = _first_tensor(o)
-            if t is not None:
-                return t
-    elif isinstance(obj, Mapping):
-        for o in obj.values():
-            t = _first_tensor(o)
-            if t is not None:
-                return t
+        return obj if accept is None or accept(obj) else None
+    if isinstance(obj, Mapping):
+        obj = obj.values()
+    elif not isinstance(obj, (list, tuple)):
+        return None
+    for item in obj:
+        found = first_tensor(item, accept)
+        if found is not None:
+            return found
     return None
+
+
+def _has_batch_dim(tensor: torch.Tensor) -> bool:
+    return tensor.dim() > 0
 
 
 def batch_size_of(batch_x, batch_y, batch_size_fn=None) -> int:
@@ -91,10 +94,10 @@ def batch_size_of(batch_x, batch_y, batch_size_fn=None) -> int:
     found in the label, then in the inputs (MET-4)."""
     if batch_size_fn is not None:
         return int(batch_size_fn(batch_x, batch_y))
-    t = _first_tensor(batch_y)
-    if t is None or t.dim() == 0:
-        t = _first_tensor(batch_x)
-    if t is None or t.dim() == 0:
+    t = first_tensor(batch_y, _has_batch_dim)
+    if t is None:
+        t = first_tensor(batch_x, _has_batch_dim)
+    if t is None:
         raise ConfigError(
             "cannot infer the number of samples in a batch (no tensor with a batch dimension); pass"
             " batch_size=callable(batch_x, batch_y) -> int to fit()/test()"

@@ -14,6 +14,7 @@ import torch
 
 from deepepochs.callbacks.base import Callback
 from deepepochs.config import check_choice
+from deepepochs.data import first_tensor
 from deepepochs.errors import ConfigError
 
 __all__ = ["AnalyzeCallback", "leaf_modules"]
@@ -56,16 +57,7 @@ class _Stat:
 
 def _first_float(out):
     """The first floating-point tensor of a module output (e.g. the output of an LSTM's `(out, (h, c))`)."""
-    if isinstance(out, torch.Tensor):
-        return out if out.is_floating_point() else None
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            found = _first_float(o)
-            if found is not None:
-                return found
-    if isinstance(out, dict):
-        return _first_float(list(out.values()))
-    return None
+    return first_tensor(out, torch.Tensor.is_floating_point)
 
 
 class AnalyzeCallback(Callback):

@@ -61,30 +61,28 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
         due = bool(val_batches) and epoch % val_freq == 0
         w.fire("validate", val_due=due)
         if due:
-            for n in val_batches:
-                w.fire("begin_task")
-                for _ in range(n):
-                    w.fire("begin_batch")
-                    w.fire("end_batch")
-                w.fire("end_task")
-            w.fire("end_stage")
+            _eval_stage(w, val_batches)
         w.fire("end_epoch")
     w.fire("next_epoch", epochs_remaining=False)
     w.fire("finish")
     return w.trace
 
 
-def expected_test(walker, test_batches):
-    w = walker
-    w.fire("test")
-    for n in test_batches:
+def _eval_stage(w, batches):
+    """Tasks of an evaluation stage (validation or test), then the stage's end."""
+    for n in batches:
         w.fire("begin_task")
         for _ in range(n):
             w.fire("begin_batch")
             w.fire("end_batch")
         w.fire("end_task")
     w.fire("end_stage")
-    return w.trace
+
+
+def expected_test(walker, test_batches):
+    walker.fire("test")
+    _eval_stage(walker, test_batches)
+    return walker.trace
 
 
 def _data(n, batch, seed=0):
