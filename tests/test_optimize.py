@@ -155,6 +155,19 @@ def test_gan_like_step_with_optimize_index_matches_plain_pytorch():
     assert [s.last_epoch for s in scheds] == [2 * len(dl)] * 2
     assert all(p.grad is None for p in model.parameters())
 
+class SkipRecorder(Callback):
+    """Writes the (epoch, batch) being trained into `now['at']` and records each skipped step in `skips`."""
+
+    def __init__(self, now, skips):
+        self.now, self.skips = now, skips
+
+    def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
+        self.now["at"] = (trainer.loop.epoch, batch_idx)
+
+    def on_skip_optimize(self, trainer, optimize_index):
+        self.skips.append((self.now["at"], optimize_index))
+
+
 
 def test_fp16_gan_with_accumulation_keeps_one_scale_per_iteration():
     """GAN step, k=2, fp16, D's gradients poisoned on some windows: D skips, and the scale must not change
@@ -166,18 +179,11 @@ def test_fp16_gan_with_accumulation_keeps_one_scale_per_iteration():
     now = {}
     skips = []
 
-    class Poison(Callback):
-        def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-            now["at"] = (trainer.loop.epoch, batch_idx)
-
-        def on_skip_optimize(self, trainer, optimize_index):
-            skips.append((now["at"], optimize_index))
-
     for m in (model, ref):
         m.disc[2].weight.register_hook(lambda g: torch.full_like(g, math.inf) if now["at"] in poisoned else g)
     opts, scheds = gan_opts(model)
     trainer = GANLike(model, None, [Optimizer(o, s, sched_on="step") for o, s in zip(opts, scheds)], epochs=2,
-                      precision="fp16", gradient_accumulation_steps=2, callbacks=[Poison()], **QUIET)
+                      precision="fp16", gradient_accumulation_steps=2, callbacks=[SkipRecorder(now, skips)], **QUIET)
     set_scale(trainer.scaler)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -229,17 +235,10 @@ def test_fp16_skips_per_optimizer_and_keeps_the_other_optimizers_gradients_right
     now = {}
     skips = []
 
-    class Poison(Callback):
-        def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-            now["at"] = (trainer.loop.epoch, batch_idx)
-
-        def on_skip_optimize(self, trainer, optimize_index):
-            skips.append((now["at"], optimize_index))
-
     model[0].weight.register_hook(lambda g: torch.full_like(g, math.inf) if now["at"] in poisoned else g)
     opts, scheds = two_halves(model)
     trainer = trainer_cls(model, F.mse_loss, [Optimizer(o, s, sched_on="step") for o, s in zip(opts, scheds)],
-                          epochs=2, precision="fp16", callbacks=[Poison()], **QUIET)
+                          epochs=2, precision="fp16", callbacks=[SkipRecorder(now, skips)], **QUIET)
     set_scale(trainer.scaler)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
