@@ -8,7 +8,7 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["batch_size_of", "call_model", "first_tensor", "lookahead", "split_batch", "to_device"]
+__all__ = ["batch_size_of", "call_model", "first_tensor", "lookahead", "prepare_batch", "split_batch", "to_device"]
 
 
 def split_batch(batch, has_loss_fn: bool):
@@ -44,6 +44,8 @@ def split_batch(batch, has_loss_fn: bool):
 
 def call_model(model, batch_x):
     """`model(x)`, `model(*x)` for a tuple of inputs, or `model(**x)` for a dict."""
+    if type(batch_x) is torch.Tensor:  # the common case first: isinstance(x, Mapping) is an ABC check
+        return model(batch_x)
     if isinstance(batch_x, tuple):
         return model(*batch_x)
     if isinstance(batch_x, Mapping):
@@ -117,3 +119,22 @@ def lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:
         yield item, False
         item = nxt
     yield item, True
+
+
+def prepare_batch(batch, has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None):
+    """`(batch_x, batch_y, n)`: split, moved to `device`, and the sample count.
+
+    The common `(x, y)` pair of tensors takes a short path (one call instead of four per batch).
+    """
+    if has_loss_fn and type(batch) in (tuple, list) and len(batch) == 2 and batch_size_fn is None:
+        x, y = batch
+        if type(x) is torch.Tensor and type(y) is torch.Tensor and y.dim() > 0:
+            if x.device != device:
+                x = x.to(device, non_blocking=non_blocking)
+            if y.device != device:
+                y = y.to(device, non_blocking=non_blocking)
+            return x, y, y.shape[0]
+    batch_x, batch_y = split_batch(batch, has_loss_fn)
+    batch_x = to_device(batch_x, device, non_blocking)
+    batch_y = to_device(batch_y, device, non_blocking)
+    return batch_x, batch_y, batch_size_of(batch_x, batch_y, batch_size_fn)

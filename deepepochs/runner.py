@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from deepepochs.data import batch_size_of, call_model, lookahead, split_batch, to_device
+from deepepochs.data import call_model, lookahead, prepare_batch
 from deepepochs.errors import ConfigError, LoopError
 from deepepochs.loop import ResumePoint
 from deepepochs.patches import PatchBase, ValuePatch
@@ -297,6 +297,7 @@ class Runner:
         has_loss = t.loss_fn is not None
         step_fn, step_args, size_fn = task.step_fn, task.step_args, task.batch_size
         console, autocast = t._console, t._precision.autocast
+        amp = t._precision.dtype is not None
         log_batch = console.log_batch or console.log_tqdm
         for batch, is_last in lookahead(data):
             if loop.window_pos == 0:
@@ -304,10 +305,7 @@ class Runner:
             loop.window_pos += 1
             loop.batch_idx += 1
             loop.window_boundary = is_last or loop.window_pos == k
-            batch_x, batch_y = split_batch(batch, has_loss)
-            batch_x = to_device(batch_x, device, non_blocking)
-            batch_y = to_device(batch_y, device, non_blocking)
-            n = batch_size_of(batch_x, batch_y, size_fn)
+            batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
             if loop.window_pos == 1:
                 loop.window_first_size = n
             loop.window_samples += n
@@ -316,7 +314,10 @@ class Runner:
             fire("begin_batch")
             for hook in before_batch:
                 hook(t, batch_x, batch_y, loop.batch_idx)
-            with autocast():  # forward and loss of default and custom steps alike (AMP-1)
+            if amp:
+                with autocast():  # forward and loss of default and custom steps alike (AMP-1)
+                    result = step_fn(batch_x, batch_y, **step_args)
+            else:
                 result = step_fn(batch_x, batch_y, **step_args)
             patches = None if result is None else self._check_step_result(result, n)
             loss = self._step_loss
@@ -341,10 +342,7 @@ class Runner:
         console, autocast = t._console, t._precision.autocast
         for batch in data:
             loop.batch_idx += 1
-            batch_x, batch_y = split_batch(batch, has_loss)
-            batch_x = to_device(batch_x, device, non_blocking)
-            batch_y = to_device(batch_y, device, non_blocking)
-            n = batch_size_of(batch_x, batch_y, size_fn)
+            batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
             self._batch_n = n
             self._step_loss = None
             fire("begin_batch")
@@ -454,8 +452,12 @@ class Runner:
         # fp16: every loss of one batch is scaled with the same scale (see deepepochs.precision).
         # Backward leaves the step's autocast region: its ops already run in the dtypes the forward chose,
         # and PyTorch advises against running backward under autocast.
-        with t._precision.no_autocast():
-            t._precision.scale(scaled, (loop.epoch, loop.batch_idx, id(loop.meters))).backward()
+        precision = t._precision
+        if precision.dtype is None:
+            scaled.backward()
+        else:
+            with precision.no_autocast():
+                precision.scale(scaled, (loop.epoch, loop.batch_idx, id(loop.meters))).backward()
         for hook in hooks["on_after_backward"]:
             hook(t, loss)
         if do_optimize:
@@ -510,7 +512,15 @@ class Runner:
         are averaged, so one rank's NaN reaches all). Raises FloatingPointError with nonfinite='raise'.
         """
         t, loop = self.t, self.t.loop
-        losses = [loss for loss, _ in loop.meters.window_losses]
+        window = loop.meters.window_losses
+        step_loss = self._step_loss
+        if not window and step_loss is not None and step_loss.is_cpu and t._dist.world_size == 1:
+            # the common CPU case (one micro-batch per window): one read of a host value, no tensor ops
+            ok = math.isfinite(step_loss.item())
+            if not ok and t.config.nonfinite == "raise":
+                self._raise_nonfinite()
+            return ok
+        losses = [loss for loss, _ in window]
         if self._step_loss is not None:
             losses.append(self._step_loss)
         dist = t._dist
@@ -534,11 +544,16 @@ class Runner:
         else:
             ok = math.isfinite(total.item())
         if not ok and t.config.nonfinite == "raise":
-            raise FloatingPointError(
-                f"non-finite loss in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
-                f" (precision={t.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
-            )
+            self._raise_nonfinite()
         return ok
+
+    def _raise_nonfinite(self):
+        """nonfinite='raise': the update window's loss was inf/NaN."""
+        t, loop = self.t, self.t.loop
+        raise FloatingPointError(
+            f"non-finite loss in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
+            f" (precision={t.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
+        )
 
     _pending_nonfinite = None
 
