@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from deepepochs import Callback, Trainer, TrainerBase
+from deepepochs import Callback, Optimizer, Trainer, TrainerBase
 from deepepochs.fsm.machine import load_spec
 
 SPEC = load_spec()
@@ -68,7 +68,9 @@ def _make(scenario):
                 torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.5)]
         cls = TwoOptimizers
     else:
-        opts = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        # a step-wise scheduler: it must advance exactly once per applied update, replays included
+        opts = Optimizer(sgd, torch.optim.lr_scheduler.StepLR(sgd, step_size=2, gamma=0.8), sched_on="step")
         cls = Trainer
     callbacks = [Poison()] if cfg["precision"] == "fp16" else []
     t = cls(model, F.cross_entropy, opts, epochs=EPOCHS, device="cpu", log_batch=False, show_info=False,
@@ -90,7 +92,7 @@ def _reference(scenario):
         t = _make(scenario)
         _run(t)
         _REFERENCE[scenario] = ([p.detach().clone() for p in t.raw_model.parameters()],
-                                None if t.scaler is None else t.scaler.get_scale())
+                                None if t.scaler is None else t.scaler.get_scale(), t.opt.lrs())
     return _REFERENCE[scenario]
 
 
@@ -136,7 +138,8 @@ def test_a_fault_on_entering_any_state_is_recovered_exactly(scenario, state):
         assert not t.scaler._per_optimizer_states, "scaler kept per-step state of the discarded window"
     t.machine.probe = None
     _run(t)  # continue to the epoch target and test again
-    weights, scale = _reference(scenario)
+    weights, scale, lrs = _reference(scenario)
+    assert t.opt.lrs() == lrs, "the step-wise scheduler advanced differently from the uninterrupted run"
     for p, q in zip(t.raw_model.parameters(), weights):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=1e-6)
     assert t.loop.completed_epochs == EPOCHS
