@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 
+import attrs
 import torch
 
 from deepepochs.callbacks.base import HookTable
@@ -168,7 +169,7 @@ class TrainerBase:
         record; calling `fit` again continues where the run stopped."""
         self._check_open()
         if epochs is not None:
-            self.config = TrainerConfig(**{**_fields(self.config), "epochs": epochs})
+            self.config = attrs.evolve(self.config, epochs=epochs)  # validated like the constructor's
         if isinstance(val_freq, bool) or not isinstance(val_freq, int) or val_freq < 1:
             raise ConfigError(f"val_freq must be a positive int (got {val_freq!r})")
         if train_dl is not None and train_tasks:
@@ -325,9 +326,4 @@ class TrainerBase:
 class Trainer(TrainerBase):
     """The ready-to-use trainer; see `TrainerBase` for arguments and customisation."""
 
-
-def _fields(record) -> dict:
-    import attrs
-
-    return attrs.asdict(record)
 
