@@ -62,9 +62,6 @@ class LoopState:
     resume: ResumePoint | None = None
     last_error_state: str | None = None
 
-    def position(self) -> tuple[int, int]:
-        """`(epoch, batch)` for the flight record."""
-        return self.epoch, self.batch_idx
 
 
 # States in which a training step has not returned yet (its batch is not in the meters).
@@ -145,7 +142,7 @@ class LoopActions:
         finite = loop.finite
         finite.clear()
         if t._precision.scaler is None:  # fp32/bf16: the window's losses decide (one check per update)
-            ok = t._check_window_loss_finite()
+            ok = t._runner.window_loss_finite()
             for i in indices:
                 finite[i] = ok
         else:

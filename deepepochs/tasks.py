@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 from deepepochs.errors import ConfigError
@@ -61,9 +62,12 @@ class EpochTask:
         self.do_loss = do_loss
         self.batch_size = batch_size
         self.step_args = step_args
+        # Filled in when a stage adopts the task (Runner.make_tasks):
         self.trainer = None
         self.stage: str | None = None
-        self.meters: TaskMeters | None = None
+        self.all_metrics: list = []  # the stage's metrics followed by the task's own
+        self.data = dataloader  # what is iterated: the DataLoader, sharded under DDP
+        self.step_fn = None  # the step method chosen for the stage
 
     def __getattr__(self, name):
         # Only called for attributes the task lacks: fall back to the trainer so that step methods
@@ -194,13 +198,8 @@ def flatten_value(name: str, value) -> dict[str, float]:
         return {name: float(value)}
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return {name: float(value)}
-    try:
-        import numpy as np
-
-        if isinstance(value, np.generic) and value.size == 1:
-            return {name: float(value)}
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
+    if isinstance(value, np.generic) and value.size == 1:
+        return {name: float(value)}
     raise ConfigError(
         f"metric {name!r} must return a number, a one-element tensor or a dict of them (got"
         f" {type(value).__name__}: {value!r:.60})"

@@ -306,9 +306,6 @@ class TrainerBase:
         val = self._runner.last_metrics.get("val", {})
         self._opts.step_epoch(train.get("loss"), val.get("loss"))
 
-    def _check_window_loss_finite(self) -> bool:
-        return self._runner.window_loss_finite()
-
     def batch_patches(self, model_out, batch_y, metrics=None) -> dict:
         """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""
         task = self._runner.task
