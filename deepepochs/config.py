@@ -50,6 +50,9 @@ class TrainerConfig:
             update (one host read per update, by design; fp16 relies on the GradScaler instead).
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
         log_long, log_batch, log_tqdm, show_info: console options (DEV-2).
+        compile_model: wrap the model in `torch.compile`.
+        fuse_steps: run a plain training batch as the spec's one fused `train_step` edge (see
+            `spec/loop.py`); False takes the eight per-batch edges (a finer flight record, a little slower).
     """
 
     epochs: int = attrs.field(default=1000, validator=_positive_int)
@@ -64,3 +67,4 @@ class TrainerConfig:
     log_tqdm: bool = attrs.field(default=False, validator=_bool)
     show_info: bool = attrs.field(default=True, validator=_bool)
     compile_model: bool = attrs.field(default=False, validator=_bool)
+    fuse_steps: bool = attrs.field(default=True, validator=_bool)

@@ -168,9 +168,9 @@ class LoopActions:
             clip(self.t, loop.update_indices, loop.finite)
 
     def act_step_optimizer(self) -> None:
-        """Step optimizer `opt_index`, then its step-wise scheduler."""
+        """Step optimizer `opt_index`; its post-hook steps its step-wise scheduler and sets window_updated
+        (from then on an interrupt must not replay this window)."""
         self.t._opts.step(self.loop.opt_index)
-        self.loop.window_updated = True  # from here on an interrupt must not replay this window
 
     def act_skip_optimizer(self) -> None:
         """Leave optimizer `opt_index` and its scheduler untouched; tell the callbacks."""

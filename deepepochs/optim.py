@@ -120,17 +120,39 @@ class Optimizers(Sequence):
         """The existing gradients of one optimizer's parameters."""
         return [p.grad for g in self.items[index].opt.param_groups for p in g["params"] if p.grad is not None]
 
-    def step(self, index: int) -> None:
-        """Step optimizer `index`, then its step-wise scheduler (only after a real step).
+    def bind_updates(self, loop) -> list:
+        """Make an applied update and its step-wise scheduler step one unit, marked on `loop`.
 
-        A skipped update calls neither, so the scheduler never advances past its optimizer and PyTorch's
-        "lr_scheduler.step() before optimizer.step()" warning cannot fire (it checks the counter that
-        `LRScheduler` wraps around `opt.step`).
+        A step post-hook, registered first so it runs before any later one, advances the optimizer's
+        step-wise scheduler and sets `loop.window_updated` the moment the update is applied. A fault
+        after that (another post-hook, a callback) then cannot replay the update or leave the scheduler
+        behind. A skipped update (fp16 overflow) never calls `opt.step`, so neither happens, and PyTorch's
+        "lr_scheduler.step() before optimizer.step()" warning cannot fire. Returns the hook handles
+        (removed by `Trainer.close`).
         """
-        item = self.items[index]
-        item.opt.step()
-        if item.scheduler is not None and item.sched_on == "step":
-            item.scheduler.step()
+
+        def hook_for(item):
+            scheduler = item.scheduler if item.sched_on == "step" else None
+
+            def updated(_optimizer, _args, _kwargs):
+                loop.window_updated = True
+                if scheduler is not None:
+                    scheduler.step()
+
+            return updated
+
+        return [item.opt.register_step_post_hook(hook_for(item)) for item in self.items]
+
+    def step(self, index: int) -> None:
+        """Step optimizer `index` (its step-wise scheduler follows in the hook of `bind_updates`)."""
+        self.items[index].opt.step()
+
+    def drop_stale_grads(self) -> None:
+        """Zero the gradients a fit would otherwise start from (e.g. left by user code between fits); a
+        parameter scan, so the common case (none left) skips `zero_grad` and its profiler wrappers."""
+        for item in self.items:
+            if any(p.grad is not None for group in item.opt.param_groups for p in group["params"]):
+                item.opt.zero_grad(set_to_none=True)
 
     def zero_grad(self, indices: Sequence[int]) -> None:
         """Zero gradients (set to None, so the next backward writes instead of accumulating)."""

@@ -15,6 +15,7 @@ import torch
 
 from deepepochs.data import call_model, lookahead, prepare_batch
 from deepepochs.errors import ConfigError, LoopError
+from deepepochs.fsm.machine import load_spec
 from deepepochs.loop import ResumePoint
 from deepepochs.patches import PatchBase, ValuePatch
 from deepepochs.tasks import STEP_NAMES, BatchMetrics, EpochTask, TaskMeters, _as_metric_list, flatten_value
@@ -32,6 +33,17 @@ _EV = {
     for stage in ("train", "val", "test")
 }
 _STEP_STATES = ("step_forward", "step_backward", "step_optimized")
+
+
+def _fused_edge_observers() -> tuple[str, ...]:
+    """Hooks that run in a state inside the fused `train_step` path: any of them rules the fused edge out."""
+    spec = load_spec()
+    (edge,) = [t for t in spec.transitions if t.fuses]
+    inner = {t.dest for t in spec.fused_path(edge)} - {edge.dest}
+    return tuple(h.name for h in spec.hooks if inner & set(h.states))
+
+
+_FUSED_OBSERVERS = _fused_edge_observers()
 
 
 class Runner:
@@ -160,7 +172,7 @@ class Runner:
         if not t._started:
             t._started = True
             t._dist.broadcast_model(t.raw_model)  # after init callbacks: every rank starts equal (DDP-5)
-        t._opts.zero_grad(t._opts.all_indices)
+        t._opts.drop_stale_grads()
         while fire("next_epoch") == "epoch_running":
             epoch = loop.epoch
             self.last_metrics = {}
@@ -274,7 +286,8 @@ class Runner:
         loop.batch_idx = skip
         t._console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
-            self._train_batches(task, data, meters)
+            run = self._fused_batches if self.can_fuse(task) else self._train_batches
+            run(task, data, meters)
         else:
             self._eval_batches(task, data, meters, ev)
         t._console.end_task()
@@ -332,6 +345,78 @@ class Runner:
             if log_batch:
                 console.batch(loop.batch_idx, lambda loss=loss, p=patches: BatchMetrics(loss, p))
 
+    def can_fuse(self, task) -> bool:
+        """Whether `task`'s training batches take the fused `train_step` edge: nothing may observe, or
+        act in, the inner states of its path (see spec/loop.py)."""
+        from deepepochs.trainer import TrainerBase
+
+        t, config = self.t, self.t.config
+        hooks = t._hooks.by_event
+        return (config.fuse_steps and config.gradient_accumulation_steps == 1 and t._precision.scaler is None
+                and config.nonfinite == "raise" and len(t._opts) == 1 and not t._clippers
+                and t._dist.world_size == 1
+                and getattr(task.step_fn, "__func__", None) is TrainerBase.train_step
+                and not any(hooks[name] for name in _FUSED_OBSERVERS))
+
+    def _fused_batches(self, task, data, meters):
+        """One fused `train_step` edge per batch, doing inline what its eight-edge path's actions do there:
+        forward, loss and metric patches (under bf16 autocast), backward, the finiteness check
+        (unscale_gradients: a host read on the CPU; on an accelerator a device flag checked at the task's
+        end), the optimizer and its step-wise scheduler (step_optimizer), zero_grad, and counting the batch
+        in the task's meters (close_window).
+
+        `loop.window_pos` marks a batch in flight and `loop.window_updated` (set by the optimizer's
+        post-hook) an applied update, so an interrupt resumes exactly as on the unfused path. A batch counts
+        once its update is applied, even if a later post-hook fails (`finally`); its patches are computed
+        before the update, so unlike a custom step no interrupt loses them."""
+        t, loop = self.t, self.t.loop
+        fire, model, device = t.machine.fire, t.model, t.device
+        opt = t._opts[0].opt  # its step-wise scheduler steps in a post-hook (Optimizers.bind_updates)
+        compute_loss, has_loss = self.compute_loss, t.loss_fn is not None
+        patches_of = t.batch_patches if task.all_metrics else None
+        console = t._console
+        log_batch = console.log_batch or console.log_tqdm
+        host, non_blocking, size_fn = device.type == "cpu", device.type == "cuda", task.batch_size
+        isfinite, count = math.isfinite, meters.add_done
+
+        def forward(batch_x, batch_y):
+            model_out = call_model(model, batch_x)
+            return compute_loss(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
+
+        if t._precision.dtype is not None:  # bf16: autocast over forward, loss and patches (AMP-1)
+            plain, autocast = forward, t._precision.autocast
+
+            def forward(batch_x, batch_y):
+                with autocast():
+                    return plain(batch_x, batch_y)
+
+        idx, value, patches, in_update = loop.batch_idx, None, None, 0
+        try:
+            for batch in data:
+                idx += 1
+                loop.batch_idx, loop.window_pos, loop.window_updated = idx, 1, False
+                batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
+                loss, patches = forward(batch_x, batch_y)
+                loss.backward()
+                value = loss.item() if host else loss.detach()
+                if host and not isfinite(value):
+                    self._raise_nonfinite()
+                in_update = n
+                opt.step()  # sets loop.window_updated: from here on an interrupt keeps this update
+                in_update = 0
+                count(value, n, patches)
+                opt.zero_grad(set_to_none=True)
+                loop.window_pos = 0
+                fire("train_step")
+                if log_batch:
+                    console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+        finally:
+            if in_update and loop.window_updated:  # a post-hook failed after the update: the batch counts
+                count(value, in_update, patches)
+        if not host and meters.loss_sum is not None:  # PERF-2: a device flag per task, not a read per batch
+            bad = ~torch.isfinite(meters.loss_sum)
+            self._pending_nonfinite = bad if self._pending_nonfinite is None else self._pending_nonfinite | bad
+
     def _eval_batches(self, task, data, meters, ev):
         t, loop = self.t, self.t.loop
         fire = t.machine.fire
@@ -378,10 +463,16 @@ class Runner:
 
     # ---- metrics ----
     def _task_metrics(self, meters: TaskMeters) -> dict:
+        """The task's metrics (global under DDP), computed once per finished task."""
+        if meters.final is not None:
+            return meters.final
         dist = self.t._dist
         out = {}
         total = meters.loss_total()
-        if total is not None or dist.world_size > 1:
+        if dist.world_size == 1:
+            if total is not None:
+                out["loss"] = float(total) / meters.count
+        else:
             stats = torch.zeros(2, dtype=torch.float64, device=self.t.device)
             if total is not None:
                 stats[0] = total
@@ -392,6 +483,7 @@ class Runner:
         # Under DDP: merged copies (global metrics on every rank), names agreed even for an empty shard.
         for name, patch in dist.sync_patches(meters.patches).items():
             out.update(flatten_value(name, patch.forward()))
+        meters.final = out
         return out
 
     def _stage_metrics(self, tasks, meters_list) -> dict:
@@ -417,19 +509,25 @@ class Runner:
             hook(t, loss, model_out, batch_y, task)
         return t.batch_patches(model_out, batch_y) if task.all_metrics else None
 
-    def loss(self, model_out, batch_y, loss_adjust, do_optimize):
-        """`Trainer.loss`: compute the loss; in training backpropagate it (scaled) and maybe update."""
-        t = self.t
-        if t.loss_fn is None:
+    def compute_loss(self, model_out, batch_y) -> torch.Tensor:
+        """The loss function's value (or the model's own loss with loss=None), checked to be a scalar."""
+        loss_fn = self.t.loss_fn
+        if loss_fn is None:
             loss = model_out.get("loss") if isinstance(model_out, dict) else model_out
             if not isinstance(loss, torch.Tensor):
                 raise ConfigError("with loss=None the model must return a scalar loss tensor or a dict with"
                                   f" 'loss' (got {type(model_out).__name__})")
         else:
-            loss = t.loss_fn(model_out, batch_y)
+            loss = loss_fn(model_out, batch_y)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ConfigError(f"the loss must be a scalar tensor (got {shape}); reduce it, e.g. with .mean()")
+        return loss
+
+    def loss(self, model_out, batch_y, loss_adjust, do_optimize):
+        """`Trainer.loss`: compute the loss; in training backpropagate it (scaled) and maybe update."""
+        t = self.t
+        loss = self.compute_loss(model_out, batch_y)
         # The batch's reported loss: the sub-batch losses of a hand-split batch, weighted by loss_adjust,
         # add up to the batch mean. Detached: statistics must not keep the graph alive.
         value = loss.detach() if loss_adjust == 1.0 else loss.detach() * loss_adjust

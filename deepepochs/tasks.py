@@ -99,7 +99,7 @@ class TaskMeters:
     interrupt can drop it (ACC-3) without touching what completed windows contributed."""
 
     __slots__ = ("loss_sum", "host_sum", "host", "count", "patches", "window_losses", "window_patches",
-                 "first_batch")
+                 "first_batch", "final")
 
     def __init__(self):
         self.loss_sum: torch.Tensor | None = None
@@ -110,6 +110,7 @@ class TaskMeters:
         self.window_losses: list = []
         self.window_patches: list = []
         self.first_batch = 0
+        self.final: dict | None = None  # the task's metrics, once computed (see Runner._task_metrics)
 
     def add_batch(self, loss: torch.Tensor | None, n: int, patches: Mapping | None) -> None:
         """Record one batch into the open window."""
@@ -124,6 +125,7 @@ class TaskMeters:
         On the CPU a loss is read as a Python float (no device to sync with, and ~5x cheaper than an in-place
         tensor add); on an accelerator the sum stays on the device (one async add, no host sync).
         """
+        self.final = None
         host = self.host
         for loss, n in self.window_losses:
             if host is None:  # decided once: reading .device per batch costs more than the add
@@ -136,13 +138,31 @@ class TaskMeters:
                 self.loss_sum.add_(loss, alpha=n)
             self.count += n
         for patches in self.window_patches:
-            for name, patch in patches.items():
-                have = self.patches.get(name)
-                # The first batch's patch is copied so that the accumulator never aliases a batch's own
-                # patch (callbacks may still read that batch's values later).
-                self.patches[name] = patch.copy() if have is None else have.add(patch)
+            self.fold_patches(patches)
         self.window_losses.clear()
         self.window_patches.clear()
+
+    def fold_patches(self, patches: Mapping) -> None:
+        """Add one batch's metric patches to the task totals."""
+        for name, patch in patches.items():
+            have = self.patches.get(name)
+            # The first batch's patch is copied so that the accumulator never aliases a batch's own
+            # patch (callbacks may still read that batch's values later).
+            self.patches[name] = patch.copy() if have is None else have.add(patch)
+
+    def add_done(self, loss: float | torch.Tensor, n: int, patches: Mapping | None) -> None:
+        """Count one completed batch outside a window: `loss` is a float read on the host, or a detached
+        device tensor (summed on the device, no sync)."""
+        self.final = None
+        if type(loss) is float:
+            self.host_sum += loss * n
+        elif self.loss_sum is None:
+            self.loss_sum = loss.double() * n
+        else:
+            self.loss_sum.add_(loss, alpha=n)
+        self.count += n
+        if patches:
+            self.fold_patches(patches)
 
     def loss_total(self) -> torch.Tensor | float | None:
         """Sum of sample-weighted losses (None when no loss was recorded)."""

@@ -71,6 +71,9 @@ class TrainerBase:
         resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
         log_long, log_batch, log_tqdm, show_info: console output.
         compile_model: wrap the model in `torch.compile`.
+        fuse_steps: a plain training batch (the default step, one batch per update, fp32/bf16, one
+            optimizer, no clipper or per-batch callback, one process, nonfinite='raise') runs as one fused
+            transition of the machine; False records all eight per-batch transitions (for debugging).
 
     Example:
         >>> trainer = Trainer(nn.Linear(16, 2), F.cross_entropy, epochs=5)
@@ -82,11 +85,12 @@ class TrainerBase:
     def __init__(self, model, loss=None, opt=None, epochs=1000, device=None, callbacks=None, metrics=None,
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
-                 gradient_accumulation_steps=1, nonfinite="raise", split_batches=False):
+                 gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True):
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
-            log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model)
+            log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
+            fuse_steps=fuse_steps)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__})")
         if loss is not None and not callable(loss):
@@ -116,6 +120,7 @@ class TrainerBase:
         self._hooks = HookTable()
         self._clippers = []
         self.loop = LoopState()
+        self._update_marks = self._opts.bind_updates(self.loop)
         self.machine = bind_machine(self)
         self._runner = Runner(self)
         self.history = {"train": {}, "val": {}}
@@ -277,6 +282,8 @@ class TrainerBase:
             errors.append(e)
         self._console.close()
         self._dist.close()
+        for handle in self._update_marks:
+            handle.remove()
         if errors:
             raise errors[0]
 

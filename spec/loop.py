@@ -8,6 +8,12 @@ Reading guide: a micro-batch of training goes
 `step_backward` (the window is not complete: gradients accumulate) or through the optimize layer
 (`optimize_unscaled --clip--> optimize_clipped --apply_update (step|skip per optimizer)--> ...
 --finish_update--> step_optimized`), then `--end_batch-->` the next micro-batch or the closed window.
+
+The plain case (the default step, one micro-batch per update, no scaler, one optimizer, no clipper, no
+per-batch callback, one process, nonfinite='raise') has nothing that could observe those inner states, so
+the runner takes one fused edge per batch, `task_train --train_step--> task_train`, which stands for the
+eight edges above with `window_boundary` and `grads_finite` true (`Spec.validate` walks the path). The
+trainer option `fuse_steps=False` takes the eight edges instead.
 """
 
 from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
@@ -59,6 +65,8 @@ TRIGGERS = [
     T("apply_update", "One optimizer steps, or skips when its gradients are not finite.", hot=True),
     T("finish_update", "The update is done: the scaler updates and gradients are zeroed.", hot=True),
     T("end_batch", "The batch's step returned its metrics.", hot=True),
+    T("train_step", "A plain training batch as one fused edge: forward, loss, backward, update, zero_grad.",
+      hot=True),
     T("interrupt", "An exception or KeyboardInterrupt escaped the running loop."),
     T("recover", "Rollback is done; the trainer is ready for fit() or test() again."),
 ]
@@ -149,6 +157,10 @@ TRANSITIONS = [
       unless=["window_boundary"]),
     E("end_batch", "step_forward", "task_train", "A micro-batch without backward closes the window.",
       conditions=["window_boundary"], actions=["close_window"]),
+    E("train_step", "task_train", "task_train",
+      "A plain batch ran and updated (the runner performs the fused path's actions; see the module doc).",
+      fuses=["begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update", "finish_update",
+             "end_batch"], assuming=["window_boundary", "grads_finite"]),
     E("end_task", "task_train", "stage_train", "The training task is done."),
     E("end_stage", "stage_train", "epoch_trained", "The training stage is done."),
     E("validate", "epoch_trained", "stage_val", "Validation is due.", conditions=["val_due"]),

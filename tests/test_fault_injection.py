@@ -15,6 +15,7 @@ from deepepochs.fsm.machine import load_spec
 
 SPEC = load_spec()
 STATES = [s.name for s in SPEC.states if s.running or s.idle]
+FUSED_INNER = {t.dest for f in SPEC.transitions if f.fuses for t in SPEC.fused_path(f)} - {"task_train"}
 EPOCHS = 2
 
 
@@ -41,7 +42,8 @@ class TwoOptimizers(TrainerBase):
 
 
 SCENARIOS = {
-    "fp32-k1": dict(precision="fp32", gradient_accumulation_steps=1, two_opts=False),
+    "fp32-k1-fused": dict(precision="fp32", gradient_accumulation_steps=1, two_opts=False),
+    "fp32-k1": dict(precision="fp32", gradient_accumulation_steps=1, two_opts=False, fuse_steps=False),
     "fp16-k3": dict(precision="fp16", gradient_accumulation_steps=3, two_opts=False),
     "two-optimizers-k2": dict(precision="fp32", gradient_accumulation_steps=2, two_opts=True),
 }
@@ -116,6 +118,9 @@ def test_a_fault_on_entering_any_state_is_recovered_exactly(scenario, state):
     """Raise on entering `state`; the trainer rolls back, and fit+test again match an uninterrupted run."""
     if state == "optimize_skipped" and SCENARIOS[scenario]["precision"] != "fp16":
         pytest.skip("reachable only when the fp16 scaler skips a step (covered by the fp16 scenario)")
+    if scenario.endswith("-fused") and state in FUSED_INNER:
+        pytest.skip("inside the fused train_step path: the fp32-k1 scenario takes it edge by edge, and"
+                    " test_a_fault_inside_a_fused_step_is_recovered_exactly covers the fused step")
     exc_type = KeyboardInterrupt if STATES.index(state) % 3 == 0 else Injected
     t = _make(scenario)
     occurrence = 1 if state in ("fit_done", "stage_test", "task_test") else 2
@@ -164,3 +169,97 @@ def test_a_fault_between_two_optimizers_updates_keeps_the_applied_one_and_stays_
     t.machine.probe = None
     t.fit(TRAIN, VAL)
     assert t.loop.completed_epochs == EPOCHS
+
+
+class FailOnce:
+    """Raises `exc_type` the first time it is called at (epoch 1, batch 3) of `trainer`."""
+
+    def __init__(self, exc_type):
+        self.exc_type, self.trainer, self.fired = exc_type, None, False
+
+    def __call__(self, *args, **kwargs):
+        loop = self.trainer.loop
+        if not self.fired and (loop.epoch, loop.batch_idx) == (1, 3):
+            self.fired = True
+            raise self.exc_type("injected inside the fused step")
+
+
+class FailingData:
+    """The training batches; the first pass raises before handing out batch 3 (the loader failed)."""
+
+    def __init__(self, exc_type):
+        self.fail = FailOnce(exc_type)
+
+    def __iter__(self):
+        for i, batch in enumerate(TRAIN):
+            if i == 2 and not self.fail.fired:
+                self.fail.fired = True
+                raise self.fail.exc_type("injected inside the fused step")
+            yield batch
+
+    def __len__(self):
+        return len(TRAIN)
+
+
+def _accuracy(preds, targets):
+    return (preds.argmax(1) == targets).float().mean()
+
+
+# Where inside one fused batch the fault happens, and whether that batch's update was applied by then.
+FUSED_POINTS = {
+    "data": False, "forward": False, "loss": False, "backward": False, "optimizer before update": False,
+    "optimizer after update": True, "zero_grad": True, "metric": False,
+}
+
+
+@pytest.mark.parametrize("exc_type", [Injected, KeyboardInterrupt])
+@pytest.mark.parametrize("point", list(FUSED_POINTS))
+def test_a_fault_inside_a_fused_step_is_recovered_exactly(point, exc_type):
+    """A fault at any point of a fused train_step (batch 3 of epoch 1) rolls back like the unfused path:
+    an update that was not applied is replayed, an applied one is kept and its batch is not repeated, the
+    batch's loss counts once, and fit+test again match an uninterrupted run (weights, LR, epoch losses)."""
+
+    def make():
+        t = _make("fp32-k1-fused")
+        t.metrics.append(_accuracy)
+        return t
+
+    reference = make()
+    ref_records = reference.fit(TRAIN, VAL)
+    t = make()
+    fail = FailOnce(exc_type)
+    fail.trainer = t
+    data, sgd, model = TRAIN, t.opt[0].opt, t.raw_model
+    if point == "data":
+        data = FailingData(exc_type)
+        data.fail.trainer = t
+    elif point == "forward":
+        model[0].register_forward_pre_hook(lambda module, args: fail())
+    elif point == "loss":
+        t.loss_fn = lambda out, y: (fail(), F.cross_entropy(out, y))[1]
+    elif point == "backward":
+        next(model.parameters()).register_hook(lambda grad: (fail(), grad)[1])
+    elif point == "optimizer before update":
+        sgd.register_step_pre_hook(lambda opt, args, kwargs: fail())
+    elif point == "optimizer after update":
+        sgd.register_step_post_hook(lambda opt, args, kwargs: fail())
+    elif point == "zero_grad":
+        zero_grad = sgd.zero_grad
+        sgd.zero_grad = lambda *a, **k: (fail(), zero_grad(*a, **k))
+    elif point == "metric":
+        t.batch_patches = lambda *a: (fail(), type(t).batch_patches(t, *a))[1]
+    with pytest.raises(exc_type, match="injected inside the fused step") as info:
+        t.fit(data, VAL)
+    assert "raised in state 'task_train'" in "\n".join(info.value.__notes__)
+    assert t.machine.state == "idle" and all(p.grad is None for p in model.parameters())
+    assert t.loop.resume.batches_done == (3 if FUSED_POINTS[point] else 2)
+    t.fit(data, VAL)
+    assert ("task_train", "train_step", "task_train") in [(r.source, r.trigger, r.dest) for r in t.machine.records()]
+    assert t.loop.completed_epochs == EPOCHS and t.opt.lrs() == reference.opt.lrs()
+    for p, q in zip(model.parameters(), reference.raw_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+    # the interrupted epoch's loss and accuracy count every batch exactly once
+    for stage in ("train", "val"):
+        assert t.history[stage].keys() == ref_records[stage].keys() == {"loss", "_accuracy"}
+        for name, values in ref_records[stage].items():
+            assert t.history[stage][name] == pytest.approx(values, rel=1e-6), (stage, name)

@@ -286,23 +286,35 @@ class NanLossOn:
         return loss * math.nan if (loop.epoch, loop.batch_idx) in self.where else loss
 
 
+@pytest.mark.parametrize("fuse_steps", [True, False])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_nonfinite_loss_raises_with_the_flight_record_by_default(precision):
+def test_nonfinite_loss_raises_with_the_flight_record_by_default(precision, fuse_steps):
     """nonfinite='raise' (default, fp32 and bf16): FloatingPointError naming the position, with the
-    transitions in its notes; the NaN window's gradients are dropped and the trainer is usable again."""
+    transitions in its notes, before the NaN update is applied (on the fused edge too); the NaN window's
+    gradients are dropped and the trainer is usable again."""
     dl = make_data()
     model = make_model()
+    reference = make_model()  # plain PyTorch: the two updates before the NaN batch
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for (x, y), _ in zip(dl, range(2)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            ref_loss = F.mse_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
     loss = NanLossOn({(1, 3)})
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    trainer = Trainer(model, loss, opt, epochs=1, precision=precision, **QUIET)
+    trainer = Trainer(model, loss, opt, epochs=1, precision=precision, fuse_steps=fuse_steps, **QUIET)
     loss.trainer = trainer
     with pytest.raises(FloatingPointError, match=rf"epoch 1 batch 3 \(precision='{precision}'\);"
                                                  r" pass nonfinite='skip'") as info:
         trainer.fit(dl)
     notes = "\n".join(info.value.__notes__)
-    assert "last transitions of the deepepochs loop" in notes and "optimize_unscaled" in notes
+    state = "task_train" if fuse_steps else "optimize_unscaled"
+    assert "last transitions of the deepepochs loop" in notes and f"raised in state '{state}'" in notes
     assert all(p.grad is None for p in model.parameters())
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
     assert trainer.machine.state == "idle"
     trainer.fit(make_data(16))  # usable again: the next fit finishes the run
     assert trainer.loop.completed_epochs == 1

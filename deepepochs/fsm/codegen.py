@@ -41,9 +41,9 @@ def render_tables(spec: Spec) -> str:
         "\n# (name, doc)\n",
         _literal("GUARDS", tuple((g.name, g.doc) for g in spec.guards)),
         _literal("ACTIONS", tuple((a.name, a.doc) for a in spec.actions)),
-        "\n# (trigger, source, dest, conditions, unless, actions, error, doc)\n",
+        "\n# (trigger, source, dest, conditions, unless, actions, error, fuses, assuming, doc)\n",
         _literal("TRANSITIONS", tuple(
-            (t.trigger, t.source, t.dest, t.conditions, t.unless, t.actions, t.error, t.doc)
+            (t.trigger, t.source, t.dest, t.conditions, t.unless, t.actions, t.error, t.fuses, t.assuming, t.doc)
             for t in spec.transitions
         )),
         "\n# (name, args, states, doc)\n",

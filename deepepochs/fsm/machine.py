@@ -40,8 +40,8 @@ def load_spec() -> Spec:
         guards=[Guard(n, doc) for n, doc in tables.GUARDS],
         actions=[Action(n, doc) for n, doc in tables.ACTIONS],
         transitions=[
-            Transition(trig, src, dst, doc, conditions=c, unless=u, actions=a, error=err)
-            for trig, src, dst, c, u, a, err, doc in tables.TRANSITIONS
+            Transition(trig, src, dst, doc, conditions=c, unless=u, actions=a, error=err, fuses=f, assuming=g)
+            for trig, src, dst, c, u, a, err, f, g, doc in tables.TRANSITIONS
         ],
         hooks=[Hook(n, args, states, doc) for n, args, states, doc in tables.HOOKS],
         initial=tables.INITIAL,

@@ -3,7 +3,8 @@
 The graph is drawn from the edges of the built `transitions` machine, grouped by layer, with guards on the
 edges (`trigger [guard, !other]`). Drawn from a live or crashed trainer, the current state is filled and
 the last transitions are highlighted. The `interrupt` edges (one per running state) are folded into one
-note so the picture stays readable; `show_interrupts=True` draws them all.
+note so the picture stays readable; `show_interrupts=True` draws them all. A fused edge is labelled with
+the first and last trigger of the path it stands for (dashed in DOT).
 """
 
 from __future__ import annotations
@@ -35,11 +36,16 @@ def _label(trigger, conds, unless):
 
 def _edges(show_interrupts: bool):
     spec, edges = _static_machine_edges()
+    fused = {(t.source, t.trigger): t.fuses for t in spec.transitions if t.fuses}
     out = []
     for source, trigger, dest, conds, unless, _actions, _error in edges:
         if trigger == spec.interrupt and not show_interrupts:
             continue
-        out.append((source, trigger, dest if dest is not None else "error", _label(trigger, conds, unless)))
+        label = _label(trigger, conds, unless)
+        if (source, trigger) in fused:
+            path = fused[source, trigger]
+            label = f"{trigger} = {path[0]} ... {path[-1]} (fused)"
+        out.append((source, trigger, dest if dest is not None else "error", label))
     return spec, out
 
 
@@ -66,6 +72,8 @@ def to_dot(current: str | None = None, recent: Sequence[tuple[str, str, str]] = 
         lines.append('  error [shape=octagon, color=red, label="InvalidTransition"];')
     for source, trigger, dest, label in edges:
         style = ", color=blue, penwidth=2" if (source, trigger, dest) in hot else ""
+        if label.endswith("(fused)"):
+            style += ", style=dashed"
         lines.append(f'  {source} -> {dest} [label="{label}"{style}];')
     if not show_interrupts:
         lines.append('  note [shape=note, label="every running state --interrupt--> rollback"];')

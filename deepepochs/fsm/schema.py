@@ -98,6 +98,11 @@ class Transition:
 
     `dest=None` marks an explicit error edge: taking it raises `InvalidTransition` with `error` as the
     reason, so a (state, trigger) pair can be total over its guards and still refuse some outcomes.
+
+    A fused edge (`fuses` non-empty) stands for a path of hot edges: firing `fuses` in order from `source`,
+    with the guards in `assuming` true and every other guard false, must lead to `dest` (checked by
+    `Spec.validate`). The runner takes it where nothing can observe the path's inner states, and performs
+    the path's actions itself; the fused edge has no guards or actions of its own.
     """
 
     trigger: str = attrs.field(validator=_identifier)
@@ -108,6 +113,8 @@ class Transition:
     unless: tuple[str, ...] = _names
     actions: tuple[str, ...] = _names
     error: str | None = None
+    fuses: tuple[str, ...] = _names
+    assuming: tuple[str, ...] = _names
 
     def matches(self, outcome: dict[str, bool]) -> bool:
         """Whether this edge is taken when the guards evaluate to `outcome`."""
@@ -164,6 +171,21 @@ class Spec:
         """All edges for one (state, trigger) pair, in spec order."""
         return [t for t in self.transitions if t.source == source and t.trigger == trigger]
 
+    def fused_path(self, edge: Transition) -> list[Transition]:
+        """The hot edges a fused edge stands for, in order (see `Transition`)."""
+        outcome = {g.name: g.name in edge.assuming for g in self.guards}
+        state, path = edge.source, []
+        for trigger in edge.fuses:
+            taken = [t for t in self.edges(state, trigger) if t.matches(outcome)]
+            if len(taken) != 1 or taken[0].dest is None:
+                raise SpecError(f"fused edge {edge.source} --{edge.trigger}-->: no edge for {trigger!r} from"
+                                f" {state!r} with {sorted(edge.assuming)} true")
+            path.append(taken[0])
+            state = taken[0].dest
+        if state != edge.dest:
+            raise SpecError(f"fused edge {edge.source} --{edge.trigger}--> {edge.dest}: its path ends in {state!r}")
+        return path
+
     def guards_of(self, source: str, trigger: str) -> list[str]:
         """Guard names the edges of (state, trigger) depend on, sorted."""
         return sorted({g for t in self.edges(source, trigger) for g in (*t.conditions, *t.unless)})
@@ -197,6 +219,17 @@ class Spec:
                 unknown = [n for n in names if n not in known[kind]]
                 if unknown:
                     raise SpecError(f"{where}: unknown {kind} {unknown}; known: {sorted(known[kind])}")
+        hot = {t.name for t in self.triggers if t.hot}
+        for t in self.transitions:
+            if t.fuses:
+                where = f"fused edge {t.source} --{t.trigger}--> {t.dest}"
+                if t.conditions or t.unless or t.actions or t.dest is None:
+                    raise SpecError(f"{where}: a fused edge has no guards, actions or error of its own")
+                if not set((t.trigger, *t.fuses)) <= hot or not set(t.assuming) <= known["guard"]:
+                    raise SpecError(f"{where}: it and the triggers it fuses must be hot; assuming names guards")
+                self.fused_path(t)
+            elif t.assuming:
+                raise SpecError(f"edge {t.source} --{t.trigger}--> {t.dest}: assuming needs fuses")
         for h in self.hooks:
             if not h.name.startswith("on_") or not set(h.states) <= states:
                 raise SpecError(f"hook {h.name}: name must start with on_ and states must exist")

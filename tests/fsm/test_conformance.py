@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from deepepochs import Callback, EpochTask, Trainer, TrainerBase
+from deepepochs import Callback, EpochTask, Optimizer, Trainer, TrainerBase
 from deepepochs.fsm.machine import load_spec
 
 SPEC = load_spec()
@@ -31,9 +31,11 @@ class SpecWalker:
         self.state = edge.dest
 
 
-def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None,),), val_freq=1, start=0):
+def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None,),), val_freq=1, start=0,
+                 fused=False):
     """The spec trace of `fit`: `train_batches`/`val_batches` are lists of batch counts per task;
-    `updates` is, per step, the list of optimize calls (each a backward then an optimize)."""
+    `updates` is, per step, the list of optimize calls (each a backward then an optimize); `fused`: each
+    training batch takes the fused train_step edge."""
     w = walker
     w.fire("fit")
     for epoch in range(start + 1, epochs + 1):
@@ -41,7 +43,7 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
         w.fire("begin_train")
         for n in train_batches:
             w.fire("begin_task")
-            for b in range(n):
+            for b in range(n if not fused else 0):
                 pos = b % k
                 boundary = pos == k - 1 or b == n - 1
                 if pos == 0:
@@ -56,6 +58,8 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
                             w.fire("apply_update", grads_finite=True)
                         w.fire("finish_update")
                 w.fire("end_batch", window_boundary=boundary)
+            for _ in range(n if fused else 0):
+                w.fire("train_step")
             w.fire("end_task")
         w.fire("end_stage")
         due = bool(val_batches) and epoch % val_freq == 0
@@ -106,20 +110,64 @@ def _trainer(**kw):
     return t
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("fuse_steps", [True, False])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_fit_and_test_follow_the_spec_trace(precision, k):
-    """Single process, AMP on/off, accumulation 1/k with a tail window, validation every second epoch."""
+def test_fit_and_test_follow_the_spec_trace(precision, k, fuse_steps):
+    """Single process, AMP on/off, accumulation 1/k with a tail window, validation every second epoch; plain
+    fp32/bf16 batches with k=1 take the fused edge unless fuse_steps=False."""
     train, val = _data(40, 8), _data(20, 8)  # 5 train batches (tail window for k=3), 3 val batches
-    t = _trainer(precision=precision, gradient_accumulation_steps=k, epochs=3)
+    t = _trainer(precision=precision, gradient_accumulation_steps=k, epochs=3, fuse_steps=fuse_steps)
     t.fit(train, val, val_freq=2)
     t.test(val)
     walker = SpecWalker()
-    expected_fit(walker, 3, [5], [3], k=k, val_freq=2)
+    fused = fuse_steps and k == 1 and precision != "fp16"
+    expected_fit(walker, 3, [5], [3], k=k, val_freq=2, fused=fused)
     expected_test(walker, [3])
     recorded = _recorded(t)
     assert set(recorded) <= EDGES
     assert recorded == walker.trace
+
+
+def _expand_fused(trace):
+    fused = {(t.source, t.trigger, t.dest): [(e.source, e.trigger, e.dest) for e in SPEC.fused_path(t)]
+             for t in SPEC.transitions if t.fuses}
+    return [edge for step in trace for edge in fused.get(step, [step])]
+
+
+class Accuracy:
+    __name__ = "acc"
+
+    def __call__(self, preds, targets):
+        return (preds.argmax(1) == targets).float().mean()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(precision):
+    """The fused train_step edge is the eight-edge path in one: same trace once expanded, and the same
+    weights, learning rates, per-epoch metrics and optimizer state as a run that takes every edge."""
+    runs = {}
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        opt = Optimizer(sgd, torch.optim.lr_scheduler.StepLR(sgd, step_size=3, gamma=0.5), sched_on="step")
+        t = Trainer(model, F.cross_entropy, opt, device="cpu", epochs=3, log_batch=False, show_info=False,
+                    metrics=[Accuracy()], precision=precision, fuse_steps=fuse)
+        t._console.enabled = False
+        t.machine.history = collections.deque()
+        records = t.fit(_data(44, 8), _data(20, 8, seed=1))  # a ragged last batch
+        runs[fuse] = (t, records, t.test(_data(20, 8, seed=2)))
+    (fused, fused_records, fused_test), (plain, plain_records, plain_test) = runs[True], runs[False]
+    assert ("task_train", "train_step", "task_train") in _recorded(fused)
+    assert ("task_train", "train_step", "task_train") not in _recorded(plain)
+    assert _expand_fused(_recorded(fused)) == _recorded(plain)
+    assert fused_records == plain_records and fused_test == plain_test
+    assert fused.opt.lrs() == plain.opt.lrs()
+    for p, q in zip(fused.raw_model.parameters(), plain.raw_model.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(fused.opt[0].opt.state.values(), plain.opt[0].opt.state.values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
 
 
 class TwoOptimizerTrainer(TrainerBase):

@@ -11,7 +11,7 @@ import pytest
 from deepepochs.errors import InvalidTransition
 from deepepochs.fsm import codegen, tables
 from deepepochs.fsm.machine import LoopMachine, build_machine, compile_table, load_spec, machine_edges
-from deepepochs.fsm.schema import LAYERS, Spec, SpecError, State, Transition, Trigger
+from deepepochs.fsm.schema import LAYERS, Action, Guard, Spec, SpecError, State, Transition, Trigger
 from deepepochs.loop import LoopState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,10 +116,11 @@ def test_rollback_always_returns_to_an_idle_state_that_accepts_fit_and_test():
 
 
 def test_hot_triggers_are_the_per_batch_ones():
-    """FSM-3: exactly the window/step/optimize triggers are hot; fit/epoch/stage/task ones are cold."""
+    """FSM-3: exactly the window/step/optimize triggers (and the fused batch) are hot; fit/epoch/stage/task
+    ones are cold."""
     hot = {t.name for t in SPEC.triggers if t.hot}
     assert hot == {"begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
-                   "finish_update", "end_batch"}
+                   "finish_update", "end_batch", "train_step"}
 
 
 def test_only_one_module_imports_transitions():
@@ -203,6 +204,43 @@ def test_spec_validation_rejects_overlapping_guards():
         Spec(states, triggers, [], [], edges, []).validate()
 
 
+def test_the_fused_edge_stands_for_one_whole_updating_micro_batch():
+    """The fused train_step edge expands to the eight hot edges of a one-batch window that updates once."""
+    (fused,) = [t for t in SPEC.transitions if t.fuses]
+    path = [(t.source, t.trigger, t.dest) for t in SPEC.fused_path(fused)]
+    assert path == [
+        ("task_train", "begin_window", "window_open"), ("window_open", "begin_batch", "step_forward"),
+        ("step_forward", "backward", "step_backward"), ("step_backward", "optimize", "optimize_unscaled"),
+        ("optimize_unscaled", "clip", "optimize_clipped"), ("optimize_clipped", "apply_update", "optimize_clipped"),
+        ("optimize_clipped", "finish_update", "step_optimized"), ("step_optimized", "end_batch", "task_train"),
+    ]
+    actions = [a for t in SPEC.fused_path(fused) for a in t.actions]
+    assert "step_optimizer" in actions and "skip_optimizer" not in actions
+
+
+def _fused_spec(**edge):
+    states = [State("idle", "fit", "Idle.", idle=True, running=False), State("a", "step", "A."),
+              State("b", "step", "B."), State("rollback", "rollback", "R.", running=False)]
+    triggers = [Trigger("go", "Go.", hot=True), Trigger("on", "On.", hot=True), Trigger("both", "Both.", hot=True),
+                Trigger("interrupt", "I."), Trigger("recover", "R.")]
+    edges = [Transition("go", "idle", "a", "Go."), Transition("on", "a", "b", "On.", conditions=["ok"]),
+             Transition("on", "a", "a", "Stay.", unless=["ok"]), Transition("both", "idle", "b", "Both.", **edge)]
+    return Spec(states, triggers, [Guard("ok", "Ok.")], [Action("x", "X.")], edges, [])
+
+
+def test_spec_validation_walks_fused_edges():
+    """A fused edge must reach its destination along its path with its assumed guards, and do nothing else."""
+    assert _fused_spec(fuses=["go", "on"], assuming=["ok"]).validate()
+    with pytest.raises(SpecError, match="its path ends in 'a'"):
+        _fused_spec(fuses=["go", "on"]).validate()  # with ok false the path stays in a
+    with pytest.raises(SpecError, match="no edge for 'go' from 'a'"):
+        _fused_spec(fuses=["go", "go"], assuming=["ok"]).validate()
+    with pytest.raises(SpecError, match="no guards, actions or error"):
+        _fused_spec(fuses=["go", "on"], assuming=["ok"], actions=["x"]).validate()
+    with pytest.raises(SpecError, match="assuming needs fuses"):
+        _fused_spec(assuming=["ok"]).validate()
+
+
 def test_hook_names_come_from_the_spec():
     """CUST-1: Event values, Callback methods and spec hooks are the same set, with the spec's args."""
     import inspect
@@ -233,5 +271,5 @@ def test_hook_names_keep_the_06_api():
 def test_raw_tables_have_the_documented_shapes():
     """The generated literals keep the column order documented in their comments."""
     assert all(len(row) == 5 for row in tables.STATES)
-    assert all(len(row) == 8 for row in tables.TRANSITIONS)
+    assert all(len(row) == 10 for row in tables.TRANSITIONS)
     assert all(len(row) == 4 for row in tables.HOOKS)
