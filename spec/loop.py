@@ -9,11 +9,12 @@ Reading guide: a micro-batch of training goes
 (`optimize_unscaled --clip--> optimize_clipped --apply_update (step|skip per optimizer)--> ...
 --finish_update--> step_optimized`), then `--end_batch-->` the next micro-batch or the closed window.
 
-The plain case (the default step, one micro-batch per update, no scaler, one optimizer, no clipper, no
-per-batch callback, one process, nonfinite='raise') has nothing that could observe those inner states, so
-the runner takes one fused edge per batch, `task_train --train_step--> task_train`, which stands for the
-eight edges above with `window_boundary` and `grads_finite` true (`Spec.validate` walks the path). The
-trainer option `fuse_steps=False` takes the eight edges instead.
+Fused edges: with the default step, one optimizer, no clipper, no per-batch callback and one process,
+nothing can observe a micro-batch's inner states, so the runner takes one edge per micro-batch instead of
+four to seven: `window_open --accumulate_step--> window_open` for an inner micro-batch, and
+`window_open --update_step|skip_step--> task_train` for the window's last one (the update applied, or
+skipped because the gradients or the loss were not finite). Each fused edge names the edges it stands for
+and the guard outcomes along them; `Spec.validate` walks that path. `fuse_steps=False` takes every edge.
 """
 
 from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
@@ -65,7 +66,10 @@ TRIGGERS = [
     T("apply_update", "One optimizer steps, or skips when its gradients are not finite.", hot=True),
     T("finish_update", "The update is done: the scaler updates and gradients are zeroed.", hot=True),
     T("end_batch", "The batch's step returned its metrics.", hot=True),
-    T("train_step", "A plain training batch as one fused edge: forward, loss, backward, update, zero_grad.",
+    T("accumulate_step", "An inner micro-batch as one fused edge: forward, loss, backward.", hot=True),
+    T("update_step", "A window's last micro-batch as one fused edge: forward, loss, backward, the update.",
+      hot=True),
+    T("skip_step", "A window's last micro-batch as one fused edge whose update was skipped (not finite).",
       hot=True),
     T("interrupt", "An exception or KeyboardInterrupt escaped the running loop."),
     T("recover", "Rollback is done; the trainer is ready for fit() or test() again."),
@@ -104,6 +108,7 @@ ACTIONS = [
 ]
 
 RUNNING = [s.name for s in STATES if s.running]
+LAST_MICRO_BATCH = ["begin_batch", "backward", "optimize", "clip", "apply_update", "finish_update", "end_batch"]
 OPTIMIZING = ("optimize_clipped", "optimize_skipped")  # after clip: the last optimizer stepped / skipped
 E = Transition
 TRANSITIONS = [
@@ -157,10 +162,12 @@ TRANSITIONS = [
       unless=["window_boundary"]),
     E("end_batch", "step_forward", "task_train", "A micro-batch without backward closes the window.",
       conditions=["window_boundary"], actions=["close_window"]),
-    E("train_step", "task_train", "task_train",
-      "A plain batch ran and updated (the runner performs the fused path's actions; see the module doc).",
-      fuses=["begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update", "finish_update",
-             "end_batch"], assuming=["window_boundary", "grads_finite"]),
+    E("accumulate_step", "window_open", "window_open", "An inner micro-batch ran (fused; see the module doc).",
+      fuses=["begin_batch", "backward", "optimize", "end_batch"]),
+    E("update_step", "window_open", "task_train", "The window's last micro-batch ran and updated (fused).",
+      fuses=LAST_MICRO_BATCH, assuming=["window_boundary", "grads_finite"]),
+    E("skip_step", "window_open", "task_train", "The window's last micro-batch ran; its update was skipped"
+      " (fused).", fuses=LAST_MICRO_BATCH, assuming=["window_boundary"]),
     E("end_task", "task_train", "stage_train", "The training task is done."),
     E("end_stage", "stage_train", "epoch_trained", "The training stage is done."),
     E("validate", "epoch_trained", "stage_val", "Validation is due.", conditions=["val_due"]),

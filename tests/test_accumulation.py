@@ -87,22 +87,24 @@ def test_k_step_accumulation_equals_one_step_on_the_concatenated_window(k, batch
     assert all(p.grad is None for p in model.parameters())  # nothing leaks out of the fit
 
 
-def test_windows_never_cross_an_epoch_boundary():
-    """With 7 batches and k=4, each epoch has windows of 4 and 3 batches; the trace shows it."""
+@pytest.mark.parametrize("fuse_steps", [True, False])
+def test_windows_never_cross_an_epoch_boundary(fuse_steps):
+    """With 7 batches and k=4, each epoch has windows of 4 and 3 batches; the trace shows it (one fused
+    edge per micro-batch, or begin_batch ... finish_update)."""
     x, y = make_data()
     dl = DataLoader(TensorDataset(x, y), batch_size=8)
     model = make_model()
     trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2,
-                      gradient_accumulation_steps=4, **QUIET)
+                      gradient_accumulation_steps=4, fuse_steps=fuse_steps, **QUIET)
     trainer.machine.history = collections.deque(maxlen=None)
     trainer.fit(dl)
     sizes, current = [], 0
     for rec in trainer.machine.records():
         if rec.trigger == "begin_window":
             current = 0
-        elif rec.trigger == "begin_batch":
+        elif rec.trigger in ("begin_batch", "accumulate_step", "update_step"):
             current += 1
-        elif rec.trigger == "finish_update":
+        if rec.trigger in ("finish_update", "update_step"):
             sizes.append((rec.epoch, current))
     assert sizes == [(1, 4), (1, 3), (2, 4), (2, 3)]
 

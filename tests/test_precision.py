@@ -310,7 +310,7 @@ def test_nonfinite_loss_raises_with_the_flight_record_by_default(precision, fuse
                                                  r" pass nonfinite='skip'") as info:
         trainer.fit(dl)
     notes = "\n".join(info.value.__notes__)
-    state = "task_train" if fuse_steps else "optimize_unscaled"
+    state = "window_open" if fuse_steps else "optimize_unscaled"
     assert "last transitions of the deepepochs loop" in notes and f"raised in state '{state}'" in notes
     assert all(p.grad is None for p in model.parameters())
     for p, q in zip(model.parameters(), reference.parameters()):

@@ -4,6 +4,7 @@ loop grammar documented in spec/loop.py)."""
 
 import collections
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
                  fused=False):
     """The spec trace of `fit`: `train_batches`/`val_batches` are lists of batch counts per task;
     `updates` is, per step, the list of optimize calls (each a backward then an optimize); `fused`: each
-    training batch takes the fused train_step edge."""
+    training micro-batch takes a fused edge (accumulate_step inside a window, update_step at its end)."""
     w = walker
     w.fire("fit")
     for epoch in range(start + 1, epochs + 1):
@@ -43,11 +44,14 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
         w.fire("begin_train")
         for n in train_batches:
             w.fire("begin_task")
-            for b in range(n if not fused else 0):
+            for b in range(n):
                 pos = b % k
                 boundary = pos == k - 1 or b == n - 1
                 if pos == 0:
                     w.fire("begin_window")
+                if fused:
+                    w.fire("update_step" if boundary else "accumulate_step")
+                    continue
                 w.fire("begin_batch", window_boundary=boundary)
                 for _call in updates:
                     w.fire("backward")
@@ -58,8 +62,6 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
                             w.fire("apply_update", grads_finite=True)
                         w.fire("finish_update")
                 w.fire("end_batch", window_boundary=boundary)
-            for _ in range(n if fused else 0):
-                w.fire("train_step")
             w.fire("end_task")
         w.fire("end_stage")
         due = bool(val_batches) and epoch % val_freq == 0
@@ -121,8 +123,7 @@ def test_fit_and_test_follow_the_spec_trace(precision, k, fuse_steps):
     t.fit(train, val, val_freq=2)
     t.test(val)
     walker = SpecWalker()
-    fused = fuse_steps and k == 1 and precision != "fp16"
-    expected_fit(walker, 3, [5], [3], k=k, val_freq=2, fused=fused)
+    expected_fit(walker, 3, [5], [3], k=k, val_freq=2, fused=fuse_steps)
     expected_test(walker, [3])
     recorded = _recorded(t)
     assert set(recorded) <= EDGES
@@ -142,32 +143,64 @@ class Accuracy:
         return (preds.argmax(1) == targets).float().mean()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(precision):
-    """The fused train_step edge is the eight-edge path in one: same trace once expanded, and the same
-    weights, learning rates, per-epoch metrics and optimizer state as a run that takes every edge."""
+FUSED_CASES = {  # name: (precision, k, nonfinite, poisoned (epoch, batch) positions)
+    "fp32-k1": ("fp32", 1, "raise", ()),
+    "bf16-k1": ("bf16", 1, "raise", ()),
+    "fp32-k3-tail": ("fp32", 3, "raise", ()),
+    "bf16-k2": ("bf16", 2, "raise", ()),
+    "fp16-k1-overflow": ("fp16", 1, "raise", ((1, 2), (2, 5))),
+    "fp16-k3-overflow": ("fp16", 3, "raise", ((1, 2), (2, 6))),
+    "fp32-k2-nan-skip": ("fp32", 2, "skip", ((1, 3),)),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case):
+    """Each fused edge is its path in one: the same trace once expanded, and bit-identical weights, learning
+    rates, optimizer state, GradScaler scale and per-epoch metrics as a run taking every edge; with ragged
+    tail windows, fp16 overflow skips (inf gradients) and fp32 NaN-loss skips."""
+    precision, k, nonfinite, poisoned = FUSED_CASES[case]
     runs = {}
     for fuse in (True, False):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
         sgd = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         opt = Optimizer(sgd, torch.optim.lr_scheduler.StepLR(sgd, step_size=3, gamma=0.5), sched_on="step")
-        t = Trainer(model, F.cross_entropy, opt, device="cpu", epochs=3, log_batch=False, show_info=False,
-                    metrics=[Accuracy()], precision=precision, fuse_steps=fuse)
+
+        def loss_fn(out, y, t=None):
+            loss = F.cross_entropy(out, y)
+            bad = precision != "fp16" and (t.loop.epoch, t.loop.batch_idx) in poisoned
+            return loss * float("nan") if bad else loss
+
+        t = Trainer(model, loss_fn, opt, device="cpu", epochs=2, log_batch=False, show_info=False,
+                    metrics=[Accuracy()], precision=precision, gradient_accumulation_steps=k, nonfinite=nonfinite,
+                    fuse_steps=fuse)
+        loss_fn.__defaults__ = (t,)
+        if precision == "fp16":  # inf gradients (a torch tensor hook, which does not stop fusing)
+            t.scaler.load_state_dict({"scale": 256.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                      "growth_interval": 2000, "_growth_tracker": 0})
+            model[0].weight.register_hook(
+                lambda g, t=t: g * float("inf") if (t.loop.epoch, t.loop.batch_idx) in poisoned else g)
         t._console.enabled = False
         t.machine.history = collections.deque()
-        records = t.fit(_data(44, 8), _data(20, 8, seed=1))  # a ragged last batch
+        records = t.fit(_data(52, 8), _data(20, 8, seed=1))  # 7 batches, the last one ragged
         runs[fuse] = (t, records, t.test(_data(20, 8, seed=2)))
     (fused, fused_records, fused_test), (plain, plain_records, plain_test) = runs[True], runs[False]
-    assert ("task_train", "train_step", "task_train") in _recorded(fused)
-    assert ("task_train", "train_step", "task_train") not in _recorded(plain)
-    assert _expand_fused(_recorded(fused)) == _recorded(plain)
-    assert fused_records == plain_records and fused_test == plain_test
+    fused_trace, plain_trace = _recorded(fused), _recorded(plain)
+    fused_triggers = {trigger for _, trigger, _ in fused_trace}
+    assert "update_step" in fused_triggers and ("accumulate_step" in fused_triggers) == (k > 1)
+    assert ("skip_step" in fused_triggers) == bool(poisoned)
+    assert not {"update_step", "accumulate_step", "skip_step"} & {trigger for _, trigger, _ in plain_trace}
+    assert _expand_fused(fused_trace) == plain_trace
+    np.testing.assert_equal(fused_records, plain_records)  # NaN-aware: a skipped NaN loss still counts
+    np.testing.assert_equal(fused_test, plain_test)
     assert fused.opt.lrs() == plain.opt.lrs()
     for p, q in zip(fused.raw_model.parameters(), plain.raw_model.parameters()):
         assert torch.equal(p, q)
     for a, b in zip(fused.opt[0].opt.state.values(), plain.opt[0].opt.state.values()):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    if precision == "fp16":
+        assert fused.scaler.get_scale() == plain.scaler.get_scale() < 256.0
 
 
 class TwoOptimizerTrainer(TrainerBase):

@@ -120,7 +120,7 @@ def test_hot_triggers_are_the_per_batch_ones():
     ones are cold."""
     hot = {t.name for t in SPEC.triggers if t.hot}
     assert hot == {"begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
-                   "finish_update", "end_batch", "train_step"}
+                   "finish_update", "end_batch", "accumulate_step", "update_step", "skip_step"}
 
 
 def test_only_one_module_imports_transitions():
@@ -204,18 +204,27 @@ def test_spec_validation_rejects_overlapping_guards():
         Spec(states, triggers, [], [], edges, []).validate()
 
 
-def test_the_fused_edge_stands_for_one_whole_updating_micro_batch():
-    """The fused train_step edge expands to the eight hot edges of a one-batch window that updates once."""
-    (fused,) = [t for t in SPEC.transitions if t.fuses]
-    path = [(t.source, t.trigger, t.dest) for t in SPEC.fused_path(fused)]
-    assert path == [
-        ("task_train", "begin_window", "window_open"), ("window_open", "begin_batch", "step_forward"),
-        ("step_forward", "backward", "step_backward"), ("step_backward", "optimize", "optimize_unscaled"),
-        ("optimize_unscaled", "clip", "optimize_clipped"), ("optimize_clipped", "apply_update", "optimize_clipped"),
-        ("optimize_clipped", "finish_update", "step_optimized"), ("step_optimized", "end_batch", "task_train"),
-    ]
-    actions = [a for t in SPEC.fused_path(fused) for a in t.actions]
-    assert "step_optimizer" in actions and "skip_optimizer" not in actions
+def test_fused_edges_stand_for_whole_micro_batches():
+    """accumulate_step is an inner micro-batch; update_step/skip_step a window's last micro-batch whose
+    update is applied/skipped: exactly the hot edges the unfused loop takes for them."""
+    fused = {t.trigger: [(e.source, e.trigger, e.dest) for e in SPEC.fused_path(t)]
+             for t in SPEC.transitions if t.fuses}
+    assert fused["accumulate_step"] == [
+        ("window_open", "begin_batch", "step_forward"), ("step_forward", "backward", "step_backward"),
+        ("step_backward", "optimize", "step_backward"), ("step_backward", "end_batch", "window_open")]
+    head = [("window_open", "begin_batch", "step_forward"), ("step_forward", "backward", "step_backward"),
+            ("step_backward", "optimize", "optimize_unscaled"), ("optimize_unscaled", "clip", "optimize_clipped")]
+    assert fused["update_step"] == [*head, ("optimize_clipped", "apply_update", "optimize_clipped"),
+                                    ("optimize_clipped", "finish_update", "step_optimized"),
+                                    ("step_optimized", "end_batch", "task_train")]
+    assert fused["skip_step"] == [*head, ("optimize_clipped", "apply_update", "optimize_skipped"),
+                                  ("optimize_skipped", "finish_update", "step_optimized"),
+                                  ("step_optimized", "end_batch", "task_train")]
+    actions = {trigger: [a for t in SPEC.transitions if t.trigger == trigger and t.fuses
+                         for e in SPEC.fused_path(t) for a in e.actions] for trigger in fused}
+    assert actions["accumulate_step"] == ["skip_gradient_sync"]
+    assert "step_optimizer" in actions["update_step"] and "skip_optimizer" not in actions["update_step"]
+    assert "skip_optimizer" in actions["skip_step"] and "step_optimizer" not in actions["skip_step"]
 
 
 def _fused_spec(**edge):
