@@ -1,14 +1,15 @@
 """Where deepepochs' per-batch overhead goes on the tiny model (a diagnostic for PERF-1 work).
 
-1. Ablations: CPU time per batch of the raw loop, of deepepochs, and of deepepochs with one piece of the
-   hot path replaced by a cheaper stand-in (in this process only, by patching attributes; nothing on disk
-   changes). The saving of each stand-in is what that piece costs. Every round runs all variants in a
-   random order; CPU time of the thread is used because it is robust to other load on a shared machine.
+1. Ablations: CPU time per batch of the raw loop, of deepepochs, of deepepochs taking every edge
+   (`fuse_steps=False`, the path callbacks and custom steps take), and of deepepochs with one piece of
+   the machine replaced by a cheaper stand-in (in this process only, by patching attributes; nothing on
+   disk changes). The saving of each stand-in is what that piece costs. Every round runs all variants in
+   a random order; CPU time of the thread is used because it is robust to other load on a shared machine.
 2. cProfile of one deepepochs epoch: the package's own functions by internal time, and the torch calls
    they make directly (ops the raw loop does not do).
 
-The stand-ins reach into internals (Runner, LoopMachine, TaskMeters, Console), so this script follows
-the package's implementation and may need updating when it changes.
+The stand-ins reach into internals (LoopMachine.fire/fire_cold), so this script follows the package's
+implementation and may need updating when it changes.
 
     python benchmarks/profile_loop.py [--rounds 41] [--batches 100]
 """
@@ -35,13 +36,12 @@ from loop_overhead import Raw, adam, make_batches, tiny_model  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import deepepochs  # noqa: E402
-from deepepochs import tasks as de_tasks  # noqa: E402
 
 
-def make_trainer(model):
+def make_trainer(model, **kwargs):
     with quiet_stdout():
         return deepepochs.Trainer(model, F.cross_entropy, adam(model), device="cpu", log_batch=False,
-                                  show_info=False)
+                                  show_info=False, **kwargs)
 
 
 def fast_fire(machine):
@@ -64,55 +64,35 @@ def fast_fire(machine):
     return fire
 
 
-def _no_finite_check(trainer):
-    runner = trainer._runner
-    if hasattr(runner, "window_loss_finite"):
-        runner.window_loss_finite = lambda: True
-    trainer._check_window_loss_finite = lambda: True
-
-
-def _no_loss_stats(trainer):
-    def close_window(self):
-        self.window_losses.clear()
-        self.window_patches.clear()
-
-    trainer._ablate_close = close_window
-
-
-def _no_console(trainer):
-    trainer._console.batch = lambda *args, **kwargs: None
-
-
 def _fast_fire(trainer):
     trainer.machine.fire = fast_fire(trainer.machine)
 
 
+def _cold_on_table(trainer):
+    """The cold triggers (fit, epoch, stage, task) on the compiled table instead of `transitions`."""
+    trainer.machine.fire_cold = fast_fire(trainer.machine)
+
+
+# name: (Trainer keyword arguments, a change made to the built trainer)
 ABLATIONS = collections.OrderedDict([
-    ("no fp32 finite check", _no_finite_check),
-    ("fire() without flight record and probe", _fast_fire),
-    ("no per-batch loss accumulation", _no_loss_stats),
-    ("no console.batch call", _no_console),
+    ("every edge (fuse_steps=False)", ({"fuse_steps": False}, None)),
+    ("hot fire() without flight record and probe", ({}, _fast_fire)),
+    ("cold triggers on the compiled table, not transitions", ({}, _cold_on_table)),
 ])
 
 
 class Variant:
-    def __init__(self, model, ablation=None):
-        self.trainer = make_trainer(model)
+    def __init__(self, model, ablation=({}, None)):
+        kwargs, change = ablation
+        self.trainer = make_trainer(model, **kwargs)
         self.epochs = 0
-        if ablation is not None:
-            ablation(self.trainer)
-        self.close = getattr(self.trainer, "_ablate_close", None)
+        if change is not None:
+            change(self.trainer)
 
     def epoch(self, data):
         self.epochs += 1
-        original = de_tasks.TaskMeters.close_window
-        if self.close is not None:
-            de_tasks.TaskMeters.close_window = self.close
-        try:
-            with quiet_stdout():
-                self.trainer.fit(data, epochs=self.epochs)
-        finally:
-            de_tasks.TaskMeters.close_window = original
+        with quiet_stdout():
+            self.trainer.fit(data, epochs=self.epochs)
 
 
 def ablations(rounds: int, batches: int) -> dict[str, list[float]]:
@@ -121,8 +101,8 @@ def ablations(rounds: int, batches: int) -> dict[str, list[float]]:
     init = tiny_model()
     data = make_batches(16, 2, 32, batches)
     runners = {"raw": Raw(copy.deepcopy(init)), "deepepochs": Variant(copy.deepcopy(init))}
-    for name, fn in ABLATIONS.items():
-        runners[name] = Variant(copy.deepcopy(init), fn)
+    for name, ablation in ABLATIONS.items():
+        runners[name] = Variant(copy.deepcopy(init), ablation)
     cpu = {name: [] for name in runners}
     for runner in runners.values():
         runner.epoch(data)  # warm-up
