@@ -55,6 +55,14 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
+def quantile(values, q: float) -> float:
+    """The `q` quantile (0..1) of `values`, nearest rank."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
 class Stamped:
     """A re-iterable sequence of batches that records `perf_counter()` when each batch is handed out.
 
@@ -77,6 +85,12 @@ class Stamped:
         for batch in self.batches:
             stamps.append(clock())
             yield batch
+
+    def intervals_us(self, skip: int = 5) -> list[float]:
+        """Intervals between batch hand-outs after the first `skip` batches (all of them in a short epoch),
+        in microseconds."""
+        s = self.stamps[skip:] if len(self.stamps) > skip + 1 else self.stamps
+        return [(b - a) * 1e6 for a, b in zip(s, s[1:])]
 
     def steady_us(self, skip: int = 5) -> float:
         """Mean interval between batch hand-outs after the first `skip` batches, in microseconds."""

@@ -1,6 +1,7 @@
 """FSM dispatch cost: µs per hot trigger (`LoopMachine.fire`), per cold trigger (`fire_cold`, through
-`transitions`), and per training batch's sequence of hot triggers, with no-op guards and actions so only
-dispatch is measured. Run alone (`python benchmarks/fsm_dispatch.py`) or from loop_overhead.py.
+`transitions`), and per training batch's sequence of hot triggers (the eight edges, and the fused edges
+plain training takes), with no-op guards and actions so only dispatch is measured. Run alone
+(`python benchmarks/fsm_dispatch.py`) or from loop_overhead.py.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from common import median  # noqa: E402
 
 from deepepochs.fsm.machine import LoopMachine, load_spec  # noqa: E402
 
-__all__ = ["TRAIN_BATCH_TRIGGERS", "measure"]
+__all__ = ["FUSED_BATCH_TRIGGERS", "TRAIN_BATCH_TRIGGERS", "measure"]
 
 #: The hot triggers one training batch fires with one optimizer and no accumulation (see spec/loop.py).
 TRAIN_BATCH_TRIGGERS = ("begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
                         "finish_update", "end_batch")
+#: The same batch on the fused edges (the default for plain training).
+FUSED_BATCH_TRIGGERS = ("begin_window", "update_step")
 
 
 class _Position:
@@ -87,19 +90,21 @@ def measure(n: int = 20000, repeats: int = 5) -> dict:
 
     cold = _time_per_call(cold_pairs, 2 * (cold_n // 2), repeats)
 
-    # One training batch: the 8 hot triggers with their guards (window_boundary, grads_finite).
-    t = _machine(flags)
-    _enter(t, "fit", "next_epoch", "begin_train", "begin_task")
-    tfire = t.fire
-    seq = TRAIN_BATCH_TRIGGERS
-    batches = n // len(seq)
+    def per_batch(seq):
+        """One training batch's hot triggers, with their guards (window_boundary, grads_finite)."""
+        t = _machine(flags)
+        _enter(t, "fit", "next_epoch", "begin_train", "begin_task")
+        tfire = t.fire
+        batches = n // len(seq)
 
-    def train_batches():
-        for _ in range(batches):
-            for trigger in seq:
-                tfire(trigger)
+        def train_batches():
+            for _ in range(batches):
+                for trigger in seq:
+                    tfire(trigger)
 
-    per_batch = _time_per_call(train_batches, batches, repeats)
+        return _time_per_call(train_batches, batches, repeats)
+
+    unfused, fused = per_batch(TRAIN_BATCH_TRIGGERS), per_batch(FUSED_BATCH_TRIGGERS)
 
     # Baseline: a bare Python method call, the floor of any dispatch.
     class _Obj:
@@ -116,8 +121,10 @@ def measure(n: int = 20000, repeats: int = 5) -> dict:
     return {
         "hot_fire_us": hot,
         "cold_fire_us": cold,
-        "train_batch_triggers": list(seq),
-        "train_batch_dispatch_us": per_batch,
+        "train_batch_triggers": list(TRAIN_BATCH_TRIGGERS),
+        "train_batch_dispatch_us": unfused,
+        "fused_batch_triggers": list(FUSED_BATCH_TRIGGERS),
+        "fused_batch_dispatch_us": fused,
         "bare_method_call_us": bare_call,
         "triggers_per_repeat": n,
         "repeats": repeats,
@@ -128,8 +135,10 @@ def format_table(result: dict) -> str:
     rows = [
         ("`LoopMachine.fire` (hot, compiled table)", result["hot_fire_us"]),
         ("`LoopMachine.fire_cold` (cold, `transitions`)", result["cold_fire_us"]),
-        (f"one training batch ({len(result['train_batch_triggers'])} hot triggers)",
+        (f"one training batch, every edge ({len(result['train_batch_triggers'])} hot triggers)",
          result["train_batch_dispatch_us"]),
+        (f"one training batch, fused edges ({len(result['fused_batch_triggers'])} hot triggers)",
+         result["fused_batch_dispatch_us"]),
         ("bare Python method call (floor)", result["bare_method_call_us"]),
     ]
     lines = ["| dispatch | µs |", "|---|---:|"]

@@ -432,7 +432,7 @@ class Runner:
                     scaler.step(opt)  # steps (post-hook: window_updated) unless it found inf/NaN
                     scaler.update()
                     updated = loop.window_updated
-                elif not host or all(isfinite(v) for v, _, _ in window):
+                elif not host or (isfinite(value) if k == 1 else all(isfinite(v) for v, _, _ in window)):
                     opt.step()
                     updated = True
                 elif raise_nonfinite:
