@@ -286,8 +286,7 @@ class Runner:
         loop.batch_idx = skip
         t._console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
-            run = self._fused_batches if self.can_fuse(task) else self._train_batches
-            run(task, data, meters)
+            self._batches_runner(task)(task, data, meters)
         else:
             self._eval_batches(task, data, meters, ev)
         t._console.end_task()
@@ -356,6 +355,52 @@ class Runner:
         return (config.fuse_steps and len(t._opts) == 1 and not t._clippers and t._dist.world_size == 1
                 and not deferred_skip and getattr(task.step_fn, "__func__", None) is TrainerBase.train_step
                 and not any(hooks[name] for name in _FUSED_OBSERVERS))
+
+    def _batches_runner(self, task):
+        """The training loop for `task`: every edge, the fused edges, or the fused one-batch-window loop."""
+        if not self.can_fuse(task):
+            return self._train_batches
+        t = self.t
+        plain = (t.config.gradient_accumulation_steps == 1 and t._precision.dtype is None
+                 and t.device.type == "cpu" and t.config.nonfinite == "raise")
+        return self._plain_batches if plain else self._fused_batches
+
+    def _plain_batches(self, task, data, meters):
+        """`_fused_batches` for one-batch windows in fp32 on the CPU with nonfinite='raise', where a small
+        model shows the loop's own cost most: one `train_step` edge per batch and only the work this case
+        needs (no window list, no scaler, no normalisation: the same results, bit for bit)."""
+        t, loop = self.t, self.t.loop
+        fire, model, device, opt = t.machine.fire, t.model, t.device, t._opts[0].opt
+        compute_loss, has_loss, size_fn = self.compute_loss, t.loss_fn is not None, task.batch_size
+        patches_of = t.batch_patches if task.all_metrics else None
+        console = t._console
+        log_batch = console.log_batch or console.log_tqdm
+        isfinite, count = math.isfinite, meters.add_done
+        idx, value, n, patches, updating = loop.batch_idx, 0.0, 0, None, False
+        try:
+            for batch in data:
+                idx += 1
+                loop.batch_idx, loop.window_pos, loop.window_updated = idx, 1, False
+                batch_x, batch_y, n = prepare_batch(batch, has_loss, device, False, size_fn)
+                model_out = call_model(model, batch_x)
+                loss = compute_loss(model_out, batch_y)
+                patches = patches_of and patches_of(model_out, batch_y)
+                loss.backward()
+                value = loss.item()
+                if not isfinite(value):
+                    self._raise_nonfinite()
+                updating = True
+                opt.step()  # sets loop.window_updated: from here on an interrupt keeps this update
+                updating = False
+                count(value, n, patches)
+                opt.zero_grad(set_to_none=True)
+                loop.window_pos = 0
+                fire("train_step")
+                if log_batch:
+                    console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+        finally:
+            if updating and loop.window_updated:  # a post-hook failed after the update: the batch counts
+                count(value, n, patches)
 
     def _fused_batches(self, task, data, meters):
         """One fused edge per micro-batch: `accumulate_step` inside a window, `update_step` or `skip_step`
