@@ -1,12 +1,13 @@
 """Loop overhead: deepepochs against a raw PyTorch loop (and Ignite / Lightning when installed).
 
-Every variant trains its own copy of the same model with the same optimizer settings on the same list of
-pre-batched (x, y) tensors (so no DataLoader cost), on the CPU with one thread. In every round each
+Every variant trains the same model (one copy per block, shared by all variants, so that their tensors
+sit in the same memory) with its own optimizer of the same settings on the same list of pre-batched
+(x, y) tensors (so no DataLoader cost), on the CPU with one thread. In every round each
 variant runs one epoch (a fit() call or the raw loop), in a random order, so drift of a shared machine
 hits all variants alike; time per batch = epoch time / batches. The rounds are split into blocks, and
-each block builds all variants from fresh model copies (memory placement alone can shift one copy's
-speed by several percent); garbage is collected between blocks, not during the timed rounds (see
-run_model). The table reports medians over rounds and
+each block builds all variants on a fresh model copy (memory placement alone can shift one copy's speed
+by several percent, which is why the variants share it); garbage is collected between blocks, not during
+the timed rounds (see run_model). The table reports medians over rounds and
 ratios to the variant's raw reference: wall time, and process CPU time paired per round with a bootstrap
 95% interval (the number to trust when other jobs share the machine). "steady" is the mean interval
 between batch hand-outs after the first five, which leaves out per-fit fixed costs; "p5" is the 5th
@@ -266,9 +267,11 @@ def paired_ratio(values: list[float], refs: list[float], seed: int = 0) -> tuple
 
 def run_model(model_name: str, variants: list[str], rounds: int, batches: int, blocks: int,
               gc_each_epoch: bool = False) -> list[dict]:
-    """`rounds` interleaved rounds, split into `blocks`; each block builds every variant afresh (new model
-    copy, optimizer, trainer), because where a copy's tensors land in memory can shift a variant's speed
-    by several percent for a whole block, which no amount of rounds over the same copies averages out.
+    """`rounds` interleaved rounds, split into `blocks`; each block builds every variant afresh (optimizer,
+    trainer) on one new model copy that all of them train: where a copy's tensors land in memory can shift
+    its speed by several percent for a whole block, so variants on separate copies would differ by that
+    (measured here: up to 3 % between two copies under identical loops) and no number of rounds would
+    average it out.
 
     The cyclic garbage collector runs between blocks, before the untimed warm-up epochs, and is off during
     the timed rounds. A `gc.collect()` walks every tracked object and leaves the CPU caches cold, so the
@@ -287,7 +290,8 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
     rng = random.Random(0)
     blocks = max(1, min(blocks, rounds))
     for block in range(blocks):
-        runners = {name: VARIANTS[name](copy.deepcopy(init)) for name in variants}
+        model = copy.deepcopy(init)
+        runners = {name: VARIANTS[name](model) for name in variants}
         prepare = {name: getattr(runner, "prepare", lambda: None) for name, runner in runners.items()}
         gc.collect()
         for name, runner in runners.items():  # warm-up epoch: optimizer state, first-call caches
