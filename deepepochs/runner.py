@@ -1,8 +1,10 @@
 """The loop driver: iterates stages, tasks and batches and fires the machine's triggers.
 
-Hot path notes: per training micro-batch this does one `split_batch`, one device move, the user's step and
-a handful of compiled-table triggers (~1 µs each). Nothing here reads a tensor value on the host except
-where a guard needs it (the fp32 finite check at an update) and the console's throttled batch line.
+Training batches take every edge here (`_train_batches`: the user's step, callbacks, several optimizers,
+DDP), or the fused edges in `deepepochs.fused` when nothing can observe a micro-batch's inner states.
+Per micro-batch this does one batch split and device move, the step and a handful of compiled-table
+triggers (~1 µs each). Nothing here reads a tensor value on the host except where a guard needs it (the
+fp32 finite check at an update) and the console's throttled batch line.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import math
 
 import torch
 
+from deepepochs import fused
 from deepepochs.data import call_model, lookahead, prepare_batch
 from deepepochs.errors import ConfigError, LoopError
-from deepepochs.fsm.machine import load_spec
 from deepepochs.loop import ResumePoint
 from deepepochs.patches import PatchBase, ValuePatch
 from deepepochs.tasks import STEP_NAMES, BatchMetrics, EpochTask, TaskMeters, _as_metric_list, flatten_value
@@ -32,18 +34,6 @@ _EV = {
     }
     for stage in ("train", "val", "test")
 }
-_STEP_STATES = ("step_forward", "step_backward", "step_optimized")
-
-
-def _fused_edge_observers() -> tuple[str, ...]:
-    """Hooks that run in a window/step/optimize state on a fused edge's path: any of them rules fusing out."""
-    spec = load_spec()
-    states = {s for f in spec.transitions if f.fuses for t in spec.fused_path(f) for s in (t.source, t.dest)}
-    per_batch = {s for s in states if spec.state(s).layer in ("window", "step", "optimize")}
-    return tuple(h.name for h in spec.hooks if per_batch & set(h.states))
-
-
-_FUSED_OBSERVERS = _fused_edge_observers()
 
 
 class Runner:
@@ -286,7 +276,7 @@ class Runner:
         loop.batch_idx = skip
         t._console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
-            self._batches_runner(task)(task, data, meters)
+            (fused.loop_for(self, task) or self._train_batches)(task, data, meters)
         else:
             self._eval_batches(task, data, meters, ev)
         t._console.end_task()
@@ -343,163 +333,6 @@ class Runner:
                     hook(t, metrics, loop.batch_idx)
             if log_batch:
                 console.batch(loop.batch_idx, lambda loss=loss, p=patches: BatchMetrics(loss, p))
-
-    def can_fuse(self, task) -> bool:
-        """Whether `task`'s training micro-batches take the fused edges (see spec/loop.py): nothing may
-        observe, or act in, the inner states of their paths."""
-        from deepepochs.trainer import TrainerBase
-
-        t, config = self.t, self.t.config
-        hooks = t._hooks.by_event
-        deferred_skip = config.nonfinite == "skip" and t._precision.scaler is None and t.device.type != "cpu"
-        return (config.fuse_steps and len(t._opts) == 1 and not t._clippers and t._dist.world_size == 1
-                and not deferred_skip and getattr(task.step_fn, "__func__", None) is TrainerBase.train_step
-                and not any(hooks[name] for name in _FUSED_OBSERVERS))
-
-    def _batches_runner(self, task):
-        """The training loop for `task`: every edge, the fused edges, or the fused one-batch-window loop."""
-        if not self.can_fuse(task):
-            return self._train_batches
-        t = self.t
-        plain = (t.config.gradient_accumulation_steps == 1 and t._precision.dtype is None
-                 and t.device.type == "cpu" and t.config.nonfinite == "raise")
-        return self._plain_batches if plain else self._fused_batches
-
-    def _plain_batches(self, task, data, meters):
-        """`_fused_batches` for one-batch windows in fp32 on the CPU with nonfinite='raise', where a small
-        model shows the loop's own cost most: one `train_step` edge per batch and only the work this case
-        needs (no window list, no scaler, no normalisation: the same results, bit for bit)."""
-        t, loop = self.t, self.t.loop
-        fire, model, device, opt = t.machine.fire, t.model, t.device, t._opts[0].opt
-        compute_loss, has_loss, size_fn = self.compute_loss, t.loss_fn is not None, task.batch_size
-        patches_of = t.batch_patches if task.all_metrics else None
-        console = t._console
-        log_batch = console.log_batch or console.log_tqdm
-        isfinite, count = math.isfinite, meters.add_done
-        idx, value, n, patches, updating = loop.batch_idx, 0.0, 0, None, False
-        try:
-            for batch in data:
-                idx += 1
-                loop.batch_idx, loop.window_pos, loop.window_updated = idx, 1, False
-                batch_x, batch_y, n = prepare_batch(batch, has_loss, device, False, size_fn)
-                model_out = call_model(model, batch_x)
-                loss = compute_loss(model_out, batch_y)
-                patches = patches_of and patches_of(model_out, batch_y)
-                loss.backward()
-                value = loss.item()
-                if not isfinite(value):
-                    self._raise_nonfinite()
-                updating = True
-                opt.step()  # sets loop.window_updated: from here on an interrupt keeps this update
-                updating = False
-                count(value, n, patches)
-                opt.zero_grad(set_to_none=True)
-                loop.window_pos = 0
-                fire("train_step")
-                if log_batch:
-                    console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
-        finally:
-            if updating and loop.window_updated:  # a post-hook failed after the update: the batch counts
-                count(value, n, patches)
-
-    def _fused_batches(self, task, data, meters):
-        """One fused edge per micro-batch: `accumulate_step` inside a window, `update_step` or `skip_step`
-        at its end. Inline, in the unfused path's order, this does what that path's actions do when nothing
-        observes it: forward, loss and metric patches (under autocast), backward of the loss weighted by
-        the micro-batch's share of the window (scaled under fp16); at the window's end unscale (fp16),
-        normalise by the window's samples (unscale_gradients), the finiteness decision (the scaler's inf
-        check, or the window's losses: a host read on the CPU, a device flag checked at the task's end on
-        an accelerator), the optimizer step and its step-wise scheduler (step_optimizer) or the skip, the
-        scale update, zero_grad, and counting the window in the task's meters (close_window).
-
-        `loop.window_pos` counts the open window's micro-batches and `loop.window_updated` (set by the
-        optimizer's post-hook) marks an applied update, so an interrupt resumes exactly as on the unfused
-        path. A window counts once its update is applied, even if a later post-hook fails (`finally`); its
-        patches are made before the update, so unlike in a custom step no interrupt loses them."""
-        t, loop = self.t, self.t.loop
-        fire, model, device, config = t.machine.fire, t.model, t.device, t.config
-        opt = t._opts[0].opt  # its step-wise scheduler steps in a post-hook (Optimizers.bind_updates)
-        scaler, k = t._precision.scaler, config.gradient_accumulation_steps
-        raise_nonfinite = config.nonfinite == "raise"
-        compute_loss, has_loss = self.compute_loss, t.loss_fn is not None
-        patches_of = t.batch_patches if task.all_metrics else None
-        console = t._console
-        log_batch = console.log_batch or console.log_tqdm
-        host, non_blocking, size_fn = device.type == "cpu", device.type == "cuda", task.batch_size
-        isfinite, count = math.isfinite, meters.add_done
-        loop.window_size = k
-
-        def forward(batch_x, batch_y):
-            model_out = call_model(model, batch_x)
-            return compute_loss(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
-
-        if t._precision.dtype is not None:  # autocast over forward, loss and patches (AMP-1)
-            plain, autocast = forward, t._precision.autocast
-
-            def forward(batch_x, batch_y):
-                with autocast():
-                    return plain(batch_x, batch_y)
-
-        batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
-        idx, pos, first, samples, window, updating = loop.batch_idx, 0, 0, 0, [], False
-        try:
-            for batch, is_last in batches:
-                if pos == 0:
-                    fire("begin_window")
-                idx += 1
-                pos += 1
-                loop.batch_idx, loop.window_pos = idx, pos
-                batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
-                loss, patches = forward(batch_x, batch_y)
-                if k > 1:  # this micro-batch's share of the window (see Runner.loss)
-                    if pos == 1:
-                        first, samples = n, 0
-                    samples += n
-                    factor = n / (k * first)
-                    scaled = loss if factor == 1.0 else loss * factor
-                else:
-                    scaled = loss
-                (scaled if scaler is None else scaler.scale(scaled)).backward()
-                value = loss.item() if host else loss.detach()
-                window.append((value, n, patches))
-                if not (is_last or pos == k):
-                    fire("accumulate_step")
-                    if log_batch:
-                        console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
-                    continue
-                updating = True
-                if scaler is not None:
-                    scaler.unscale_(opt)
-                norm = k * first / samples if k > 1 else 1.0
-                if norm != 1.0:
-                    torch._foreach_mul_(t._opts.grads(0), norm)
-                if scaler is not None:
-                    scaler.step(opt)  # steps (post-hook: window_updated) unless it found inf/NaN
-                    scaler.update()
-                    updated = loop.window_updated
-                elif not host or (isfinite(value) if k == 1 else all(isfinite(v) for v, _, _ in window)):
-                    opt.step()
-                    updated = True
-                elif raise_nonfinite:
-                    self._raise_nonfinite()
-                else:
-                    updated = False
-                updating = False
-                for done in window:
-                    count(*done)
-                window.clear()
-                opt.zero_grad(set_to_none=True)
-                pos = loop.window_pos = 0
-                fire("update_step" if updated else "skip_step")
-                if log_batch:
-                    console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
-        finally:
-            if updating and loop.window_updated:  # a post-hook failed after the update: the window counts
-                for done in window:
-                    count(*done)
-        if not host and meters.loss_sum is not None:  # PERF-2: a device flag per task, not a read per batch
-            bad = ~torch.isfinite(meters.loss_sum)
-            self._pending_nonfinite = bad if self._pending_nonfinite is None else self._pending_nonfinite | bad
 
     def _eval_batches(self, task, data, meters, ev):
         t, loop = self.t, self.t.loop

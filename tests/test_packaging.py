@@ -17,10 +17,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src")
+    # Build from a copy of what the wheel is made of, so no build/ folder lands in the working tree.
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "deepepochs", src / "deepepochs", ignore=shutil.ignore_patterns("__pycache__"))
     # Without build isolation when setuptools is at hand (no download); else pip builds in isolation.
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(out),
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w", str(out),
                     *isolation], check=True, capture_output=True, text=True)
     (path,) = out.glob("deepepochs-*.whl")
     return path

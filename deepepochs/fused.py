@@ -1,0 +1,196 @@
+"""Fused edges (see spec/loop.py): the training loops that take one edge per micro-batch.
+
+When nothing can observe the inner states of a micro-batch (`can_fuse`), the runner takes the spec's fused
+edges and does inline, in the same order, what the actions along their paths do. `_window_batches` covers
+every precision and accumulation; `_plain_batches` is one-batch windows in fp32 on the CPU, with the least
+Python per batch (what PERF-1 measures on a tiny model). Both are bit-identical to the unfused path
+(`Runner._train_batches`); tests/fsm/test_conformance.py checks that, and that each fused trace expands
+to the unfused one. A change to what an action does must be made here too.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import torch
+
+from deepepochs.data import call_model, lookahead, prepare_batch
+from deepepochs.fsm.machine import load_spec
+from deepepochs.tasks import BatchMetrics
+
+__all__ = ["FUSED_OBSERVERS", "can_fuse", "loop_for"]
+
+
+def _fused_edge_observers() -> tuple[str, ...]:
+    """Hooks that run in a window/step/optimize state on a fused edge's path: any of them rules fusing out."""
+    spec = load_spec()
+    states = {s for f in spec.transitions if f.fuses for t in spec.fused_path(f) for s in (t.source, t.dest)}
+    per_batch = {s for s in states if spec.state(s).layer in ("window", "step", "optimize")}
+    return tuple(h.name for h in spec.hooks if per_batch & set(h.states))
+
+
+FUSED_OBSERVERS = _fused_edge_observers()
+
+
+def can_fuse(runner, task) -> bool:
+    """Whether `task`'s training micro-batches take the fused edges (see spec/loop.py): nothing may
+    observe, or act in, the inner states of their paths."""
+    from deepepochs.trainer import TrainerBase
+
+    t, config = runner.t, runner.t.config
+    hooks = t._hooks.by_event
+    deferred_skip = config.nonfinite == "skip" and t._precision.scaler is None and t.device.type != "cpu"
+    return (config.fuse_steps and len(t._opts) == 1 and not t._clippers and t._dist.world_size == 1
+            and not deferred_skip and getattr(task.step_fn, "__func__", None) is TrainerBase.train_step
+            and not any(hooks[name] for name in FUSED_OBSERVERS))
+
+
+def loop_for(runner, task):
+    """The fused training loop for `task`, bound to `runner` (`loop(task, data, meters)`), or None when it
+    must take every edge (`Runner._train_batches`)."""
+    if not can_fuse(runner, task):
+        return None
+    t = runner.t
+    plain = (t.config.gradient_accumulation_steps == 1 and t._precision.dtype is None
+             and t.device.type == "cpu" and t.config.nonfinite == "raise")
+    return functools.partial(_plain_batches if plain else _window_batches, runner)
+
+
+def _plain_batches(runner, task, data, meters):
+    """`_window_batches` for one-batch windows in fp32 on the CPU with nonfinite='raise', where a small
+    model shows the loop's own cost most: one `train_step` edge per batch and only the work this case
+    needs (no window list, no scaler, no normalisation: the same results, bit for bit)."""
+    t, loop = runner.t, runner.t.loop
+    fire, model, device, opt = t.machine.fire, t.model, t.device, t._opts[0].opt
+    compute_loss, has_loss, size_fn = runner.compute_loss, t.loss_fn is not None, task.batch_size
+    patches_of = t.batch_patches if task.all_metrics else None
+    console = t._console
+    log_batch = console.log_batch or console.log_tqdm
+    isfinite, count = math.isfinite, meters.add_done
+    idx, value, n, patches, updating = loop.batch_idx, 0.0, 0, None, False
+    try:
+        for batch in data:
+            idx += 1
+            loop.batch_idx, loop.window_pos, loop.window_updated = idx, 1, False
+            batch_x, batch_y, n = prepare_batch(batch, has_loss, device, False, size_fn)
+            model_out = call_model(model, batch_x)
+            loss = compute_loss(model_out, batch_y)
+            patches = patches_of and patches_of(model_out, batch_y)
+            loss.backward()
+            value = loss.item()
+            if not isfinite(value):
+                runner._raise_nonfinite()
+            updating = True
+            opt.step()  # sets loop.window_updated: from here on an interrupt keeps this update
+            updating = False
+            count(value, n, patches)
+            opt.zero_grad(set_to_none=True)
+            loop.window_pos = 0
+            fire("train_step")
+            if log_batch:
+                console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+    finally:
+        if updating and loop.window_updated:  # a post-hook failed after the update: the batch counts
+            count(value, n, patches)
+
+
+def _window_batches(runner, task, data, meters):
+    """One fused edge per micro-batch: `accumulate_step` inside a window, `update_step` or `skip_step`
+    at its end. Inline, in the unfused path's order, this does what that path's actions do when nothing
+    observes it: forward, loss and metric patches (under autocast), backward of the loss weighted by
+    the micro-batch's share of the window (scaled under fp16); at the window's end unscale (fp16),
+    normalise by the window's samples (unscale_gradients), the finiteness decision (the scaler's inf
+    check, or the window's losses: a host read on the CPU, a device flag checked at the task's end on
+    an accelerator), the optimizer step and its step-wise scheduler (step_optimizer) or the skip, the
+    scale update, zero_grad, and counting the window in the task's meters (close_window).
+
+    `loop.window_pos` counts the open window's micro-batches and `loop.window_updated` (set by the
+    optimizer's post-hook) marks an applied update, so an interrupt resumes exactly as on the unfused
+    path. A window counts once its update is applied, even if a later post-hook fails (`finally`); its
+    patches are made before the update, so unlike in a custom step no interrupt loses them."""
+    t, loop = runner.t, runner.t.loop
+    fire, model, device, config = t.machine.fire, t.model, t.device, t.config
+    opt = t._opts[0].opt  # its step-wise scheduler steps in a post-hook (Optimizers.bind_updates)
+    scaler, k = t._precision.scaler, config.gradient_accumulation_steps
+    raise_nonfinite = config.nonfinite == "raise"
+    compute_loss, has_loss = runner.compute_loss, t.loss_fn is not None
+    patches_of = t.batch_patches if task.all_metrics else None
+    console = t._console
+    log_batch = console.log_batch or console.log_tqdm
+    host, non_blocking, size_fn = device.type == "cpu", device.type == "cuda", task.batch_size
+    isfinite, count = math.isfinite, meters.add_done
+    loop.window_size = k
+
+    def forward(batch_x, batch_y):
+        model_out = call_model(model, batch_x)
+        return compute_loss(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
+
+    if t._precision.dtype is not None:  # autocast over forward, loss and patches (AMP-1)
+        plain, autocast = forward, t._precision.autocast
+
+        def forward(batch_x, batch_y):
+            with autocast():
+                return plain(batch_x, batch_y)
+
+    batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
+    idx, pos, first, samples, window, updating = loop.batch_idx, 0, 0, 0, [], False
+    try:
+        for batch, is_last in batches:
+            if pos == 0:
+                fire("begin_window")
+            idx += 1
+            pos += 1
+            loop.batch_idx, loop.window_pos = idx, pos
+            batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
+            loss, patches = forward(batch_x, batch_y)
+            if k > 1:  # this micro-batch's share of the window (see Runner.loss)
+                if pos == 1:
+                    first, samples = n, 0
+                samples += n
+                factor = n / (k * first)
+                scaled = loss if factor == 1.0 else loss * factor
+            else:
+                scaled = loss
+            (scaled if scaler is None else scaler.scale(scaled)).backward()
+            value = loss.item() if host else loss.detach()
+            window.append((value, n, patches))
+            if not (is_last or pos == k):
+                fire("accumulate_step")
+                if log_batch:
+                    console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+                continue
+            updating = True
+            if scaler is not None:
+                scaler.unscale_(opt)
+            norm = k * first / samples if k > 1 else 1.0
+            if norm != 1.0:
+                torch._foreach_mul_(t._opts.grads(0), norm)
+            if scaler is not None:
+                scaler.step(opt)  # steps (post-hook: window_updated) unless it found inf/NaN
+                scaler.update()
+                updated = loop.window_updated
+            elif not host or (isfinite(value) if k == 1 else all(isfinite(v) for v, _, _ in window)):
+                opt.step()
+                updated = True
+            elif raise_nonfinite:
+                runner._raise_nonfinite()
+            else:
+                updated = False
+            updating = False
+            for done in window:
+                count(*done)
+            window.clear()
+            opt.zero_grad(set_to_none=True)
+            pos = loop.window_pos = 0
+            fire("update_step" if updated else "skip_step")
+            if log_batch:
+                console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+    finally:
+        if updating and loop.window_updated:  # a post-hook failed after the update: the window counts
+            for done in window:
+                count(*done)
+    if not host and meters.loss_sum is not None:  # PERF-2: a device flag per task, not a read per batch
+        bad = ~torch.isfinite(meters.loss_sum)
+        runner._pending_nonfinite = bad if runner._pending_nonfinite is None else runner._pending_nonfinite | bad
