@@ -22,8 +22,8 @@ __all__ = ["FUSED_BATCH_TRIGGERS", "TRAIN_BATCH_TRIGGERS", "measure"]
 #: The hot triggers one training batch fires with one optimizer and no accumulation (see spec/loop.py).
 TRAIN_BATCH_TRIGGERS = ("begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
                         "finish_update", "end_batch")
-#: The same batch on the fused edges (the default for plain training).
-FUSED_BATCH_TRIGGERS = ("begin_window", "update_step")
+#: The same batch on its fused edge (the default for plain fp32 training on the CPU).
+FUSED_BATCH_TRIGGERS = ("train_step",)
 
 
 class _Position:
@@ -137,7 +137,7 @@ def format_table(result: dict) -> str:
         ("`LoopMachine.fire_cold` (cold, `transitions`)", result["cold_fire_us"]),
         (f"one training batch, every edge ({len(result['train_batch_triggers'])} hot triggers)",
          result["train_batch_dispatch_us"]),
-        (f"one training batch, fused edges ({len(result['fused_batch_triggers'])} hot triggers)",
+        (f"one training batch, fused ({len(result['fused_batch_triggers'])} hot trigger)",
          result["fused_batch_dispatch_us"]),
         ("bare Python method call (floor)", result["bare_method_call_us"]),
     ]
