@@ -51,8 +51,9 @@ class TrainerConfig:
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
         log_long, log_batch, log_tqdm, show_info: console options (DEV-2).
         compile_model: wrap the model in `torch.compile`.
-        fuse_steps: run a plain training batch as the spec's one fused `train_step` edge (see
-            `spec/loop.py`); False takes the eight per-batch edges (a finer flight record, a little slower).
+        fuse_steps: where nothing can observe a micro-batch's inner states, take the spec's fused edges
+            (one per micro-batch, see `spec/loop.py`); False takes every edge (a finer flight record,
+            a little slower).
     """
 
     epochs: int = attrs.field(default=1000, validator=_positive_int)

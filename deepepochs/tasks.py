@@ -125,18 +125,11 @@ class TaskMeters:
         On the CPU a loss is read as a Python float (no device to sync with, and ~5x cheaper than an in-place
         tensor add); on an accelerator the sum stays on the device (one async add, no host sync).
         """
-        self.final = None
         host = self.host
         for loss, n in self.window_losses:
             if host is None:  # decided once: reading .device per batch costs more than the add
                 host = self.host = loss.device.type == "cpu"
-            if host:
-                self.host_sum += float(loss) * n
-            elif self.loss_sum is None:
-                self.loss_sum = loss.detach().double() * n
-            else:
-                self.loss_sum.add_(loss, alpha=n)
-            self.count += n
+            self.add_done(float(loss) if host else loss.detach(), n, None)
         for patches in self.window_patches:
             self.fold_patches(patches)
         self.window_losses.clear()
@@ -144,6 +137,7 @@ class TaskMeters:
 
     def fold_patches(self, patches: Mapping) -> None:
         """Add one batch's metric patches to the task totals."""
+        self.final = None
         for name, patch in patches.items():
             have = self.patches.get(name)
             # The first batch's patch is copied so that the accumulator never aliases a batch's own
@@ -151,8 +145,8 @@ class TaskMeters:
             self.patches[name] = patch.copy() if have is None else have.add(patch)
 
     def add_done(self, loss: float | torch.Tensor, n: int, patches: Mapping | None) -> None:
-        """Count one completed batch outside a window: `loss` is a float read on the host, or a detached
-        device tensor (summed on the device, no sync)."""
+        """Count one completed batch: `loss` is a float read on the host, or a detached device tensor
+        (summed on the device, no sync)."""
         self.final = None
         if type(loss) is float:
             self.host_sum += loss * n

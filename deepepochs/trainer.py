@@ -71,9 +71,10 @@ class TrainerBase:
         resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
         log_long, log_batch, log_tqdm, show_info: console output.
         compile_model: wrap the model in `torch.compile`.
-        fuse_steps: a plain training batch (the default step, one batch per update, fp32/bf16, one
-            optimizer, no clipper or per-batch callback, one process, nonfinite='raise') runs as one fused
-            transition of the machine; False records all eight per-batch transitions (for debugging).
+        fuse_steps: with the default step, one optimizer, no gradient clipper, no callback hook that
+            runs per batch and one process, each micro-batch takes one fused edge of the machine (any
+            precision and accumulation; bit-identical results); False takes every edge, which gives a
+            finer flight record (for debugging).
 
     Example:
         >>> trainer = Trainer(nn.Linear(16, 2), F.cross_entropy, epochs=5)
