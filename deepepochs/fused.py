@@ -20,7 +20,7 @@ from deepepochs.data import call_model, lookahead, prepare_batch
 from deepepochs.fsm.machine import load_spec
 from deepepochs.tasks import BatchMetrics
 
-__all__ = ["FUSED_OBSERVERS", "can_fuse", "loop_for"]
+__all__ = ["FUSED_OBSERVERS", "can_fuse", "loop_for", "reads_on_host"]
 
 
 def _fused_edge_observers() -> tuple[str, ...]:
@@ -32,6 +32,12 @@ def _fused_edge_observers() -> tuple[str, ...]:
 
 
 FUSED_OBSERVERS = _fused_edge_observers()
+
+
+def reads_on_host(device) -> bool:
+    """Whether a loss value may be read per micro-batch (the CPU: no device to sync with). Elsewhere the
+    window loop keeps losses on the device and checks finiteness once per task (PERF-2)."""
+    return device.type == "cpu"
 
 
 def can_fuse(runner, task) -> bool:
@@ -54,7 +60,7 @@ def loop_for(runner, task):
         return None
     t = runner.t
     plain = (t.config.gradient_accumulation_steps == 1 and t._precision.dtype is None
-             and t.device.type == "cpu" and t.config.nonfinite == "raise")
+             and reads_on_host(t.device) and t.config.nonfinite == "raise")
     return functools.partial(_plain_batches if plain else _window_batches, runner)
 
 
@@ -119,7 +125,7 @@ def _window_batches(runner, task, data, meters):
     patches_of = t.batch_patches if task.all_metrics else None
     console = t._console
     log_batch = console.log_batch or console.log_tqdm
-    host, non_blocking, size_fn = device.type == "cpu", device.type == "cuda", task.batch_size
+    host, non_blocking, size_fn = reads_on_host(device), device.type == "cuda", task.batch_size
     isfinite, count = math.isfinite, meters.add_done
     loop.window_size = k
 

@@ -290,3 +290,36 @@ def test_every_hook_runs_in_a_state_the_spec_allows():
         assert state in allowed[name], (name, state)
     names = [n for n, _ in rec.seen]
     assert names[0] == "on_before_fit" and "on_after_fit" in names and names[-1] == "on_after_test_epochs"
+
+
+def test_the_accelerator_branch_of_the_fused_loop_keeps_losses_on_the_device(monkeypatch):
+    """Where a value read per micro-batch would sync a device (CUDA), the fused window loop sums losses on
+    the device and checks them once per task (PERF-2). Forced here on the CPU: the same weights and loss as
+    the unfused path, and an inf loss raises at the task's end instead of at its update."""
+    from deepepochs import fused
+
+    def run(fuse, bad_batch=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+
+        def loss_fn(out, y, t=None):
+            loss = F.cross_entropy(out, y)
+            return loss * float("inf") if t.loop.batch_idx == bad_batch else loss
+
+        t = Trainer(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.2), device="cpu", epochs=2,
+                    log_batch=False, show_info=False, gradient_accumulation_steps=2, fuse_steps=fuse)
+        loss_fn.__defaults__ = (t,)
+        t._console.enabled = False
+        return t
+
+    monkeypatch.setattr(fused, "reads_on_host", lambda device: False)
+    device_sums, plain = run(True), run(False)
+    records, plain_records = device_sums.fit(_data(52, 8)), plain.fit(_data(52, 8))
+    assert isinstance(device_sums.history["train"]["loss"][0], float)
+    assert records == plain_records
+    for p, q in zip(device_sums.raw_model.parameters(), plain.raw_model.parameters()):
+        assert torch.equal(p, q)
+    flagged = run(True, bad_batch=3)
+    with pytest.raises(FloatingPointError, match="checks at the task's end"):
+        flagged.fit(_data(52, 8))
+    assert flagged.machine.state == "idle"
