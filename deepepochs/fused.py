@@ -47,7 +47,7 @@ def can_fuse(runner, task) -> bool:
 
     t, config = runner.t, runner.t.config
     hooks = t._hooks.by_event
-    deferred_skip = config.nonfinite == "skip" and t._precision.scaler is None and t.device.type != "cpu"
+    deferred_skip = config.nonfinite == "skip" and t._precision.scaler is None and not reads_on_host(t.device)
     return (config.fuse_steps and len(t._opts) == 1 and not t._clippers and t._dist.world_size == 1
             and not deferred_skip and getattr(task.step_fn, "__func__", None) is TrainerBase.train_step
             and not any(hooks[name] for name in FUSED_OBSERVERS))
