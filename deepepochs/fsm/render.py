@@ -4,7 +4,7 @@ The graph is drawn from the edges of the built `transitions` machine, grouped by
 edges (`trigger [guard, !other]`). Drawn from a live or crashed trainer, the current state is filled and
 the last transitions are highlighted. The `interrupt` edges (one per running state) are folded into one
 note so the picture stays readable; `show_interrupts=True` draws them all. A fused edge is labelled with
-the first and last trigger of the path it stands for (dashed in DOT).
+the first and last trigger of the path it stands for and the guard outcomes along it (dashed in DOT).
 """
 
 from __future__ import annotations
@@ -36,15 +36,18 @@ def _label(trigger, conds, unless):
 
 def _edges(show_interrupts: bool):
     spec, edges = _static_machine_edges()
-    fused = {(t.source, t.trigger): t.fuses for t in spec.transitions if t.fuses}
+    fused = {(t.source, t.trigger): t for t in spec.transitions if t.fuses}
     out = []
     for source, trigger, dest, conds, unless, _actions, _error in edges:
         if trigger == spec.interrupt and not show_interrupts:
             continue
         label = _label(trigger, conds, unless)
         if (source, trigger) in fused:
-            path = fused[source, trigger]
-            label = f"{trigger} = {path[0]} ... {path[-1]} (fused)"
+            edge = fused[source, trigger]
+            # the guard outcomes along the path: what tells update_step and skip_step apart
+            used = sorted({g for e in spec.fused_path(edge) for g in (*e.conditions, *e.unless)})
+            guards = ", ".join(g if g in edge.assuming else f"!{g}" for g in used)
+            label = f"{trigger} = {edge.fuses[0]} ... {edge.fuses[-1]} [{guards}] (fused)"
         out.append((source, trigger, dest if dest is not None else "error", label))
     return spec, out
 
