@@ -127,14 +127,18 @@ class Optimizers(Sequence):
         step-wise scheduler and sets `loop.window_updated` the moment the update is applied. A fault
         after that (another post-hook, a callback) then cannot replay the update or leave the scheduler
         behind. A skipped update (fp16 overflow) never calls `opt.step`, so neither happens, and PyTorch's
-        "lr_scheduler.step() before optimizer.step()" warning cannot fire. Returns the hook handles
-        (removed by `Trainer.close`).
+        "lr_scheduler.step() before optimizer.step()" warning cannot fire. The hook acts only while its own
+        trainer trains (`loop.stage == 'train'`): an optimizer stepped by user code between fits, or shared
+        with a later trainer while this one is not closed, does not advance this trainer's scheduler.
+        Returns the hook handles (removed by `Trainer.close`).
         """
 
         def hook_for(item):
             scheduler = item.scheduler if item.sched_on == "step" else None
 
             def updated(_optimizer, _args, _kwargs):
+                if loop.stage != "train":
+                    return
                 loop.window_updated = True
                 if scheduler is not None:
                     scheduler.step()

@@ -185,6 +185,7 @@ class Runner:
                     records[stage].setdefault(name, []).append(value)
                     t.history[stage].setdefault(name, []).append(value)
             fire("end_epoch")
+        loop.stage = None
         self._run_hooks("on_after_fit")
         fire("finish")
         return records

@@ -533,3 +533,27 @@ def test_runs_follow_the_spec_edges_and_skip_exactly_on_poisoned_updates(precisi
         want = [x if isinstance(x, str) or x[2] != "begin_window" else x[2] for x in want]
         strip = [x if isinstance(x, str) or x[2] not in ("interrupt", "recover") else x[2] for x in strip]
         assert strip == want
+
+
+@pytest.mark.parametrize("fuse_steps", [True, False])
+def test_a_step_scheduler_advances_once_per_update_of_the_trainer_that_trains(fuse_steps):
+    """The scheduler steps in the optimizer's post-hook only while its own trainer trains: not when user code
+    steps the optimizer between fits, and not twice when an unclosed earlier trainer shares the optimizer."""
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    first = Trainer(model, F.mse_loss, Optimizer(sgd, sched, sched_on="step"), epochs=1, fuse_steps=fuse_steps,
+                    **QUIET)
+    first.fit(make_dl(16))  # 2 updates
+    assert sched.last_epoch == 2
+    F.mse_loss(model(torch.randn(3, 4)), torch.randn(3, 1)).backward()
+    sgd.step()  # user code between fits: the trainer's scheduler stays put
+    sgd.zero_grad(set_to_none=True)
+    assert sched.last_epoch == 2
+    second = Trainer(model, F.mse_loss, Optimizer(sgd, sched, sched_on="step"), epochs=1, fuse_steps=fuse_steps,
+                     **QUIET)  # `first` is not closed: its hook is still registered
+    second.fit(make_dl(24))  # 3 updates
+    assert sched.last_epoch == 5
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 5)
+    first.close()
+    second.close()
