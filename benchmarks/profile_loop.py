@@ -5,7 +5,8 @@
    the machine replaced by a cheaper stand-in (in this process only, by patching attributes; nothing on
    disk changes). The saving of each stand-in is what that piece costs. Every round runs all variants in
    a random order; CPU time of the thread is used because it is robust to other load on a shared machine.
-2. cProfile of one deepepochs epoch: the package's own functions by internal time, and the torch calls
+2. The fixed cost of one fit() call (a 1-batch fit minus a 1-batch raw loop) and its cold-trigger part.
+3. cProfile of one deepepochs epoch: the package's own functions by internal time, and the torch calls
    they make directly (ops the raw loop does not do).
 
 The stand-ins reach into internals (LoopMachine.fire/fire_cold), so this script follows the package's
@@ -146,6 +147,43 @@ def profile(batches: int) -> str:
     return out.getvalue() + "\n".join(lines)
 
 
+def fit_cost(rounds: int) -> tuple[float, float]:
+    """The fixed cost of one `fit()` call: µs of a 1-batch fit minus a 1-batch raw loop, and the part of it
+    spent in cold triggers (`fire_cold`, through `transitions`); medians over `rounds`, automatic garbage
+    collection off (a collection before a fit leaves the caches cold and doubles the figure)."""
+    torch.manual_seed(0)
+    init = tiny_model()
+    data = make_batches(16, 2, 32, 1)
+    raw, variant = Raw(copy.deepcopy(init)), Variant(copy.deepcopy(init))
+    machine = variant.trainer.machine
+    fire_cold, cold_time = machine.fire_cold, [0.0]
+
+    def timed(trigger):
+        start = time.perf_counter()
+        try:
+            return fire_cold(trigger)
+        finally:
+            cold_time[0] += time.perf_counter() - start
+
+    machine.fire_cold = timed
+    fits, colds = [], []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds + 3):
+            start = time.perf_counter()
+            raw.epoch(data)
+            raw_us = (time.perf_counter() - start) * 1e6
+            cold_time[0] = 0.0
+            start = time.perf_counter()
+            variant.epoch(data)
+            fits.append((time.perf_counter() - start) * 1e6 - raw_us)
+            colds.append(cold_time[0] * 1e6)
+    finally:
+        gc.enable()
+    return median(fits[3:]), median(colds[3:])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="deepepochs hot-path breakdown on the tiny model")
     parser.add_argument("--rounds", type=int, default=41)
@@ -164,6 +202,9 @@ def main(argv=None) -> int:
         saved = "" if name in ("raw", "deepepochs") else f"{median([f - v for f, v in zip(full, values)]):+.1f}"
         print(f"| {name} | {median(values):.1f} | {ratio:.3f} | {saved} |")
     print(f"\ndeepepochs overhead: {median([f - r for f, r in zip(full, raw)]):.1f} µs per batch (paired median)")
+    per_fit, cold = fit_cost(args.rounds)
+    print(f"one fit() call costs {per_fit:.0f} µs beyond its batches, {cold:.0f} µs of it in cold triggers"
+          f" (transitions); spread over {args.batches} batches: {per_fit / args.batches:.1f} µs per batch")
     if not args.no_cprofile:
         print()
         print(profile(args.batches * 4))
