@@ -62,6 +62,12 @@ def test_loop_overhead_benchmark_runs_quickly(tmp_path):
     assert out.exists()
 
 
+def test_profile_script_runs_quickly(tmp_path):
+    """profile_loop.py prints the ablation table (every edge vs fused) and the cost of one fit() call."""
+    text = _run([BENCH / "profile_loop.py", "--rounds", "2", "--batches", "5", "--no-cprofile"], tmp_path)
+    assert "| every edge (fuse_steps=False) |" in text and "one fit() call costs" in text, text
+
+
 def test_memory_benchmark_runs_quickly(tmp_path):
     """memory_steady.py reports RSS at each epoch end and writes JSON."""
     out = tmp_path / "mem.json"
