@@ -8,6 +8,7 @@ from deepepochs.callbacks import (
     InterpreteCallback,
     LogCallback,
 )
+from deepepochs.confusion import ConfusionMetrics, ConfusionPatch
 from deepepochs.errors import (
     CheckpointError,
     ConfigError,
@@ -19,8 +20,6 @@ from deepepochs.fsm.events import Event
 from deepepochs.launch import launch
 from deepepochs.optim import Optimizer
 from deepepochs.patches import (
-    ConfusionMetrics,
-    ConfusionPatch,
     MeanPatch,
     PatchBase,
     TensorPatch,

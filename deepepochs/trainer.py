@@ -15,13 +15,14 @@ import torch
 from deepepochs.callbacks.base import HookTable
 from deepepochs.checkpoint import load_into
 from deepepochs.config import TrainerConfig
+from deepepochs.confusion import ConfusionPatch
 from deepepochs.console import Console
 from deepepochs.distributed import select_policy
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import render
 from deepepochs.loop import LoopState, StopRequest, bind_machine
 from deepepochs.optim import Optimizers
-from deepepochs.patches import ConfusionPatch, MeanPatch, TensorPatch
+from deepepochs.patches import MeanPatch, TensorPatch
 from deepepochs.precision import Precision
 from deepepochs.runner import Runner
 from deepepochs.tasks import metric_name

@@ -15,10 +15,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from deepepochs import metrics as dm
+from deepepochs.confusion import ConfusionMetrics, ConfusionPatch
 from deepepochs.errors import ConfigError
 from deepepochs.patches import (
-    ConfusionMetrics,
-    ConfusionPatch,
     MeanPatch,
     PatchBase,
     TensorPatch,

@@ -1,0 +1,166 @@
+"""Confusion-matrix patches: exact dataset-level classification metrics in constant memory (MET-3).
+
+:class:`ConfusionPatch` accumulates a confusion matrix batch by batch (merging across processes like every
+patch, see :mod:`deepepochs.patches`) and computes accuracy, precision, recall and F1 from it;
+:class:`ConfusionMetrics` makes such patches of one configuration for custom step methods.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from deepepochs import metrics as _metrics
+from deepepochs.patches import PatchBase, _collective_device, _world_size
+
+__all__ = ["ConfusionMetrics", "ConfusionPatch", "ConfusionState"]
+
+
+def _check_matrix(instance, attribute, value) -> None:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != value.shape[1]:
+        raise TypeError(f"{attribute.name} must be a square [C, C] tensor (got {value!r:.60})")
+
+
+@attrs.define
+class ConfusionState:
+    """What a :class:`ConfusionPatch` holds: an int64 ``[C, C]`` matrix, rows = true, columns = predicted."""
+
+    matrix: torch.Tensor = attrs.field(
+        factory=lambda: torch.zeros(0, 0, dtype=torch.int64), validator=_check_matrix
+    )
+
+
+_DEFAULT_METRICS = _metrics.DEFAULT_CONFUSION
+
+
+def _pad_to(matrix: torch.Tensor, size: int) -> torch.Tensor:
+    extra = size - matrix.shape[0]
+    return torch.nn.functional.pad(matrix, (0, extra, 0, extra)) if extra else matrix
+
+
+class ConfusionPatch(PatchBase):
+    """Accumulates a confusion matrix; computes several classification metrics of the whole dataset from it.
+
+    Constant memory and exact dataset-level accuracy, precision, recall and F1 (scikit-learn's definitions,
+    see :mod:`deepepochs.metrics`). Matrices of different sizes (a batch lacking the highest classes) merge
+    by zero-padding the smaller one.
+
+    Args:
+        batch_preds: One batch of predictions (class indices, ``[N, C]`` scores or binary probabilities).
+            None with ``batch_targets`` also None makes an empty patch.
+        batch_targets: The batch's class indices or one-hot labels.
+        metrics: Names among 'accuracy', 'precision', 'recall', 'f1', 'confusion_matrix' (the ``[C, C]``
+            matrix itself, not a scalar), or the functions of those names from :mod:`deepepochs.metrics`
+            (result key: the function's ``__name__``).
+        average: 'macro' (default), 'binary', 'micro' or 'weighted'.
+        num_classes: The class count, or None to infer it (from class-index preds and targets this costs
+            one host sync per batch; see :func:`deepepochs.metrics.confusion_matrix`).
+        name: An optional display name.
+        threshold: The probability at or above which a 1-D float pred predicts class 1.
+
+    Example:
+        >>> p = ConfusionPatch(torch.tensor([0, 1]), torch.tensor([0, 1]), metrics=('accuracy', 'f1'))
+        >>> p = p + ConfusionPatch(torch.tensor([2]), torch.tensor([1]), metrics=('accuracy', 'f1'))
+        >>> {key: round(float(value), 4) for key, value in p().items()}
+        {'accuracy': 0.6667, 'f1': 0.5556}
+    """
+
+    def __init__(self, batch_preds=None, batch_targets=None, metrics=_DEFAULT_METRICS, average="macro",
+                 num_classes=None, name=None, threshold=0.5):  # fmt: skip
+        super().__init__(name)
+        self.metrics = _metrics._confusion_specs(metrics)
+        _metrics._check_average(average)
+        _metrics._check_num_classes(num_classes)
+        self.average, self.num_classes, self.threshold = average, num_classes, threshold
+        self.state = ConfusionState()
+        if batch_preds is not None or batch_targets is not None:
+            self.load(batch_preds, batch_targets)
+
+    def load(self, batch_preds, batch_targets) -> ConfusionPatch:
+        """Replace the state with the confusion matrix of one batch; return self."""
+        matrix = _metrics.confusion_matrix(batch_preds, batch_targets, self.num_classes, self.threshold)
+        self.state = ConfusionState(matrix)
+        return self
+
+    def add(self, other: ConfusionPatch) -> ConfusionPatch:
+        """Add the matrix of ``other`` to that of self, padding the smaller one; return self."""
+        self._check_same_kind(other)
+        mine, theirs = self.state.matrix, other.state.matrix
+        # An empty matrix lives on the CPU: follow the other operand, so sums stay where the data is.
+        device = mine.device if mine.shape[0] else theirs.device
+        size = max(mine.shape[0], theirs.shape[0])
+        self.state = ConfusionState(_pad_to(mine.to(device), size) + _pad_to(theirs.to(device), size))
+        return self
+
+    def copy(self) -> ConfusionPatch:
+        """A copy with its own state record; the matrix is shared, as :meth:`add` never writes into it."""
+        new = copy.copy(self)
+        new.state = attrs.evolve(self.state)
+        return new
+
+    def forward(self) -> dict:
+        """A dict of each requested metric, computed from the accumulated matrix."""
+        cm = self.state.matrix
+        compute = lambda kind: (
+            cm.clone() if kind == "confusion_matrix" else _metrics.from_confusion(cm, kind, self.average)
+        )
+        return {key: compute(kind) for key, kind in self.metrics}
+
+    def sync(self) -> ConfusionPatch:
+        """Sum the matrices of all ranks with ``all_reduce`` (see :meth:`PatchBase.sync`).
+
+        Ranks may hold matrices of different sizes, so the largest size is agreed first (one host read of
+        one integer), then the padded matrices are summed.
+        """
+        if _world_size() == 1:
+            return self
+        matrix, device = self.state.matrix, _collective_device()
+        size = torch.tensor([matrix.shape[0]], dtype=torch.int64, device=device)
+        dist.all_reduce(size, op=dist.ReduceOp.MAX)
+        buffer = _pad_to(matrix, int(size)).to(device)
+        dist.all_reduce(buffer)
+        self.state = ConfusionState(buffer.to(matrix.device))
+        return self
+
+    def __repr__(self) -> str:
+        keys = [key for key, _ in self.metrics]
+        return f"ConfusionPatch({keys}, average={self.average!r}, classes={self.state.matrix.shape[0]})"
+
+
+class ConfusionMetrics:
+    """Makes :class:`ConfusionPatch` objects of one configuration, for custom step methods (MET-3).
+
+    One confusion matrix per batch gives several metrics. A step returns the patch under one key; the
+    trainer flattens its dict result, so the metric names shown are the dict's keys. Arguments are those
+    of :class:`ConfusionPatch`, validated here once.
+
+    Example:
+        In a trainer subclass::
+
+            class MyTrainer(Trainer):
+                cm = ConfusionMetrics(('accuracy', 'precision', 'recall', 'f1'), average='macro')
+
+                def train_step(self, batch_x, batch_y, **step_args):
+                    preds = self.model(batch_x)
+                    self.loss(preds, batch_y)
+                    return {'cm': self.cm(preds, batch_y)}   # shown as accuracy, precision, recall, f1
+
+        >>> cm = ConfusionMetrics(('precision', 'recall'), average='micro')
+        >>> patch = cm(torch.tensor([0, 1, 1]), torch.tensor([0, 1, 0]))
+        >>> {key: round(float(value), 4) for key, value in patch().items()}
+        {'precision': 0.6667, 'recall': 0.6667}
+    """
+
+    def __init__(self, metrics=_DEFAULT_METRICS, average="macro", num_classes=None, threshold=0.5):
+        ConfusionPatch(metrics=metrics, average=average, num_classes=num_classes)  # validates, loads nothing
+        self.metrics, self.average = metrics, average
+        self.num_classes, self.threshold = num_classes, threshold
+
+    def __call__(self, preds, targets) -> ConfusionPatch:
+        """A :class:`ConfusionPatch` loaded with one batch."""
+        return ConfusionPatch(
+            preds, targets, self.metrics, self.average, self.num_classes, threshold=self.threshold
+        )
