@@ -23,7 +23,7 @@ __all__ = ["FUSED_BATCH_TRIGGERS", "TRAIN_BATCH_TRIGGERS", "measure"]
 TRAIN_BATCH_TRIGGERS = ("begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
                         "finish_update", "end_batch")
 #: The same batch on its fused edge (the default for plain fp32 training on the CPU).
-FUSED_BATCH_TRIGGERS = ("train_step",)
+FUSED_BATCH_TRIGGERS = ("window_step",)
 
 
 class _Position:

@@ -66,7 +66,7 @@ def loop_for(runner, task):
 
 def _plain_batches(runner, task, data, meters):
     """`_window_batches` for one-batch windows in fp32 on the CPU with nonfinite='raise', where a small
-    model shows the loop's own cost most: one `train_step` edge per batch and only the work this case
+    model shows the loop's own cost most: one `window_step` edge per batch and only the work this case
     needs (no window list, no scaler, no normalisation: the same results, bit for bit)."""
     t, loop = runner.t, runner.t.loop
     fire, model, device, opt = t.machine.fire, t.model, t.device, t._opts[0].opt
@@ -94,7 +94,7 @@ def _plain_batches(runner, task, data, meters):
             count(value, n, patches)
             opt.zero_grad(set_to_none=True)
             loop.window_pos = 0
-            fire("train_step")
+            fire("window_step")
             if log_batch:
                 console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
     finally:

@@ -13,7 +13,7 @@ Fused edges: with the default step, one optimizer, no clipper, no per-batch call
 nothing can observe a micro-batch's inner states, so the runner takes one edge per micro-batch instead of
 four to seven: `window_open --accumulate_step--> window_open` for an inner micro-batch, and
 `window_open --update_step|skip_step--> task_train` for the window's last one (the update applied, or
-skipped because the gradients or the loss were not finite), and `task_train --train_step--> task_train`
+skipped because the gradients or the loss were not finite), and `task_train --window_step--> task_train`
 for a one-batch window in fp32 on the CPU (begin_window and update_step in one). Each fused edge names the
 edges it stands for and the guard outcomes along them; `Spec.validate` walks that path. `fuse_steps=False`
 takes every edge.
@@ -73,7 +73,7 @@ TRIGGERS = [
       hot=True),
     T("skip_step", "A window's last micro-batch as one fused edge whose update was skipped (not finite).",
       hot=True),
-    T("train_step", "A one-batch window that updated, as one fused edge (fp32 on the CPU, no accumulation).",
+    T("window_step", "A one-batch window that updated, as one fused edge (fp32 on the CPU, no accumulation).",
       hot=True),
     T("interrupt", "An exception or KeyboardInterrupt escaped the running loop."),
     T("recover", "Rollback is done; the trainer is ready for fit() or test() again."),
@@ -172,7 +172,7 @@ TRANSITIONS = [
       fuses=LAST_MICRO_BATCH, assuming=["window_boundary", "grads_finite"]),
     E("skip_step", "window_open", "task_train", "The window's last micro-batch ran; its update was skipped"
       " (fused).", fuses=LAST_MICRO_BATCH, assuming=["window_boundary"]),
-    E("train_step", "task_train", "task_train", "A one-batch window ran and updated (fused).",
+    E("window_step", "task_train", "task_train", "A one-batch window ran and updated (fused).",
       fuses=["begin_window", *LAST_MICRO_BATCH], assuming=["window_boundary", "grads_finite"]),
     E("end_task", "task_train", "stage_train", "The training task is done."),
     E("end_stage", "stage_train", "epoch_trained", "The training stage is done."),

@@ -129,7 +129,7 @@ def test_a_fault_on_entering_any_state_is_recovered_exactly(scenario, state):
     if state == "optimize_skipped" and SCENARIOS[scenario]["precision"] != "fp16":
         pytest.skip("reachable only when the fp16 scaler skips a step (covered by the fp16 scenario)")
     if scenario == "fp32-k1-fused" and state == "window_open":
-        pytest.skip("one-batch windows in fp32 take task_train --train_step--> task_train")
+        pytest.skip("one-batch windows in fp32 take task_train --window_step--> task_train")
     if scenario.endswith("-fused") and state in FUSED_INNER:
         pytest.skip("inside a fused edge's path: the unfused scenarios take it edge by edge, and"
                     " test_a_fault_inside_a_fused_step_is_recovered_exactly covers the fused steps")
@@ -270,7 +270,7 @@ def test_a_fault_inside_a_fused_step_is_recovered_exactly(scenario, point, exc_t
     assert t.machine.state == "idle" and all(p.grad is None for p in model.parameters())
     assert t.loop.resume.batches_done == (at if FUSED_POINTS[point] else before)
     t.fit(data, VAL)
-    assert {"update_step", "train_step"} & {r.trigger for r in t.machine.records()}
+    assert {"update_step", "window_step"} & {r.trigger for r in t.machine.records()}
     assert t.loop.completed_epochs == EPOCHS and t.opt.lrs() == reference.opt.lrs()
     for p, q in zip(model.parameters(), reference.raw_model.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)

@@ -36,7 +36,7 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
                  fused=None):
     """The spec trace of `fit`: `train_batches`/`val_batches` are lists of batch counts per task;
     `updates` is, per step, the list of optimize calls (each a backward then an optimize); `fused`:
-    'windows' (accumulate_step inside a window, update_step at its end) or 'plain' (one train_step per
+    'windows' (accumulate_step inside a window, update_step at its end) or 'plain' (one window_step per
     one-batch window)."""
     w = walker
     w.fire("fit")
@@ -49,7 +49,7 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
                 pos = b % k
                 boundary = pos == k - 1 or b == n - 1
                 if fused == "plain":
-                    w.fire("train_step")
+                    w.fire("window_step")
                     continue
                 if pos == 0:
                     w.fire("begin_window")
@@ -193,11 +193,11 @@ def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case):
     (fused, fused_records, fused_test), (plain, plain_records, plain_test) = runs[True], runs[False]
     fused_trace, plain_trace = _recorded(fused), _recorded(plain)
     fused_triggers = {trigger for _, trigger, _ in fused_trace}
-    one_batch_windows = precision == "fp32" and k == 1 and nonfinite == "raise"  # the train_step loop
-    assert ("train_step" if one_batch_windows else "update_step") in fused_triggers
+    one_batch_windows = precision == "fp32" and k == 1 and nonfinite == "raise"  # the window_step loop
+    assert ("window_step" if one_batch_windows else "update_step") in fused_triggers
     assert ("accumulate_step" in fused_triggers) == (k > 1)
     assert ("skip_step" in fused_triggers) == bool(poisoned)
-    assert not {"update_step", "accumulate_step", "skip_step", "train_step"} & {t for _, t, _ in plain_trace}
+    assert not {"update_step", "accumulate_step", "skip_step", "window_step"} & {t for _, t, _ in plain_trace}
     assert _expand_fused(fused_trace) == plain_trace
     np.testing.assert_equal(fused_records, plain_records)  # NaN-aware: a skipped NaN loss still counts
     np.testing.assert_equal(fused_test, plain_test)

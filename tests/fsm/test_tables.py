@@ -120,7 +120,7 @@ def test_hot_triggers_are_the_per_batch_ones():
     ones are cold."""
     hot = {t.name for t in SPEC.triggers if t.hot}
     assert hot == {"begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
-                   "finish_update", "end_batch", "accumulate_step", "update_step", "skip_step", "train_step"}
+                   "finish_update", "end_batch", "accumulate_step", "update_step", "skip_step", "window_step"}
 
 
 def test_only_one_module_imports_transitions():
@@ -206,7 +206,7 @@ def test_spec_validation_rejects_overlapping_guards():
 
 def test_fused_edges_stand_for_whole_micro_batches():
     """accumulate_step is an inner micro-batch; update_step/skip_step a window's last micro-batch whose
-    update is applied/skipped; train_step a one-batch window that updated: exactly the hot edges the
+    update is applied/skipped; window_step a one-batch window that updated: exactly the hot edges the
     unfused loop takes for them."""
     fused = {t.trigger: [(e.source, e.trigger, e.dest) for e in SPEC.fused_path(t)]
              for t in SPEC.transitions if t.fuses}
@@ -221,7 +221,7 @@ def test_fused_edges_stand_for_whole_micro_batches():
     assert fused["skip_step"] == [*head, ("optimize_clipped", "apply_update", "optimize_skipped"),
                                   ("optimize_skipped", "finish_update", "step_optimized"),
                                   ("step_optimized", "end_batch", "task_train")]
-    assert fused["train_step"] == [("task_train", "begin_window", "window_open"), *fused["update_step"]]
+    assert fused["window_step"] == [("task_train", "begin_window", "window_open"), *fused["update_step"]]
     actions = {trigger: [a for t in SPEC.transitions if t.trigger == trigger and t.fuses
                          for e in SPEC.fused_path(t) for a in e.actions] for trigger in fused}
     assert actions["accumulate_step"] == ["skip_gradient_sync"]
