@@ -127,7 +127,6 @@ def _window_batches(runner, task, data, meters):
     log_batch = console.log_batch or console.log_tqdm
     host, non_blocking, size_fn = reads_on_host(device), device.type == "cuda", task.batch_size
     isfinite, count = math.isfinite, meters.add_done
-    loop.window_size = k
 
     def forward(batch_x, batch_y):
         model_out = call_model(model, batch_x)
@@ -164,33 +163,31 @@ def _window_batches(runner, task, data, meters):
             window.append((value, n, patches))
             if not (is_last or pos == k):
                 fire("accumulate_step")
-                if log_batch:
-                    console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
-                continue
-            updating = True
-            if scaler is not None:
-                scaler.unscale_(opt)
-            norm = k * first / samples if k > 1 else 1.0
-            if norm != 1.0:
-                torch._foreach_mul_(t._opts.grads(0), norm)
-            if scaler is not None:
-                scaler.step(opt)  # steps (post-hook: window_updated) unless it found inf/NaN
-                scaler.update()
-                updated = loop.window_updated
-            elif not host or (isfinite(value) if k == 1 else all(isfinite(v) for v, _, _ in window)):
-                opt.step()
-                updated = True
-            elif raise_nonfinite:
-                runner._raise_nonfinite()
             else:
-                updated = False
-            updating = False
-            for done in window:
-                count(*done)
-            window.clear()
-            opt.zero_grad(set_to_none=True)
-            pos = loop.window_pos = 0
-            fire("update_step" if updated else "skip_step")
+                updating = True
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                norm = k * first / samples if k > 1 else 1.0
+                if norm != 1.0:
+                    torch._foreach_mul_(t._opts.grads(0), norm)
+                if scaler is not None:
+                    scaler.step(opt)  # steps (post-hook: window_updated) unless it found inf/NaN
+                    scaler.update()
+                    updated = loop.window_updated
+                elif not host or all(isfinite(v) for v, _, _ in window):
+                    opt.step()
+                    updated = True
+                elif raise_nonfinite:
+                    runner._raise_nonfinite()
+                else:
+                    updated = False
+                updating = False
+                for done in window:
+                    count(*done)
+                window.clear()
+                opt.zero_grad(set_to_none=True)
+                pos = loop.window_pos = 0
+                fire("update_step" if updated else "skip_step")
             if log_batch:
                 console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
     finally:
