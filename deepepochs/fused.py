@@ -67,23 +67,41 @@ def loop_for(runner, task):
 def _plain_batches(runner, task, data, meters):
     """`_window_batches` for one-batch windows in fp32 on the CPU with nonfinite='raise', where a small
     model shows the loop's own cost most: one `window_step` edge per batch and only the work this case
-    needs (no window list, no scaler, no normalisation: the same results, bit for bit)."""
+    needs, inline (no window list, no scaler, no normalisation: the same results, bit for bit). An
+    `(x, y)` pair of CPU tensors skips `prepare_batch`; the loss is checked to be a scalar on the task's
+    first batch (a later one raises from `backward`); the task's loss sum and sample count are kept in
+    locals, in the same order of additions as `TaskMeters.add_done`, and written back when the loop ends
+    however it ends."""
     t, loop = runner.t, runner.t.loop
-    fire, model, device, opt = t.machine.fire, t.model, t.device, t._opts[0].opt
-    compute_loss, has_loss, size_fn = runner.compute_loss, t.loss_fn is not None, task.batch_size
+    step = t.machine.bound("window_step", "task_train")
+    model, device, opt, loss_fn = t.model, t.device, t._opts[0].opt, t.loss_fn
+    size_fn, pairs = task.batch_size, task.batch_size is None and t.loss_fn is not None
     patches_of = t.batch_patches if task.all_metrics else None
     console = t._console
     log_batch = console.log_batch or console.log_tqdm
-    isfinite, count = math.isfinite, meters.add_done
-    idx, value, n, patches, updating = loop.batch_idx, 0.0, 0, None, False
+    isfinite, tensor, fold = math.isfinite, torch.Tensor, meters.fold_patches
+    idx, value, n, patches, updating, checked = loop.batch_idx, 0.0, 0, None, False, False
+    total, samples = meters.host_sum, meters.count
     try:
         for batch in data:
             idx += 1
             loop.batch_idx, loop.window_pos, loop.window_updated = idx, 1, False
-            batch_x, batch_y, n = prepare_batch(batch, has_loss, device, False, size_fn)
-            model_out = call_model(model, batch_x)
-            loss = compute_loss(model_out, batch_y)
-            patches = patches_of and patches_of(model_out, batch_y)
+            if pairs and type(batch) in (tuple, list) and len(batch) == 2:
+                batch_x, batch_y = batch
+                if (type(batch_x) is tensor and type(batch_y) is tensor and batch_x.is_cpu and batch_y.is_cpu
+                        and batch_y.dim()):
+                    n = batch_y.shape[0]
+                else:
+                    batch_x, batch_y, n = prepare_batch(batch, True, device, False, size_fn)
+            else:
+                batch_x, batch_y, n = prepare_batch(batch, loss_fn is not None, device, False, size_fn)
+            model_out = model(batch_x) if type(batch_x) is tensor else call_model(model, batch_x)
+            if checked:
+                loss = loss_fn(model_out, batch_y)
+            else:
+                loss, checked = runner.compute_loss(model_out, batch_y), loss_fn is not None
+            if patches_of is not None:
+                patches = patches_of(model_out, batch_y)
             loss.backward()
             value = loss.item()
             if not isfinite(value):
@@ -91,15 +109,23 @@ def _plain_batches(runner, task, data, meters):
             updating = True
             opt.step()  # sets loop.window_updated: from here on an interrupt keeps this update
             updating = False
-            count(value, n, patches)
+            total += value * n
+            samples += n
+            if patches:
+                fold(patches)
             opt.zero_grad(set_to_none=True)
             loop.window_pos = 0
-            fire("window_step")
+            step()
             if log_batch:
                 console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
     finally:
         if updating and loop.window_updated:  # a post-hook failed after the update: the batch counts
-            count(value, n, patches)
+            total += value * n
+            samples += n
+            if patches:
+                fold(patches)
+        if samples != meters.count:
+            meters.host_sum, meters.count, meters.final = total, samples, None
 
 
 def _window_batches(runner, task, data, meters):
@@ -116,12 +142,16 @@ def _window_batches(runner, task, data, meters):
     optimizer's post-hook) marks an applied update, so an interrupt resumes exactly as on the unfused
     path. A window counts once its update is applied, even if a later post-hook fails (`finally`); its
     patches are made before the update, so unlike in a custom step no interrupt loses them."""
-    t, loop = runner.t, runner.t.loop
-    fire, model, device, config = t.machine.fire, t.model, t.device, t.config
+    t, loop, machine = runner.t, runner.t.loop, runner.t.machine
+    model, device, config = t.model, t.device, t.config
+    begin, inner = machine.bound("begin_window", "task_train"), machine.bound("accumulate_step", "window_open")
+    updated_step, skipped_step = (machine.bound(name, "window_open") for name in ("update_step", "skip_step"))
     opt = t._opts[0].opt  # its step-wise scheduler steps in a post-hook (Optimizers.bind_updates)
     scaler, k = t._precision.scaler, config.gradient_accumulation_steps
     raise_nonfinite = config.nonfinite == "raise"
-    compute_loss, has_loss = runner.compute_loss, t.loss_fn is not None
+    has_loss = t.loss_fn is not None
+    loss_of = runner.compute_loss  # checks that the loss is a scalar: on the task's first micro-batch only
+    checked_loss = t.loss_fn if has_loss else loss_of
     patches_of = t.batch_patches if task.all_metrics else None
     console = t._console
     log_batch = console.log_batch or console.log_tqdm
@@ -130,7 +160,7 @@ def _window_batches(runner, task, data, meters):
 
     def forward(batch_x, batch_y):
         model_out = call_model(model, batch_x)
-        return compute_loss(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
+        return loss_of(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
 
     if t._precision.dtype is not None:  # autocast over forward, loss and patches (AMP-1)
         plain, autocast = forward, t._precision.autocast
@@ -140,16 +170,17 @@ def _window_batches(runner, task, data, meters):
                 return plain(batch_x, batch_y)
 
     batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
-    idx, pos, first, samples, window, updating = loop.batch_idx, 0, 0, 0, [], False
+    idx, pos, first, samples, window, updating, finite = loop.batch_idx, 0, 0, 0, [], False, True
     try:
         for batch, is_last in batches:
             if pos == 0:
-                fire("begin_window")
+                begin()
             idx += 1
             pos += 1
             loop.batch_idx, loop.window_pos = idx, pos
             batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
             loss, patches = forward(batch_x, batch_y)
+            loss_of = checked_loss
             if k > 1:  # this micro-batch's share of the window (see Runner.loss)
                 if pos == 1:
                     first, samples = n, 0
@@ -159,10 +190,14 @@ def _window_batches(runner, task, data, meters):
             else:
                 scaled = loss
             (scaled if scaler is None else scaler.scale(scaled)).backward()
-            value = loss.item() if host else loss.detach()
+            if host:
+                value = loss.item()
+                finite = finite and isfinite(value)
+            else:
+                value = loss.detach()
             window.append((value, n, patches))
             if not (is_last or pos == k):
-                fire("accumulate_step")
+                inner()
             else:
                 updating = True
                 if scaler is not None:
@@ -174,7 +209,7 @@ def _window_batches(runner, task, data, meters):
                     scaler.step(opt)  # steps (post-hook: window_updated) unless it found inf/NaN
                     scaler.update()
                     updated = loop.window_updated
-                elif not host or all(isfinite(v) for v, _, _ in window):
+                elif finite:
                     opt.step()
                     updated = True
                 elif raise_nonfinite:
@@ -185,9 +220,13 @@ def _window_batches(runner, task, data, meters):
                 for done in window:
                     count(*done)
                 window.clear()
+                finite = True
                 opt.zero_grad(set_to_none=True)
                 pos = loop.window_pos = 0
-                fire("update_step" if updated else "skip_step")
+                if updated:
+                    updated_step()
+                else:
+                    skipped_step()
             if log_batch:
                 console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
     finally:

@@ -181,6 +181,29 @@ class LoopMachine:
                 return dest
         raise AssertionError(f"no edge matched ({source}, {trigger}): guards are not total")  # spec-validated
 
+    def bound(self, trigger: str, source: str) -> Callable[[], object]:
+        """`fire(trigger)` for a loop that fires it once per batch from `source`, the edge resolved here.
+
+        A single edge without guard, action or error (the fused edges) then costs a state check, the move,
+        the flight record and the probe; from any other state the call is a plain `fire`. Other edges get
+        `fire` itself."""
+        edges = self.table.get((source, trigger), ())
+        if len(edges) != 1 or edges[0][0] is not None or edges[0][2] or edges[0][3] is not None:
+            return functools.partial(self.fire, trigger)
+        dest = edges[0][1]
+        model, loop, record = self.model, self.loop, self.history.append
+
+        def fire():
+            if model.state != source:
+                return self.fire(trigger)
+            model.state = dest
+            record((loop.epoch, loop.batch_idx, source, trigger, dest))
+            if self.probe is not None:
+                self.probe(dest)
+            return dest
+
+        return fire
+
     def fire_cold(self, trigger: str) -> str:
         """Fire a cold trigger through `transitions`; returns the new state."""
         source = self.model.state
