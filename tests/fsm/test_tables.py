@@ -194,6 +194,29 @@ def test_error_edge_raises_its_reason():
     assert m.state == "step_backward"
 
 
+def test_a_bound_trigger_acts_as_fire_from_any_state():
+    """`LoopMachine.bound` (an edge resolved once, for a loop) moves, records and probes as `fire` does, and
+    from another state than the one it was bound for behaves exactly as `fire` (here: the invalid-trigger
+    error); an edge with an action is bound to `fire` itself."""
+    guards = {g.name: (lambda: True) for g in SPEC.guards}
+    ran = []
+    actions = {a.name: (lambda a=a.name: ran.append(a)) for a in SPEC.actions}
+    loop = LoopState(epoch=2, batch_idx=7)
+    bound, plain = LoopMachine(guards, actions, loop), LoopMachine(guards, actions, loop)
+    probed = []
+    bound.probe = probed.append
+    for m in (bound, plain):
+        m.model.state = "window_open"
+    step = bound.bound("update_step", "window_open")
+    assert step() == plain.fire("update_step") == "task_train" == bound.state
+    assert bound.records() == plain.records() and bound.records()[-1].batch == 7
+    assert probed == ["task_train"]
+    with pytest.raises(InvalidTransition, match=r"'update_step' in state 'task_train'"):
+        step()
+    begin = bound.bound("begin_window", "task_train")
+    assert begin() == "window_open" and ran == ["open_window"]
+
+
 def test_spec_validation_rejects_overlapping_guards():
     """A spec whose edges both match one guard outcome is refused with the offending pair."""
     states = [State("idle", "fit", "Idle.", idle=True, running=False), State("a", "fit", "A."),
