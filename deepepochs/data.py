@@ -121,6 +121,25 @@ def lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:
     yield item, True
 
 
+def batch_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None):
+    """`split(batch) -> (batch_x, batch_y, n)`: `prepare_batch` with its arguments bound, for a loop.
+
+    On the CPU an `(x, y)` pair of CPU tensors, the common case, costs a few type and flag checks (no
+    device objects made, no further call); anything else goes through `prepare_batch`."""
+    if not (has_loss_fn and device.type == "cpu" and batch_size_fn is None):
+        return lambda batch: prepare_batch(batch, has_loss_fn, device, non_blocking, batch_size_fn)
+    tensor = torch.Tensor
+
+    def split(batch):
+        if type(batch) in (tuple, list) and len(batch) == 2:
+            x, y = batch
+            if type(x) is tensor and type(y) is tensor and x.is_cpu and y.is_cpu and y.dim():
+                return x, y, y.shape[0]
+        return prepare_batch(batch, True, device, non_blocking, None)
+
+    return split
+
+
 def prepare_batch(batch, has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None):
     """`(batch_x, batch_y, n)`: split, moved to `device`, and the sample count.
 

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from deepepochs.data import call_model, lookahead, prepare_batch
+from deepepochs.data import batch_splitter, call_model, lookahead
 from deepepochs.fsm.machine import load_spec
 from deepepochs.tasks import BatchMetrics
 
@@ -67,15 +67,16 @@ def loop_for(runner, task):
 def _plain_batches(runner, task, data, meters):
     """`_window_batches` for one-batch windows in fp32 on the CPU with nonfinite='raise', where a small
     model shows the loop's own cost most: one `window_step` edge per batch and only the work this case
-    needs, inline (no window list, no scaler, no normalisation: the same results, bit for bit). An
-    `(x, y)` pair of CPU tensors skips `prepare_batch`; the loss is checked to be a scalar on the task's
-    first batch (a later one raises from `backward`); the task's loss sum and sample count are kept in
-    locals, in the same order of additions as `TaskMeters.add_done`, and written back when the loop ends
-    however it ends."""
+    needs, inline (no window list, no scaler, no normalisation: the same results, bit for bit), even the
+    splitter's check of an `(x, y)` pair (a call less per batch). The loss is checked to be a scalar on
+    the task's first batch (a later one raises from `backward`); the task's loss sum and sample count are
+    kept in locals, in the same order of additions as `TaskMeters.add_done`, and written back when the
+    loop ends however it ends."""
     t, loop = runner.t, runner.t.loop
     step = t.machine.bound("window_step", "task_train")
     model, device, opt, loss_fn = t.model, t.device, t._opts[0].opt, t.loss_fn
-    size_fn, pairs = task.batch_size, task.batch_size is None and t.loss_fn is not None
+    split = batch_splitter(loss_fn is not None, device, False, task.batch_size)
+    pairs = loss_fn is not None and task.batch_size is None
     patches_of = t.batch_patches if task.all_metrics else None
     console = t._console
     log_batch = console.log_batch or console.log_tqdm
@@ -86,15 +87,15 @@ def _plain_batches(runner, task, data, meters):
         for batch in data:
             idx += 1
             loop.batch_idx, loop.window_pos, loop.window_updated = idx, 1, False
-            if pairs and type(batch) in (tuple, list) and len(batch) == 2:
+            if type(batch) in (tuple, list) and len(batch) == 2 and pairs:  # batch_splitter's check, inline
                 batch_x, batch_y = batch
                 if (type(batch_x) is tensor and type(batch_y) is tensor and batch_x.is_cpu and batch_y.is_cpu
                         and batch_y.dim()):
                     n = batch_y.shape[0]
                 else:
-                    batch_x, batch_y, n = prepare_batch(batch, True, device, False, size_fn)
+                    batch_x, batch_y, n = split(batch)
             else:
-                batch_x, batch_y, n = prepare_batch(batch, loss_fn is not None, device, False, size_fn)
+                batch_x, batch_y, n = split(batch)
             model_out = model(batch_x) if type(batch_x) is tensor else call_model(model, batch_x)
             if checked:
                 loss = loss_fn(model_out, batch_y)
@@ -155,19 +156,15 @@ def _window_batches(runner, task, data, meters):
     patches_of = t.batch_patches if task.all_metrics else None
     console = t._console
     log_batch = console.log_batch or console.log_tqdm
-    host, non_blocking, size_fn = reads_on_host(device), device.type == "cuda", task.batch_size
+    host, split = reads_on_host(device), batch_splitter(has_loss, device, device.type == "cuda", task.batch_size)
     isfinite, count = math.isfinite, meters.add_done
 
-    def forward(batch_x, batch_y):
-        model_out = call_model(model, batch_x)
-        return loss_of(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
+    autocast = t._precision.autocast if t._precision.dtype is not None else None
 
-    if t._precision.dtype is not None:  # autocast over forward, loss and patches (AMP-1)
-        plain, autocast = forward, t._precision.autocast
-
-        def forward(batch_x, batch_y):
-            with autocast():
-                return plain(batch_x, batch_y)
+    def forward(batch_x, batch_y):  # under autocast: forward, loss and patches (AMP-1)
+        with autocast():
+            model_out = call_model(model, batch_x)
+            return loss_of(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
 
     batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
     idx, pos, first, samples, window, updating, finite = loop.batch_idx, 0, 0, 0, [], False, True
@@ -178,8 +175,12 @@ def _window_batches(runner, task, data, meters):
             idx += 1
             pos += 1
             loop.batch_idx, loop.window_pos = idx, pos
-            batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
-            loss, patches = forward(batch_x, batch_y)
+            batch_x, batch_y, n = split(batch)
+            if autocast is None:
+                model_out = call_model(model, batch_x)
+                loss, patches = loss_of(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
+            else:
+                loss, patches = forward(batch_x, batch_y)
             loss_of = checked_loss
             if k > 1:  # this micro-batch's share of the window (see Runner.loss)
                 if pos == 1:

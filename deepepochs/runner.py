@@ -16,7 +16,7 @@ import math
 import torch
 
 from deepepochs import fused
-from deepepochs.data import call_model, lookahead, prepare_batch
+from deepepochs.data import batch_splitter, call_model, lookahead
 from deepepochs.errors import ConfigError, LoopError
 from deepepochs.loop import ResumePoint
 from deepepochs.patches import PatchBase, ValuePatch
@@ -296,9 +296,8 @@ class Runner:
         before_batch, after_batch = hooks["on_before_train_batch"], hooks["on_after_train_batch"]
         k = t.config.gradient_accumulation_steps
         loop.window_size = k
-        device, non_blocking = t.device, t.device.type == "cuda"
-        has_loss = t.loss_fn is not None
-        step_fn, step_args, size_fn = task.step_fn, task.step_args, task.batch_size
+        split = batch_splitter(t.loss_fn is not None, t.device, t.device.type == "cuda", task.batch_size)
+        step_fn, step_args = task.step_fn, task.step_args
         console, autocast = t._console, t._precision.autocast
         amp = t._precision.dtype is not None
         log_batch = console.log_batch or console.log_tqdm
@@ -308,7 +307,7 @@ class Runner:
             loop.window_pos += 1
             loop.batch_idx += 1
             loop.window_boundary = is_last or loop.window_pos == k
-            batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
+            batch_x, batch_y, n = split(batch)
             if loop.window_pos == 1:
                 loop.window_first_size = n
             loop.window_samples += n
@@ -339,13 +338,12 @@ class Runner:
         t, loop = self.t, self.t.loop
         fire = t.machine.fire
         before_batch, after_batch = t._hooks[ev["before_batch"]], t._hooks[ev["after_batch"]]
-        device, non_blocking = t.device, t.device.type == "cuda"
-        has_loss = t.loss_fn is not None
-        step_fn, step_args, size_fn = task.step_fn, task.step_args, task.batch_size
+        split = batch_splitter(t.loss_fn is not None, t.device, t.device.type == "cuda", task.batch_size)
+        step_fn, step_args = task.step_fn, task.step_args
         console, autocast = t._console, t._precision.autocast
         for batch in data:
             loop.batch_idx += 1
-            batch_x, batch_y, n = prepare_batch(batch, has_loss, device, non_blocking, size_fn)
+            batch_x, batch_y, n = split(batch)
             self._batch_n = n
             self._step_loss = None
             fire("begin_batch")
