@@ -61,10 +61,21 @@ def loop_for(runner, task):
     t = runner.t
     plain = (t.config.gradient_accumulation_steps == 1 and t._precision.dtype is None
              and reads_on_host(t.device) and t.config.nonfinite == "raise")
-    return functools.partial(_plain_batches if plain else _window_batches, runner)
+    return functools.partial(_marked, _plain_batches if plain else _window_batches, runner)
 
 
-def _plain_batches(runner, task, data, meters):
+def _marked(loop, runner, task, data, meters):
+    """Run a fused `loop`, marking applied updates inline where the optimizer lets it
+    (`Optimizers.marks_inline`); the loop then steps the step-wise scheduler itself (`scheduler`, else
+    None). With a scaler the hook stays: it is what tells whether `scaler.step` stepped."""
+    t = runner.t
+    if t._precision.scaler is not None:
+        return loop(runner, task, data, meters, None)
+    with t._opts.marks_inline(0) as inline:
+        return loop(runner, task, data, meters, t._opts.step_scheduler(0) if inline else None)
+
+
+def _plain_batches(runner, task, data, meters, scheduler):
     """`_window_batches` for one-batch windows in fp32 on the CPU with nonfinite='raise', where a small
     model shows the loop's own cost most: one `window_step` edge per batch and only the work this case
     needs, inline (no window list, no scaler, no normalisation: the same results, bit for bit), even the
@@ -108,7 +119,10 @@ def _plain_batches(runner, task, data, meters):
             if not isfinite(value):
                 runner._raise_nonfinite()
             updating = True
-            opt.step()  # sets loop.window_updated: from here on an interrupt keeps this update
+            opt.step()
+            loop.window_updated = True  # (so does the hook, if kept): from here on an interrupt keeps it
+            if scheduler is not None:
+                scheduler.step()
             updating = False
             total += value * n
             samples += n
@@ -120,7 +134,7 @@ def _plain_batches(runner, task, data, meters):
             if log_batch:
                 console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
     finally:
-        if updating and loop.window_updated:  # a post-hook failed after the update: the batch counts
+        if updating and loop.window_updated:  # a post-hook or the scheduler failed after the update: it counts
             total += value * n
             samples += n
             if patches:
@@ -129,7 +143,7 @@ def _plain_batches(runner, task, data, meters):
             meters.host_sum, meters.count, meters.final = total, samples, None
 
 
-def _window_batches(runner, task, data, meters):
+def _window_batches(runner, task, data, meters, scheduler):
     """One fused edge per micro-batch: `accumulate_step` inside a window, `update_step` or `skip_step`
     at its end. Inline, in the unfused path's order, this does what that path's actions do when nothing
     observes it: forward, loss and metric patches (under autocast), backward of the loss weighted by
@@ -147,7 +161,7 @@ def _window_batches(runner, task, data, meters):
     model, device, config = t.model, t.device, t.config
     begin, inner = machine.bound("begin_window", "task_train"), machine.bound("accumulate_step", "window_open")
     updated_step, skipped_step = (machine.bound(name, "window_open") for name in ("update_step", "skip_step"))
-    opt = t._opts[0].opt  # its step-wise scheduler steps in a post-hook (Optimizers.bind_updates)
+    opt = t._opts[0].opt  # a step-wise scheduler steps in its post-hook, or here (`scheduler`; see _marked)
     scaler, k = t._precision.scaler, config.gradient_accumulation_steps
     raise_nonfinite = config.nonfinite == "raise"
     has_loss = t.loss_fn is not None
@@ -212,7 +226,9 @@ def _window_batches(runner, task, data, meters):
                     updated = loop.window_updated
                 elif finite:
                     opt.step()
-                    updated = True
+                    updated = loop.window_updated = True  # (so does the hook, if kept)
+                    if scheduler is not None:
+                        scheduler.step()
                 elif raise_nonfinite:
                     runner._raise_nonfinite()
                 else:
@@ -231,7 +247,7 @@ def _window_batches(runner, task, data, meters):
             if log_batch:
                 console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
     finally:
-        if updating and loop.window_updated:  # a post-hook failed after the update: the window counts
+        if updating and loop.window_updated:  # a post-hook or the scheduler failed after the update: it counts
             for done in window:
                 count(*done)
     if not host and meters.loss_sum is not None:  # PERF-2: a device flag per task, not a read per batch

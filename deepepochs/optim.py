@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import warnings
 from collections.abc import Sequence
 
 import attrs
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError
@@ -120,21 +123,21 @@ class Optimizers(Sequence):
         """The existing gradients of one optimizer's parameters."""
         return [p.grad for g in self.items[index].opt.param_groups for p in g["params"] if p.grad is not None]
 
-    def bind_updates(self, loop) -> list:
+    def bind_updates(self, loop) -> None:
         """Make an applied update and its step-wise scheduler step one unit, marked on `loop`.
 
-        A step post-hook, registered first so it runs before any later one, advances the optimizer's
-        step-wise scheduler and sets `loop.window_updated` the moment the update is applied. A fault
-        after that (another post-hook, a callback) then cannot replay the update or leave the scheduler
-        behind. A skipped update (fp16 overflow) never calls `opt.step`, so neither happens, and PyTorch's
-        "lr_scheduler.step() before optimizer.step()" warning cannot fire. The hook acts only while its own
-        trainer trains (`loop.stage == 'train'`): an optimizer stepped by user code between fits, or shared
-        with a later trainer while this one is not closed, does not advance this trainer's scheduler.
-        Returns the hook handles (removed by `Trainer.close`).
+        A step post-hook, registered when the trainer is built so that it runs before any post-hook
+        registered later, advances the optimizer's step-wise scheduler and sets `loop.window_updated` the
+        moment the update is applied. A fault after that (another post-hook, a callback) then cannot
+        replay the update or leave the scheduler behind. A skipped update (fp16 overflow) never calls
+        `opt.step`, so neither happens, and PyTorch's "lr_scheduler.step() before optimizer.step()"
+        warning cannot fire. The hook acts only while its own trainer trains (`loop.stage == 'train'`):
+        an optimizer stepped by user code between fits, or shared with a later trainer while this one is
+        not closed, does not advance this trainer's scheduler. `unbind_updates` removes the hooks.
         """
 
         def hook_for(item):
-            scheduler = item.scheduler if item.sched_on == "step" else None
+            scheduler = self.step_scheduler(self.items.index(item))
 
             def updated(_optimizer, _args, _kwargs):
                 if loop.stage != "train":
@@ -145,7 +148,43 @@ class Optimizers(Sequence):
 
             return updated
 
-        return [item.opt.register_step_post_hook(hook_for(item)) for item in self.items]
+        self._marks = [item.opt.register_step_post_hook(hook_for(item)) for item in self.items]
+
+    def unbind_updates(self) -> None:
+        """Remove the hooks of `bind_updates`."""
+        for handle in getattr(self, "_marks", ()):
+            handle.remove()
+        self._marks = []
+
+    def step_scheduler(self, index: int):
+        """Optimizer `index`'s scheduler when it steps per update (sched_on='step'), else None."""
+        item = self.items[index]
+        return item.scheduler if item.sched_on == "step" else None
+
+    @contextlib.contextmanager
+    def marks_inline(self, index: int):
+        """For a fused loop of optimizer `index`: yields True when the loop marks each applied update and
+        steps the step-wise scheduler itself, right after `opt.step()` returns, instead of the hook.
+
+        That is the same unit whenever the hook of `bind_updates` is the optimizer's only step post-hook
+        and no global one exists: nothing then runs between the update and the mark, and `opt.step()`
+        returning is the hook having run. The hook is taken out for the loop's duration (torch calls a
+        post-hook through Python on every step: ~1 % of a tiny model's batch here) and put back first
+        among the post-hooks. Otherwise, or if this torch keeps its hooks elsewhere, yields False and the
+        hook stays."""
+        opt, handle = self.items[index].opt, self._marks[index]
+        posts = getattr(opt, "_optimizer_step_post_hooks", None)
+        global_posts = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+        if (not isinstance(posts, collections.OrderedDict) or global_posts is None or global_posts
+                or list(posts) != [handle.id]):
+            yield False
+            return
+        hook = posts.pop(handle.id)
+        try:
+            yield True
+        finally:
+            posts[handle.id] = hook
+            posts.move_to_end(handle.id, last=False)
 
     def step(self, index: int) -> None:
         """Step optimizer `index` (its step-wise scheduler follows in the hook of `bind_updates`)."""

@@ -122,7 +122,7 @@ class TrainerBase:
         self._hooks = HookTable()
         self._clippers = []
         self.loop = LoopState()
-        self._update_marks = self._opts.bind_updates(self.loop)
+        self._opts.bind_updates(self.loop)
         self.machine = bind_machine(self)
         self._runner = Runner(self)
         self.history = {"train": {}, "val": {}}
@@ -284,8 +284,7 @@ class TrainerBase:
             errors.append(e)
         self._console.close()
         self._dist.close()
-        for handle in self._update_marks:
-            handle.remove()
+        self._opts.unbind_updates()
         if errors:
             raise errors[0]
 

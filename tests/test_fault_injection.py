@@ -220,7 +220,8 @@ def _accuracy(preds, targets):
 # Where inside one fused micro-batch the fault happens, and whether its window's update was applied by then.
 FUSED_POINTS = {
     "data": False, "forward": False, "loss": False, "backward": False, "metric": False,
-    "optimizer before update": False, "optimizer after update": True, "zero_grad": True,
+    "optimizer before update": False, "optimizer after update": True, "step-wise scheduler": True,
+    "zero_grad": True,
 }
 # per fused scenario: the batch of epoch 1 that fails (a window's last), and the batches done before its window
 FAIL_AT = {"fp32-k1-fused": (3, 2), "fp16-k3-fused": (5, 3)}
@@ -258,6 +259,10 @@ def test_a_fault_inside_a_fused_step_is_recovered_exactly(scenario, point, exc_t
         sgd.register_step_pre_hook(lambda opt, args, kwargs: fail())
     elif point == "optimizer after update":
         sgd.register_step_post_hook(lambda opt, args, kwargs: fail())
+    elif point == "step-wise scheduler":  # fp32: stepped by the fused loop itself, fp16: in the post-hook
+        scheduler = t.opt[0].scheduler
+        step = scheduler.step
+        scheduler.step = lambda *a, **k: (step(*a, **k), fail())
     elif point == "zero_grad":
         zero_grad = sgd.zero_grad
         sgd.zero_grad = lambda *a, **k: (fail(), zero_grad(*a, **k))
