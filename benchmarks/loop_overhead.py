@@ -9,10 +9,11 @@ each block builds all variants on a fresh model copy (memory placement alone can
 by several percent, which is why the variants share it); garbage is collected between blocks, not during
 the timed rounds (see run_model). The table reports medians over rounds and
 ratios to the variant's raw reference: wall time, and process CPU time paired per round with a bootstrap
-95% interval (the number to trust when other jobs share the machine). "steady" is the mean interval
-between batch hand-outs after the first five, which leaves out per-fit fixed costs; "p5" is the 5th
-percentile of those intervals pooled over all rounds: the time of a batch that nothing else on the machine
-slowed down (the most stable per-batch figure on a shared machine; it leaves out per-fit costs too).
+95% interval: the whole-epoch figure, one fit() call's fixed costs included. Per batch (PERF-1's
+quantity): each round's median interval between batch hand-outs after the first five, paired with the raw
+loop's in the same round (robust to a stray slow batch and to per-fit costs); "p5" is the 5th percentile
+of those intervals pooled over all rounds (a batch that nothing else on the machine slowed down). The
+fixed cost of one fit() is the epoch's time beyond batches x its mean interval, over the raw loop's.
 
     python benchmarks/loop_overhead.py            # full run (a couple of minutes), writes JSON
     python benchmarks/loop_overhead.py --quick    # seconds; for smoke tests
@@ -285,6 +286,8 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
     wall = {name: [] for name in variants}
     cpu = {name: [] for name in variants}
     steady = {name: [] for name in variants}
+    fixed = {name: [] for name in variants}  # an epoch's time beyond batches x its steady time per batch
+    typical = {name: [] for name in variants}  # each round's median batch-to-batch interval
     intervals = {name: [] for name in variants}
     order = list(variants)
     rng = random.Random(0)
@@ -313,6 +316,8 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
                     wall[name].append(elapsed / len(data) * 1e6)
                     cpu[name].append(elapsed_cpu / len(data) * 1e6)
                     steady[name].append(data.steady_us())
+                    fixed[name].append(elapsed * 1e6 - len(data) * steady[name][-1])
+                    typical[name].append(median(data.intervals_us()))
                     intervals[name] += data.intervals_us()
         for runner in runners.values():
             getattr(runner, "close", lambda: None)()
@@ -326,6 +331,7 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
             "us_per_batch": median(wall[name]), "cpu_us_per_batch": median(cpu[name]),
             "steady_us_per_batch": median(steady[name]),
             "p5_interval_us": quantile(intervals[name], 0.05),
+            "fixed_us_per_epoch": median(fixed[name]),
             "rounds_us_per_batch": wall[name], "rounds_cpu_us_per_batch": cpu[name],
             "rounds_steady": steady[name],
         }
@@ -334,6 +340,9 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
             row["cpu_ratio"] = row["cpu_us_per_batch"] / median(cpu[ref])
             row["steady_ratio"] = row["steady_us_per_batch"] / median(steady[ref])
             row["p5_ratio"] = row["p5_interval_us"] / quantile(intervals[ref], 0.05)
+            row["paired_batch_ratio"], row["paired_batch_ci_low"], row["paired_batch_ci_high"] = paired_ratio(
+                typical[name], typical[ref])
+            row["fixed_us_over_ref"] = median(a - b for a, b in zip(fixed[name], fixed[ref]))
             row["paired_ratio"] = paired_ratio(wall[name], wall[ref])[0]
             row["paired_cpu_ratio"], row["paired_cpu_ci_low"], row["paired_cpu_ci_high"] = paired_ratio(
                 cpu[name], cpu[ref])
@@ -342,43 +351,50 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| model | variant | wall µs/batch | wall ratio | CPU µs/batch | paired CPU ratio (95% CI)"
-             " | steady ratio | p5 µs/batch | p5 ratio |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | variant | wall µs/batch | whole epochs: paired CPU ratio (95% CI)"
+             " | per batch: paired median-interval ratio (95% CI) | p5 ratio | fixed µs per fit over ref |",
+             "|---|---|---:|---:|---:|---:|---:|"]
 
-    def fmt(row, key):
-        return f"{row[key]:.3f}" if key in row else "—"
+    def paired(row, key):
+        if key not in row:
+            return "—"
+        return f"{row[key]:.3f} ({row[key[:-6] + '_ci_low']:.3f}–{row[key[:-6] + '_ci_high']:.3f})"
 
     for row in rows:
         ref = f" (vs {row['reference']})" if row["reference"] not in (None, "raw") else ""
-        ci = (f"{row['paired_cpu_ratio']:.3f} ({row['paired_cpu_ci_low']:.3f}–{row['paired_cpu_ci_high']:.3f})"
-              if "paired_cpu_ratio" in row else "—")
+        p5 = f"{row['p5_ratio']:.3f}" if "p5_ratio" in row else "—"
+        fixed = f"{row['fixed_us_over_ref']:.0f}" if "fixed_us_over_ref" in row else "—"
         lines.append(f"| {row['model']} | {row['variant']}{ref} | {row['us_per_batch']:.0f} |"
-                     f" {fmt(row, 'ratio')} | {row['cpu_us_per_batch']:.0f} | {ci} | {fmt(row, 'steady_ratio')} |"
-                     f" {row['p5_interval_us']:.0f} | {fmt(row, 'p5_ratio')} |")
+                     f" {paired(row, 'paired_cpu_ratio')} | {paired(row, 'paired_batch_ratio')} | {p5} |"
+                     f" {fixed} |")
     return "\n".join(lines)
 
 
 def perf1_verdict(rows: list[dict]) -> dict:
-    """PERF-1 on the tiny model, judged twice: on the paired CPU-time ratio of whole epochs (a fit() call
-    per 100-batch epoch, per-fit costs included; noisy on a shared machine) and on the p5 per-batch ratio
-    (steady per-batch cost, per-fit costs left out; stable). The wall ratio is reported too."""
+    """PERF-1 on the tiny model. Its quantity is the time per batch: judged on the paired per-batch ratio
+    (each round's median batch-to-batch interval after the first five, over the raw loop's in the same
+    round), which leaves out what one fit() call costs once (start, end-of-epoch metrics, the epoch line,
+    the cold triggers), reported beside it in µs. The whole-epoch ratio (a fit() per 100-batch epoch, that
+    fixed cost included) is judged too, and the p5 per-batch ratio shown."""
     tiny = {row["variant"]: row for row in rows if row["model"] == "tiny"}
     verdict = {}
     for variant, limit in (("deepepochs", PERF1_OFF), ("deepepochs_console", PERF1_DEFAULT)):
         if variant in tiny:
             row = tiny[variant]
-            verdict[variant] = {"paired_cpu_ratio": row["paired_cpu_ratio"],
-                                "ci95": [row["paired_cpu_ci_low"], row["paired_cpu_ci_high"]],
+            verdict[variant] = {"per_batch_ratio": row["paired_batch_ratio"],
+                                "per_batch_ci95": [row["paired_batch_ci_low"], row["paired_batch_ci_high"]],
+                                "fixed_us_per_fit": row["fixed_us_over_ref"],
+                                "whole_epoch_ratio": row["paired_cpu_ratio"],
+                                "whole_epoch_ci95": [row["paired_cpu_ci_low"], row["paired_cpu_ci_high"]],
                                 "wall_ratio": row["ratio"], "p5_ratio": row["p5_ratio"], "limit": limit,
-                                "met": row["paired_cpu_ratio"] <= limit,
-                                "per_batch_met": row["p5_ratio"] <= limit}
+                                "per_batch_met": row["paired_batch_ratio"] <= limit,
+                                "whole_epoch_met": row["paired_cpu_ratio"] <= limit}
     return verdict
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="deepepochs loop overhead against a raw PyTorch loop")
-    parser.add_argument("--rounds", type=int, default=25, help="interleaved rounds, tiny model")
+    parser.add_argument("--rounds", type=int, default=50, help="interleaved rounds, tiny model")
     parser.add_argument("--mlp-rounds", type=int, default=15, help="interleaved rounds, MLP")
     parser.add_argument("--blocks", type=int, default=5,
                         help="rebuild every variant (fresh model copies) this many times per model")
@@ -421,10 +437,11 @@ def main(argv=None) -> int:
         rows += run_model(model, variants, rounds, batches, args.blocks, args.gc_each_epoch)
     info = machine_info()
     print(f"## Loop overhead: {info['cpu']}, torch {info['torch']}, 1 thread\n")
-    print("Per round every variant runs one epoch, in random order; µs/batch = median over rounds of the"
-          " epoch's time / batches; ratios are to the variant's raw loop. CPU = process time, paired per"
-          " round (robust to other load on a shared machine); steady = wall time per batch after the"
-          " first five, leaving out per-fit fixed costs.\n")
+    print("Per round every variant runs one epoch (one fit() call for deepepochs), in random order; ratios"
+          " are medians of per-round ratios to the variant's raw loop (95% bootstrap CI). Whole epochs:"
+          " process time of the epoch. Per batch: the epoch's median batch-to-batch interval after the"
+          " first five. Fixed per fit: the epoch's time beyond batches x its mean interval, over the raw"
+          " loop's.\n")
     print(format_table(rows))
     for name, why in skipped.items():
         print(f"\n_{name} skipped: {why}_")
@@ -434,10 +451,11 @@ def main(argv=None) -> int:
     if verdict:
         payload["perf1"] = verdict
         print("\nPERF-1 (tiny model): " + "; ".join(
-            f"{k} {v['paired_cpu_ratio']:.3f}x CPU (95% CI {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}),"
-            f" {v['wall_ratio']:.3f}x wall, {v['p5_ratio']:.3f}x p5 per batch (limit {v['limit']:.2f}x):"
-            f" {'met' if v['met'] else 'NOT met'} by whole epochs,"
-            f" {'met' if v['per_batch_met'] else 'NOT met'} per batch" for k, v in verdict.items()))
+            f"{k} {v['per_batch_ratio']:.3f}x per batch (95% CI {v['per_batch_ci95'][0]:.3f}-"
+            f"{v['per_batch_ci95'][1]:.3f}; limit {v['limit']:.2f}x): {'met' if v['per_batch_met'] else 'NOT met'},"
+            f" plus {v['fixed_us_per_fit']:.0f} µs once per fit(); whole 100-batch epochs"
+            f" {v['whole_epoch_ratio']:.3f}x CPU: {'met' if v['whole_epoch_met'] else 'NOT met'}"
+            for k, v in verdict.items()))
     if not args.no_fsm:
         import fsm_dispatch
 
