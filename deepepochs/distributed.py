@@ -31,6 +31,7 @@ import copy
 import inspect
 import os
 import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ from torch.utils.data import (
 from deepepochs.errors import ConfigError, DistributedError
 from deepepochs.patches import _map_tensors
 
-__all__ = ["DDPPolicy", "EvalShardSampler", "SingleProcess", "select_policy"]
+__all__ = ["DDPPolicy", "EvalShardSampler", "SingleProcess", "check_ddp_kwargs", "select_policy"]
 
 
 class SingleProcess:
@@ -63,8 +64,8 @@ class SingleProcess:
         self.device = device
         self.model = None
 
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module the step calls (DDP wraps it; one process uses it as is)."""
+    def wrap_model(self, model: torch.nn.Module, ddp_kwargs: Mapping | None = None) -> torch.nn.Module:
+        """The module the step calls (DDP wraps it; one process uses it as is, `ddp_kwargs` unused)."""
         self.model = model
         return model
 
@@ -110,6 +111,32 @@ class SingleProcess:
 
     def close(self) -> None:
         """Release what this policy created (process groups it initialised)."""
+
+
+# Set by the trainer: the wrapped module, its device and the process group are the trainer's to choose.
+_DDP_RESERVED = ("module", "device_ids", "output_device", "process_group", "device_mesh")
+
+
+def check_ddp_kwargs(ddp_kwargs) -> dict:
+    """`Trainer(ddp_kwargs=...)` validated against `DistributedDataParallel`'s own keyword arguments (e.g.
+    `find_unused_parameters`, `static_graph`, `gradient_as_bucket_view`, `broadcast_buffers`), so a
+    typo is caught in a single-process run too, where the arguments are otherwise unused."""
+    if ddp_kwargs is None:
+        return {}
+    if not isinstance(ddp_kwargs, Mapping) or not all(isinstance(k, str) for k in ddp_kwargs):
+        raise ConfigError(f"ddp_kwargs must be None or a dict of DistributedDataParallel keyword arguments,"
+                          f" e.g. {{'find_unused_parameters': True}} (got {ddp_kwargs!r})")
+    accepted = sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters)
+                      - {"self", *_DDP_RESERVED})
+    reserved = sorted(set(ddp_kwargs) & set(_DDP_RESERVED))
+    if reserved:
+        raise ConfigError(f"ddp_kwargs may not set {reserved}: the trainer sets the module, its device and"
+                          f" the process group; accepted keys: {accepted}")
+    unknown = sorted(set(ddp_kwargs) - set(accepted))
+    if unknown:
+        raise ConfigError(f"ddp_kwargs has keys DistributedDataParallel does not take: {unknown}; accepted"
+                          f" keys: {accepted}")
+    return dict(ddp_kwargs)
 
 
 def select_policy(device: torch.device, split_batches: bool = False):
@@ -245,10 +272,11 @@ class DDPPolicy:
         return torch.device("cuda", index)
 
     # ---- model ----
-    def wrap_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """Wrap `model` in DDP (its constructor already broadcasts rank 0's parameters)."""
+    def wrap_model(self, model: torch.nn.Module, ddp_kwargs: Mapping | None = None) -> DistributedDataParallel:
+        """Wrap `model` in DDP with the user's `ddp_kwargs` (see `check_ddp_kwargs`); its constructor
+        already broadcasts rank 0's parameters."""
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.model = DistributedDataParallel(model, device_ids=device_ids)
+        self.model = DistributedDataParallel(model, device_ids=device_ids, **(ddp_kwargs or {}))
         return self.model
 
     def broadcast_model(self, model: torch.nn.Module) -> None:

@@ -17,7 +17,7 @@ from deepepochs.checkpoint import load_into
 from deepepochs.config import TrainerConfig
 from deepepochs.confusion import ConfusionPatch
 from deepepochs.console import Console
-from deepepochs.distributed import select_policy
+from deepepochs.distributed import check_ddp_kwargs, select_policy
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import render
 from deepepochs.loop import LoopState, StopRequest, bind_machine
@@ -69,6 +69,9 @@ class TrainerBase:
             has an inf/NaN loss, or 'skip' that update. Checking costs one host read per update (not per
             batch), by design. fp16 ignores it: the GradScaler skips overflowing updates itself.
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
+        ddp_kwargs: under DDP, further keyword arguments of `DistributedDataParallel`, e.g.
+            `{'find_unused_parameters': True}` for a model with parameters some steps do not use; checked
+            against DDP's signature in any run, used only under DDP.
         resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
         log_long, log_batch, log_tqdm, show_info: console output.
         compile_model: wrap the model in `torch.compile`.
@@ -87,7 +90,8 @@ class TrainerBase:
     def __init__(self, model, loss=None, opt=None, epochs=1000, device=None, callbacks=None, metrics=None,
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
-                 gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True):
+                 gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
+                 ddp_kwargs=None):
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
@@ -99,6 +103,7 @@ class TrainerBase:
             raise ConfigError(f"loss must be a callable loss(model_out, batch_y) or None (got {type(loss).__name__})")
         if not (resume is False or resume is True or isinstance(resume, str)):
             raise ConfigError(f"resume must be False, True or a running id string (got {resume!r})")
+        ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
         self.device = _resolve_device(device)
         self._dist = select_policy(self.device, split_batches=self.config.split_batches)
         self.device = self._dist.device
@@ -115,7 +120,7 @@ class TrainerBase:
         self.raw_model = model
         self._opts = Optimizers(opt, model)
         compiled = torch.compile(model) if compile_model else model
-        self._train_model = self._dist.wrap_model(compiled)
+        self._train_model = self._dist.wrap_model(compiled, ddp_kwargs)
         self._eval_model = compiled  # unwrapped: evaluation issues no DDP collectives (DDP-7)
         self.model = self._train_model
         self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=self._dist.is_main)

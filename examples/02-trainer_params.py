@@ -60,6 +60,9 @@ def main():
         gradient_accumulation_steps=1,  # DataLoader batches per optimizer update
         nonfinite="raise",              # fp32: 'raise' or 'skip' an update with an inf/NaN loss
         split_batches=False,            # under DDP: divide each DataLoader's batch size by world size
+        ddp_kwargs=None,                # under DDP: more DistributedDataParallel arguments, e.g.
+                                        # {"find_unused_parameters": True}
+        fuse_steps=True,                # False: take every machine edge per batch (finer flight record)
     )
     with trainer:  # a trainer is a context manager: close() runs at the end of the block
         records = trainer.fit(

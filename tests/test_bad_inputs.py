@@ -46,6 +46,17 @@ ROWS = {
     "non-positive accumulation steps": (
         lambda tmp: _trainer(gradient_accumulation_steps=0),
         ConfigError, r"gradient_accumulation_steps must be a positive int \(got 0\)"),
+    "a misspelt DDP keyword argument": (
+        lambda tmp: _trainer(ddp_kwargs={"find_unused_parameter": True}),
+        ConfigError, r"ddp_kwargs has keys DistributedDataParallel does not take: \['find_unused_parameter'\];"
+                     r" accepted keys: \[.*'find_unused_parameters'.*\]"),
+    "a DDP keyword argument the trainer sets": (
+        lambda tmp: _trainer(ddp_kwargs={"device_ids": [0]}),
+        ConfigError, r"ddp_kwargs may not set \['device_ids'\]: the trainer sets the module, its device"),
+    "DDP keyword arguments that are not a dict": (
+        lambda tmp: _trainer(ddp_kwargs=["find_unused_parameters"]),
+        ConfigError, r"ddp_kwargs must be None or a dict of DistributedDataParallel keyword arguments.*"
+                     r"\(got \['find_unused_parameters'\]\)"),
     "a batch the rules cannot split": (
         lambda tmp: _trainer().fit([X]),
         ConfigError, r"cannot split a batch of type Tensor into inputs and a label.*pass loss=None"),

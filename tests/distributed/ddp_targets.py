@@ -110,6 +110,29 @@ def _train(k: int = 1, batch_size: int = BATCH, split_batches: bool = False) -> 
                 "group_during_fit": group_during_fit}
 
 
+class _WithUnusedBranch(nn.Module):
+    """`make_model()` plus a head the forward never uses: DDP needs find_unused_parameters=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = make_model()
+        self.unused = nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _unused_parameters() -> dict:
+    """Training a model with an unused parameter, with ddp_kwargs={'find_unused_parameters': True}."""
+    model = _WithUnusedBranch()
+    unused_before = _state(model.unused)
+    kwargs = trainer_kwargs(metrics=None, ddp_kwargs={"find_unused_parameters": True})
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
+        trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
+        return {"used": _state(model.used), "unused_before": unused_before, "unused": _state(model.unused),
+                "find_unused_parameters": trainer._train_model.find_unused_parameters}
+
+
 def _error_of(run) -> dict | None:
     try:
         run()
@@ -217,6 +240,7 @@ def run_scenarios() -> int:
     results["group_destroyed_after_close"] = not dist.is_initialized()
     results["accumulation"] = _train(k=2)
     results["split_batches"] = _train(k=1, batch_size=2 * BATCH, split_batches=True)
+    results["unused_parameters"] = _unused_parameters()
     results["split_batches_error"] = _split_batches_error()
     results["uneven_training_error"] = _uneven_training_error()
     results["tiny_test_set"] = _tiny_test_set()

@@ -184,6 +184,18 @@ def test_validation_metrics_under_ddp_equal_the_single_process_metrics(ranks, si
 
 
 @pytest.mark.distributed
+def test_ddp_kwargs_reach_ddp_and_a_model_with_unused_parameters_trains(ranks, single_process):
+    """ddp_kwargs={'find_unused_parameters': True}: a model with a head its forward never uses trains
+    under DDP (without it DDP raises at the second step); the used part ends as one process with the
+    whole batch does, the unused head is untouched."""
+    for rank in ranks:
+        run = rank["unused_parameters"]
+        assert run["find_unused_parameters"] is True
+        assert _max_diff(run["used"], single_process[1]["state"]) < EXACT
+        assert _max_diff(run["unused"], run["unused_before"]) == 0
+
+
+@pytest.mark.distributed
 def test_test_metrics_equal_a_recomputation_on_the_whole_dataset(ranks):
     """trainer.test under DDP = loss/accuracy of the final weights over all 37 samples at once."""
     for rank in ranks:
