@@ -98,7 +98,7 @@ def _plain_batches(runner, task, data, meters, scheduler):
         for batch in data:
             idx += 1
             loop.batch_idx, loop.window_pos, loop.window_updated = idx, 1, False
-            if type(batch) in (tuple, list) and len(batch) == 2 and pairs:  # batch_splitter's check, inline
+            if pairs and type(batch) in (tuple, list) and len(batch) == 2:  # batch_splitter's check, inline
                 batch_x, batch_y = batch
                 if (type(batch_x) is tensor and type(batch_y) is tensor and batch_x.is_cpu and batch_y.is_cpu
                         and batch_y.dim()):
@@ -173,12 +173,16 @@ def _window_batches(runner, task, data, meters, scheduler):
     host, split = reads_on_host(device), batch_splitter(has_loss, device, device.type == "cuda", task.batch_size)
     isfinite, count = math.isfinite, meters.add_done
 
-    autocast = t._precision.autocast if t._precision.dtype is not None else None
+    def forward(batch_x, batch_y):
+        model_out = call_model(model, batch_x)
+        return loss_of(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
 
-    def forward(batch_x, batch_y):  # under autocast: forward, loss and patches (AMP-1)
-        with autocast():
-            model_out = call_model(model, batch_x)
-            return loss_of(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
+    if t._precision.dtype is not None:  # autocast over forward, loss and patches (AMP-1)
+        plain, autocast = forward, t._precision.autocast
+
+        def forward(batch_x, batch_y):
+            with autocast():
+                return plain(batch_x, batch_y)
 
     batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
     idx, pos, first, samples, window, updating, finite = loop.batch_idx, 0, 0, 0, [], False, True
@@ -190,11 +194,7 @@ def _window_batches(runner, task, data, meters, scheduler):
             pos += 1
             loop.batch_idx, loop.window_pos = idx, pos
             batch_x, batch_y, n = split(batch)
-            if autocast is None:
-                model_out = call_model(model, batch_x)
-                loss, patches = loss_of(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
-            else:
-                loss, patches = forward(batch_x, batch_y)
+            loss, patches = forward(batch_x, batch_y)
             loss_of = checked_loss
             if k > 1:  # this micro-batch's share of the window (see Runner.loss)
                 if pos == 1:
