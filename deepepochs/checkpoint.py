@@ -18,6 +18,10 @@ yours keeps other objects in its state). Keys:
 `monitors`          dict, monitor id (e.g. `'val-loss.best'`) -> that `CheckCallback`'s state
                     (best value and epoch, epochs without improvement, last saved epoch). Every
                     file holds every monitor's state, whichever monitor wrote it.
+`rng`               dict, the Python, NumPy and PyTorch (CPU, CUDA) generator states of a one-process
+                    run (`deepepochs.utils.rng_state`), None under DDP. Restored on load in a
+                    one-process run, so a resumed run shuffles and drops out exactly as the
+                    uninterrupted one would; under DDP each rank keeps its own generators.
 ==================  ==========================================================================
 
 Files live at `<ckpt_dir>/<running_id>/<monitor file>.ckpt` and contain no absolute paths, so a run
@@ -42,6 +46,7 @@ import attrs
 import torch
 
 from deepepochs.errors import CheckpointError
+from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = [
     "FORMAT_VERSION",
@@ -97,6 +102,7 @@ class Checkpoint:
     schedulers: list = attrs.field(factory=list, validator=_list)
     scaler: Mapping | None = None
     monitors: Mapping = attrs.field(factory=dict, validator=_mapping)
+    rng: Mapping | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""
@@ -140,6 +146,7 @@ def snapshot(trainer) -> Checkpoint:
         schedulers=opts["schedulers"],
         scaler=trainer._precision.state_dict(),
         monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
+        rng=rng_state() if trainer.world_size == 1 else None,  # under DDP every rank has its own
     )
 
 
@@ -238,7 +245,8 @@ def load_model_state(trainer, state: Mapping, path="<memory>") -> None:
 
 def load_into(trainer, path, ckpt: Checkpoint | None = None) -> Checkpoint:
     """Restore everything a checkpoint holds into `trainer` (model, optimizers, schedulers, scaler,
-    completed epoch, monitors); the trainer's running id is left alone.
+    completed epoch, monitors, and in one process the generator states of a one-process run); the
+    trainer's running id is left alone.
 
     Monitors absent from the file keep their state; states of monitors the trainer lacks are ignored.
     """
@@ -254,6 +262,11 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None) -> Checkpoint:
         state = ckpt.monitors.get(monitor.monitor_id)
         if state is not None:
             monitor.load_state_dict(state)
+    if ckpt.rng is not None and trainer.world_size == 1:
+        try:
+            set_rng_state(ckpt.rng)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {path}: the random generator states do not fit: {e!r}") from e
     loop = trainer.loop
     loop.completed_epochs = ckpt.epoch
     loop.epoch = ckpt.epoch

@@ -1,4 +1,4 @@
-"""Small helpers: `set_seed`."""
+"""Small helpers: `set_seed`, and the random number generators' states for checkpoints."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["set_seed"]
+__all__ = ["rng_state", "set_rng_state", "set_seed"]
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:
@@ -20,3 +20,34 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
     if deterministic:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def rng_state() -> dict:
+    """The states of Python's, NumPy's and PyTorch's global generators (CPU and every initialised CUDA
+    device) as tensors, numbers, strings, lists and dicts only, so `torch.load(weights_only=True)` reads
+    them back."""
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(keys), gauss],
+        "numpy": {"bit_generator": name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
+    }
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned. CUDA states are restored for as many devices as both the file
+    and this machine have."""
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    np_state = state["numpy"]
+    np.random.set_state((np_state["bit_generator"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available():
+        for index, device_state in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, index)

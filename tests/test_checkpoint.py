@@ -1,12 +1,14 @@
 """Checkpoint files and resume (CKPT-2, CKPT-3, CKPT-5): contents, atomic writes, finding and loading."""
 
 import os
+import random
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,7 @@ import deepepochs.checkpoint as ckpt_mod
 from deepepochs import Callback, CheckCallback, CheckpointError, Optimizer, Trainer
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
-        "monitors"}
+        "monitors", "rng"}
 
 
 def _loader(n=64, batch_size=16, seed=0):
@@ -115,6 +117,7 @@ def test_checkpoint_is_a_plain_dict_with_the_documented_keys_and_no_absolute_pat
     assert len(data["optimizers"]) == len(data["schedulers"]) == 1
     assert data["schedulers"][0]["last_epoch"] == 2
     assert set(data["monitors"]) == {"val-loss.latest"}
+    assert set(data["rng"]) == {"python", "numpy", "torch", "cuda"}
 
     def strings(obj):
         if isinstance(obj, str):
@@ -382,3 +385,48 @@ def test_a_two_process_ddp_checkpoint_loads_in_a_single_process(tmp_path):
     x = torch.randn(16, 4)
     records = trainer.fit(DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
     assert len(records["train"]["loss"]) == 1
+
+
+class _Dropout(nn.Module):
+    """Dropout and a shuffling DataLoader: both draw from the global torch generator every epoch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _shuffled_run(tmp_path, epochs, resume=False):
+    torch.manual_seed(1)
+    model = _Dropout()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    trainer = Trainer(model, F.mse_loss, opt, epochs=epochs, resume=resume, log_batch=False, show_info=False,
+                      callbacks=[CheckCallback("loss", on_stage="train", save_best=False,
+                                               ckpt_dir=tmp_path / "ckpt")])
+    loader = _loader()
+    data = DataLoader(loader.dataset, batch_size=16, shuffle=True)
+    trainer.fit(data)
+    trainer.close()
+    return trainer
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_a_resumed_run_draws_the_same_random_numbers_as_an_uninterrupted_one(tmp_path, restore):
+    """The checkpoint holds the generators' states: a run resumed in a fresh process (other random numbers
+    drawn in between) shuffles and drops out as the uninterrupted run did, and ends with its weights.
+    Without the states (the negative control) it does not."""
+    reference = _shuffled_run(tmp_path / "ref", epochs=4)
+    _shuffled_run(tmp_path / "cut", epochs=2)
+    if not restore:
+        path = _only_file(tmp_path / "cut" / "ckpt")
+        data = torch.load(path, weights_only=True)
+        data["rng"] = None
+        torch.save(data, path)
+    torch.rand(1000), random.random(), np.random.rand(7)  # a new process: the generators are elsewhere
+    resumed = _shuffled_run(tmp_path / "cut", epochs=4, resume=True)
+    assert resumed.loop.completed_epochs == 4
+    same = all(torch.equal(a, b) for a, b in zip(resumed.raw_model.parameters(), reference.raw_model.parameters()))
+    assert same is restore
