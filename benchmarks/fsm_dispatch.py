@@ -22,7 +22,7 @@ __all__ = ["FUSED_BATCH_TRIGGERS", "TRAIN_BATCH_TRIGGERS", "measure"]
 #: The hot triggers one training batch fires with one optimizer and no accumulation (see spec/loop.py).
 TRAIN_BATCH_TRIGGERS = ("begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
                         "finish_update", "end_batch")
-#: The same batch on its fused edge (the default for plain fp32 training on the CPU).
+#: The same batch on its fused edge (the default without accumulation, callbacks per batch or DDP).
 FUSED_BATCH_TRIGGERS = ("window_step",)
 
 

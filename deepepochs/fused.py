@@ -145,13 +145,14 @@ def _plain_batches(runner, task, data, meters, scheduler):
 
 def _window_batches(runner, task, data, meters, scheduler):
     """One fused edge per micro-batch: `accumulate_step` inside a window, `update_step` or `skip_step`
-    at its end. Inline, in the unfused path's order, this does what that path's actions do when nothing
-    observes it: forward, loss and metric patches (under autocast), backward of the loss weighted by
-    the micro-batch's share of the window (scaled under fp16); at the window's end unscale (fp16),
-    normalise by the window's samples (unscale_gradients), the finiteness decision (the scaler's inf
-    check, or the window's losses: a host read on the CPU, a device flag checked at the task's end on
-    an accelerator), the optimizer step and its step-wise scheduler (step_optimizer) or the skip, the
-    scale update, zero_grad, and counting the window in the task's meters (close_window).
+    at its end, or for one-batch windows `window_step` or `window_skip_step`. Inline, in the unfused
+    path's order, this does what that path's actions do when nothing observes it: forward, loss and
+    metric patches (under autocast), backward of the loss weighted by the micro-batch's share of the
+    window (scaled under fp16); at the window's end unscale (fp16), normalise by the window's samples
+    (unscale_gradients), the finiteness decision (the scaler's inf check, or the window's losses: a host
+    read on the CPU, a device flag checked at the task's end on an accelerator), the optimizer step and
+    its step-wise scheduler (step_optimizer) or the skip, the scale update, zero_grad, and counting the
+    window in the task's meters (close_window).
 
     `loop.window_pos` counts the open window's micro-batches and `loop.window_updated` (set by the
     optimizer's post-hook) marks an applied update, so an interrupt resumes exactly as on the unfused
@@ -160,9 +161,13 @@ def _window_batches(runner, task, data, meters, scheduler):
     t, loop, machine = runner.t, runner.t.loop, runner.t.machine
     model, device, config = t.model, t.device, t.config
     begin, inner = machine.bound("begin_window", "task_train"), machine.bound("accumulate_step", "window_open")
-    updated_step, skipped_step = (machine.bound(name, "window_open") for name in ("update_step", "skip_step"))
+    k = config.gradient_accumulation_steps
+    if k == 1:  # one-batch windows: opening the window is part of the batch's one edge
+        updated_step, skipped_step = (machine.bound(e, "task_train") for e in ("window_step", "window_skip_step"))
+    else:
+        updated_step, skipped_step = (machine.bound(e, "window_open") for e in ("update_step", "skip_step"))
     opt = t._opts[0].opt  # a step-wise scheduler steps in its post-hook, or here (`scheduler`; see _marked)
-    scaler, k = t._precision.scaler, config.gradient_accumulation_steps
+    scaler = t._precision.scaler
     raise_nonfinite = config.nonfinite == "raise"
     has_loss = t.loss_fn is not None
     loss_of = runner.compute_loss  # checks that the loss is a scalar: on the task's first micro-batch only
@@ -189,7 +194,10 @@ def _window_batches(runner, task, data, meters, scheduler):
     try:
         for batch, is_last in batches:
             if pos == 0:
-                begin()
+                if k == 1:
+                    loop.window_updated = False  # what opening a window does that this loop reads
+                else:
+                    begin()
             idx += 1
             pos += 1
             loop.batch_idx, loop.window_pos = idx, pos

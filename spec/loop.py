@@ -11,12 +11,12 @@ Reading guide: a micro-batch of training goes
 
 Fused edges: with the default step, one optimizer, no clipper, no per-batch callback and one process,
 nothing can observe a micro-batch's inner states, so the runner takes one edge per micro-batch instead of
-four to seven: `window_open --accumulate_step--> window_open` for an inner micro-batch, and
+four to eight: `window_open --accumulate_step--> window_open` for an inner micro-batch,
 `window_open --update_step|skip_step--> task_train` for the window's last one (the update applied, or
-skipped because the gradients or the loss were not finite), and `task_train --window_step--> task_train`
-for a one-batch window in fp32 on the CPU (begin_window and update_step in one). Each fused edge names the
-edges it stands for and the guard outcomes along them; `Spec.validate` walks that path. `fuse_steps=False`
-takes every edge.
+skipped because the gradients or the loss were not finite), and
+`task_train --window_step|window_skip_step--> task_train` for a one-batch window (no accumulation:
+begin_window and update_step or skip_step in one). Each fused edge names the edges it stands for and the
+guard outcomes along them; `Spec.validate` walks that path. `fuse_steps=False` takes every edge.
 """
 
 from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
@@ -73,7 +73,8 @@ TRIGGERS = [
       hot=True),
     T("skip_step", "A window's last micro-batch as one fused edge whose update was skipped (not finite).",
       hot=True),
-    T("window_step", "A one-batch window that updated, as one fused edge (fp32 on the CPU, no accumulation).",
+    T("window_step", "A one-batch window (no accumulation) that updated, as one fused edge.", hot=True),
+    T("window_skip_step", "A one-batch window whose update was skipped (not finite), as one fused edge.",
       hot=True),
     T("interrupt", "An exception or KeyboardInterrupt escaped the running loop."),
     T("recover", "Rollback is done; the trainer is ready for fit() or test() again."),
@@ -174,6 +175,8 @@ TRANSITIONS = [
       " (fused).", fuses=LAST_MICRO_BATCH, assuming=["window_boundary"]),
     E("window_step", "task_train", "task_train", "A one-batch window ran and updated (fused).",
       fuses=["begin_window", *LAST_MICRO_BATCH], assuming=["window_boundary", "grads_finite"]),
+    E("window_skip_step", "task_train", "task_train", "A one-batch window ran; its update was skipped"
+      " (fused).", fuses=["begin_window", *LAST_MICRO_BATCH], assuming=["window_boundary"]),
     E("end_task", "task_train", "stage_train", "The training task is done."),
     E("end_stage", "stage_train", "epoch_trained", "The training stage is done."),
     E("validate", "epoch_trained", "stage_val", "Validation is due.", conditions=["val_due"]),

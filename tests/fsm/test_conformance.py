@@ -37,7 +37,7 @@ def expected_fit(walker, epochs, train_batches, val_batches, k=1, updates=((None
     """The spec trace of `fit`: `train_batches`/`val_batches` are lists of batch counts per task;
     `updates` is, per step, the list of optimize calls (each a backward then an optimize); `fused`:
     'windows' (accumulate_step inside a window, update_step at its end) or 'plain' (one window_step per
-    one-batch window)."""
+    one-batch window, k=1)."""
     w = walker
     w.fire("fit")
     for epoch in range(start + 1, epochs + 1):
@@ -120,14 +120,15 @@ def _trainer(**kw):
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_fit_and_test_follow_the_spec_trace(precision, k, fuse_steps):
-    """Single process, AMP on/off, accumulation 1/k with a tail window, validation every second epoch; plain
-    fp32/bf16 batches with k=1 take the fused edge unless fuse_steps=False."""
+    """Single process, AMP on/off, accumulation 1/k with a tail window, validation every second epoch; with
+    k=1 every precision takes one fused window_step per batch, with k=3 the window edges, unless
+    fuse_steps=False."""
     train, val = _data(40, 8), _data(20, 8)  # 5 train batches (tail window for k=3), 3 val batches
     t = _trainer(precision=precision, gradient_accumulation_steps=k, epochs=3, fuse_steps=fuse_steps)
     t.fit(train, val, val_freq=2)
     t.test(val)
     walker = SpecWalker()
-    fused = None if not fuse_steps else "plain" if k == 1 and precision == "fp32" else "windows"
+    fused = None if not fuse_steps else "plain" if k == 1 else "windows"
     expected_fit(walker, 3, [5], [3], k=k, val_freq=2, fused=fused)
     expected_test(walker, [3])
     recorded = _recorded(t)
@@ -156,6 +157,7 @@ FUSED_CASES = {  # name: (precision, k, nonfinite, poisoned (epoch, batch) posit
     "fp16-k1-overflow": ("fp16", 1, "raise", ((1, 2), (2, 5))),
     "fp16-k3-overflow": ("fp16", 3, "raise", ((1, 2), (2, 6))),
     "fp32-k2-nan-skip": ("fp32", 2, "skip", ((1, 3),)),
+    "fp32-k1-nan-skip": ("fp32", 1, "skip", ((1, 3), (2, 1))),
 }
 
 
@@ -193,11 +195,10 @@ def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case):
     (fused, fused_records, fused_test), (plain, plain_records, plain_test) = runs[True], runs[False]
     fused_trace, plain_trace = _recorded(fused), _recorded(plain)
     fused_triggers = {trigger for _, trigger, _ in fused_trace}
-    one_batch_windows = precision == "fp32" and k == 1 and nonfinite == "raise"  # the window_step loop
-    assert ("window_step" if one_batch_windows else "update_step") in fused_triggers
+    assert ("window_step" if k == 1 else "update_step") in fused_triggers
     assert ("accumulate_step" in fused_triggers) == (k > 1)
-    assert ("skip_step" in fused_triggers) == bool(poisoned)
-    assert not {"update_step", "accumulate_step", "skip_step", "window_step"} & {t for _, t, _ in plain_trace}
+    assert (("window_skip_step" if k == 1 else "skip_step") in fused_triggers) == bool(poisoned)
+    assert not {t.trigger for t in SPEC.transitions if t.fuses} & {t for _, t, _ in plain_trace}
     assert _expand_fused(fused_trace) == plain_trace
     np.testing.assert_equal(fused_records, plain_records)  # NaN-aware: a skipped NaN loss still counts
     np.testing.assert_equal(fused_test, plain_test)

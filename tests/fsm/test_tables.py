@@ -120,7 +120,8 @@ def test_hot_triggers_are_the_per_batch_ones():
     ones are cold."""
     hot = {t.name for t in SPEC.triggers if t.hot}
     assert hot == {"begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
-                   "finish_update", "end_batch", "accumulate_step", "update_step", "skip_step", "window_step"}
+                   "finish_update", "end_batch", "accumulate_step", "update_step", "skip_step", "window_step",
+                   "window_skip_step"}
 
 
 def test_only_one_module_imports_transitions():
