@@ -102,6 +102,10 @@ class SingleProcess:
         """Rank 0's value of a picklable object (e.g. the running id), on every rank."""
         return obj
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's value of a picklable object, in rank order, on every rank."""
+        return [obj]
+
     def check_batch_counts(self, count: int, stage: str) -> None:
         """Raise if ranks ran different numbers of training batches (a hang otherwise)."""
 
@@ -290,6 +294,12 @@ class DDPPolicy:
         holder = [obj]
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's value of a picklable object, in rank order, on every rank."""
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Enable or suspend DDP's gradient all-reduce for the next forward/backward.

@@ -30,7 +30,9 @@ class InterpreteCallback(Callback):
     `on_val_metrics`/`on_test_metrics` hooks; a custom `val_step`/`test_step`/`evaluate_step` does not fire
     those hooks, so nothing is collected there (a warning says so). Samples are collected anew each time a
     stage runs: after `fit` the validation samples are those of the last validation; after `test`, the
-    test's. Under DDP each rank keeps the best of its own shard.
+    test's. Under DDP the ranks' selections are merged when the stage ends, so every rank holds the best k
+    of the whole dataset; ties go to the sample first in the dataset's order for the evaluation shards
+    deepepochs makes (sample i on rank i % world size), otherwise to the lower rank.
 
     Args:
         metric: `metric(preds, targets) -> Tensor[N]`, one score per sample (e.g.
@@ -108,8 +110,8 @@ class InterpreteCallback(Callback):
         self._collect("val", model_out, batch_y)
 
     def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
-        """Validation is done."""
-        self._end("val")
+        """Validation is done (under DDP: merge the ranks' selections)."""
+        self._end(trainer, "val")
 
     def on_after_fit(self, trainer):
         """Log the last validation's samples as images (with `image_data`)."""
@@ -130,8 +132,8 @@ class InterpreteCallback(Callback):
         self._collect("test", model_out, batch_y)
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
-        """Log the test's samples as images (with `image_data`)."""
-        self._end("test")
+        """Log the test's samples as images (with `image_data`); under DDP merge the ranks' first."""
+        self._end(trainer, "test")
         if self.image_data and "test" in self.stages and self._heaps["test"]:
             self._write_images(trainer, "test")
 
@@ -152,13 +154,27 @@ class InterpreteCallback(Callback):
             self._inputs = batch_x
             self._batches[stage] += 1
 
-    def _end(self, stage):
+    def _end(self, trainer, stage):
         self._inputs = None
+        if stage in self.stages and trainer._dist.world_size > 1:
+            self._merge_ranks(trainer._dist, stage)
         if stage in self.stages and self._batches[stage] and not self._collected[stage]:
             warnings.warn(
                 f"InterpreteCallback saw {self._batches[stage]} {stage} batches but no predictions: a custom"
                 f" {stage}_step/evaluate_step does not run the on_{stage}_metrics hook; use the default step"
                 " or call the callback's metric yourself", DeepEpochsWarning, stacklevel=3)
+
+    def _merge_ranks(self, dist, stage):
+        """Every rank's best k, gathered; the best k of them kept on every rank. A rank's j-th sample
+        gets the order index j * world_size + rank: its index in the dataset for deepepochs' evaluation
+        shards, so ties resolve as in one process."""
+        world = dist.world_size
+        merged = [(key, -((-neg) * world + rank), record)
+                  for rank, heap in enumerate(dist.all_gather_object(self._heaps[stage]))
+                  for key, neg, record in heap]
+        best = heapq.nlargest(self.k, merged)
+        heapq.heapify(best)
+        self._heaps[stage] = best
 
     def _collect(self, stage, model_out, batch_y):
         if stage not in self.stages:

@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from deepepochs import Callback, Trainer
+from deepepochs import Callback, InterpreteCallback, Trainer
 from deepepochs.errors import ConfigError, DistributedError
 
 __all__ = [
@@ -165,6 +165,22 @@ def _tiny_test_set() -> dict:
         return trainer.test(DataLoader(TensorDataset(*dataset[:1]), batch_size=5))
 
 
+def interprete_metrics() -> dict:
+    """Per-sample metrics for InterpreteCallback: a continuous one, and one with many ties (the label)."""
+    return {"loss": lambda p, y: F.cross_entropy(p, y, reduction="none"), "label": lambda p, y: y.float()}
+
+
+def _interprete_top_samples() -> dict:
+    """The samples InterpreteCallback keeps under DDP (k=5, mode='max'), as (value, sample index) lists."""
+    watchers = {name: InterpreteCallback(metric, k=5) for name, metric in interprete_metrics().items()}
+    model = make_model()
+    kwargs = trainer_kwargs(callbacks=list(watchers.values()))
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
+        trainer.test(DataLoader(make_data(VAL_N, 2, index_feature=True), batch_size=6))
+    return {name: [(value, int(x[0].round())) for value, _, _, x in w.top_samples()]
+            for name, w in watchers.items()}
+
+
 class _RecordIndices(Callback):
     """Records the sample indices (first feature) of every training batch, per epoch."""
 
@@ -244,6 +260,7 @@ def run_scenarios() -> int:
     results["split_batches_error"] = _split_batches_error()
     results["uneven_training_error"] = _uneven_training_error()
     results["tiny_test_set"] = _tiny_test_set()
+    results["interprete"] = _interprete_top_samples()
     results["shuffled_indices"] = _shuffled_indices()
     results["broadcast_values"] = _broadcast_after_init_callbacks()
     results["main_process_first"] = _main_process_first(out)

@@ -196,6 +196,24 @@ def test_ddp_kwargs_reach_ddp_and_a_model_with_unused_parameters_trains(ranks, s
 
 
 @pytest.mark.distributed
+def test_interprete_callback_keeps_the_global_best_samples_on_every_rank(ranks):
+    """InterpreteCallback under DDP: each rank ends with the best k of the whole test set, exactly the
+    samples one process keeps (stable order: among equal values the sample first in the dataset), both
+    for a continuous metric and for one with many ties."""
+    x, y = T.make_data(T.VAL_N, 2, index_feature=True).tensors
+    with torch.no_grad():
+        logits = T.make_model()(x)
+    for name, metric in T.interprete_metrics().items():
+        scores = metric(logits, y).double()
+        order = torch.sort(scores, descending=True, stable=True).indices[:5]
+        want = [(float(scores[i]), int(x[i, 0].round())) for i in order]
+        for rank in ranks:
+            got = rank["interprete"][name]
+            assert [index for _, index in got] == [index for _, index in want], name
+            assert [value for value, _ in got] == pytest.approx([value for value, _ in want], rel=1e-6)
+
+
+@pytest.mark.distributed
 def test_test_metrics_equal_a_recomputation_on_the_whole_dataset(ranks):
     """trainer.test under DDP = loss/accuracy of the final weights over all 37 samples at once."""
     for rank in ranks:
