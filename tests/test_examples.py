@@ -91,3 +91,21 @@ def test_throughput_benchmark_cpu_smoke(tmp_path, raw):
             "2", "--image-size", "64", "--output", out] + (["--raw"] if raw else [])
     text = _run(args, tmp_path, timeout=300)
     assert "parameters" in text and out.exists(), text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path (on a GPU it runs for minutes)")
+def test_gpu_checks_script_runs_and_summarises_without_cuda(tmp_path):
+    """benchmarks/gpu_checks.sh (one GPU session's checks) runs end to end here: every CUDA step says it
+    skipped, and the summary JSON holds the environment, the tests/gpu line and the smoke result."""
+    import json
+
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", str(BENCH / "gpu_checks.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "gpu_checks.json").read_text())
+    assert summary["environment"]["torch"] == torch.__version__ and summary["environment"]["gpu"] is None
+    assert "skipped" in str(summary["gpu_tests"]) and summary["throughput"] == {} and summary["ratios"] == {}
+    assert summary["smoke"]["status"] == "skipped"
+    assert (tmp_path / "out" / "gpu_tests.txt").exists() and (tmp_path / "out" / "gpu_checks.log").exists()
