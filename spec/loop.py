@@ -114,6 +114,7 @@ ACTIONS = [
 
 RUNNING = [s.name for s in STATES if s.running]
 LAST_MICRO_BATCH = ["begin_batch", "backward", "optimize", "clip", "apply_update", "finish_update", "end_batch"]
+ONE_BATCH_WINDOW = ["begin_window", *LAST_MICRO_BATCH]
 OPTIMIZING = ("optimize_clipped", "optimize_skipped")  # after clip: the last optimizer stepped / skipped
 E = Transition
 TRANSITIONS = [
@@ -174,9 +175,9 @@ TRANSITIONS = [
     E("skip_step", "window_open", "task_train", "The window's last micro-batch ran; its update was skipped"
       " (fused).", fuses=LAST_MICRO_BATCH, assuming=["window_boundary"]),
     E("window_step", "task_train", "task_train", "A one-batch window ran and updated (fused).",
-      fuses=["begin_window", *LAST_MICRO_BATCH], assuming=["window_boundary", "grads_finite"]),
+      fuses=ONE_BATCH_WINDOW, assuming=["window_boundary", "grads_finite"]),
     E("window_skip_step", "task_train", "task_train", "A one-batch window ran; its update was skipped"
-      " (fused).", fuses=["begin_window", *LAST_MICRO_BATCH], assuming=["window_boundary"]),
+      " (fused).", fuses=ONE_BATCH_WINDOW, assuming=["window_boundary"]),
     E("end_task", "task_train", "stage_train", "The training task is done."),
     E("end_stage", "stage_train", "epoch_trained", "The training stage is done."),
     E("validate", "epoch_trained", "stage_val", "Validation is due.", conditions=["val_due"]),
