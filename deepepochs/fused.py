@@ -160,11 +160,11 @@ def _window_batches(runner, task, data, meters, scheduler):
     patches are made before the update, so unlike in a custom step no interrupt loses them."""
     t, loop, machine = runner.t, runner.t.loop, runner.t.machine
     model, device, config = t.model, t.device, t.config
-    begin, inner = machine.bound("begin_window", "task_train"), machine.bound("accumulate_step", "window_open")
     k = config.gradient_accumulation_steps
     if k == 1:  # one-batch windows: opening the window is part of the batch's one edge
         updated_step, skipped_step = (machine.bound(e, "task_train") for e in ("window_step", "window_skip_step"))
     else:
+        begin, inner = machine.bound("begin_window", "task_train"), machine.bound("accumulate_step", "window_open")
         updated_step, skipped_step = (machine.bound(e, "window_open") for e in ("update_step", "skip_step"))
     opt = t._opts[0].opt  # a step-wise scheduler steps in its post-hook, or here (`scheduler`; see _marked)
     scaler = t._precision.scaler
