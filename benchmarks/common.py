@@ -86,11 +86,13 @@ class Stamped:
             stamps.append(clock())
             yield batch
 
-    def intervals_us(self, skip: int = 5) -> list[float]:
+    def intervals_us(self, skip: int = 5, window: int = 1) -> list[float]:
         """Intervals between batch hand-outs after the first `skip` batches (all of them in a short epoch),
-        in microseconds."""
-        s = self.stamps[skip:] if len(self.stamps) > skip + 1 else self.stamps
-        return [(b - a) * 1e6 for a, b in zip(s, s[1:])]
+        in microseconds; with `window=k`, the mean interval of each run of k consecutive batches (a loop
+        that updates every k batches does unlike work per batch, and any k consecutive batches hold one
+        update whatever loop reads ahead)."""
+        s = self.stamps[skip:] if len(self.stamps) > skip + window else self.stamps
+        return [(b - a) * 1e6 / window for a, b in zip(s[::window], s[window::window])]
 
     def steady_us(self, skip: int = 5) -> float:
         """Mean interval between batch hand-outs after the first `skip` batches, in microseconds."""

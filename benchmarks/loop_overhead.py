@@ -11,8 +11,10 @@ the timed rounds (see run_model). The table reports medians over rounds and
 ratios to the variant's raw reference: wall time, and process CPU time paired per round with a bootstrap
 95% interval: the whole-epoch figure, one fit() call's fixed costs included. Per batch (PERF-1's
 quantity): each round's median interval between batch hand-outs after the first five, paired with the raw
-loop's in the same round (robust to a stray slow batch and to per-fit costs); "p5" is the 5th percentile
-of those intervals pooled over all rounds (a batch that nothing else on the machine slowed down). The
+loop's in the same round (robust to a stray slow batch and to per-fit costs); for a loop that updates every
+k batches (gradient accumulation) the intervals are averaged over runs of k batches first, so each holds
+one update as the time per batch does; "p5" is the 5th percentile of those intervals pooled over all
+rounds (a batch that nothing else on the machine slowed down). The
 fixed cost of one fit() is the epoch's time beyond batches x its mean interval, over the raw loop's.
 
     python benchmarks/loop_overhead.py            # full run (a couple of minutes), writes JSON
@@ -76,6 +78,7 @@ class Raw:
     """The honest reference: zero_grad(set_to_none=True), forward, loss, backward, step."""
 
     reference = None
+    window = 1  # batches per update: the per-batch statistic is taken over runs of this many batches
     note = "plain PyTorch loop"
 
     def __init__(self, model):
@@ -93,7 +96,7 @@ class Raw:
 class RawAccumulate(Raw):
     """Raw loop with 4 micro-batches per update (equal batches, so each loss is divided by 4)."""
 
-    k = 4
+    k = window = 4
     note = "plain PyTorch, 4 micro-batches per update"
 
     def epoch(self, data):
@@ -131,6 +134,7 @@ class DeepEpochs:
     """deepepochs.Trainer.fit for one more epoch per call (the trainer is built once, untimed)."""
 
     reference = "raw"
+    window = 1
     kwargs: dict = {"log_batch": False, "show_info": False}
     note = "console off (log_batch=False, show_info=False; epoch lines to devnull)"
 
@@ -155,6 +159,7 @@ class DeepEpochsDefault(DeepEpochs):
 
 class DeepEpochsAccumulate(DeepEpochs):
     reference = "raw_acc4"
+    window = 4
     kwargs = {"log_batch": False, "show_info": False, "gradient_accumulation_steps": 4}
     note = "console off, gradient_accumulation_steps=4"
 
@@ -287,7 +292,7 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
     cpu = {name: [] for name in variants}
     steady = {name: [] for name in variants}
     fixed = {name: [] for name in variants}  # an epoch's time beyond batches x its steady time per batch
-    typical = {name: [] for name in variants}  # each round's median batch-to-batch interval
+    typical = {name: [] for name in variants}  # each round's median batch-to-batch interval (per window)
     intervals = {name: [] for name in variants}
     order = list(variants)
     rng = random.Random(0)
@@ -317,8 +322,9 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
                     cpu[name].append(elapsed_cpu / len(data) * 1e6)
                     steady[name].append(data.steady_us())
                     fixed[name].append(elapsed * 1e6 - len(data) * steady[name][-1])
-                    typical[name].append(median(data.intervals_us()))
-                    intervals[name] += data.intervals_us()
+                    per_batch = data.intervals_us(window=getattr(VARIANTS[name], "window", 1))
+                    typical[name].append(median(per_batch))
+                    intervals[name] += per_batch
         for runner in runners.values():
             getattr(runner, "close", lambda: None)()
     rows = []

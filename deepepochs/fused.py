@@ -3,7 +3,8 @@
 When nothing can observe the inner states of a micro-batch (`can_fuse`), the runner takes the spec's fused
 edges and does inline, in the same order, what the actions along their paths do. `_window_batches` covers
 every precision and accumulation; `_plain_batches` is one-batch windows in fp32 on the CPU, with the least
-Python per batch (what PERF-1 measures on a tiny model). Both are bit-identical to the unfused path
+Python per batch (what PERF-1 measures on a tiny model: the few branches `_window_batches` adds for
+windows, scaler and autocast measured ~0.5 % there). Both are bit-identical to the unfused path
 (`Runner._train_batches`); tests/fsm/test_conformance.py checks that, and that each fused trace expands
 to the unfused one. A change to what an action does must be made here too.
 """
@@ -154,80 +155,98 @@ def _window_batches(runner, task, data, meters, scheduler):
     its step-wise scheduler (step_optimizer) or the skip, the scale update, zero_grad, and counting the
     window in the task's meters (close_window).
 
+    A small model on the CPU shows the loop's own cost most (PERF-1), so the common cases cost no call
+    they do not need: the splitter's check of an `(x, y)` pair of CPU tensors is inline, the loss is
+    checked to be a scalar on the task's first micro-batch only (a later one raises from `backward`), one
+    autocast context is entered per micro-batch, and on the host the task's loss sum and sample count are
+    kept in locals, added in `TaskMeters.add_done`'s order and written back however the loop ends.
+
     `loop.window_pos` counts the open window's micro-batches and `loop.window_updated` (set by the
-    optimizer's post-hook) marks an applied update, so an interrupt resumes exactly as on the unfused
-    path. A window counts once its update is applied, even if a later post-hook fails (`finally`); its
-    patches are made before the update, so unlike in a custom step no interrupt loses them."""
-    t, loop, machine = runner.t, runner.t.loop, runner.t.machine
-    model, device, config = t.model, t.device, t.config
+    optimizer's post-hook, or here when it is marked inline) marks an applied update, so an interrupt
+    resumes exactly as on the unfused path. A window counts once its update is applied, even if a later
+    post-hook or the scheduler fails (`finally`); its patches are made before the update, so unlike in a
+    custom step no interrupt loses them."""
+    t, loop, machine, config = runner.t, runner.t.loop, runner.t.machine, runner.t.config
     k = config.gradient_accumulation_steps
     if k == 1:  # one-batch windows: opening the window is part of the batch's one edge
+        begin = inner = None
         updated_step, skipped_step = (machine.bound(e, "task_train") for e in ("window_step", "window_skip_step"))
     else:
         begin, inner = machine.bound("begin_window", "task_train"), machine.bound("accumulate_step", "window_open")
         updated_step, skipped_step = (machine.bound(e, "window_open") for e in ("update_step", "skip_step"))
-    opt = t._opts[0].opt  # a step-wise scheduler steps in its post-hook, or here (`scheduler`; see _marked)
-    scaler = t._precision.scaler
+    model, device, opt, loss_fn = t.model, t.device, t._opts[0].opt, t.loss_fn
+    scaler, precision = t._precision.scaler, t._precision
+    autocast = precision.autocast() if precision.dtype is not None else None  # entered once per micro-batch
     raise_nonfinite = config.nonfinite == "raise"
-    has_loss = t.loss_fn is not None
-    loss_of = runner.compute_loss  # checks that the loss is a scalar: on the task's first micro-batch only
-    checked_loss = t.loss_fn if has_loss else loss_of
+    host = reads_on_host(device)
+    split = batch_splitter(loss_fn is not None, device, device.type == "cuda", task.batch_size)
+    pairs = loss_fn is not None and task.batch_size is None and device.type == "cpu"
     patches_of = t.batch_patches if task.all_metrics else None
     console = t._console
     log_batch = console.log_batch or console.log_tqdm
-    host, split = reads_on_host(device), batch_splitter(has_loss, device, device.type == "cuda", task.batch_size)
-    isfinite, count = math.isfinite, meters.add_done
-
-    def forward(batch_x, batch_y):
-        model_out = call_model(model, batch_x)
-        return loss_of(model_out, batch_y), patches_of and patches_of(model_out, batch_y)
-
-    if t._precision.dtype is not None:  # autocast over forward, loss and patches (AMP-1)
-        plain, autocast = forward, t._precision.autocast
-
-        def forward(batch_x, batch_y):
-            with autocast():
-                return plain(batch_x, batch_y)
-
+    isfinite, tensor, fold, count = math.isfinite, torch.Tensor, meters.fold_patches, meters.add_done
     batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
-    idx, pos, first, samples, window, updating, finite = loop.batch_idx, 0, 0, 0, [], False, True
+    idx, pos, first, samples_in_window, value, n, patches = loop.batch_idx, 0, 0, 0, 0.0, 0, None
+    window, finite, updating, checked = [], True, False, False  # window: its earlier micro-batches' counts
+    total, samples = meters.host_sum, meters.count
     try:
         for batch, is_last in batches:
             if pos == 0:
-                if k == 1:
+                if begin is None:
                     loop.window_updated = False  # what opening a window does that this loop reads
                 else:
                     begin()
             idx += 1
             pos += 1
             loop.batch_idx, loop.window_pos = idx, pos
-            batch_x, batch_y, n = split(batch)
-            loss, patches = forward(batch_x, batch_y)
-            loss_of = checked_loss
-            if k > 1:  # this micro-batch's share of the window (see Runner.loss)
+            if pairs and type(batch) in (tuple, list) and len(batch) == 2:  # batch_splitter's check, inline
+                batch_x, batch_y = batch
+                if (type(batch_x) is tensor and type(batch_y) is tensor and batch_x.is_cpu and batch_y.is_cpu
+                        and batch_y.dim()):
+                    n = batch_y.shape[0]
+                else:
+                    batch_x, batch_y, n = split(batch)
+            else:
+                batch_x, batch_y, n = split(batch)
+            if autocast is not None:  # AMP-1: forward, loss and patches (`with`, less a no-op context in fp32)
+                autocast.__enter__()
+            try:
+                model_out = model(batch_x) if type(batch_x) is tensor else call_model(model, batch_x)
+                if checked:
+                    loss = loss_fn(model_out, batch_y)
+                else:
+                    loss, checked = runner.compute_loss(model_out, batch_y), loss_fn is not None
+                if patches_of is not None:
+                    patches = patches_of(model_out, batch_y)
+            finally:
+                if autocast is not None:
+                    autocast.__exit__(None, None, None)
+            if k == 1:
+                scaled = loss
+            else:  # this micro-batch's share of the window (see Runner.loss)
                 if pos == 1:
-                    first, samples = n, 0
-                samples += n
+                    first, samples_in_window = n, 0
+                samples_in_window += n
                 factor = n / (k * first)
                 scaled = loss if factor == 1.0 else loss * factor
-            else:
-                scaled = loss
             (scaled if scaler is None else scaler.scale(scaled)).backward()
             if host:
                 value = loss.item()
-                finite = finite and isfinite(value)
+                if finite and not isfinite(value):
+                    finite = False
             else:
                 value = loss.detach()
-            window.append((value, n, patches))
-            if not (is_last or pos == k):
+            if pos < k and not is_last:
+                window.append((value, n, patches))
                 inner()
             else:
                 updating = True
                 if scaler is not None:
                     scaler.unscale_(opt)
-                norm = k * first / samples if k > 1 else 1.0
-                if norm != 1.0:
-                    torch._foreach_mul_(t._opts.grads(0), norm)
+                if k > 1:
+                    norm = k * first / samples_in_window
+                    if norm != 1.0:
+                        torch._foreach_mul_(t._opts.grads(0), norm)
                 if scaler is not None:
                     scaler.step(opt)  # steps (post-hook: window_updated) unless it found inf/NaN
                     scaler.update()
@@ -242,9 +261,22 @@ def _window_batches(runner, task, data, meters, scheduler):
                 else:
                     updated = False
                 updating = False
-                for done in window:
-                    count(*done)
-                window.clear()
+                if host:  # TaskMeters.add_done, inline
+                    for v, m, p in window:
+                        total += v * m
+                        samples += m
+                        if p:
+                            fold(p)
+                    total += value * n
+                    samples += n
+                    if patches:
+                        fold(patches)
+                else:
+                    for done in window:
+                        count(*done)
+                    count(value, n, patches)
+                if window:
+                    window.clear()
                 finite = True
                 opt.zero_grad(set_to_none=True)
                 pos = loop.window_pos = 0
@@ -255,9 +287,12 @@ def _window_batches(runner, task, data, meters, scheduler):
             if log_batch:
                 console.batch(idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
     finally:
+        if host and samples != meters.count:
+            meters.host_sum, meters.count, meters.final = total, samples, None
         if updating and loop.window_updated:  # a post-hook or the scheduler failed after the update: it counts
             for done in window:
                 count(*done)
+            count(value, n, patches)
     if not host and meters.loss_sum is not None:  # PERF-2: a device flag per task, not a read per batch
         bad = ~torch.isfinite(meters.loss_sum)
         runner._pending_nonfinite = bad if runner._pending_nonfinite is None else runner._pending_nonfinite | bad

@@ -184,13 +184,13 @@ class LoopMachine:
     def bound(self, trigger: str, source: str) -> Callable[[], object]:
         """`fire(trigger)` for a loop that fires it once per batch from `source`, the edge resolved here.
 
-        A single edge without guard, action or error (the fused edges) then costs a state check, the move,
-        the flight record and the probe; from any other state the call is a plain `fire`. Other edges get
-        `fire` itself."""
+        A single edge without guard or error (the fused edges, begin_window) then costs a state check, the
+        move, the flight record, its actions and the probe, in `fire`'s order; from any other state the call
+        is a plain `fire`. Other edges get `fire` itself."""
         edges = self.table.get((source, trigger), ())
-        if len(edges) != 1 or edges[0][0] is not None or edges[0][2] or edges[0][3] is not None:
+        if len(edges) != 1 or edges[0][0] is not None or edges[0][3] is not None:
             return functools.partial(self.fire, trigger)
-        dest = edges[0][1]
+        dest, actions = edges[0][1], edges[0][2]
         model, loop, record = self.model, self.loop, self.history.append
 
         def fire():
@@ -198,6 +198,8 @@ class LoopMachine:
                 return self.fire(trigger)
             model.state = dest
             record((loop.epoch, loop.batch_idx, source, trigger, dest))
+            for action in actions:
+                action()
             if self.probe is not None:
                 self.probe(dest)
             return dest

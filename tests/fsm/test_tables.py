@@ -1,6 +1,7 @@
 """Structure of the generated tables (FSM-2, FSM-4) and agreement of the two runtimes (FSM-3)."""
 
 import collections
+import functools
 import itertools
 import subprocess
 import sys
@@ -198,7 +199,8 @@ def test_error_edge_raises_its_reason():
 def test_a_bound_trigger_acts_as_fire_from_any_state():
     """`LoopMachine.bound` (an edge resolved once, for a loop) moves, records and probes as `fire` does, and
     from another state than the one it was bound for behaves exactly as `fire` (here: the invalid-trigger
-    error); an edge with an action is bound to `fire` itself."""
+    error); an edge with an action runs it as `fire` does, after the move and the record, before the probe;
+    an edge with a guard is bound to `fire` itself."""
     guards = {g.name: (lambda: True) for g in SPEC.guards}
     ran = []
     actions = {a.name: (lambda a=a.name: ran.append(a)) for a in SPEC.actions}
@@ -216,6 +218,16 @@ def test_a_bound_trigger_acts_as_fire_from_any_state():
         step()
     begin = bound.bound("begin_window", "task_train")
     assert begin() == "window_open" and ran == ["open_window"]
+    seen, probes = [], []
+    opening = LoopMachine(guards, {**actions, "open_window": lambda: seen.append(
+        (opening.state, opening.records()[-1].trigger, list(probes)))}, loop)
+    opening.probe, opening.model.state = probes.append, "task_train"
+    assert opening.bound("begin_window", "task_train")() == "window_open" == opening.state
+    assert seen == [("window_open", "begin_window", [])]  # moved and recorded, not yet probed
+    assert probes == ["window_open"]
+    hot = {t.name for t in SPEC.triggers if t.hot}
+    guarded = next(e for e in SPEC.transitions if (e.conditions or e.unless) and e.trigger in hot)
+    assert isinstance(bound.bound(guarded.trigger, guarded.source), functools.partial)
 
 
 def test_spec_validation_rejects_overlapping_guards():
