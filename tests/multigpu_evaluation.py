@@ -22,15 +22,16 @@ the script prints "skipped: CUDA not available", writes a skipped result and exi
 `<output>/result.json`; the exit status is 1 when any check fails.
 """
 
-import argparse
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
+import script_common
 import torch
 import torch.distributed as dist
+from script_common import is_rank_0
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -54,10 +55,7 @@ def f1(preds, targets):
 
 # ---- shared with tests/single_gpu_checkpoint.py -------------------------------------------------------
 def make_data(n: int, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, FEATURES, generator=generator)
-    y = (x[:, :CLASSES] + 0.5 * torch.randn(n, CLASSES, generator=generator)).argmax(dim=1)
-    return TensorDataset(x, y)
+    return script_common.classification_data(n, seed, FEATURES, CLASSES, noise=0.5)
 
 
 def make_model() -> nn.Module:
@@ -85,10 +83,6 @@ def reference_metrics(model: nn.Module, dataset: TensorDataset, device, precisio
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
-def is_rank_0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def gather(obj) -> list:
     """Every rank's `obj` (a list of one in a single process)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -250,15 +244,11 @@ def case_checkpoints(args, output: Path) -> dict:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="folder for result.json and checkpoints")
-    parser.add_argument("--expected-world-size", type=int, default=None)
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
-    parser.add_argument("--device", default="cuda", help="cuda (one GPU per process) or cpu (gloo)")
-    args, unknown = parser.parse_known_args()
-    if unknown:
-        print(f"multigpu_evaluation: ignoring unknown arguments {unknown}", file=sys.stderr)
-    return args
+    return script_common.parse_args("multigpu_evaluation", __doc__, {
+        "--output": {"required": True, "help": "folder for result.json and checkpoints"},
+        "--expected-world-size": {"type": int, "default": None},
+        "--device": {"default": "cuda", "help": "cuda (one GPU per process) or cpu (gloo)"},
+    })
 
 
 def main() -> int:

@@ -21,12 +21,12 @@ the script prints "skipped: CUDA not available", writes a skipped result and exi
 JSON file given by `--output`; the exit status is 1 when any check fails.
 """
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
+import script_common
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -42,15 +42,11 @@ AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="JSON file to write (rank 0)")
-    parser.add_argument("--expected-world-size", type=int, default=None)
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
-    parser.add_argument("--device", default="cuda", help="cuda (one GPU per process) or cpu (gloo)")
-    args, unknown = parser.parse_known_args()
-    if unknown:
-        print(f"multigpu_training: ignoring unknown arguments {unknown}", file=sys.stderr)
-    return args
+    return script_common.parse_args("multigpu_training", __doc__, {
+        "--output": {"required": True, "help": "JSON file to write (rank 0)"},
+        "--expected-world-size": {"type": int, "default": None},
+        "--device": {"default": "cuda", "help": "cuda (one GPU per process) or cpu (gloo)"},
+    })
 
 
 def world_size_from_env() -> int:
@@ -59,11 +55,7 @@ def world_size_from_env() -> int:
 
 def make_data(world_size: int) -> TensorDataset:
     """4 full batches and a 2-sample batch per rank: no padding, a ragged last batch, a tail window."""
-    n = world_size * (4 * BATCH + 2)
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(n, FEATURES, generator=generator)
-    y = (x[:, :CLASSES] + 0.5 * torch.randn(n, CLASSES, generator=generator)).argmax(dim=1)
-    return TensorDataset(x, y)
+    return script_common.classification_data(world_size * (4 * BATCH + 2), 1, FEATURES, CLASSES, noise=0.5)
 
 
 def make_model() -> nn.Module:

@@ -19,12 +19,12 @@ imports (the script's folder is on `sys.path` when it runs). Checks:
 exit status is 1 when any check fails.
 """
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
 
+import script_common
 import torch
 from multigpu_evaluation import BATCH, TOLERANCE, accuracy, make_data, make_model, reference_metrics
 from torch.nn import functional as F
@@ -34,16 +34,12 @@ from deepepochs import Trainer
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="a .ckpt file written by multigpu_evaluation.py")
-    parser.add_argument("--source-world-size", type=int, default=None, help="processes that wrote it")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--output", required=True, help="folder for result.json and the moved copy")
-    args, unknown = parser.parse_known_args()
-    if unknown:
-        print(f"single_gpu_checkpoint: ignoring unknown arguments {unknown}", file=sys.stderr)
-    return args
+    return script_common.parse_args("single_gpu_checkpoint", __doc__, {
+        "--checkpoint": {"required": True, "help": "a .ckpt file written by multigpu_evaluation.py"},
+        "--source-world-size": {"type": int, "default": None, "help": "processes that wrote it"},
+        "--device": {"default": "cuda:0"},
+        "--output": {"required": True, "help": "folder for result.json and the moved copy"},
+    })
 
 
 def new_trainer(args, epochs: int) -> Trainer:

@@ -20,13 +20,13 @@ Writes `<output>/result.json` and exits 1 when a check fails. A CUDA device with
 "skipped: CUDA not available", writes a skipped result and exits 0.
 """
 
-import argparse
 import json
 import os
 import signal
 import sys
 from pathlib import Path
 
+import script_common
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -102,17 +102,13 @@ def main() -> dict:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="folder for result.json")
-    parser.add_argument("--num-processes", type=int, default=None,
-                        help="processes to start (default: one per visible GPU, or 1 without GPUs)")
-    parser.add_argument("--expected-world-size", type=int, default=None)
-    parser.add_argument("--device", default=None, help="cpu, cuda (default: CUDA if available)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
-    args, unknown = parser.parse_known_args()
-    if unknown:
-        print(f"smoke_launch: ignoring unknown arguments {unknown}", file=sys.stderr)
-    return args
+    return script_common.parse_args("smoke_launch", __doc__, {
+        "--output": {"required": True, "help": "folder for result.json"},
+        "--num-processes": {"type": int, "default": None,
+                            "help": "processes to start (default: one per visible GPU, or 1 without GPUs)"},
+        "--expected-world-size": {"type": int, "default": None},
+        "--device": {"default": None, "help": "cpu, cuda (default: CUDA if available)"},
+    })
 
 
 def run() -> int:

@@ -21,14 +21,14 @@ Writes `<output>/result.json` (rank 0) and exits 1 when a check fails. A CUDA de
 "skipped: CUDA not available", writes a skipped result and exits 0.
 """
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+import script_common
 import torch
 import torch.distributed as dist
+from script_common import is_rank_0
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -41,19 +41,11 @@ TOLERANCE = {"fp32": 1e-5, "fp16": 2e-2, "bf16": 5e-2}  # metric differences fro
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="folder for result.json and checkpoints")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if available)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
-    parser.add_argument("--epochs", type=int, default=3)
-    args, unknown = parser.parse_known_args()  # tolerant: launchers may add arguments of their own
-    if unknown:
-        print(f"smoke_training: ignoring unknown arguments {unknown}", file=sys.stderr)
-    return args
-
-
-def is_rank_0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    return script_common.parse_args("smoke_training", __doc__, {
+        "--output": {"required": True, "help": "folder for result.json and checkpoints"},
+        "--device": {"default": None, "help": "cpu, cuda, cuda:N (default: CUDA if available)"},
+        "--epochs": {"type": int, "default": 3},
+    })
 
 
 def write_result(output: Path, result: dict) -> None:
@@ -63,10 +55,7 @@ def write_result(output: Path, result: dict) -> None:
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, FEATURES, generator=generator)
-    y = (x[:, :CLASSES] + 0.3 * torch.randn(n, CLASSES, generator=generator)).argmax(dim=1)
-    return TensorDataset(x, y)
+    return script_common.classification_data(n, seed, FEATURES, CLASSES, noise=0.3)
 
 
 def make_model() -> nn.Module:
