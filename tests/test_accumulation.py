@@ -87,6 +87,29 @@ def test_k_step_accumulation_equals_one_step_on_the_concatenated_window(k, batch
     assert all(p.grad is None for p in model.parameters())  # nothing leaks out of the fit
 
 
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_fused_accumulation_equals_one_step_on_the_concatenated_window(shape):
+    """The fused window loop (no callback observes it) seeds each micro-batch's backward with its share of
+    the window instead of multiplying the loss: the same update as one SGD step on the concatenated window,
+    for a scalar loss and a one-element loss of shape (1,), with a tail window and a ragged last batch."""
+    x, y = make_data()
+    dl = DataLoader(TensorDataset(x, y), batch_size=8)  # 6 batches of 8 and one of 2: windows 3, 3, 1
+
+    def loss_fn(out, target):
+        return F.mse_loss(out, target).reshape(shape)
+
+    model, ref = make_model(), make_model()
+    trainer = Trainer(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), epochs=3,
+                      gradient_accumulation_steps=3, **QUIET)
+    trainer.machine.history = collections.deque()  # keep every transition
+    records = trainer.fit(dl)
+    assert {"accumulate_step", "update_step"} <= {r.trigger for r in trainer.machine.records()}  # fused
+    ref_losses = reference_windows(ref, batches_of(dl), 3, epochs=3)
+    assert max_diff(model, ref) < 1e-5
+    assert records["train"]["loss"] == pytest.approx(ref_losses, abs=1e-5)
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("fuse_steps", [True, False])
 def test_windows_never_cross_an_epoch_boundary(fuse_steps):
     """With 7 batches and k=4, each epoch has windows of 4 and 3 batches; the trace shows it (one fused
