@@ -80,8 +80,9 @@ def _plain_batches(runner, task, data, meters, scheduler):
     """`_window_batches` for one-batch windows in fp32 on the CPU with nonfinite='raise', where a small
     model shows the loop's own cost most: one `window_step` edge per batch and only the work this case
     needs, inline (no window list, no scaler, no normalisation: the same results, bit for bit), even the
-    splitter's check of an `(x, y)` pair (a call less per batch). The loss is checked to be a scalar on
-    the task's first batch (a later one raises from `backward`); the task's loss sum and sample count are
+    splitter's check of an `(x, y)` pair (a call less per batch), and the backward started from a cached
+    gradient of ones through `torch.autograd.backward` (as `_backward` does). The loss is checked to be a
+    scalar on the task's first batch (a later one raises from `backward`); the task's loss sum and sample count are
     kept in locals, in the same order of additions as `TaskMeters.add_done`, and written back when the
     loop ends however it ends."""
     t, loop = runner.t, runner.t.loop
@@ -95,6 +96,7 @@ def _plain_batches(runner, task, data, meters, scheduler):
     isfinite, tensor, fold = math.isfinite, torch.Tensor, meters.fold_patches
     idx, value, n, patches, updating, checked = loop.batch_idx, 0.0, 0, None, False, False
     total, samples = meters.host_sum, meters.count
+    one, backward = None, torch.autograd.backward
     try:
         for batch in data:
             idx += 1
@@ -115,7 +117,12 @@ def _plain_batches(runner, task, data, meters, scheduler):
                 loss, checked = runner.compute_loss(model_out, batch_y), loss_fn is not None
             if patches_of is not None:
                 patches = patches_of(model_out, batch_y)
-            loss.backward()
+            if one is None or one.dim() != loss.dim():  # `loss.backward()` bit for bit, less ones_like and a frame
+                one = torch.ones_like(loss)
+            if type(loss) is tensor:
+                backward((loss,), (one,))
+            else:  # a tensor subclass keeps its own backward
+                loss.backward()
             value = loss.item()
             if not isfinite(value):
                 runner._raise_nonfinite()
@@ -144,6 +151,20 @@ def _plain_batches(runner, task, data, meters, scheduler):
             meters.host_sum, meters.count, meters.final = total, samples, None
 
 
+def _backward(root: torch.Tensor, factor: float, seeds: dict) -> None:
+    """`(root * factor).backward()`, bit for bit (the multiply's backward would hand exactly `factor` on),
+    without the multiply, its backward node, the implicit `ones_like` and `Tensor.backward`'s frame: the
+    backward starts from a gradient `factor` shaped as `root`, made once per task and share (`seeds`).
+    ~17 µs per micro-batch on a tiny CPU model with a factor, ~3 µs without."""
+    seed = seeds.get(factor)
+    if seed is None or seed.dim() != root.dim():
+        seed = seeds[factor] = torch.full_like(root, factor)
+    if type(root) is torch.Tensor:
+        torch.autograd.backward((root,), (seed,))
+    else:  # a tensor subclass keeps its own backward
+        root.backward(seed)
+
+
 def _window_batches(runner, task, data, meters, scheduler):
     """One fused edge per micro-batch: `accumulate_step` inside a window, `update_step` or `skip_step`
     at its end, or for one-batch windows `window_step` or `window_skip_step`. Inline, in the unfused
@@ -156,10 +177,9 @@ def _window_batches(runner, task, data, meters, scheduler):
     window in the task's meters (close_window).
 
     Without a scaler, a micro-batch of a k-batch window starts its backward from its share of the window
-    (`loss.backward(seed)`, one cached tensor per share) instead of backpropagating `loss * share`: the
-    same gradients bit for bit (the multiply's backward would produce exactly the seed), without the
-    multiply, its backward node and the implicit `ones_like` (~17 µs per micro-batch on a tiny CPU model,
-    more than the loop's own bookkeeping).
+    (`_backward`: one cached seed tensor per share) instead of backpropagating `loss * share`: the same
+    gradients bit for bit, without the multiply, its backward node and the implicit `ones_like` (~17 µs
+    per micro-batch on a tiny CPU model, more than the loop's own bookkeeping).
 
     A small model on the CPU shows the loop's own cost most (PERF-1), so the common cases cost no call
     they do not need: the splitter's check of an `(x, y)` pair of CPU tensors is inline, the loss is
@@ -194,7 +214,7 @@ def _window_batches(runner, task, data, meters, scheduler):
     batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
     idx, pos, first, samples_in_window, value, n, patches = loop.batch_idx, 0, 0, 0, 0.0, 0, None
     window, finite, updating, checked = [], True, False, False  # window: its earlier micro-batches' counts
-    seeds = {}  # a micro-batch's share of its window -> the gradient its backward starts from
+    seeds = {}  # a micro-batch's share of its window -> the gradient its backward starts from (_backward)
     total, samples = meters.host_sum, meters.count
     try:
         for batch, is_last in batches:
@@ -229,19 +249,16 @@ def _window_batches(runner, task, data, meters, scheduler):
                 if autocast is not None:
                     autocast.__exit__(None, None, None)
             if k == 1:
-                (loss if scaler is None else scaler.scale(loss)).backward()
+                factor = 1.0
             else:  # this micro-batch's share of the window (see Runner.loss)
                 if pos == 1:
                     first, samples_in_window = n, 0
                 samples_in_window += n
                 factor = n / (k * first)
-                if scaler is not None:
-                    scaler.scale(loss if factor == 1.0 else loss * factor).backward()
-                else:  # backward seeded with the share: `(loss * factor).backward()` bit for bit, two ops fewer
-                    seed = seeds.get(factor)
-                    if seed is None:
-                        seed = seeds[factor] = torch.full_like(loss, factor)
-                    loss.backward(seed)
+            if scaler is None:
+                _backward(loss, factor, seeds)
+            else:  # every loss of the window is scaled with the same scale
+                _backward(scaler.scale(loss if factor == 1.0 else loss * factor), 1.0, seeds)
             if host:
                 value = loss.item()
                 if finite and not isfinite(value):

@@ -242,3 +242,38 @@ def test_a_step_that_never_calls_optimize_is_an_error_at_the_window_end():
         trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8))
     assert all(p.grad is None for p in model.parameters())
     assert trainer.machine.state == "idle"
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_fused_backward_follows_the_loss_shape_and_a_tensor_subclass_backward(k):
+    """The fused loops start each backward from a cached gradient (fused._backward); a loss that is () on
+    some batches and (1,) on others trains exactly as the unfused loop trains it, and a tensor subclass's
+    own `backward` still runs."""
+    class Loss(torch.Tensor):
+        calls = 0
+
+        def backward(self, *args, **kwargs):
+            Loss.calls += 1
+            return super().backward(*args, **kwargs)
+
+    def run(fuse_steps, subclass):
+        x, y = make_data()
+        model = make_model()
+        batches = iter(range(10**6))
+
+        def loss_fn(out, target):
+            loss = F.mse_loss(out, target)
+            loss = loss.reshape(1) if next(batches) % 3 == 1 else loss
+            return loss.as_subclass(Loss) if subclass else loss
+
+        trainer = Trainer(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2,
+                          gradient_accumulation_steps=k, fuse_steps=fuse_steps, **QUIET)
+        trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8))
+        return model
+
+    fused, plain = run(True, False), run(False, False)
+    assert all(torch.equal(p, q) for p, q in zip(fused.parameters(), plain.parameters()))
+    Loss.calls = 0
+    subclassed = run(True, True)
+    assert Loss.calls == 2 * 7  # every micro-batch of both epochs (7 batches each) went through it
+    assert all(torch.equal(p, q) for p, q in zip(subclassed.parameters(), plain.parameters()))
