@@ -277,3 +277,18 @@ def test_the_fused_backward_follows_the_loss_shape_and_a_tensor_subclass_backwar
     subclassed = run(True, True)
     assert Loss.calls == 2 * 7  # every micro-batch of both epochs (7 batches each) went through it
     assert all(torch.equal(p, q) for p, q in zip(subclassed.parameters(), plain.parameters()))
+
+
+def test_the_backward_seed_cache_stays_small_when_batch_sizes_vary():
+    """fused._backward keeps one seed per micro-batch share; with shares that never repeat (bucketed batch
+    sizes) the cache is bounded, and every backward still equals backpropagating `loss * share`."""
+    from deepepochs.fused import _backward
+
+    w = torch.tensor([1.5, -2.0], requires_grad=True)
+    seeds, expected = {}, torch.zeros(2)
+    for i in range(40):
+        share = (i + 1) / 41
+        _backward((w * w).sum() * (i + 2), share, seeds)
+        expected += 2 * w.detach() * (i + 2) * share
+        assert len(seeds) <= 16
+    torch.testing.assert_close(w.grad, expected)
