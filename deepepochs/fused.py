@@ -82,9 +82,9 @@ def _plain_batches(runner, task, data, meters, scheduler):
     needs, inline (no window list, no scaler, no normalisation: the same results, bit for bit), even the
     splitter's check of an `(x, y)` pair (a call less per batch), and the backward started from a cached
     gradient of ones through `torch.autograd.backward` (as `_backward` does). The loss is checked to be a
-    scalar on the task's first batch (a later one raises from `backward`); the task's loss sum and sample count are
-    kept in locals, in the same order of additions as `TaskMeters.add_done`, and written back when the
-    loop ends however it ends."""
+    scalar on the task's first batch (a later one raises from `backward`); the task's loss sum and sample
+    count are kept in locals, in the same order of additions as `TaskMeters.add_done`, and written back
+    when the loop ends however it ends."""
     t, loop = runner.t, runner.t.loop
     step = t.machine.bound("window_step", "task_train")
     model, device, opt, loss_fn = t.model, t.device, t._opts[0].opt, t.loss_fn
