@@ -83,6 +83,9 @@ class LogCallback(Callback):
         self.example_input = example_input
         self.log_batch = log_batch
         self.state_graph = state_graph
+        # Per-batch hooks this configuration leaves unused: without them training batches take fused edges.
+        self.idle_hooks = frozenset(name for name, used in (("on_before_train_batch", log_graph),
+                                                            ("on_after_train_batch", log_batch)) if not used)
         self._reset()
 
     def _reset(self):

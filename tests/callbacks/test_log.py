@@ -3,6 +3,7 @@
 Event files are read back with TensorBoard's own reader, `EventAccumulator`.
 """
 
+import collections
 import contextlib
 import io
 import os
@@ -343,3 +344,37 @@ def test_console_in_a_terminal_shows_progress_bars_with_metrics():
     assert re.search(r"\rE 1/1  T.*loss: \d\.\d{4}\]", log)
     # tqdm clears a finished bar with "\r<spaces>\r"; the epoch line then starts on the cleared line
     assert re.search(r"(^|\r)E 1/1  TRAIN> loss: \d\.\d{4}$", log, re.M)
+
+
+@pytest.mark.parametrize("options, fused", [({}, True), ({"log_batch": True}, False),
+                                            ({"log_graph": True}, False)])
+def test_a_default_log_callback_leaves_training_batches_on_the_fused_edges(tmp_path, options, fused):
+    """LogCallback's per-batch hooks are idle unless log_batch or log_graph asks for them, so by default
+    the batches take the cheap fused edges; the epoch curves are the same either way."""
+    train_dl, val_dl = loaders()
+    curves = {}
+    for name, opts in (("logged", options), ("reference", None)):
+        torch.manual_seed(0)
+        callbacks = [] if opts is None else [LogCallback(tmp_path / name, **opts)]
+        with make_trainer(nn.Linear(8, 2), callbacks, epochs=2) as t:
+            t.machine.history = collections.deque()
+            curves[name] = t.fit(train_dl, val_dl, metrics=[accuracy])
+            triggers = {r.trigger for r in t.machine.records()}
+        if opts is not None:
+            assert ("window_step" in triggers) == fused
+            assert ("backward" in triggers) != fused  # a training batch taking every edge
+    assert curves["logged"] == curves["reference"]
+    assert [v for _, v in scalars(read_run(tmp_path / "logged" / "run"), "loss/train")] == pytest.approx(
+        curves["reference"]["train"]["loss"])
+
+
+def test_idle_hooks_must_name_hooks():
+    """A callback's idle_hooks is checked when it is attached: hook names only, with the bad ones named."""
+    class Quiet(Callback):
+        idle_hooks = frozenset({"on_after_train_batch", "on_after_everything"})
+
+    with pytest.raises(ConfigError, match=r"idle_hooks must be a set of hook names.*on_after_everything"):
+        make_trainer(nn.Linear(8, 2), [Quiet()])
+    Quiet.idle_hooks = "on_after_train_batch"
+    with pytest.raises(ConfigError, match=r"idle_hooks must be a set of hook names"):
+        make_trainer(nn.Linear(8, 2), [Quiet()])
