@@ -81,7 +81,7 @@ def _plain_batches(runner, task, data, meters, scheduler):
     model shows the loop's own cost most: one `window_step` edge per batch and only the work this case
     needs, inline (no window list, no scaler, no normalisation: the same results, bit for bit), even the
     splitter's check of an `(x, y)` pair (a call less per batch), and the backward started from a cached
-    gradient of ones through `torch.autograd.backward` (as `_backward` does). The loss is checked to be a
+    gradient of ones through `torch.autograd.backward` (`_backward`). The loss is checked to be a
     scalar on the task's first batch (a later one raises from `backward`); the task's loss sum and sample
     count are kept in locals, in the same order of additions as `TaskMeters.add_done`, and written back
     when the loop ends however it ends."""
@@ -96,7 +96,7 @@ def _plain_batches(runner, task, data, meters, scheduler):
     isfinite, tensor, fold = math.isfinite, torch.Tensor, meters.fold_patches
     idx, value, n, patches, updating, checked = loop.batch_idx, 0.0, 0, None, False, False
     total, samples = meters.host_sum, meters.count
-    one, backward = None, torch.autograd.backward
+    seeds = {}  # the gradient of ones each backward starts from (_backward)
     try:
         for batch in data:
             idx += 1
@@ -117,12 +117,7 @@ def _plain_batches(runner, task, data, meters, scheduler):
                 loss, checked = runner.compute_loss(model_out, batch_y), loss_fn is not None
             if patches_of is not None:
                 patches = patches_of(model_out, batch_y)
-            if one is None or one.dim() != loss.dim():  # `loss.backward()` bit for bit, less ones_like and a frame
-                one = torch.ones_like(loss)
-            if type(loss) is tensor:
-                backward((loss,), (one,))
-            else:  # a tensor subclass keeps its own backward
-                loss.backward()
+            _backward(loss, 1.0, seeds)  # `loss.backward()` bit for bit, less a ones_like and a frame
             value = loss.item()
             if not isfinite(value):
                 runner._raise_nonfinite()
