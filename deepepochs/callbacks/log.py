@@ -83,10 +83,14 @@ class LogCallback(Callback):
         self.example_input = example_input
         self.log_batch = log_batch
         self.state_graph = state_graph
-        # Per-batch hooks this configuration leaves unused: without them training batches take fused edges.
-        self.idle_hooks = frozenset(name for name, used in (("on_before_train_batch", log_graph),
-                                                            ("on_after_train_batch", log_batch)) if not used)
         self._reset()
+
+    @property
+    def idle_hooks(self) -> frozenset[str]:
+        """The per-batch hooks the current settings leave unused (read when attached to a trainer): without
+        them training batches take the fused edges."""
+        return frozenset(name for name, used in (("on_before_train_batch", self.log_graph),
+                                                 ("on_after_train_batch", self.log_batch)) if not used)
 
     def _reset(self):
         self._graph_pending = self.log_graph

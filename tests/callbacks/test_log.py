@@ -378,3 +378,14 @@ def test_idle_hooks_must_name_hooks():
     Quiet.idle_hooks = "on_after_train_batch"
     with pytest.raises(ConfigError, match=r"idle_hooks must be a set of hook names"):
         make_trainer(nn.Linear(8, 2), [Quiet()])
+
+
+def test_log_batch_switched_on_before_attaching_is_honoured(tmp_path):
+    """LogCallback's idle hooks follow its settings when it is attached, not when it was built: turning
+    log_batch on afterwards still writes one point per training batch."""
+    train_dl, _ = loaders()  # 4 batches per epoch
+    cb = LogCallback(tmp_path)
+    cb.log_batch = True
+    with make_trainer(nn.Linear(8, 2), [cb], epochs=2) as t:
+        t.fit(train_dl)
+    assert [s for s, _ in scalars(read_run(tmp_path / "run"), "loss/train_batch")] == list(range(1, 9))
