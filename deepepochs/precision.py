@@ -16,6 +16,9 @@ window, would hit exactly that if the scale changed after the first update. So `
 update at once only when every optimizer has finished an update; after a partial update it is deferred to
 the first `scale()` of a later batch (or to `state_dict()` / `discard_step_state()`), when no gradient scaled
 with the old scale is waiting any more.
+
+The scaler's per-optimizer records are reached only through `deepepochs.torch_private`, the one module
+allowed private torch attributes (each with its reason and a public fallback).
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ import torch
 
 from deepepochs.config import PRECISIONS, check_choice
 from deepepochs.errors import ConfigError
+from deepepochs.torch_private import (
+    autocast_enabled,
+    scaler_forget,
+    scaler_forget_all,
+    scaler_unscale,
+    scaler_update_with,
+)
 
 __all__ = ["Precision"]
 
@@ -55,7 +65,7 @@ def _check_autocast(precision: str, device: torch.device, dtype: torch.dtype) ->
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ctx = torch.autocast(device_type=device.type, dtype=dtype)
-    if not getattr(ctx, "_enabled", True) or any("not supported" in str(w.message) for w in caught):
+    if not autocast_enabled(ctx, device.type) or any("not supported" in str(w.message) for w in caught):
         raise ConfigError(f"precision={precision!r} is not supported by autocast on {device} (torch"
                           f" {torch.__version__}); use precision='fp32'"
                           + (" or 'bf16'" if precision == "fp16" else " or 'fp16'"))
@@ -97,7 +107,7 @@ class Precision:
                 raise ConfigError(f"precision='fp16' needs torch.amp.GradScaler, which is unavailable on"
                                   f" {device}; use precision='bf16' or 'fp32'")
         # inf records of updates finished since the last scale update, and who finished them
-        self._done: list[dict] = []
+        self._done: list[list[torch.Tensor]] = []
         self._done_ids: set[int] = set()
         self._done_token = None
         if self.dtype is None:
@@ -134,11 +144,9 @@ class Precision:
         scaler = self._scaler
         if scaler is None:
             return None
-        states = scaler._per_optimizer_states  # private: the documented API offers no per-optimizer flag
         flags, owners = [], []
         for n, opt in enumerate(optimizers):
-            scaler.unscale_(opt)
-            for flag in states[id(opt)]["found_inf_per_device"].values():
+            for flag in scaler_unscale(scaler, opt):
                 flags.append(flag)
                 owners.append(n)
         found = [False] * len(optimizers)
@@ -159,11 +167,10 @@ class Precision:
         scaler = self._scaler
         if scaler is None:
             return
-        states = scaler._per_optimizer_states
         for opt in optimizers:
-            state = states.pop(id(opt), None)
-            if state is not None:
-                self._done.append(state["found_inf_per_device"])
+            record = scaler_forget(scaler, opt, self.device)
+            if record is not None:
+                self._done.append(record)
             self._done_ids.add(id(opt))
         self._done_token = token
         if len(self._done_ids) >= n_total:
@@ -173,12 +180,8 @@ class Precision:
         """Adjust the scale from the set-aside inf records (halve on overflow, grow after enough finite
         updates), exactly as `GradScaler.update()` does after `scaler.step` of each optimizer."""
         done, self._done, self._done_ids, self._done_token = self._done, [], set(), None
-        scaler = self._scaler
-        states = scaler._per_optimizer_states
         if any(done):
-            for n, found in enumerate(done):  # hand the records back under keys no optimizer id can take
-                states[("deepepochs", n)]["found_inf_per_device"] = found
-            scaler.update()  # consumes every record and resets the per-optimizer states
+            scaler_update_with(self._scaler, done)  # also consumes records still held; resets them all
         # no record at all: the updated optimizers had no gradients; the scale stays as it is
 
     def discard_step_state(self) -> None:
@@ -186,7 +189,7 @@ class Precision:
         allowed; updates that completed before the interrupt still adjust the scale."""
         if self._scaler is None:
             return
-        self._scaler._per_optimizer_states.clear()  # a defaultdict: entries are recreated on demand
+        scaler_forget_all(self._scaler, self.device)
         if self._done:
             self._apply_update()
         self._done_ids.clear()
@@ -203,5 +206,5 @@ class Precision:
         """Restore `state_dict()` output; a missing state leaves the scaler as it is."""
         if self._scaler is not None and state:
             self._done, self._done_ids, self._done_token = [], set(), None
-            self._scaler._per_optimizer_states.clear()
+            scaler_forget_all(self._scaler, self.device)
             self._scaler.load_state_dict(state)

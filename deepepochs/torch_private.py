@@ -1,0 +1,191 @@
+"""The one module of deepepochs that may touch private torch attributes; everything else uses public API.
+
+Each private attribute below is used only because no public API does the job. Each has a fallback built
+from public API, picked by feature detection at import (the `*_PRIVATE` / `*_PUBLIC` flags below); the
+fallback may be slower or coarser, but makes the same step/skip decisions and scale updates.
+
+`GradScaler._per_optimizer_states` (the per-optimizer records that `unscale_` fills and `update` consumes)
+    Used to read an optimizer's inf/NaN flags after `unscale_`, to drop one optimizer's record without
+    touching the scale, and to hand set-aside records back to `update`. Why: the public API exposes the
+    flags only through `step`, which steps or skips by itself with one host read per optimizer, and
+    through `update`, which consumes every record at once, so a scale update cannot wait until every
+    optimizer of a batch has finished (see `deepepochs.precision`).
+    Fallback: the flags are computed with `torch.isfinite` over the unscaled gradients and kept in a side
+    table here; a record is dropped with `update(new_scale=<the current scale>)`, which resets the
+    scaler's per-optimizer stages and keeps the scale and growth tracker; the set-aside records become
+    one stand-in parameter whose gradient is inf exactly when a record found inf, unscaled and consumed
+    by a plain `update()` (so torch's own scale arithmetic still runs). Coarser: a finite gradient that
+    overflows only once unscaled (a scale below 1) counts as non-finite, so its update is skipped.
+
+`torch.autocast._enabled` (torch < 2.4 only)
+    Whether an autocast context really enables autocast: torch disables it, with only a warning, for a
+    dtype the device does not support. torch >= 2.4 answers publicly (`torch.is_autocast_enabled(device)`
+    inside the context), which is used wherever it exists; torch 2.3's `is_autocast_enabled()` takes no
+    device and answers for CUDA only.
+    Fallback: report enabled; `deepepochs.precision` also checks for the "not supported" warning that
+    torch emits whenever it disables autocast for an unsupported dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+import torch
+
+__all__ = [
+    "autocast_enabled",
+    "scaler_forget",
+    "scaler_forget_all",
+    "scaler_unscale",
+    "scaler_update_with",
+]
+
+_PLACEHOLDER = "deepepochs"  # first item of the keys under which set-aside records go back to the scaler
+
+
+def _probe_scaler_records() -> bool:
+    """True when `_per_optimizer_states` behaves as the private path expects, tried on a throwaway scaler."""
+    try:  # any failure, whatever its type, means the private layout changed: use the public fallback
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+            param = torch.zeros(1)
+            param.grad = torch.full((1,), math.inf)
+            opt = torch.optim.SGD([param], lr=0.0)
+            scaler.scale(torch.ones(()))
+            scaler.unscale_(opt)
+            record = scaler._per_optimizer_states.pop(id(opt))["found_inf_per_device"]
+            if [float(flag) for flag in record.values()] != [1.0]:
+                return False
+            scaler._per_optimizer_states[(_PLACEHOLDER, 0)]["found_inf_per_device"] = record
+            scaler.update()
+            return scaler.get_scale() == 2.0 and len(scaler._per_optimizer_states) == 0
+    except Exception:
+        return False
+
+
+def _probe_autocast_query() -> bool:
+    """True when `torch.is_autocast_enabled` takes a device type (torch >= 2.4)."""
+    try:
+        return isinstance(torch.is_autocast_enabled("cpu"), bool)
+    except TypeError:
+        return False
+
+
+def _probe_autocast_enabled_attribute() -> bool:
+    """True when an autocast context stores its effective on/off in `_enabled`."""
+    try:
+        return getattr(torch.autocast("cpu", dtype=torch.bfloat16), "_enabled", None) is True
+    except Exception:  # an autocast that cannot even be built here: the attribute is no use either
+        return False
+
+
+SCALER_RECORDS_PRIVATE: bool = _probe_scaler_records()
+"""The scaler functions use `GradScaler._per_optimizer_states` (else their public fallback)."""
+AUTOCAST_QUERY_PUBLIC: bool = _probe_autocast_query()
+"""`autocast_enabled` asks `torch.is_autocast_enabled(device_type)` (no private attribute needed)."""
+AUTOCAST_ENABLED_PRIVATE: bool = _probe_autocast_enabled_attribute()
+"""Without the public query, `autocast_enabled` reads `autocast._enabled` (else trusts torch's warning)."""
+
+# Fallback only: scaler -> {id(optimizer): the flags its unscale_ produced}, until dropped or consumed.
+_FALLBACK_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fallback_records(scaler) -> dict[int, list[torch.Tensor]]:
+    """The fallback's records of `scaler` (created empty on first use)."""
+    records = _FALLBACK_RECORDS.get(scaler)
+    if records is None:
+        records = _FALLBACK_RECORDS[scaler] = {}
+    return records
+
+
+def _found_inf_public(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """One float32 flag per gradient device, nonzero when a gradient of `optimizer` is inf/NaN."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                grad = grad.coalesce().values()
+            per_device.setdefault(grad.device, []).append(torch.isfinite(grad).all())
+    return [(~torch.stack(finite).all()).float() for finite in per_device.values()]
+
+
+def _reset_stages_public(scaler: torch.amp.GradScaler, device: torch.device) -> None:
+    """Reset every optimizer's unscale stage, keeping the scale and growth tracker (no host sync)."""
+    # scale(1) is the scale as a tensor (and initialises it on `device`, as the first scaled loss would)
+    scaler.update(new_scale=scaler.scale(torch.ones((), device=device)))
+
+
+def scaler_unscale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """`scaler.unscale_(optimizer)`, returning the inf/NaN flags it found (one float32 per device, nonzero:
+    found). Private: no public API returns the per-optimizer flags without stepping."""
+    scaler.unscale_(optimizer)
+    if SCALER_RECORDS_PRIVATE:
+        return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    flags = _found_inf_public(optimizer)
+    _fallback_records(scaler)[id(optimizer)] = flags
+    return flags
+
+
+def scaler_forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                  device: torch.device) -> list[torch.Tensor] | None:
+    """Take back `optimizer`'s record (its flags; None if not unscaled since the last scale update) so it
+    may be unscaled again, leaving the scale alone. Private: public `update()` would change the scale.
+
+    `device` is where the scaler keeps its scale (the training device); only the fallback needs it.
+    """
+    if SCALER_RECORDS_PRIVATE:
+        state = scaler._per_optimizer_states.pop(id(optimizer), None)
+        return None if state is None else list(state["found_inf_per_device"].values())
+    flags = _fallback_records(scaler).pop(id(optimizer), None)
+    if flags is not None:
+        _reset_stages_public(scaler, device)  # coarser: every optimizer may now be unscaled again
+    return flags
+
+
+def scaler_forget_all(scaler: torch.amp.GradScaler, device: torch.device) -> None:
+    """Drop every optimizer's record (an interrupted update), leaving the scale alone. Private: public
+    `update()` would change the scale. `device` as in `scaler_forget`."""
+    if SCALER_RECORDS_PRIVATE:
+        scaler._per_optimizer_states.clear()  # a defaultdict: entries are recreated on demand
+        return
+    _fallback_records(scaler).clear()
+    _reset_stages_public(scaler, device)  # also drops stages left by direct scaler.unscale_ calls
+
+
+def scaler_update_with(scaler: torch.amp.GradScaler, records: list[list[torch.Tensor]]) -> None:
+    """One `scaler.update()` over set-aside `records` (flag lists from `scaler_forget`, at least one flag
+    in all) plus the records still held; halves the scale on any inf, else counts towards growth.
+    Private: `update()` reads its records only from the per-optimizer states."""
+    if SCALER_RECORDS_PRIVATE:
+        states = scaler._per_optimizer_states
+        for n, flags in enumerate(records):  # keys no optimizer id can take
+            states[(_PLACEHOLDER, n)]["found_inf_per_device"] = dict(enumerate(flags))
+        scaler.update()  # consumes every record and resets the per-optimizer states
+        return
+    held = _fallback_records(scaler)
+    flags = [flag for record in (*records, *held.values()) for flag in record]
+    held.clear()  # update() below consumes the held records, as the private path's update() does
+    first = flags[0].device
+    found = torch.stack([flag.to(first) for flag in flags]).sum()
+    # a stand-in parameter whose gradient is inf exactly when some record found inf (no host sync)
+    stand_in = torch.zeros((), device=first)
+    stand_in.grad = torch.zeros((), device=first).masked_fill_(found > 0, math.inf)
+    scaler.unscale_(torch.optim.SGD([stand_in], lr=0.0))
+    scaler.update()
+
+
+def autocast_enabled(ctx: torch.autocast, device_type: str) -> bool:
+    """Whether autocast context `ctx` for `device_type` really enables autocast (torch turns it off, with
+    a warning, for an unsupported dtype). Private only on torch < 2.4: no device-typed public query."""
+    if AUTOCAST_QUERY_PUBLIC:
+        with ctx:
+            return torch.is_autocast_enabled(device_type)
+    if AUTOCAST_ENABLED_PRIVATE:
+        return bool(ctx._enabled)
+    return True  # coarser: the caller's check of torch's "not supported" warning decides
