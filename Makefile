@@ -23,8 +23,10 @@ test: install
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not distributed and not slow"
 
+# ruff, then the import contracts of pyproject.toml ([tool.importlinter]); --no-cache: nothing left in the tree
 lint: install
 	$(PYTHON) -m ruff check deepepochs spec tests examples benchmarks
+	lint-imports --no-cache --no-logo
 
 gen: install
 	$(PYTHON) -m spec

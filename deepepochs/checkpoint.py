@@ -312,7 +312,7 @@ def resume_once(trainer) -> None:
     name becomes `trainer.running_id`, so new checkpoints go on into the same (possibly renamed) folder.
     A failed resume stays pending, so fixing the files and calling fit again retries it.
     """
-    if not getattr(trainer, "_resume_pending", False):
+    if not trainer.loop.resume_pending:
         return
     run = trainer.resume if isinstance(trainer.resume, str) else None
     dirs = [m.ckpt_dir for m in monitors_of(trainer)]
@@ -325,4 +325,4 @@ def resume_once(trainer) -> None:
         trainer.running_id = path.parent.name
         trainer._console.info(f"Resumed from {path}: {ckpt.epoch} epoch(s) completed,"
                               f" running id {trainer.running_id}")
-    trainer._resume_pending = False
+    trainer.loop.resume_pending = False

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import warnings
 from collections.abc import Sequence
 
 import attrs
 import torch
-import torch.optim.optimizer as torch_optimizer
 
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError
@@ -162,31 +159,6 @@ class Optimizers(Sequence):
         item = self.items[index]
         return item.scheduler if item.sched_on == "step" else None
 
-    @contextlib.contextmanager
-    def marks_inline(self, index: int):
-        """For a fused loop of optimizer `index`: yields True when the loop marks each applied update and
-        steps the step-wise scheduler itself, right after `opt.step()` returns, instead of the hook.
-
-        That is the same unit whenever the hook of `bind_updates` is the optimizer's only step post-hook
-        and no global one exists: nothing then runs between the update and the mark, and `opt.step()`
-        returning is the hook having run. The hook is taken out for the loop's duration (torch calls a
-        post-hook through Python on every step: ~1.5 % of a tiny model's batch here) and put back first
-        among the post-hooks. Otherwise, or if this torch keeps its hooks elsewhere, yields False and the
-        hook stays."""
-        opt, handle = self.items[index].opt, self._marks[index]
-        posts = getattr(opt, "_optimizer_step_post_hooks", None)
-        global_posts = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
-        if (not isinstance(posts, collections.OrderedDict) or global_posts is None or global_posts
-                or list(posts) != [handle.id]):
-            yield False
-            return
-        hook = posts.pop(handle.id)
-        try:
-            yield True
-        finally:
-            posts[handle.id] = hook
-            posts.move_to_end(handle.id, last=False)
-
     def step(self, index: int) -> None:
         """Step optimizer `index` (its step-wise scheduler follows in the hook of `bind_updates`)."""
         self.items[index].opt.step()
@@ -220,6 +192,20 @@ class Optimizers(Sequence):
                     # is intended; PyTorch would warn that optimizer.step() was not called.
                     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
                     item.scheduler.step()
+
+    def epoch_scheduler_state(self) -> list:
+        """The epoch-wise schedulers' states and their optimizers' learning rates, for
+        `load_epoch_scheduler_state` (a rollback of an epoch's end that did not commit)."""
+        return [(item.scheduler.state_dict(), [group["lr"] for group in item.opt.param_groups])
+                if item.scheduler is not None and item.sched_on == "epoch" else None for item in self.items]
+
+    def load_epoch_scheduler_state(self, state: list) -> None:
+        """Restore `epoch_scheduler_state()` output."""
+        for item, saved in zip(self.items, state):
+            if saved is not None:
+                item.scheduler.load_state_dict(saved[0])
+                for group, lr in zip(item.opt.param_groups, saved[1]):
+                    group["lr"] = lr
 
     def lrs(self) -> dict[str, float]:
         """Learning rates of every param group, named `lr` or `lr_<opt>_<group>`."""

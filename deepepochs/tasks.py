@@ -58,7 +58,7 @@ class EpochTask:
         if dataloader is None or not hasattr(dataloader, "__iter__"):
             raise ConfigError(f"dataloader must be an iterable of batches (got {type(dataloader).__name__})")
         self.dataloader = dataloader
-        self.metrics = _as_metric_list(metrics, "metrics")
+        self.metrics = as_metric_list(metrics, "metrics")
         self.do_loss = do_loss
         self.batch_size = batch_size
         self.step_args = step_args
@@ -84,7 +84,7 @@ class EpochTask:
         return f"{type(self).__name__}(stage={self.stage!r}, dataloader={type(self.dataloader).__name__})"
 
 
-def _as_metric_list(metrics, argname: str) -> list:
+def as_metric_list(metrics, argname: str) -> list:
     if metrics is None:
         return []
     items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
@@ -99,9 +99,9 @@ class TaskMeters:
     interrupt can drop it (ACC-3) without touching what completed windows contributed."""
 
     __slots__ = ("loss_sum", "host_sum", "host", "count", "patches", "window_losses", "window_patches",
-                 "first_batch", "final")
+                 "metrics", "final")
 
-    def __init__(self):
+    def __init__(self, metrics=()):
         self.loss_sum: torch.Tensor | None = None
         self.host_sum = 0.0
         self.host: bool | None = None
@@ -109,7 +109,7 @@ class TaskMeters:
         self.patches: dict = {}
         self.window_losses: list = []
         self.window_patches: list = []
-        self.first_batch = 0
+        self.metrics: dict = {metric_name(m): m for m in metrics}  # the metrics the patches were made for
         self.final: dict | None = None  # the task's metrics, once computed (see Runner._task_metrics)
 
     def add_batch(self, loss: torch.Tensor | None, n: int, patches: Mapping | None) -> None:

@@ -1,8 +1,7 @@
-"""`Trainer`: wires the policies together and drives the loop machine through fit and test.
+"""`Trainer`: the facade. It validates arguments, builds the policies and hands them to the engine.
 
-The loop's decisions (accumulate or update, step or skip, sync or not, validate or not, continue or stop,
-save or not) are guarded edges of the machine in `deepepochs.fsm`; this module iterates data, calls the
-user's step methods and fires triggers. Read `spec/loop.py` for the order of everything below.
+The loop itself (what a batch, a window, an epoch do, and rollback) lives in `deepepochs.engine`, driven by
+the machine generated from `spec/loop.py`; the engine never calls back into this module.
 """
 
 from __future__ import annotations
@@ -13,19 +12,18 @@ import attrs
 import torch
 
 from deepepochs.callbacks.base import HookTable
-from deepepochs.checkpoint import load_into
+from deepepochs.checkpoint import load_into, resume_once
 from deepepochs.config import TrainerConfig
-from deepepochs.confusion import ConfusionPatch
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
+from deepepochs.engine import steps
+from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
+from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import render
-from deepepochs.loop import LoopState, StopRequest, bind_machine
 from deepepochs.optim import Optimizers
-from deepepochs.patches import MeanPatch, TensorPatch
 from deepepochs.precision import Precision
-from deepepochs.runner import Runner
-from deepepochs.tasks import metric_name
+from deepepochs.tasks import STEP_NAMES, as_metric_list
 from deepepochs.writer import RunWriters
 
 __all__ = ["Trainer", "TrainerBase"]
@@ -104,15 +102,13 @@ class TrainerBase:
         if not (resume is False or resume is True or isinstance(resume, str)):
             raise ConfigError(f"resume must be False, True or a running id string (got {resume!r})")
         ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
-        self.device = _resolve_device(device)
-        self._dist = select_policy(self.device, split_batches=self.config.split_batches)
-        self.device = self._dist.device
-        self.loss_fn = loss
-        self.metrics = Runner.metric_list(metrics, "metrics")
+        device = _resolve_device(device)
+        dist = select_policy(device, split_batches=self.config.split_batches)
+        self.device = dist.device
+        self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume
-        self._resume_pending = resume is not False  # honoured once, at the first fit or test
         # Under DDP rank 0's id: all ranks must name the same checkpoint and log folders.
-        self.running_id = self._dist.broadcast_object(
+        self.running_id = dist.broadcast_object(
             running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
         self.hyper_params = dict(hyper_params or {})
         self._precision = Precision(self.config.precision, self.device)
@@ -120,23 +116,59 @@ class TrainerBase:
         self.raw_model = model
         self._opts = Optimizers(opt, model)
         compiled = torch.compile(model) if compile_model else model
-        self._train_model = self._dist.wrap_model(compiled, ddp_kwargs)
-        self._eval_model = compiled  # unwrapped: evaluation issues no DDP collectives (DDP-7)
-        self.model = self._train_model
-        self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=self._dist.is_main)
+        self._dist = dist
+        self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=dist.is_main)
         self._hooks = HookTable()
         self._clippers = []
-        self.loop = LoopState()
-        self._opts.bind_updates(self.loop)
-        self.machine = bind_machine(self)
-        self._runner = Runner(self)
-        self.history = {"train": {}, "val": {}}
+        loop = LoopState(resume_pending=resume is not False)  # honoured once, at the first fit or test
+        self._opts.bind_updates(loop)
+        parts = Parts(
+            config=self.config, device=self.device, raw_model=model,
+            train_model=dist.wrap_model(compiled, ddp_kwargs),
+            eval_model=compiled,  # unwrapped: evaluation issues no DDP collectives (DDP-7)
+            opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
+            console=self._console, facade=self, resolve_step=self._resolve_step,
+            resume=lambda: resume_once(self), running_id=lambda: self.running_id)
+        self._ctx = Context(parts, loop, loss_fn=loss)
+        self._driver = Driver(self._ctx)
         self._closed = False
-        self._started = False
         self._writers = RunWriters(self)  # TensorBoard writers, created on first use (LOG-1)
         self.add_callbacks(callbacks or [])
 
     # ---- public API ----
+    @property
+    def loop(self) -> LoopState:
+        """The loop's counters: `epoch` (1-based), `completed_epochs`, `target_epochs`, `stage`,
+        `batch_idx` (1-based), `stop`, ..."""
+        return self._ctx.loop
+
+    @property
+    def machine(self):
+        """The loop machine (`deepepochs.fsm.machine.LoopMachine`): state, flight record, test probe."""
+        return self._ctx.machine
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What step methods call: the DDP-wrapped (or compiled) model in training, the plain one in
+        evaluation."""
+        return self._ctx.model
+
+    @property
+    def loss_fn(self):
+        """`loss(model_out, batch_y)`, or None when the model returns its own loss."""
+        return self._ctx.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, value):
+        if value is not None and not callable(value):
+            raise ConfigError(f"loss must be a callable loss(model_out, batch_y) or None (got {type(value).__name__})")
+        self._ctx.loss_fn = value
+
+    @property
+    def history(self) -> dict:
+        """Every committed epoch's metrics of this trainer: `{'train': {name: [...]}, 'val': {...}}`."""
+        return self._ctx.history
+
     @property
     def opt(self):
         """The optimizers (a sequence of `deepepochs.Optimizer`, in `optimize_index` order)."""
@@ -186,23 +218,25 @@ class TrainerBase:
             raise ConfigError(f"val_freq must be a positive int (got {val_freq!r})")
         if train_dl is not None and train_tasks:
             raise ConfigError("pass either train_dl or train_tasks to fit(), not both")
-        common = [*self.metrics, *Runner.metric_list(metrics, "metrics")]
-        train = self._runner.make_tasks("train", train_dl, train_tasks, [*common,
-                                        *Runner.metric_list(train_metrics, "train_metrics")], True, batch_size)
+        driver = self._driver
+        common = [*self.metrics, *as_metric_list(metrics, "metrics")]
+        train = driver.make_tasks("train", train_dl, train_tasks,
+                                  [*common, *as_metric_list(train_metrics, "train_metrics")], True, batch_size)
         if not train:
             raise ConfigError("fit() needs training data: pass train_dl or train_tasks")
-        val = self._runner.make_tasks("val", val_dl, val_tasks, [*common,
-                                      *Runner.metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
-        return self._runner.guarded(lambda: self._runner.run_fit(train, val, val_freq))
+        val = driver.make_tasks("val", val_dl, val_tasks,
+                                [*common, *as_metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
+        return driver.guarded(lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP)."""
         self._check_open()
-        tasks = self._runner.make_tasks("test", test_dl, tasks,
-                                        [*self.metrics, *Runner.metric_list(metrics, "metrics")], do_loss, batch_size)
+        driver = self._driver
+        tasks = driver.make_tasks("test", test_dl, tasks, [*self.metrics, *as_metric_list(metrics, "metrics")],
+                                  do_loss, batch_size)
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
-        return self._runner.guarded(lambda: self._runner.run_test(tasks))
+        return driver.guarded(lambda: driver.run_test(tasks))
 
     def loss(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True):
         """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
@@ -210,16 +244,16 @@ class TrainerBase:
         `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
         splits its batch by hand; the update then happens once per window via `self.optimize()`.
         """
-        return self._runner.loss(model_out, batch_y, loss_adjust, do_optimize)
+        return steps.loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize)
 
     def optimize(self, optimize_index=None) -> None:
         """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's
         last micro-batch; earlier calls let gradients accumulate."""
-        self._runner.optimize(optimize_index)
+        steps.optimize(self._ctx, optimize_index)
 
     def no_sync(self):
         """Context in which backward does not all-reduce gradients (DDP); a no-op in one process."""
-        return self._runner.no_sync()
+        return steps.no_sync(self._ctx)
 
     def main_process_first(self):
         """Context: rank 0 runs the block first (e.g. downloading data), then the other ranks."""
@@ -243,7 +277,7 @@ class TrainerBase:
         """
         self._check_open()
         ckpt = load_into(self, path)
-        self._resume_pending = False
+        self.loop.resume_pending = False
         return ckpt
 
     def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False):
@@ -306,31 +340,27 @@ class TrainerBase:
 
     # ---- step methods (override in a subclass or an EpochTask) ----
     def train_step(self, batch_x, batch_y, **step_args):
-        """Default training step: forward, loss (backward and update), metric patches."""
-        return self._runner.default_step(batch_x, batch_y, "train")
+        """Default training step: forward, loss and backward, metric patches, the update."""
+        return steps.default_step(self._ctx, batch_x, batch_y, "train")
 
     def evaluate_step(self, batch_x, batch_y, **step_args):
         """Default validation/test step: forward, loss, metric patches (no gradients)."""
-        return self._runner.default_step(batch_x, batch_y, self.loop.stage)
-
-    # ---- helpers used by the runner and by checkpoints ----
-    def _step_epoch_schedulers(self) -> None:
-        train = self._runner.last_metrics.get("train", {})
-        val = self._runner.last_metrics.get("val", {})
-        self._opts.step_epoch(train.get("loss"), val.get("loss"))
+        return steps.default_step(self._ctx, batch_x, batch_y, self.loop.stage)
 
     def batch_patches(self, model_out, batch_y, metrics=None) -> dict:
         """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""
-        task = self._runner.task
-        metrics = task.all_metrics if metrics is None else metrics
-        if not metrics:
-            return {}
-        kind = self.config.metric_patch
-        if kind == "confusion":
-            return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics)}
-        if kind == "mean":
-            return {metric_name(m): MeanPatch(m, model_out, batch_y) for m in metrics}
-        return {metric_name(m): TensorPatch(m, model_out, batch_y) for m in metrics}
+        return steps.batch_patches(self._ctx, model_out, batch_y, metrics)
+
+    def _resolve_step(self, task, stage):
+        """The step method of `task` in `stage`: `step`, then the stage's method, then `evaluate_step`; per
+        name the task's before the trainer's. None when none is overridden: the engine's default step."""
+        for name in STEP_NAMES[stage]:
+            if getattr(type(task), name, None) is not None:
+                return getattr(task, name)
+            method = getattr(type(self), name, None)
+            if method is not None and method is not getattr(TrainerBase, name, None):
+                return getattr(self, name)
+        return None
 
 
 class Trainer(TrainerBase):

@@ -17,6 +17,11 @@ skipped because the gradients or the loss were not finite), and
 `task_train --window_step|window_skip_step--> task_train` for a one-batch window (no accumulation:
 begin_window and update_step or skip_step in one). Each fused edge names the edges it stands for and the
 guard outcomes along them; `Spec.validate` walks that path. `fuse_steps=False` takes every edge.
+
+Commit points: an action marked `commit=True` (`commit_update` after a window's update, `commit_epoch` at
+the epoch's end) is where work becomes permanent: rollback after an interrupt discards only what was done
+since the last commit, never anything before it. A commit action is the last action of its edge
+(`Spec.validate` checks it); `Spec.commit_edges()` lists the edges that commit, fused ones included.
 """
 
 from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
@@ -105,9 +110,13 @@ ACTIONS = [
     A("skip_optimizer", "Leave the optimizer and its step-wise scheduler untouched; run skip hooks."),
     A("update_scaler", "Hand this update's inf checks to the GradScaler; its scale changes once per iteration."),
     A("zero_grad", "Zero the updated optimizers' gradients (set_to_none)."),
+    A("commit_update", "Commit the window's update: the data position moves past the window and its loss sums"
+      " and patches join the task's; rollback never undoes it.", commit=True),
     A("close_window", "Fold the window's loss sums and metric patches into the task's."),
     A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured)."),
     A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end."),
+    A("commit_epoch", "Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers'"
+      " steps; rollback returns here at the latest.", commit=True),
     A("discard_window", "Drop the open window's gradients, loss sums, patches and scaler step state."),
     A("reset_loop", "Clear per-run loop state so that the next fit starts a fresh window."),
 ]
@@ -148,11 +157,11 @@ TRANSITIONS = [
       unless=["window_boundary"]),
     E("clip", "optimize_unscaled", "optimize_clipped", "Gradients are clipped.", actions=["clip_gradients"]),
     *(E("apply_update", source, "optimize_clipped", "Finite gradients: the optimizer steps.",
-        conditions=["grads_finite"], actions=["step_optimizer"]) for source in OPTIMIZING),
+        conditions=["grads_finite"], actions=["step_optimizer", "commit_update"]) for source in OPTIMIZING),
     *(E("apply_update", source, "optimize_skipped", "inf/NaN gradients: the step is skipped.",
         unless=["grads_finite"], actions=["skip_optimizer"]) for source in OPTIMIZING),
     *(E("finish_update", source, "step_optimized", "The update is complete.",
-        actions=["update_scaler", "zero_grad"]) for source in OPTIMIZING),
+        actions=["update_scaler", "zero_grad", "commit_update"]) for source in OPTIMIZING),
     E("optimize", "step_optimized", "optimize_unscaled",
       "Another optimizer of the same step updates (e.g. optimize(0) then optimize(1) after one backward).",
       actions=["unscale_gradients"]),
@@ -188,9 +197,9 @@ TRANSITIONS = [
     E("end_task", "task_val", "stage_val", "The validation task is done."),
     E("end_stage", "stage_val", "epoch_end", "The validation stage is done."),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete; checkpoints are written.",
-      conditions=["has_save_requests"], actions=["step_epoch_schedulers", "save_checkpoints"]),
+      conditions=["has_save_requests"], actions=["step_epoch_schedulers", "save_checkpoints", "commit_epoch"]),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete.",
-      unless=["has_save_requests"], actions=["step_epoch_schedulers"]),
+      unless=["has_save_requests"], actions=["step_epoch_schedulers", "commit_epoch"]),
     E("begin_task", "stage_test", "task_test", "A test task starts."),
     E("begin_batch", "task_test", "test_batch", "A test batch is evaluated."),
     E("end_batch", "test_batch", "task_test", "The test batch is done."),

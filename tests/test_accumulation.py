@@ -246,8 +246,8 @@ def test_a_step_that_never_calls_optimize_is_an_error_at_the_window_end():
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_the_fused_backward_follows_the_loss_shape_and_a_tensor_subclass_backward(k):
-    """The fused loops start each backward from a cached gradient (fused._backward); a loss that is () on
-    some batches and (1,) on others trains exactly as the unfused loop trains it, and a tensor subclass's
+    """Each backward starts from a cached gradient (engine.steps.backward); a loss that is () on some
+    batches and (1,) on others trains exactly as the every-edge path trains it, and a tensor subclass's
     own `backward` still runs."""
     class Loss(torch.Tensor):
         calls = 0
@@ -280,15 +280,17 @@ def test_the_fused_backward_follows_the_loss_shape_and_a_tensor_subclass_backwar
 
 
 def test_the_backward_seed_cache_stays_small_when_batch_sizes_vary():
-    """fused._backward keeps one seed per micro-batch share; with shares that never repeat (bucketed batch
-    sizes) the cache is bounded, and every backward still equals backpropagating `loss * share`."""
-    from deepepochs.fused import _backward
+    """engine.steps.backward keeps one seed per micro-batch share; with shares that never repeat (bucketed
+    batch sizes) the cache is bounded, and every backward still equals backpropagating `loss * share`."""
+    from types import SimpleNamespace
+
+    from deepepochs.engine.steps import backward
 
     w = torch.tensor([1.5, -2.0], requires_grad=True)
-    seeds, expected = {}, torch.zeros(2)
+    ctx, expected = SimpleNamespace(seeds={}), torch.zeros(2)
     for i in range(40):
         share = (i + 1) / 41
-        _backward((w * w).sum() * (i + 2), share, seeds)
+        backward(ctx, (w * w).sum() * (i + 2), share)
         expected += 2 * w.detach() * (i + 2) * share
-        assert len(seeds) <= 16
+        assert len(ctx.seeds) <= 16
     torch.testing.assert_close(w.grad, expected)

@@ -557,28 +557,3 @@ def test_a_step_scheduler_advances_once_per_update_of_the_trainer_that_trains(fu
     assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 5)
     first.close()
     second.close()
-
-
-def test_fused_loops_mark_updates_inline_only_while_no_other_post_hook_can_run():
-    """A fused loop takes the trainer's step post-hook out and does its work itself (mark the update, step
-    the step-wise scheduler) only when that hook is the optimizer's only one; afterwards the hook is back,
-    first. With a user post-hook the hook stays in place during the loop. The schedule is the same."""
-    model = make_model()
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
-    t = Trainer(model, F.mse_loss, Optimizer(sgd, sched, sched_on="step"), epochs=1, **QUIET)
-    posts = sgd._optimizer_step_post_hooks  # torch's private registry: what the optimizer will call
-    ours = list(posts)
-    seen = []
-    model.register_forward_pre_hook(lambda module, args: seen.append(list(posts)) if module.training else None)
-    t.fit(make_dl(16))  # 2 updates, no other post-hook: marked inline
-    assert seen == [[], []] and list(posts) == ours and sched.last_epoch == 2
-    user_steps = []
-    sgd.register_step_post_hook(lambda *a: user_steps.append(sched.last_epoch))
-    seen.clear()
-    t.fit(make_dl(24), epochs=2)  # 3 updates, a user post-hook: ours stays, first, and runs before it
-    assert len(ours) == 1 and all(s[0] == ours[0] and len(s) == 2 for s in seen) and len(seen) == 3
-    assert user_steps == [3, 4, 5] and sched.last_epoch == 5
-    assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 5)
-    t.close()
-    assert len(posts) == 1  # the user's hook only

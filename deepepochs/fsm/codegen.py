@@ -1,14 +1,16 @@
 """Render a `Spec` into the committed, generated modules of the package.
 
 Two files come out: `tables.py` (states, triggers, guards, actions, edges, hooks as plain literals the
-runtime loads without importing `spec/`) and `events.py` (the `Event` enum and the hook methods of
-`Callback`, each with the spec's one-line doc). `python -m spec` writes them; `python -m spec --check`
-exits non-zero when they differ from what the spec renders.
+runtime loads without importing `spec/`) and `events.py` (the `Event` enum, the hook methods of `Callback`
+and the `StateName`, `TriggerName`, `GuardName`, `ActionName` enums, each member with the spec's one-line
+doc). `python -m spec` writes them; `python -m spec --check` exits non-zero when they differ from what the
+spec renders.
 """
 
 from __future__ import annotations
 
 import pprint
+import textwrap
 from pathlib import Path
 
 from deepepochs.fsm.schema import Spec
@@ -40,7 +42,8 @@ def render_tables(spec: Spec) -> str:
         _literal("TRIGGERS", tuple((t.name, t.hot, t.doc) for t in spec.triggers)),
         "\n# (name, doc)\n",
         _literal("GUARDS", tuple((g.name, g.doc) for g in spec.guards)),
-        _literal("ACTIONS", tuple((a.name, a.doc) for a in spec.actions)),
+        "\n# (name, commit, doc)\n",
+        _literal("ACTIONS", tuple((a.name, a.commit, a.doc) for a in spec.actions)),
         "\n# (trigger, source, dest, conditions, unless, actions, error, fuses, assuming, doc)\n",
         _literal("TRANSITIONS", tuple(
             (t.trigger, t.source, t.dest, t.conditions, t.unless, t.actions, t.error, t.fuses, t.assuming, t.doc)
@@ -52,22 +55,46 @@ def render_tables(spec: Spec) -> str:
     return "".join(parts)
 
 
+def _docstring(doc: str, indent: str) -> str:
+    """A one-line spec doc as a docstring at `indent`, wrapped to ruff's 120 columns where it is longer."""
+    return textwrap.fill(f'"""{doc}"""', width=120, initial_indent=indent, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False) + "\n"
+
+
 def _member(hook_name: str) -> str:
     return hook_name.removeprefix("on_").upper()
 
 
+def _name_enums(spec: Spec) -> list[tuple[str, str, tuple]]:
+    """(enum class, what its values name, the spec's records), in the order events.py defines them."""
+    return [("StateName", "states", spec.states), ("TriggerName", "triggers", spec.triggers),
+            ("GuardName", "guards", spec.guards), ("ActionName", "actions", spec.actions)]
+
+
+def _enum(name: str, doc: str, members: list[tuple[str, str, str]]) -> list[str]:
+    """A `str` Enum's source lines: one `MEMBER = 'value'` line and one docstring line per member."""
+    lines = [f"class {name}(str, enum.Enum):\n", f'    """{doc}"""\n\n']
+    for member, value, member_doc in members:
+        lines.append(f"    {member} = {value!r}\n")
+        lines.append(_docstring(member_doc, "    "))
+    return lines
+
+
 def render_events(spec: Spec) -> str:
     """The source text of `deepepochs/fsm/events.py`."""
+    enums = _name_enums(spec)
+    names = ", ".join(f'"{n}"' for n in sorted(["CallbackHooks", "Event", *(cls for cls, _, _ in enums)]))
     lines = [
         HEADER,
         "import enum\n\n",
-        '__all__ = ["CallbackHooks", "Event"]\n\n\n',
-        "class Event(str, enum.Enum):\n",
-        '    """Loop events; each value is the name of the `Callback` method that handles it."""\n\n',
+        f"__all__ = [{names}]\n\n\n",
+        *_enum("Event", "Loop events; each value is the name of the `Callback` method that handles it.",
+               [(_member(h.name), h.name, h.doc) for h in spec.hooks]),
     ]
-    for h in spec.hooks:
-        lines.append(f"    {_member(h.name)} = {h.name!r}\n")
-        lines.append(f'    """{h.doc}"""\n')
+    for cls, kind, records in enums:
+        lines.append("\n\n")
+        lines += _enum(cls, f"Names of the loop's {kind}; each value is the name `spec/loop.py` gives it.",
+                       [(r.name.upper(), r.name, r.doc) for r in records])
     lines += [
         "\n\nclass CallbackHooks:\n",
         '    """One no-op method per loop event; `Callback` subclasses override the ones they need.\n\n'
@@ -77,7 +104,7 @@ def render_events(spec: Spec) -> str:
     for h in spec.hooks:
         args = "".join(f", {a}" for a in h.args)
         lines.append(f"\n    def {h.name}(self, trainer{args}):\n")
-        lines.append(f'        """{h.doc}"""\n')
+        lines.append(_docstring(h.doc, "        "))
     return "".join(lines)
 
 

@@ -3,7 +3,7 @@
 # fmt: off
 import enum
 
-__all__ = ["CallbackHooks", "Event"]
+__all__ = ["ActionName", "CallbackHooks", "Event", "GuardName", "StateName", "TriggerName"]
 
 
 class Event(str, enum.Enum):
@@ -85,6 +85,174 @@ class Event(str, enum.Enum):
     """An exception interrupted the loop in `state`; the open window was discarded."""
     INTERRUPTED = 'on_interrupted'
     """fit() or test() was interrupted and rolled back; `exception` is re-raised after this hook."""
+
+
+class StateName(str, enum.Enum):
+    """Names of the loop's states; each value is the name `spec/loop.py` gives it."""
+
+    IDLE = 'idle'
+    """No fit or test is running; fit() and test() may be called."""
+    FIT_RUNNING = 'fit_running'
+    """Inside fit(), between epochs."""
+    FIT_DONE = 'fit_done'
+    """fit() reached its epoch target or an early stop; after-fit hooks run."""
+    EPOCH_RUNNING = 'epoch_running'
+    """An epoch has begun; its training stage is next."""
+    EPOCH_TRAINED = 'epoch_trained'
+    """The epoch's training stage is done; validation runs next if it is due."""
+    EPOCH_END = 'epoch_end'
+    """The epoch's stages are done; after-epoch hooks request checkpoints or a stop."""
+    STAGE_TRAIN = 'stage_train'
+    """The training stage, between its tasks."""
+    STAGE_VAL = 'stage_val'
+    """The validation stage, between its tasks."""
+    STAGE_TEST = 'stage_test'
+    """The test stage (test()), between its tasks."""
+    TASK_TRAIN = 'task_train'
+    """A training task iterates its DataLoader, between accumulation windows."""
+    TASK_VAL = 'task_val'
+    """A validation task iterates its DataLoader, between batches."""
+    TASK_TEST = 'task_test'
+    """A test task iterates its DataLoader, between batches."""
+    WINDOW_OPEN = 'window_open'
+    """Inside an accumulation window, between its micro-batches."""
+    STEP_FORWARD = 'step_forward'
+    """A training micro-batch's step method runs the forward pass and the loss."""
+    STEP_BACKWARD = 'step_backward'
+    """The step has backpropagated a loss into the accumulated gradients."""
+    STEP_OPTIMIZED = 'step_optimized'
+    """The step has applied the window's update; gradients are zeroed."""
+    VAL_BATCH = 'val_batch'
+    """One validation batch is evaluated without gradients."""
+    TEST_BATCH = 'test_batch'
+    """One test batch is evaluated without gradients."""
+    OPTIMIZE_UNSCALED = 'optimize_unscaled'
+    """Gradients are unscaled (fp16) and normalised by the window's samples."""
+    OPTIMIZE_CLIPPED = 'optimize_clipped'
+    """Gradients are clipped; optimizers step in turn (the last one stepped)."""
+    OPTIMIZE_SKIPPED = 'optimize_skipped'
+    """The last optimizer skipped its step: its gradients were not finite."""
+    ROLLBACK = 'rollback'
+    """An exception interrupted the loop; the open window is being discarded."""
+
+
+class TriggerName(str, enum.Enum):
+    """Names of the loop's triggers; each value is the name `spec/loop.py` gives it."""
+
+    FIT = 'fit'
+    """fit() was called."""
+    TEST = 'test'
+    """test() was called."""
+    NEXT_EPOCH = 'next_epoch'
+    """The fit decides whether another epoch runs."""
+    FINISH = 'finish'
+    """fit() returns to idle after its after-fit hooks."""
+    BEGIN_TRAIN = 'begin_train'
+    """The epoch starts its training stage."""
+    VALIDATE = 'validate'
+    """The epoch's training stage ended; validation runs if it is due."""
+    END_EPOCH = 'end_epoch'
+    """After-epoch hooks ran; epoch-wise schedulers step and requested checkpoints are saved."""
+    BEGIN_TASK = 'begin_task'
+    """A stage starts one of its tasks (EpochTask)."""
+    END_TASK = 'end_task'
+    """A task's DataLoader is exhausted; its metrics are final."""
+    END_STAGE = 'end_stage'
+    """All tasks of a stage are done."""
+    BEGIN_WINDOW = 'begin_window'
+    """A training task opens an accumulation window."""
+    BEGIN_BATCH = 'begin_batch'
+    """A batch (micro-batch in training) was read and moved to the device."""
+    BACKWARD = 'backward'
+    """The step backpropagates a loss."""
+    OPTIMIZE = 'optimize'
+    """The step asks for an update (self.optimize or self.loss with do_optimize)."""
+    CLIP = 'clip'
+    """The unscaled gradients are clipped by the registered clippers."""
+    APPLY_UPDATE = 'apply_update'
+    """One optimizer steps, or skips when its gradients are not finite."""
+    FINISH_UPDATE = 'finish_update'
+    """The update is done: the scaler updates and gradients are zeroed."""
+    END_BATCH = 'end_batch'
+    """The batch's step returned its metrics."""
+    ACCUMULATE_STEP = 'accumulate_step'
+    """An inner micro-batch as one fused edge: forward, loss, backward."""
+    UPDATE_STEP = 'update_step'
+    """A window's last micro-batch as one fused edge: forward, loss, backward, the update."""
+    SKIP_STEP = 'skip_step'
+    """A window's last micro-batch as one fused edge whose update was skipped (not finite)."""
+    WINDOW_STEP = 'window_step'
+    """A one-batch window (no accumulation) that updated, as one fused edge."""
+    WINDOW_SKIP_STEP = 'window_skip_step'
+    """A one-batch window whose update was skipped (not finite), as one fused edge."""
+    INTERRUPT = 'interrupt'
+    """An exception or KeyboardInterrupt escaped the running loop."""
+    RECOVER = 'recover'
+    """Rollback is done; the trainer is ready for fit() or test() again."""
+
+
+class GuardName(str, enum.Enum):
+    """Names of the loop's guards; each value is the name `spec/loop.py` gives it."""
+
+    EPOCHS_REMAINING = 'epochs_remaining'
+    """Completed epochs are fewer than the epoch target."""
+    STOP_REQUESTED = 'stop_requested'
+    """A callback requested a stop (early stopping) during this fit."""
+    VAL_DUE = 'val_due'
+    """Validation tasks exist and this epoch is a multiple of val_freq."""
+    WINDOW_BOUNDARY = 'window_boundary'
+    """This micro-batch closes its window (the k-th batch, or the task's last batch)."""
+    GRADS_FINITE = 'grads_finite'
+    """The current optimizer's gradients are finite (the scaler found no inf/NaN)."""
+    HAS_SAVE_REQUESTS = 'has_save_requests'
+    """Callbacks requested checkpoint saves during this epoch's end."""
+    RESUME_PENDING = 'resume_pending'
+    """Trainer(resume=...) asked for a resume that has not happened yet."""
+
+
+class ActionName(str, enum.Enum):
+    """Names of the loop's actions; each value is the name `spec/loop.py` gives it."""
+
+    RESUME_CHECKPOINT = 'resume_checkpoint'
+    """Load the newest checkpoint of the monitors' folders (or start fresh)."""
+    START_EPOCH = 'start_epoch'
+    """Advance the 1-based epoch counter and set distributed samplers' epoch."""
+    REPORT_EARLY_STOP = 'report_early_stop'
+    """Record and print why the fit stopped before its epoch target."""
+    OPEN_WINDOW = 'open_window'
+    """Reset the window's sample count, loss sums and metric patches."""
+    SYNC_GRADIENTS = 'sync_gradients'
+    """DDP: synchronise gradients in this backward (the window's updating micro-batch)."""
+    SKIP_GRADIENT_SYNC = 'skip_gradient_sync'
+    """DDP: no_sync for this backward; gradients accumulate locally."""
+    UNSCALE_GRADIENTS = 'unscale_gradients'
+    """Unscale fp16 gradients, normalise by the window's samples, check finiteness."""
+    CLIP_GRADIENTS = 'clip_gradients'
+    """Run the gradient clippers (GradClipCallback) on the unscaled gradients."""
+    STEP_OPTIMIZER = 'step_optimizer'
+    """Step the optimizer, then its step-wise scheduler."""
+    SKIP_OPTIMIZER = 'skip_optimizer'
+    """Leave the optimizer and its step-wise scheduler untouched; run skip hooks."""
+    UPDATE_SCALER = 'update_scaler'
+    """Hand this update's inf checks to the GradScaler; its scale changes once per iteration."""
+    ZERO_GRAD = 'zero_grad'
+    """Zero the updated optimizers' gradients (set_to_none)."""
+    COMMIT_UPDATE = 'commit_update'
+    """Commit the window's update: the data position moves past the window and its loss sums and patches join the
+    task's; rollback never undoes it."""
+    CLOSE_WINDOW = 'close_window'
+    """Fold the window's loss sums and metric patches into the task's."""
+    STEP_EPOCH_SCHEDULERS = 'step_epoch_schedulers'
+    """Step epoch-wise LR schedulers (with the monitored loss if so configured)."""
+    SAVE_CHECKPOINTS = 'save_checkpoints'
+    """Write the checkpoints requested by callbacks at this epoch's end."""
+    COMMIT_EPOCH = 'commit_epoch'
+    """Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers' steps; rollback returns
+    here at the latest."""
+    DISCARD_WINDOW = 'discard_window'
+    """Drop the open window's gradients, loss sums, patches and scaler step state."""
+    RESET_LOOP = 'reset_loop'
+    """Clear per-run loop state so that the next fit starts a fresh window."""
 
 
 class CallbackHooks:

@@ -38,7 +38,7 @@ def load_spec() -> Spec:
         states=[State(n, layer, doc, idle=idle, running=running) for n, layer, idle, running, doc in tables.STATES],
         triggers=[Trigger(n, doc, hot=hot) for n, hot, doc in tables.TRIGGERS],
         guards=[Guard(n, doc) for n, doc in tables.GUARDS],
-        actions=[Action(n, doc) for n, doc in tables.ACTIONS],
+        actions=[Action(n, doc, commit=commit) for n, commit, doc in tables.ACTIONS],
         transitions=[
             Transition(trig, src, dst, doc, conditions=c, unless=u, actions=a, error=err, fuses=f, assuming=g)
             for trig, src, dst, c, u, a, err, f, g, doc in tables.TRANSITIONS
@@ -153,6 +153,11 @@ class LoopMachine:
         self.loop = loop
         self.probe: Callable[[str], None] | None = None
         self._cold = frozenset(t.name for t in self.spec.triggers if not t.hot)
+        # (source, ((trigger, dest), ...) along its path) -> fused trigger, for `land`
+        self._fused = {(f.source, tuple((t.trigger, t.dest) for t in self.spec.fused_path(f))): f.trigger
+                       for f in self.spec.transitions if f.fuses}
+        self._walk_start = self.spec.initial
+        self._walked: list[tuple[str, str]] = []
 
     @property
     def state(self) -> str:
@@ -181,30 +186,49 @@ class LoopMachine:
                 return dest
         raise AssertionError(f"no edge matched ({source}, {trigger}): guards are not total")  # spec-validated
 
-    def bound(self, trigger: str, source: str) -> Callable[[], object]:
-        """`fire(trigger)` for a loop that fires it once per batch from `source`, the edge resolved here.
+    # ---- fused edges: a micro-batch walked hop by hop, recorded as one edge ----
+    def start_walk(self) -> None:
+        """Begin a fused micro-batch at the current state (see `walk` and `land`)."""
+        self._walk_start = self.model.state
+        self._walked.clear()
 
-        A single edge without guard or error (the fused edges, begin_window) then costs a state check, the
-        move, the flight record, its actions and the probe, in `fire`'s order; from any other state the call
-        is a plain `fire`. Other edges get `fire` itself."""
-        edges = self.table.get((source, trigger), ())
-        if len(edges) != 1 or edges[0][0] is not None or edges[0][3] is not None:
-            return functools.partial(self.fire, trigger)
-        dest, actions = edges[0][1], edges[0][2]
-        model, loop, record = self.model, self.loop, self.history.append
+    def walk(self, trigger: str) -> str:
+        """`fire(trigger)` inside a fused micro-batch: the same edge choice (guards), error edges and
+        actions, and the state moves, but the hop is neither recorded nor probed; `land` records the
+        micro-batch as the spec's fused edge whose path it took."""
+        model = self.model
+        source = model.state
+        edges = self.table.get((source, trigger))
+        if edges is None:
+            self._invalid(source, trigger)
+        for pred, dest, actions, error in edges:
+            if pred is None or pred():
+                if error is not None:
+                    error()
+                model.state = dest
+                self._walked.append((trigger, dest))
+                for action in actions:
+                    action()
+                return dest
+        raise AssertionError(f"no edge matched ({source}, {trigger}): guards are not total")  # spec-validated
 
-        def fire():
-            if model.state != source:
-                return self.fire(trigger)
-            model.state = dest
-            record((loop.epoch, loop.batch_idx, source, trigger, dest))
-            for action in actions:
-                action()
-            if self.probe is not None:
-                self.probe(dest)
-            return dest
-
-        return fire
+    def land(self) -> None:
+        """End a fused micro-batch: record it as the fused edge whose path it walked, then probe; a walk
+        that is no fused edge's path (e.g. a step updating twice) is recorded hop by hop."""
+        start, walked, state = self._walk_start, self._walked, self.model.state
+        loop = self.loop
+        fused = self._fused.get((start, tuple(walked)))
+        if fused is not None:
+            self.history.append((loop.epoch, loop.batch_idx, start, fused, state))
+        else:
+            source = start
+            for trigger, dest in walked:
+                self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
+                source = dest
+        walked.clear()
+        self._walk_start = state
+        if self.probe is not None:
+            self.probe(state)
 
     def fire_cold(self, trigger: str) -> str:
         """Fire a cold trigger through `transitions`; returns the new state."""

@@ -4,7 +4,9 @@ The graph is drawn from the edges of the built `transitions` machine, grouped by
 edges (`trigger [guard, !other]`). Drawn from a live or crashed trainer, the current state is filled and
 the last transitions are highlighted. The `interrupt` edges (one per running state) are folded into one
 note so the picture stays readable; `show_interrupts=True` draws them all. A fused edge is labelled with
-the first and last trigger of the path it stands for and the guard outcomes along it (dashed in DOT).
+the first and last trigger of the path it stands for and the guard outcomes along it, and tagged `(fused)`
+(dashed in DOT). An edge that commits (`Spec.commits`: rollback never undoes its work) is tagged `(commit)`
+(bold green in DOT); a legend note explains the tags.
 """
 
 from __future__ import annotations
@@ -35,21 +37,37 @@ def _label(trigger, conds, unless):
 
 
 def _edges(show_interrupts: bool):
+    """`(source, trigger, dest, label, fused, commit)` for every edge drawn; `dest` is "error" on error edges."""
     spec, edges = _static_machine_edges()
     fused = {(t.source, t.trigger): t for t in spec.transitions if t.fuses}
+    commit_actions = {a.name for a in spec.actions if a.commit}
     out = []
-    for source, trigger, dest, conds, unless, _actions, _error in edges:
+    for source, trigger, dest, conds, unless, actions, _error in edges:
         if trigger == spec.interrupt and not show_interrupts:
             continue
         label = _label(trigger, conds, unless)
-        if (source, trigger) in fused:
-            edge = fused[source, trigger]
+        edge = fused.get((source, trigger))
+        if edge is not None:
             # the guard outcomes along the path: what tells update_step and skip_step apart
             used = sorted({g for e in spec.fused_path(edge) for g in (*e.conditions, *e.unless)})
             guards = ", ".join(g if g in edge.assuming else f"!{g}" for g in used)
-            label = f"{trigger} = {edge.fuses[0]} ... {edge.fuses[-1]} [{guards}] (fused)"
-        out.append((source, trigger, dest if dest is not None else "error", label))
+            label = f"{trigger} = {edge.fuses[0]} ... {edge.fuses[-1]} [{guards}]"
+            commit = spec.commits(edge)
+        else:
+            commit = any(a in commit_actions for a in actions)
+        tags = [tag for tag, on in (("fused", edge is not None), ("commit", commit)) if on]
+        if tags:
+            label += f" ({', '.join(tags)})"
+        out.append((source, trigger, dest if dest is not None else "error", label, edge is not None, commit))
     return spec, out
+
+
+def _legend(show_interrupts: bool, dot: bool) -> list[str]:
+    """The lines of the legend note: the folded interrupt edges, the label tags and (DOT) their edge styles."""
+    lines = [] if show_interrupts else ["every running state --interrupt--> rollback"]
+    fused, commit = (", dashed", ", bold green") if dot else ("", "")
+    return [*lines, f"(fused){fused}: one edge for a whole path of hot edges",
+            f"(commit){commit}: rollback never undoes what this edge did"]
 
 
 def to_dot(current: str | None = None, recent: Sequence[tuple[str, str, str]] = (),
@@ -71,15 +89,20 @@ def to_dot(current: str | None = None, recent: Sequence[tuple[str, str, str]] = 
         lines.append("  }")
     labels = [f"layer_{layer}_label" for layer in LAYERS]
     lines.append(f"  {' -> '.join(labels)} [style=invis];")
-    if any(t == "error" for _, _, t, _ in edges):
+    if any(dest == "error" for _, _, dest, *_ in edges):
         lines.append('  error [shape=octagon, color=red, label="InvalidTransition"];')
-    for source, trigger, dest, label in edges:
-        style = ", color=blue, penwidth=2" if (source, trigger, dest) in hot else ""
-        if label.endswith("(fused)"):
-            style += ", style=dashed"
-        lines.append(f'  {source} -> {dest} [label="{label}"{style}];')
-    if not show_interrupts:
-        lines.append('  note [shape=note, label="every running state --interrupt--> rollback"];')
+    for source, trigger, dest, label, fused, commit in edges:
+        styles = [s for s, on in (("dashed", fused), ("bold", commit)) if on]
+        attrs_ = [f'label="{label}"']
+        if (source, trigger, dest) in hot:  # the last transitions: blue wins over the commit colour
+            attrs_.append("color=blue, penwidth=2")
+        elif commit:
+            attrs_.append("color=darkgreen")
+        if styles:
+            attrs_.append(f'style="{",".join(styles)}"')
+        lines.append(f"  {source} -> {dest} [{', '.join(attrs_)}];")
+    legend = "".join(f"{line}\\l" for line in _legend(show_interrupts, dot=True))  # \l: a left-justified line
+    lines.append(f'  legend [shape=note, label="{legend}"];')
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -92,11 +115,11 @@ def to_mermaid(current: str | None = None, recent: Sequence[tuple[str, str, str]
     for layer in LAYERS:
         lines.append(f"    %% layer: {layer}: " + ", ".join(s.name for s in spec.states if s.layer == layer))
     hot = {(s, t, d) for s, t, d in recent}
-    for source, trigger, dest, label in edges:
+    for source, trigger, dest, label, _fused, _commit in edges:  # stateDiagram edges take no style: tags
         mark = " (last)" if (source, trigger, dest) in hot else ""
         lines.append(f"    {source} --> {dest} : {label}{mark}")
-    if not show_interrupts:
-        lines.append("    note right of rollback : every running state --interrupt--> rollback")
+    lines += ["    note right of rollback", *(f"        {line}" for line in _legend(show_interrupts, dot=False)),
+              "    end note"]
     if current:
         lines += ["    classDef current fill:salmon,stroke:red,stroke-width:2px", f"    class {current} current"]
     return "\n".join(lines) + "\n"

@@ -86,10 +86,16 @@ class Guard:
 
 @attrs.frozen
 class Action:
-    """A named effect run when an edge is taken (after the state changes)."""
+    """A named effect run when an edge is taken (after the state changes).
+
+    A commit action (`commit=True`) marks the point after which the work done so far is committed: rollback
+    never undoes it. It is the last action of every edge that runs it (checked by `Spec.validate`), so an
+    edge either commits everything it did or, interrupted before its commit, nothing.
+    """
 
     name: str = attrs.field(validator=_identifier)
     doc: str = attrs.field(validator=_one_line)
+    commit: bool = False
 
 
 @attrs.frozen
@@ -151,7 +157,8 @@ class Hook:
 
 @attrs.frozen
 class Spec:
-    """The whole machine. `validate()` checks names and guard exclusivity; `SpecError` on failure."""
+    """The whole machine. `validate()` checks names, guard exclusivity, fused paths and that commit actions
+    come last; `SpecError` on failure."""
 
     states: tuple[State, ...] = attrs.field(converter=tuple)
     triggers: tuple[Trigger, ...] = attrs.field(converter=tuple)
@@ -186,6 +193,20 @@ class Spec:
             raise SpecError(f"fused edge {edge.source} --{edge.trigger}--> {edge.dest}: its path ends in {state!r}")
         return path
 
+    def commits(self, edge: Transition) -> bool:
+        """Whether taking `edge` commits (see `Action`).
+
+        A plain edge commits when it runs a commit action, a fused edge when its path takes such an edge.
+        """
+        if edge.fuses:
+            return any(self.commits(e) for e in self.fused_path(edge))
+        commit = {a.name for a in self.actions if a.commit}
+        return any(a in commit for a in edge.actions)
+
+    def commit_edges(self) -> list[Transition]:
+        """The edges that commit (`commits`), fused ones included, in spec order."""
+        return [t for t in self.transitions if self.commits(t)]
+
     def guards_of(self, source: str, trigger: str) -> list[str]:
         """Guard names the edges of (state, trigger) depend on, sorted."""
         return sorted({g for t in self.edges(source, trigger) for g in (*t.conditions, *t.unless)})
@@ -206,6 +227,7 @@ class Spec:
             "guard": {g.name for g in self.guards},
             "action": {a.name for a in self.actions},
         }
+        commit = {a.name for a in self.actions if a.commit}
         if self.initial not in states or self.rollback not in states:
             raise SpecError(f"initial {self.initial!r} and rollback {self.rollback!r} must be states")
         for t in self.transitions:
@@ -219,6 +241,10 @@ class Spec:
                 unknown = [n for n in names if n not in known[kind]]
                 if unknown:
                     raise SpecError(f"{where}: unknown {kind} {unknown}; known: {sorted(known[kind])}")
+            early = [a for a in t.actions[:-1] if a in commit]
+            if early:
+                raise SpecError(f"{where}: commit action {early[0]!r} must be the edge's last action (got actions"
+                                f" {list(t.actions)}); move it to the end so that nothing runs after the commit")
         hot = {t.name for t in self.triggers if t.hot}
         for t in self.transitions:
             if t.fuses:

@@ -62,7 +62,7 @@ def test_a_missing_metric_fails_at_the_first_check_listing_the_existing_names(tm
     message = r"monitor must name a val metric: one of 'loss', 'mae' \(got 'acc'\)"
     with pytest.raises(ConfigError, match=message):
         trainer.fit(*_loaders())
-    assert trainer.loop.completed_epochs == 1
+    assert trainer.loop.completed_epochs == 0  # the epoch's end raised before the epoch committed
 
 
 def test_a_validation_monitor_without_validation_data_says_how_to_fix_it(tmp_path):

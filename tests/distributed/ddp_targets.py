@@ -101,7 +101,7 @@ def _train(k: int = 1, batch_size: int = BATCH, split_batches: bool = False) -> 
     kwargs = trainer_kwargs(gradient_accumulation_steps=k, split_batches=split_batches)
     with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
         syncs: list = []
-        trainer._train_model.register_comm_hook(syncs, _counting_allreduce)
+        trainer.model.register_comm_hook(syncs, _counting_allreduce)
         records = trainer.fit(train_dl, val_dl)
         test = trainer.test(val_dl)
         group_during_fit = dist.is_initialized()
@@ -130,7 +130,7 @@ def _unused_parameters() -> dict:
     with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
         trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
         return {"used": _state(model.used), "unused_before": unused_before, "unused": _state(model.unused),
-                "find_unused_parameters": trainer._train_model.find_unused_parameters}
+                "find_unused_parameters": trainer.model.find_unused_parameters}
 
 
 def _error_of(run) -> dict | None:

@@ -20,7 +20,8 @@ def fail_on_rank_1() -> None:
     y = (x[:, 0] > 0).long()
     model = nn.Linear(6, 2)
     trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=20,
-                      device="cpu", gradient_accumulation_steps=2, log_batch=False, show_info=False)
+                      device="cpu", gradient_accumulation_steps=2, log_batch=False, show_info=False,
+                      fuse_steps=False)  # every edge, so the probe sees the micro-batch's inner states
     seen = []
 
     def probe(dest):

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from deepepochs import Callback, EpochTask, Optimizer, Trainer, TrainerBase
+from deepepochs.engine import actions
 from deepepochs.fsm.machine import load_spec
 
 SPEC = load_spec()
@@ -161,14 +162,35 @@ FUSED_CASES = {  # name: (precision, k, nonfinite, poisoned (epoch, batch) posit
 }
 
 
+def _spy_on_registry(monkeypatch):
+    """Wrap every registered action and guard so that each call is recorded as ('action', name) or
+    ('guard', name, outcome) into the list returned (swap its contents between runs)."""
+    calls = []
+
+    def spy(kind, name, fn):
+        def recorded(ctx):
+            out = fn(ctx)
+            calls.append((kind, name) if kind == "action" else (kind, name, out))
+            return out
+        return recorded
+
+    for kind, table in (("action", actions.ACTIONS), ("guard", actions.GUARDS)):
+        for name, fn in list(table.items()):
+            monkeypatch.setitem(table, name, spy(kind, name, fn))
+    return calls
+
+
 @pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case):
-    """Each fused edge is its path in one: the same trace once expanded, and bit-identical weights, learning
-    rates, optimizer state, GradScaler scale and per-epoch metrics as a run taking every edge; with ragged
-    tail windows, fp16 overflow skips (inf gradients) and fp32 NaN-loss skips."""
+def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case, monkeypatch):
+    """Each fused edge is its path in one: the same trace once expanded; the same registry actions called in
+    the same order with the same guard outcomes (a spy on every action and guard); and bit-identical
+    weights, learning rates, optimizer state, GradScaler scale and per-epoch metrics as a run taking every
+    edge; with ragged tail windows, fp16 overflow skips (inf gradients) and fp32 NaN-loss skips."""
     precision, k, nonfinite, poisoned = FUSED_CASES[case]
-    runs = {}
+    runs, calls = {}, _spy_on_registry(monkeypatch)
+    spied = {}
     for fuse in (True, False):
+        calls.clear()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
         sgd = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -192,6 +214,7 @@ def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case):
         t.machine.history = collections.deque()
         records = t.fit(_data(52, 8), _data(20, 8, seed=1))  # 7 batches, the last one ragged
         runs[fuse] = (t, records, t.test(_data(20, 8, seed=2)))
+        spied[fuse] = list(calls)
     (fused, fused_records, fused_test), (plain, plain_records, plain_test) = runs[True], runs[False]
     fused_trace, plain_trace = _recorded(fused), _recorded(plain)
     fused_triggers = {trigger for _, trigger, _ in fused_trace}
@@ -200,6 +223,9 @@ def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case):
     assert (("window_skip_step" if k == 1 else "skip_step") in fused_triggers) == bool(poisoned)
     assert not {t.trigger for t in SPEC.transitions if t.fuses} & {t for _, t, _ in plain_trace}
     assert _expand_fused(fused_trace) == plain_trace
+    assert {c[1] for c in spied[True] if c[0] == "action"} >= {"open_window", "unscale_gradients",
+                                                              "step_optimizer", "commit_update", "close_window"}
+    assert spied[True] == spied[False]
     np.testing.assert_equal(fused_records, plain_records)  # NaN-aware: a skipped NaN loss still counts
     np.testing.assert_equal(fused_test, plain_test)
     assert fused.opt.lrs() == plain.opt.lrs()
@@ -293,11 +319,11 @@ def test_every_hook_runs_in_a_state_the_spec_allows():
     assert names[0] == "on_before_fit" and "on_after_fit" in names and names[-1] == "on_after_test_epochs"
 
 
-def test_the_accelerator_branch_of_the_fused_loop_keeps_losses_on_the_device(monkeypatch):
-    """Where a value read per micro-batch would sync a device (CUDA), the fused window loop sums losses on
-    the device and checks them once per task (PERF-2). Forced here on the CPU: the same weights and loss as
-    the unfused path, and an inf loss raises at the task's end instead of at its update."""
-    from deepepochs import fused
+def test_on_an_accelerator_the_finite_check_stays_on_the_device_until_the_task_ends(monkeypatch):
+    """Where a value read per update would sync a device (CUDA), nonfinite='raise' keeps the finite check on
+    the device and reads it once per task (PERF-2). Forced here on the CPU: fused and every-edge runs give
+    the same weights and loss, and an inf loss raises at the task's end instead of at its update."""
+    from deepepochs.engine import actions
 
     def run(fuse, bad_batch=None):
         torch.manual_seed(0)
@@ -313,7 +339,7 @@ def test_the_accelerator_branch_of_the_fused_loop_keeps_losses_on_the_device(mon
         t._console.enabled = False
         return t
 
-    monkeypatch.setattr(fused, "reads_on_host", lambda device: False)
+    monkeypatch.setattr(actions, "reads_on_host", lambda value: False)
     device_sums, plain = run(True), run(False)
     records, plain_records = device_sums.fit(_data(52, 8)), plain.fit(_data(52, 8))
     assert isinstance(device_sums.history["train"]["loss"][0], float)

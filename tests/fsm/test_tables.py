@@ -1,19 +1,20 @@
 """Structure of the generated tables (FSM-2, FSM-4) and agreement of the two runtimes (FSM-3)."""
 
 import collections
-import functools
 import itertools
 import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
+from deepepochs.engine.context import LoopState
 from deepepochs.errors import InvalidTransition
 from deepepochs.fsm import codegen, tables
+from deepepochs.fsm.events import ActionName, Event, GuardName, StateName, TriggerName
 from deepepochs.fsm.machine import LoopMachine, build_machine, compile_table, load_spec, machine_edges
 from deepepochs.fsm.schema import LAYERS, Action, Guard, Spec, SpecError, State, Transition, Trigger
-from deepepochs.loop import LoopState
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = load_spec()
@@ -196,38 +197,38 @@ def test_error_edge_raises_its_reason():
     assert m.state == "step_backward"
 
 
-def test_a_bound_trigger_acts_as_fire_from_any_state():
-    """`LoopMachine.bound` (an edge resolved once, for a loop) moves, records and probes as `fire` does, and
-    from another state than the one it was bound for behaves exactly as `fire` (here: the invalid-trigger
-    error); an edge with an action runs it as `fire` does, after the move and the record, before the probe;
-    an edge with a guard is bound to `fire` itself."""
-    guards = {g.name: (lambda: True) for g in SPEC.guards}
-    ran = []
-    actions = {a.name: (lambda a=a.name: ran.append(a)) for a in SPEC.actions}
+def test_a_walked_micro_batch_lands_as_the_fused_edge_whose_path_it_took():
+    """`LoopMachine.walk` takes the same edges and runs the same actions as `fire`, moving the state hop by
+    hop without recording or probing; `land` records the fused edge whose path was walked (one record, one
+    probe), and a walk that is no fused path is recorded hop by hop."""
+    outcome = {"window_boundary": True, "grads_finite": True}
+    guards = {g.name: (lambda g=g.name: outcome.get(g, False)) for g in SPEC.guards}
+    walked_actions, fired_actions = [], []
     loop = LoopState(epoch=2, batch_idx=7)
-    bound, plain = LoopMachine(guards, actions, loop), LoopMachine(guards, actions, loop)
+    walker = LoopMachine(guards, {a.name: (lambda a=a.name: walked_actions.append(a)) for a in SPEC.actions}, loop)
+    firer = LoopMachine(guards, {a.name: (lambda a=a.name: fired_actions.append(a)) for a in SPEC.actions}, loop)
     probed = []
-    bound.probe = probed.append
-    for m in (bound, plain):
-        m.model.state = "window_open"
-    step = bound.bound("update_step", "window_open")
-    assert step() == plain.fire("update_step") == "task_train" == bound.state
-    assert bound.records() == plain.records() and bound.records()[-1].batch == 7
+    walker.probe = probed.append
+    fused = next(f for f in SPEC.transitions if f.trigger == "update_step")
+    for m in (walker, firer):
+        m.model.state = fused.source
+    walker.start_walk()
+    for edge in SPEC.fused_path(fused):
+        walker.walk(edge.trigger)
+        firer.fire(edge.trigger)
+        assert walker.state == firer.state == edge.dest
+    assert walked_actions == fired_actions and "commit_update" in walked_actions
+    assert walker.records() == [] and probed == []
+    walker.land()
+    assert [(r.source, r.trigger, r.dest) for r in walker.records()] == [("window_open", "update_step", "task_train")]
     assert probed == ["task_train"]
-    with pytest.raises(InvalidTransition, match=r"'update_step' in state 'task_train'"):
-        step()
-    begin = bound.bound("begin_window", "task_train")
-    assert begin() == "window_open" and ran == ["open_window"]
-    seen, probes = [], []
-    opening = LoopMachine(guards, {**actions, "open_window": lambda: seen.append(
-        (opening.state, opening.records()[-1].trigger, list(probes)))}, loop)
-    opening.probe, opening.model.state = probes.append, "task_train"
-    assert opening.bound("begin_window", "task_train")() == "window_open" == opening.state
-    assert seen == [("window_open", "begin_window", [])]  # moved and recorded, not yet probed
-    assert probes == ["window_open"]
-    hot = {t.name for t in SPEC.triggers if t.hot}
-    guarded = next(e for e in SPEC.transitions if (e.conditions or e.unless) and e.trigger in hot)
-    assert isinstance(bound.bound(guarded.trigger, guarded.source), functools.partial)
+    walker.model.state = "task_train"
+    walker.start_walk()
+    walker.walk("begin_window")
+    walker.land()  # not a fused path: the hop is recorded as itself
+    assert walker.records()[-1][2:] == ("task_train", "begin_window", "window_open")
+    with pytest.raises(InvalidTransition, match=r"'clip' in state 'window_open'.*allowed"):
+        walker.walk("clip")
 
 
 def test_spec_validation_rejects_overlapping_guards():
@@ -288,6 +289,61 @@ def test_spec_validation_walks_fused_edges():
         _fused_spec(assuming=["ok"]).validate()
 
 
+def _runs_commit(edge):
+    return any(a.name in edge.actions for a in SPEC.actions if a.commit)
+
+
+def test_commit_actions_are_last_on_the_edges_that_commit_updates_and_epochs():
+    """A commit action ends every edge that runs it: the stepping apply_update edges and finish_update edges
+    end with commit_update, the end_epoch edges with commit_epoch; no other edge commits."""
+    commit = {a.name for a in SPEC.actions if a.commit}
+    assert commit == {"commit_update", "commit_epoch"}
+    for t in SPEC.transitions:
+        assert not set(t.actions[:-1]) & commit, (t.source, t.trigger, t.actions)
+    ends = {(t.source, t.trigger, t.actions) for t in SPEC.transitions if _runs_commit(t)}
+    optimizing = ("optimize_clipped", "optimize_skipped")
+    assert ends == {
+        *((source, "apply_update", ("step_optimizer", "commit_update")) for source in optimizing),
+        *((source, "finish_update", ("update_scaler", "zero_grad", "commit_update")) for source in optimizing),
+        ("epoch_end", "end_epoch", ("step_epoch_schedulers", "save_checkpoints", "commit_epoch")),
+        ("epoch_end", "end_epoch", ("step_epoch_schedulers", "commit_epoch")),
+    }
+
+
+def test_commit_edges_list_every_edge_and_every_fused_edge_whose_path_commits():
+    """`Spec.commit_edges()` holds the edges running a commit action and each fused edge with such an edge on
+    its path (every fused edge that ends a window), and no other edge."""
+    want = [t for t in SPEC.transitions
+            if _runs_commit(t) or (t.fuses and any(_runs_commit(e) for e in SPEC.fused_path(t)))]
+    assert SPEC.commit_edges() == want
+    assert {t.trigger for t in want if t.fuses} == {"update_step", "skip_step", "window_step", "window_skip_step"}
+    assert all(SPEC.commits(t) == (t in want) for t in SPEC.transitions)
+
+
+def test_spec_validation_rejects_a_commit_action_that_is_not_last():
+    """A commit action followed by another action on its edge is refused, naming the action and the edge."""
+
+    def spec(edge_actions):
+        return attrs.evolve(_fused_spec(actions=edge_actions), actions=[Action("x", "X."),
+                                                                         Action("c", "C.", commit=True)])
+
+    assert spec(["x", "c"]).validate().commit_edges()[0].trigger == "both"
+    with pytest.raises(SpecError, match=r"edge idle --both--> b: commit action 'c' must be the edge's last action"
+                                        r" \(got actions \['c', 'x'\]\)"):
+        spec(["c", "x"]).validate()
+
+
+def test_name_enums_list_the_spec_names_in_spec_order():
+    """StateName, TriggerName, GuardName and ActionName hold the spec's names in order as values, each under
+    its upper-case name; Event holds the hook names in order."""
+    for enum_type, records in ((StateName, SPEC.states), (TriggerName, SPEC.triggers), (GuardName, SPEC.guards),
+                               (ActionName, SPEC.actions)):
+        assert [m.value for m in enum_type] == [r.name for r in records], enum_type.__name__
+        assert [m.name for m in enum_type] == [r.name.upper() for r in records], enum_type.__name__
+        assert all(isinstance(m, str) for m in enum_type)
+    assert [e.value for e in Event] == [h.name for h in SPEC.hooks]
+
+
 def test_hook_names_come_from_the_spec():
     """CUST-1: Event values, Callback methods and spec hooks are the same set, with the spec's args."""
     import inspect
@@ -318,5 +374,6 @@ def test_hook_names_keep_the_06_api():
 def test_raw_tables_have_the_documented_shapes():
     """The generated literals keep the column order documented in their comments."""
     assert all(len(row) == 5 for row in tables.STATES)
+    assert all(len(row) == 3 and isinstance(row[1], bool) for row in tables.ACTIONS)
     assert all(len(row) == 10 for row in tables.TRANSITIONS)
     assert all(len(row) == 4 for row in tables.HOOKS)

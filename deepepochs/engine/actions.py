@@ -1,0 +1,368 @@
+"""The spec's guards and actions, each implemented once, in a registry keyed by the spec's names.
+
+Every guard and action is a function of the run-time `Context`. `bind(ctx)` hands them to the machine;
+the machine calls them on every path alike: an edge fired on its own, or a fused edge walked hop by hop
+(`LoopMachine.walk`). `check_registry(spec)` fails when a spec name has no implementation or the
+registry has one the spec does not name; registering a name twice fails at import.
+
+Commit points (spec actions marked `commit=True`, always last on their edge): `commit_update` after an
+update was applied with its step-wise scheduler (or skipped and the scale updated), `commit_epoch` after an
+epoch's end. Rollback (`discard_window`) returns the trainer to the last of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.fsm.machine import load_spec
+
+__all__ = ["ACTIONS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "reads_on_host",
+           "window_loss_finite"]
+
+GUARDS: dict[str, Callable[[Context], bool]] = {}
+ACTIONS: dict[str, Callable[[Context], None]] = {}
+
+
+def _register(table: dict, kind: str, fn: Callable) -> Callable:
+    if fn.__name__ in table:
+        raise RuntimeError(f"{kind} {fn.__name__!r} is implemented twice")
+    table[fn.__name__] = fn
+    return fn
+
+
+guard = functools.partial(_register, GUARDS, "guard")
+action = functools.partial(_register, ACTIONS, "action")
+
+
+def check_registry(spec) -> None:
+    """Raise `RuntimeError` unless the registry implements exactly the spec's guards and actions."""
+    for kind, table, names in (("guard", GUARDS, {g.name for g in spec.guards}),
+                               ("action", ACTIONS, {a.name for a in spec.actions})):
+        missing, extra = sorted(names - set(table)), sorted(set(table) - names)
+        if missing or extra:
+            raise RuntimeError(f"{kind}s without an implementation: {missing}; implemented but not in the"
+                               f" spec: {extra}")
+
+
+@functools.cache
+def check_registry_once() -> None:
+    """`check_registry` against the package's spec, once per process."""
+    check_registry(load_spec())
+
+
+def bind(ctx: Context) -> tuple[dict, dict]:
+    """`(guards, actions)`: name -> zero-argument callable bound to `ctx`, looked up in the registry now
+    (so a test may wrap registry entries before a trainer is built)."""
+    return ({name: functools.partial(fn, ctx) for name, fn in GUARDS.items()},
+            {name: functools.partial(fn, ctx) for name, fn in ACTIONS.items()})
+
+
+# ---- guards: side-effect free, real bools ------------------------------------------------------------
+@guard
+def epochs_remaining(ctx: Context) -> bool:
+    return ctx.loop.completed_epochs < ctx.loop.target_epochs
+
+
+@guard
+def stop_requested(ctx: Context) -> bool:
+    return ctx.loop.stop is not None
+
+
+@guard
+def val_due(ctx: Context) -> bool:
+    return ctx.loop.val_due
+
+
+@guard
+def window_boundary(ctx: Context) -> bool:
+    return ctx.loop.window_boundary
+
+
+@guard
+def grads_finite(ctx: Context) -> bool:
+    return ctx.loop.finite.get(ctx.loop.opt_index, True)
+
+
+@guard
+def has_save_requests(ctx: Context) -> bool:
+    return bool(ctx.loop.save_requests)
+
+
+@guard
+def resume_pending(ctx: Context) -> bool:
+    return ctx.loop.resume_pending
+
+
+# ---- fit and epoch -----------------------------------------------------------------------------------
+@action
+def resume_checkpoint(ctx: Context) -> None:
+    ctx.parts.resume()
+
+
+@action
+def start_epoch(ctx: Context) -> None:
+    loop = ctx.loop
+    loop.epoch = loop.completed_epochs + 1
+    loop.stop = None
+    ctx.last_metrics = {}
+    ctx.parts.dist.set_epoch(loop.epoch)
+
+
+@action
+def report_early_stop(ctx: Context) -> None:
+    loop = ctx.loop
+    ctx.parts.console.info(f"Stopped early after epoch {loop.completed_epochs}: {loop.stop.reason}")
+
+
+@action
+def step_epoch_schedulers(ctx: Context) -> None:
+    """Step epoch-wise schedulers with this epoch's loss; their states before are kept until the epoch
+    commits, so a rollback before `commit_epoch` undoes this step instead of losing or repeating it."""
+    opts = ctx.parts.opts
+    before = opts.epoch_scheduler_state()
+    ctx.epoch_undo.append(lambda: opts.load_epoch_scheduler_state(before))
+    train, val = ctx.last_metrics.get("train", {}), ctx.last_metrics.get("val", {})
+    opts.step_epoch(train.get("loss"), val.get("loss"))
+
+
+@action
+def save_checkpoints(ctx: Context) -> None:
+    requests = list(ctx.loop.save_requests)
+    ctx.loop.save_requests.clear()
+    for save in requests:
+        save()
+
+
+@action
+def commit_epoch(ctx: Context) -> None:
+    """The epoch is done for good: its count, its records, its epoch-wise scheduler steps."""
+    loop = ctx.loop
+    loop.completed_epochs = loop.epoch
+    loop.resume = None
+    ctx.train_meters = None
+    ctx.epoch_undo.clear()
+    for stage, metrics in ctx.last_metrics.items():
+        if stage in ctx.fit_records:
+            for name, value in metrics.items():
+                ctx.fit_records[stage].setdefault(name, []).append(value)
+                ctx.history[stage].setdefault(name, []).append(value)
+
+
+# ---- the accumulation window -------------------------------------------------------------------------
+@action
+def open_window(ctx: Context) -> None:
+    loop = ctx.loop
+    loop.window_pos = 0
+    loop.window_samples = 0
+    loop.window_first_size = 0
+    loop.window_updated = False
+    loop.window_committed = False
+
+
+@action
+def sync_gradients(ctx: Context) -> None:
+    ctx.parts.dist.set_grad_sync(True)
+
+
+@action
+def skip_gradient_sync(ctx: Context) -> None:
+    ctx.parts.dist.set_grad_sync(False)
+
+
+@action
+def close_window(ctx: Context) -> None:
+    loop = ctx.loop
+    loop.meters.close_window()
+    loop.window_pos = 0
+    opts = ctx.parts.opts
+    if len(opts) > 1:
+        # With several optimizers a later loss of the step (e.g. a GAN's generator loss) writes gradients
+        # into parameters an earlier update already zeroed; drop them so they cannot leak into the next window.
+        opts.zero_grad(opts.all_indices)
+
+
+# ---- the update ----------------------------------------------------------------------------------------
+@action
+def unscale_gradients(ctx: Context) -> None:
+    """Unscale (fp16), decide finiteness per optimizer, and normalise by the window's real sample count.
+
+    This begins the update, a critical section for SIGINT (held until `commit_update` of `finish_update`).
+    Each micro-batch backpropagated `loss * n_i / (k * n_first)` (`steps.loss`); the window's gradient is
+    `sum(n_i * loss_i) / N` with N the window's samples over all ranks, so the factor here is
+    `w * k * n_first / N` (DDP already averaged over the w ranks): exactly 1 for full windows of equal
+    batches, which then cost no pass over the gradients. Non-finite gradients are left alone: their
+    optimizer skips. Host syncs: fp16 reads all optimizers' inf flags at once (the read `GradScaler.step`
+    would make); fp32/bf16 read one flag for the window's losses (`window_loss_finite`).
+    """
+    ctx.signals.hold()
+    parts, loop = ctx.parts, ctx.loop
+    opts, indices, finite = parts.opts, loop.update_indices, loop.finite
+    finite.clear()
+    if parts.precision.scaler is None:
+        ok = window_loss_finite(ctx)
+        for i in indices:
+            finite[i] = ok
+    else:
+        finite.update(zip(indices, parts.precision.unscale([opts[i].opt for i in indices])))
+    if loop.window_size > 1:
+        window_total = parts.dist.global_sum(loop.window_samples)  # a collective under DDP: every rank
+        factor = parts.dist.world_size * loop.window_size * loop.window_first_size / window_total
+        if factor != 1.0:
+            seen = set()
+            with torch.no_grad():
+                for i in indices:
+                    if finite[i]:
+                        for g in opts.grads(i):
+                            if id(g) not in seen:  # a parameter shared by two optimizers: scale it once
+                                seen.add(id(g))
+                                g.mul_(factor)
+
+
+@action
+def clip_gradients(ctx: Context) -> None:
+    """Run each registered clipper as `clip(trainer, indices, finite)` on the unscaled gradients."""
+    loop = ctx.loop
+    for clip in ctx.parts.clippers:
+        clip(ctx.parts.facade, loop.update_indices, loop.finite)
+
+
+@action
+def step_optimizer(ctx: Context) -> None:
+    """Step optimizer `opt_index`. Its step post-hook (`Optimizers.bind_updates`) steps the step-wise
+    scheduler and sets `window_updated` the moment the update is applied, even if a later post-hook
+    raises, so a rollback never replays an applied update."""
+    ctx.parts.opts.step(ctx.loop.opt_index)
+
+
+@action
+def skip_optimizer(ctx: Context) -> None:
+    """Leave optimizer `opt_index` and its scheduler untouched; tell the callbacks."""
+    facade, index = ctx.parts.facade, ctx.loop.opt_index
+    for hook in ctx.parts.hooks["on_skip_optimize"]:
+        hook(facade, index)
+
+
+@action
+def update_scaler(ctx: Context) -> None:
+    """Hand this update's inf records to the scaler, which adjusts its scale once per iteration."""
+    precision, loop = ctx.parts.precision, ctx.loop
+    if precision.scaler is None:  # fp32/bf16
+        return
+    opts = ctx.parts.opts
+    precision.finish([opts[i].opt for i in loop.update_indices], len(opts), batch_token(ctx))
+
+
+@action
+def zero_grad(ctx: Context) -> None:
+    """Drop the updated optimizers' gradients (set to None: the next backward writes, not adds)."""
+    ctx.parts.opts.zero_grad(ctx.loop.update_indices)
+
+
+@action
+def commit_update(ctx: Context) -> None:
+    """The window's update is committed: the task's position moves past the window. On `finish_update`
+    (the update's end) the SIGINT critical section ends and a held Ctrl-C is raised."""
+    loop = ctx.loop
+    loop.window_committed = True
+    loop.resume = ResumePoint(loop.epoch, ctx.task_index, loop.batch_idx)
+    if ctx.machine.state == "step_optimized":
+        ctx.signals.release()
+
+
+# ---- rollback ------------------------------------------------------------------------------------------
+@action
+def discard_window(ctx: Context) -> None:
+    """Rollback to the last commit point: drop every gradient, the interrupted update's scaler records,
+    the window's loss sums and patches, save requests, and what an epoch's end did before it committed
+    (the epoch count, epoch-wise scheduler steps, monitor states: `ctx.epoch_undo`).
+
+    A window whose update was applied is committed even if the fault came before `commit_update` ran (a
+    later post-hook or the scheduler raised): its loss statistics stay and it is not replayed."""
+    parts, loop = ctx.parts, ctx.loop
+    ctx.signals.drop()
+    parts.opts.zero_grad(parts.opts.all_indices)
+    parts.precision.discard_step_state()
+    parts.dist.set_grad_sync(True)
+    meters = loop.meters
+    if meters is not None and loop.stage == "train" and loop.window_pos:
+        if loop.window_updated and not loop.window_committed:
+            commit_update(ctx)
+        if loop.window_committed:
+            # The step's own loss is counted once the window committed; its patches never came back.
+            if ctx.step_loss is not None and not ctx.batch_counted:
+                meters.add_batch(ctx.step_loss, ctx.batch_n, ctx.step_patches)
+            meters.close_window()
+        else:
+            meters.discard_window()
+    while ctx.epoch_undo:  # epoch-end work of an epoch that did not commit, newest first
+        ctx.epoch_undo.pop()()
+    loop.save_requests.clear()
+
+
+@action
+def reset_loop(ctx: Context) -> None:
+    loop = ctx.loop
+    loop.stage = None
+    loop.meters = None
+    loop.window_pos = 0
+    loop.window_updated = loop.window_committed = False
+    loop.finite.clear()
+    ctx.task = None
+    ctx.model = ctx.parts.train_model
+
+
+def batch_token(ctx: Context) -> tuple:
+    """Identifies the current training iteration for the scaler (all losses of one batch share a scale)."""
+    loop = ctx.loop
+    return (loop.epoch, loop.batch_idx, id(loop.meters))
+
+
+def reads_on_host(value: torch.Tensor) -> bool:
+    """Whether reading `value` costs no device sync (a CPU tensor); elsewhere the fp32 finite check with
+    nonfinite='raise' stays on the device until the task's end (PERF-2)."""
+    return value.is_cpu
+
+
+def window_loss_finite(ctx: Context) -> bool:
+    """Whether the update window's losses are all finite (fp32/bf16; fp16 asks the scaler instead).
+
+    By design this reads one value on the host per update (the guard needs a Python bool): under fp32
+    nothing else tells a NaN update apart, and one read per update, not per batch, is cheap. Under DDP
+    the flag is summed over the ranks first, so every rank takes the same step/skip edge. On an
+    accelerator with nonfinite='raise' there is no host read at all: a device-side flag is kept and
+    checked at the task's end (PERF-2). Raises FloatingPointError with nonfinite='raise'.
+    """
+    parts, loop = ctx.parts, ctx.loop
+    dist, raise_ = parts.dist, parts.config.nonfinite == "raise"
+    losses = [loss for loss, _ in loop.meters.window_losses]
+    if ctx.step_loss is not None:
+        losses.append(ctx.step_loss)
+    if not losses:
+        if dist.world_size == 1:
+            return True
+        total = torch.zeros((), device=parts.device)
+    elif len(losses) == 1:
+        total = losses[0]
+    else:  # inf and NaN survive a sum; float32 keeps fp16 losses from overflowing in it
+        total = torch.stack([v.reshape(()).float() for v in losses]).sum()
+    if dist.world_size > 1:
+        ok = dist.reduce_sum((~torch.isfinite(total)).float().reshape(1)).item() == 0.0
+    elif reads_on_host(total):
+        ok = math.isfinite(total.item())
+    elif raise_:
+        bad = ~torch.isfinite(total.detach().reshape(()))
+        ctx.pending_nonfinite = bad if ctx.pending_nonfinite is None else ctx.pending_nonfinite | bad
+        return True
+    else:
+        ok = bool(torch.isfinite(total))
+    if not ok and raise_:
+        raise FloatingPointError(
+            f"non-finite loss in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
+            f" (precision={parts.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
+        )
+    return ok

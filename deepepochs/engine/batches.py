@@ -1,0 +1,136 @@
+"""The batch loops: one for training micro-batches, one for evaluation batches.
+
+A training micro-batch moves the machine through the spec's hot edges: `begin_window` (the window's
+first), `begin_batch`, then the step's `backward` and `optimize` (and on the window's last micro-batch
+`clip`, `apply_update` per optimizer, `finish_update`), then `end_batch`. The hops call the registry's
+guards and actions (`deepepochs.engine.actions`) in either mode:
+
+- every edge (`fuse_steps=False`, or a callback hook that runs inside a micro-batch): each hop is fired,
+  recorded in the flight record and offered to the probe;
+- fused: each hop is walked silently (`LoopMachine.walk`: the same guards and actions, the true state),
+  and the micro-batch is recorded as the spec's fused edge whose path it took (`LoopMachine.land`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+from deepepochs.data import batch_splitter, lookahead
+from deepepochs.engine import steps
+from deepepochs.engine.context import Context
+from deepepochs.fsm.machine import load_spec
+from deepepochs.tasks import BatchMetrics
+
+__all__ = ["FUSED_OBSERVERS", "eval_batches", "fuses", "train_batches"]
+
+
+def _fused_edge_observers() -> tuple[str, ...]:
+    """Hooks that run in a window/step/optimize state on a fused edge's path: any of them rules fusing out
+    (the hook could read the flight record, which a fused micro-batch records as one edge)."""
+    spec = load_spec()
+    states = {s for f in spec.transitions if f.fuses for t in spec.fused_path(f) for s in (t.source, t.dest)}
+    per_batch = {s for s in states if spec.state(s).layer in ("window", "step", "optimize")}
+    return tuple(h.name for h in spec.hooks if per_batch & set(h.states))
+
+
+FUSED_OBSERVERS = _fused_edge_observers()
+
+
+def fuses(ctx: Context) -> bool:
+    """Whether training micro-batches take the fused edges: asked for (`fuse_steps`), no hook observes their
+    paths, and the step is the default one with one optimizer, whose micro-batches walk exactly a fused
+    edge's path (a custom step may take any path, e.g. update twice, and is fired edge by edge)."""
+    hooks = ctx.parts.hooks.by_event
+    return (ctx.parts.config.fuse_steps and ctx.task.step_fn is None and len(ctx.parts.opts) == 1
+            and not any(hooks[name] for name in FUSED_OBSERVERS))
+
+
+def train_batches(ctx: Context, data, meters) -> None:
+    """Run a training task's micro-batches (the window and step layers of the machine)."""
+    parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
+    task, facade = ctx.task, parts.facade
+    hooks = parts.hooks.by_event
+    before_batch, after_batch = hooks["on_before_train_batch"], hooks["on_after_train_batch"]
+    k = parts.config.gradient_accumulation_steps
+    loop.window_size = k
+    fused = fuses(ctx)
+    ctx.hop = hop = machine.walk if fused else machine.fire
+    begin_window = machine.fire if fused and k > 1 else hop  # a k-batch window's opening is its own edge
+    land = machine.land if fused else None
+    split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size)
+    step_fn, step_args = task.step_fn, task.step_args
+    if step_fn is None:
+        step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": "train"}
+    autocast = parts.precision.autocast if parts.precision.dtype is not None else None
+    console = parts.console
+    log_batch = console.log_batch or console.log_tqdm
+    batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
+    if land is not None:
+        machine.start_walk()
+    for batch, is_last in batches:
+        if loop.window_pos == 0:
+            begin_window("begin_window")
+            if land is not None and k > 1:
+                machine.start_walk()
+        loop.window_pos += 1
+        loop.batch_idx += 1
+        loop.window_boundary = is_last or loop.window_pos == k
+        batch_x, batch_y, n = split(batch)
+        if loop.window_pos == 1:
+            loop.window_first_size = n
+        loop.window_samples += n
+        ctx.batch_n, ctx.step_loss, ctx.step_patches, ctx.batch_counted = n, None, None, False
+        hop("begin_batch")
+        for hook in before_batch:
+            hook(facade, batch_x, batch_y, loop.batch_idx)
+        if autocast is None:
+            result = step_fn(batch_x, batch_y, **step_args)
+        else:
+            with autocast():  # forward and loss of default and custom steps alike (AMP-1)
+                result = step_fn(batch_x, batch_y, **step_args)
+        patches = None if result is None else steps.check_step_result(result, n)
+        value = None if patches and "loss" in patches else ctx.step_loss
+        meters.add_batch(value, n, patches)
+        ctx.batch_counted = True
+        hop("end_batch")
+        if land is not None:
+            land()
+        if after_batch:
+            metrics = BatchMetrics(value, patches)
+            for hook in after_batch:
+                hook(facade, metrics, loop.batch_idx)
+        if log_batch:
+            console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+
+
+def eval_batches(ctx: Context, data, meters, stage: str) -> None:
+    """Run a validation or test task's batches (no gradients; the caller holds `torch.no_grad`)."""
+    parts, loop, task, facade = ctx.parts, ctx.loop, ctx.task, ctx.parts.facade
+    fire = ctx.machine.fire
+    hooks = parts.hooks.by_event
+    before_batch, after_batch = hooks[f"on_before_{stage}_batch"], hooks[f"on_after_{stage}_batch"]
+    split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size)
+    step_fn, step_args = task.step_fn, task.step_args
+    if step_fn is None:
+        step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": stage}
+    console, autocast = parts.console, parts.precision.autocast
+    for batch in data:
+        loop.batch_idx += 1
+        batch_x, batch_y, n = split(batch)
+        ctx.batch_n, ctx.step_loss = n, None
+        fire("begin_batch")
+        for hook in before_batch:
+            hook(facade, batch_x, batch_y, loop.batch_idx)
+        with autocast():
+            result = step_fn(batch_x, batch_y, **step_args)
+        patches = None if result is None else steps.check_step_result(result, n)
+        value = None if (patches and "loss" in patches) else ctx.step_loss
+        meters.add_batch(value, n, patches)
+        meters.close_window()
+        fire("end_batch")
+        if after_batch:
+            metrics = BatchMetrics(value, patches)
+            for hook in after_batch:
+                hook(facade, metrics, loop.batch_idx)
+        console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))

@@ -1,0 +1,349 @@
+"""The driver: fit and test through epochs, stages and tasks, firing the machine's cold triggers, and
+rollback to the last commit point when anything escapes.
+
+Rollback has one rule: the trainer returns to the last commit point (see `deepepochs.engine.actions`).
+Inside an epoch that is the last committed update, kept as `loop.resume` with the epoch's training meters
+(`ctx.train_meters`); the next `fit` continues from there. Work after it (an open window, an epoch's end
+that did not commit) is undone by the `interrupt` edge's `discard_window` action.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+
+import torch
+
+from deepepochs.engine import actions, batches
+from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.engine.signals import InterruptGuard
+from deepepochs.errors import ConfigError
+from deepepochs.fsm.machine import LoopMachine
+from deepepochs.patches import TensorPatch
+from deepepochs.tasks import EpochTask, TaskMeters, flatten_value, metric_name
+
+__all__ = ["Driver"]
+
+#: Per stage, the hooks the driver runs around stages and tasks.
+STAGE_HOOKS = {stage: (f"on_before_{stage}_epochs", f"on_after_{stage}_epochs", f"on_before_{stage}_epoch",
+                       f"on_after_{stage}_epoch") for stage in ("train", "val", "test")}
+
+
+class Driver:
+    """Runs `fit` and `test` for one trainer's `Context`, and builds its machine."""
+
+    def __init__(self, ctx: Context):
+        actions.check_registry_once()
+        self.ctx = ctx
+        ctx.signals = InterruptGuard()
+        guards, acts = actions.bind(ctx)
+        ctx.machine = LoopMachine(guards, acts, ctx.loop)
+        ctx.model = ctx.parts.train_model
+        self._started = False
+        self._header_done = False
+
+    # ---- setup ----
+    def make_tasks(self, stage, dataloader, tasks, metrics, do_loss, batch_size) -> list[EpochTask]:
+        """EpochTasks of a stage from a DataLoader and/or a task list (they combine, DataLoader first)."""
+        parts = self.ctx.parts
+        out = []
+        if dataloader is not None:
+            out.append(EpochTask(dataloader, do_loss=do_loss, batch_size=batch_size))
+        if tasks:
+            for task in tasks if isinstance(tasks, (list, tuple)) else [tasks]:
+                if not isinstance(task, EpochTask):
+                    raise ConfigError(f"{stage}_tasks must hold EpochTask objects (got {type(task).__name__})")
+                out.append(task)
+        for i, task in enumerate(out):
+            if _len_or_none(task.dataloader) == 0:
+                raise ConfigError(
+                    f"the {stage} data of task {i} is empty (len 0): check the dataset size, batch_size and"
+                    " drop_last; a DataLoader must yield at least one batch"
+                )
+            task.trainer = parts.facade
+            task.stage = stage
+            task.all_metrics = [*metrics, *task.metrics]
+            if task.batch_size is None:
+                task.batch_size = batch_size
+            task.data = parts.dist.prepare_dataloader(task.dataloader, stage)
+            task.step_fn = parts.resolve_step(task, stage)
+        return out
+
+    # ---- errors: interrupt -> rollback -> idle, with the flight record ----
+    def guarded(self, run):
+        """Run `fit`/`test` with SIGINT held during updates; on any exception roll back and re-raise it
+        with the flight record attached."""
+        ctx = self.ctx
+        ctx.signals.install()
+        try:
+            return run()
+        except BaseException as exc:
+            self._rollback(exc)
+            loop, machine = ctx.loop, ctx.machine
+            note = (f"deepepochs: {type(exc).__name__} raised in state {loop.last_error_state!r} (epoch"
+                    f" {loop.epoch}, batch {loop.batch_idx}, stage {self._failed_stage!r});"
+                    f" {machine.flight_record()}")
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            exc.deepepochs_flight_record = machine.records()
+            raise
+        finally:
+            ctx.signals.uninstall()
+
+    def _rollback(self, exc):
+        ctx = self.ctx
+        parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
+        state = machine.state
+        loop.last_error_state = state
+        self._failed_stage = loop.stage
+        ctx.pending_nonfinite = None
+        try:
+            if machine.spec.state(state).running:
+                machine.fire_cold("interrupt")
+            try:
+                for hook in parts.hooks["on_rollback"]:
+                    hook(parts.facade, exc, state)
+            finally:
+                if machine.state != "idle":
+                    machine.fire_cold("recover")
+        except BaseException:  # never leave a half-rolled-back trainer behind
+            machine.reset()
+            actions.ACTIONS["reset_loop"](ctx)
+            parts.opts.zero_grad(parts.opts.all_indices)
+            raise
+        finally:
+            parts.raw_model.train()
+        for hook in parts.hooks["on_interrupted"]:
+            hook(parts.facade, exc)
+
+    # ---- fit ----
+    def run_fit(self, train, val, val_freq, epochs):
+        """Train toward the epoch target `epochs` (a total, not a count for this call)."""
+        ctx = self.ctx
+        parts, loop = ctx.parts, ctx.loop
+        fire = ctx.machine.fire_cold
+        loop.target_epochs = epochs
+        ctx.fit_records = {"train": {}, "val": {}}
+        fire("fit")
+        self._header()
+        self._run_hooks("on_before_fit", epochs)
+        if not self._started:
+            self._started = True
+            parts.dist.broadcast_model(parts.raw_model)  # after init callbacks: every rank starts equal (DDP-5)
+        parts.opts.drop_stale_grads()
+        while fire("next_epoch") == "epoch_running":
+            epoch = loop.epoch
+            self._run_hooks("on_before_epoch", train, val, epoch)
+            fire("begin_train")
+            train_metrics = self._train_stage(train, epoch)
+            fire("end_stage")
+            loop.val_due = bool(val) and epoch % val_freq == 0
+            val_metrics = {}
+            if fire("validate") == "stage_val":
+                val_metrics = self._eval_stage("val", val, epoch)
+                fire("end_stage")
+            self._count_epoch(epoch)
+            self._run_hooks("on_after_epoch", train, val, train_metrics, val_metrics, epoch)
+            parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics})
+            fire("end_epoch")
+        loop.stage = None
+        self._run_hooks("on_after_fit")
+        fire("finish")
+        return ctx.fit_records
+
+    def _count_epoch(self, epoch):
+        """The epoch counts as completed for its end's hooks and saves; until `commit_epoch` a rollback
+        undoes that, and the monitors' state the hooks change."""
+        ctx = self.ctx
+        loop = ctx.loop
+        monitors = [cb for cb in ctx.parts.hooks.callbacks if isinstance(getattr(cb, "monitor_id", None), str)]
+        states = [(m, m.state_dict()) for m in monitors]
+        before = loop.completed_epochs
+
+        def undo():
+            loop.completed_epochs = before
+            for monitor, state in states:
+                monitor.load_state_dict(state)
+
+        ctx.epoch_undo.append(undo)
+        loop.completed_epochs = epoch
+
+    def _train_stage(self, tasks, epoch):
+        ctx = self.ctx
+        parts, loop = ctx.parts, ctx.loop
+        resume = loop.resume if loop.resume is not None and loop.resume.epoch == epoch else None
+        saved = ctx.train_meters if resume is not None else None
+        loop.stage = "train"
+        ctx.model = parts.train_model
+        parts.raw_model.train()
+        self._run_hooks("on_before_train_epochs", tasks, epoch)
+        meters_list = ctx.train_meters = []
+        for index, task in enumerate(tasks):
+            skip = 0
+            if saved is not None and index < len(saved) and (resume.task_index == -1 or index <= resume.task_index):
+                meters = _adopt(saved[index], task)
+                skip = None if resume.task_index == -1 or index < resume.task_index else resume.batches_done
+            else:
+                meters = TaskMeters(task.all_metrics)
+            meters_list.append(meters)
+            if skip is None:  # this task completed before the interrupt
+                continue
+            loop.resume = ResumePoint(epoch, index, skip)
+            ctx.task_index = index
+            self._run_task(task, "train", epoch, meters, skip)
+        loop.resume = ResumePoint(epoch, -1, 0)
+        metrics = self._stage_metrics(meters_list)
+        ctx.last_metrics["train"] = metrics
+        self._run_hooks("on_after_train_epochs", tasks, metrics, epoch)
+        return metrics
+
+    def _eval_stage(self, stage, tasks, epoch):
+        ctx = self.ctx
+        parts, loop = ctx.parts, ctx.loop
+        before_stage, after_stage = STAGE_HOOKS[stage][:2]
+        loop.stage = stage
+        ctx.model = parts.eval_model
+        parts.raw_model.eval()
+        self._run_hooks(before_stage, tasks, epoch) if stage == "val" else self._run_hooks(before_stage, tasks)
+        meters_list = []
+        try:
+            with torch.no_grad():
+                for index, task in enumerate(tasks):
+                    meters = TaskMeters(task.all_metrics)
+                    meters_list.append(meters)
+                    ctx.task_index = index
+                    self._run_task(task, stage, epoch, meters, 0)
+        finally:
+            ctx.model = parts.train_model
+            parts.raw_model.train()
+        metrics = self._stage_metrics(meters_list)
+        ctx.last_metrics[stage] = metrics
+        if stage == "val":
+            self._run_hooks(after_stage, tasks, metrics, epoch)
+        else:
+            self._run_hooks(after_stage, tasks, metrics)
+        return metrics
+
+    def run_test(self, tasks):
+        ctx = self.ctx
+        ctx.machine.fire_cold("test")
+        self._header()
+        metrics = self._eval_stage("test", tasks, 1)
+        ctx.loop.stage = None
+        ctx.machine.fire_cold("end_stage")
+        ctx.parts.console.test(metrics)
+        return metrics
+
+    # ---- one task ----
+    def _run_task(self, task, stage, epoch, meters, skip):
+        ctx = self.ctx
+        parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
+        before_task, after_task = STAGE_HOOKS[stage][2:]
+        ctx.task = task
+        loop.meters = meters
+        machine.fire_cold("begin_task")
+        self._run_hooks(before_task, task)
+        data = task.data
+        total = _len_or_none(data)
+        if skip:
+            data = itertools.islice(data, skip, None)
+        loop.batch_idx = skip
+        parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
+        if stage == "train":
+            batches.train_batches(ctx, data, meters)
+        else:
+            batches.eval_batches(ctx, data, meters, stage)
+        parts.console.end_task()
+        self._raise_pending_nonfinite(meters)
+        parts.dist.check_batch_counts(loop.batch_idx, stage)
+        metrics = self._task_metrics(meters)
+        self._run_hooks(after_task, task, metrics)
+        machine.fire_cold("end_task")
+        ctx.task = None
+        return metrics
+
+    # ---- metrics ----
+    def _task_metrics(self, meters: TaskMeters) -> dict:
+        """The task's metrics (global under DDP), computed once per finished task."""
+        if meters.final is not None:
+            return meters.final
+        ctx = self.ctx
+        dist = ctx.parts.dist
+        out = {}
+        total = meters.loss_total()
+        if dist.world_size == 1:
+            if total is not None:
+                out["loss"] = float(total) / meters.count
+        else:
+            stats = torch.zeros(2, dtype=torch.float64, device=ctx.parts.device)
+            if total is not None:
+                stats[0] = total
+                stats[1] = meters.count
+            stats = dist.reduce_sum(stats)
+            if stats[1] > 0:
+                out["loss"] = float(stats[0] / stats[1])
+        # Under DDP: merged copies (global metrics on every rank), names agreed even for an empty shard.
+        for name, patch in dist.sync_patches(meters.patches).items():
+            out.update(flatten_value(name, patch.forward()))
+        meters.final = out
+        return out
+
+    def _stage_metrics(self, meters_list) -> dict:
+        metrics = {}
+        for i, meters in enumerate(meters_list):
+            for name, value in self._task_metrics(meters).items():
+                metrics[name if name not in metrics else f"{name}_{i}"] = value
+        return metrics
+
+    def _raise_pending_nonfinite(self, meters):
+        """nonfinite='raise' on an accelerator: the per-update finite checks were kept on the device
+        (PERF-2); one read here, at the task's end, where the loop reads values anyway."""
+        ctx = self.ctx
+        flag, ctx.pending_nonfinite = ctx.pending_nonfinite, None
+        if flag is not None and bool(flag):
+            loop = ctx.loop
+            raise FloatingPointError(
+                f"non-finite loss in a training update during epoch {loop.epoch} (task ending at batch"
+                f" {loop.batch_idx}); on {ctx.parts.device} nonfinite='raise' checks at the task's end to avoid"
+                " a host sync per update: pass nonfinite='skip' to skip such updates as they happen"
+            )
+
+    # ---- misc ----
+    def _run_hooks(self, event, *args):
+        parts = self.ctx.parts
+        for hook in parts.hooks[event]:
+            hook(parts.facade, *args)
+
+    def _header(self):
+        if self._header_done:
+            return
+        self._header_done = True
+        parts = self.ctx.parts
+        n = sum(p.numel() for p in parts.raw_model.parameters())
+        now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        world = parts.dist.world_size
+        extra = f" | world size: {world}" if world > 1 else ""
+        parts.console.info(f"{now} | device: {parts.device} | running id: {parts.running_id()} | parameters:"
+                           f" {n:,} | precision: {parts.config.precision}{extra}")
+
+
+def _adopt(meters: TaskMeters, task: EpochTask) -> TaskMeters:
+    """A resumed task's committed meters under this fit's metrics: patches of metrics no longer asked for
+    are dropped (a metric that failed can be removed), and a kept `TensorPatch` computes with the metric
+    of the same name given now (a failed metric can be replaced; its inputs are all kept)."""
+    now = {metric_name(m): m for m in task.all_metrics}
+    for name in set(meters.metrics) - set(now):
+        meters.patches.pop(name, None)
+    for name, patch in meters.patches.items():
+        if name in now and isinstance(patch, TensorPatch):
+            patch.metric = now[name]
+    meters.metrics = now
+    meters.final = None
+    return meters
+
+
+def _len_or_none(data):
+    try:
+        return len(data)
+    except TypeError:
+        return None

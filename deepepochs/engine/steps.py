@@ -1,0 +1,185 @@
+"""Inside a step: the default step, `loss` (backward with the micro-batch's share), `optimize` (the
+optimize layer of the machine), `no_sync`, and the step result's checks.
+
+The `Trainer` methods of the same names delegate here, so a custom step and the default step move the
+machine through the same functions. Where does a micro-batch's loss get its share of the window? In
+`loss`, here; the window's total is normalised once, in the `unscale_gradients` action.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from deepepochs.confusion import ConfusionPatch
+from deepepochs.data import call_model
+from deepepochs.engine.actions import batch_token
+from deepepochs.engine.context import Context
+from deepepochs.errors import ConfigError
+from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
+from deepepochs.tasks import metric_name
+
+__all__ = ["batch_patches", "check_step_result", "compute_loss", "default_step", "loss", "no_sync", "optimize"]
+
+#: Per stage, the hooks a step runs (derived names of the spec's hook table).
+STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
+              for stage in ("train", "val", "test")}
+
+
+def default_step(ctx: Context, batch_x, batch_y, stage: str):
+    """The step every stage runs unless the user defines one: forward, the loss (in training: backward),
+    metric patches, and in training the update. The patches are made before the update so that they are
+    part of what the update commits."""
+    facade, hooks, task = ctx.parts.facade, ctx.parts.hooks.by_event, ctx.task
+    before_forward, after_forward, on_metrics = STEP_HOOKS[stage]
+    for hook in hooks[before_forward]:
+        hook(facade)
+    model_out = call_model(ctx.model, batch_x)  # under the step's autocast (batches.train_batches)
+    for hook in hooks[after_forward]:
+        hook(facade, model_out)
+    value = None
+    if stage == "train" or task.do_loss:
+        value = loss(ctx, model_out, batch_y, 1.0, False)
+    for hook in hooks[on_metrics]:
+        hook(facade, value, model_out, batch_y, task)
+    patches = batch_patches(ctx, model_out, batch_y) if task.all_metrics else None
+    if stage == "train":
+        ctx.step_patches = patches
+        optimize(ctx, None)
+    return patches
+
+
+def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
+    """The loss function's value (or the model's own loss with loss=None), checked to be a scalar."""
+    loss_fn = ctx.loss_fn
+    if loss_fn is None:
+        value = model_out.get("loss") if isinstance(model_out, dict) else model_out
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError("with loss=None the model must return a scalar loss tensor or a dict with"
+                              f" 'loss' (got {type(model_out).__name__})")
+    else:
+        value = loss_fn(model_out, batch_y)
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(f"the loss must be a scalar tensor (got {shape}); reduce it, e.g. with .mean()")
+    return value
+
+
+def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool) -> torch.Tensor:
+    """`Trainer.loss`: compute the loss; in training backpropagate its share of the window and maybe update.
+
+    The batch's reported loss is kept detached (statistics must not hold the graph); the sub-batch losses
+    of a hand-split batch, weighted by `loss_adjust`, add up to the batch mean.
+    """
+    value = compute_loss(ctx, model_out, batch_y)
+    reported = value.detach() if loss_adjust == 1.0 else value.detach() * loss_adjust
+    ctx.step_loss = reported if ctx.step_loss is None else ctx.step_loss + reported
+    loop = ctx.loop
+    if loop.stage != "train":
+        return value
+    ctx.hop("backward")
+    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
+    for hook in hooks["on_before_backward"]:
+        hook(facade, value)
+    # This micro-batch's share of the window: n_i / (k * n_first); 1/k for a window of k equal batches.
+    # The update (unscale_gradients) multiplies by k * n_first / N once, so a short tail window or a ragged
+    # batch weighs each sample as a full window does. Dividing here, not at the update, keeps fp16
+    # gradients in range while they add up.
+    share = loss_adjust
+    if loop.window_size > 1:
+        share *= ctx.batch_n / (loop.window_size * loop.window_first_size)
+    precision = ctx.parts.precision
+    if precision.scaler is None:
+        backward(ctx, value, share)
+    else:
+        # Every loss of one iteration is scaled with the same scale (see deepepochs.precision). Backward
+        # leaves the step's autocast region: PyTorch advises against running backward under autocast.
+        with precision.no_autocast():
+            scaled = precision.scale(value if share == 1.0 else value * share, batch_token(ctx))
+            backward(ctx, scaled, 1.0)
+    for hook in hooks["on_after_backward"]:
+        hook(facade, value)
+    if do_optimize:
+        optimize(ctx, None)
+    return value
+
+
+def backward(ctx: Context, root: torch.Tensor, share: float) -> None:
+    """`(root * share).backward()`, bit for bit: the backward starts from a gradient `share` shaped as
+    `root` (the multiply's backward would hand exactly that on), made once per share and kept in
+    `ctx.seeds`, instead of a multiply, its backward node and an implicit `ones_like` per micro-batch."""
+    seeds = ctx.seeds
+    seed = seeds.get(share)
+    if seed is None or seed.shape != root.shape or seed.dtype != root.dtype or seed.device != root.device:
+        if len(seeds) >= 16:  # batch sizes that vary without bound (bucketing) must not grow the cache
+            seeds.clear()
+        seed = seeds[share] = torch.full_like(root, share)
+    if type(root) is torch.Tensor:
+        torch.autograd.backward((root,), (seed,))
+    else:  # a tensor subclass keeps its own backward
+        root.backward(seed)
+
+
+def optimize(ctx: Context, optimize_index) -> None:
+    """`Trainer.optimize`: on the window's last micro-batch run the machine's optimize layer (unscale,
+    clip, step or skip per optimizer, scaler update and zero_grad); earlier calls let gradients add up."""
+    loop = ctx.loop
+    if loop.stage != "train":
+        return
+    hop = ctx.hop
+    loop.update_indices = ctx.parts.opts.indices(optimize_index)
+    if hop("optimize") != "optimize_unscaled":
+        return  # an inner micro-batch: gradients keep accumulating
+    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
+    for hook in hooks["on_before_optimize"]:
+        hook(facade, optimize_index)
+    hop("clip")
+    for i in loop.update_indices:
+        loop.opt_index = i
+        hop("apply_update")  # grads_finite picks the step or the skip edge for optimizer i
+    hop("finish_update")
+    for hook in hooks["on_after_optimize"]:
+        hook(facade, optimize_index)
+
+
+@contextlib.contextmanager
+def no_sync(ctx: Context):
+    """`Trainer.no_sync`: backward inside does not all-reduce gradients (a no-op in one process). On exit
+    the setting the machine chose for this micro-batch comes back (sync only on a window's last)."""
+    dist = ctx.parts.dist
+    dist.set_grad_sync(False)
+    try:
+        yield
+    finally:
+        loop = ctx.loop
+        dist.set_grad_sync(loop.window_boundary if loop.stage == "train" else True)
+
+
+def batch_patches(ctx: Context, model_out, batch_y, metrics=None) -> dict:
+    """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""
+    metrics = ctx.task.all_metrics if metrics is None else metrics
+    if not metrics:
+        return {}
+    kind = ctx.parts.config.metric_patch
+    if kind == "confusion":
+        return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics)}
+    if kind == "mean":
+        return {metric_name(m): MeanPatch(m, model_out, batch_y) for m in metrics}
+    return {metric_name(m): TensorPatch(m, model_out, batch_y) for m in metrics}
+
+
+def check_step_result(result, n: int):
+    """A step's return value as `{name: Patch}` (tensors and numbers become `ValuePatch`es), or None."""
+    if result is None:
+        return None
+    if not isinstance(result, dict):
+        raise ConfigError(f"a step method must return None or a dict {{name: Patch}} (got {type(result).__name__})")
+    for name, value in result.items():
+        if not isinstance(value, PatchBase):
+            if isinstance(value, (torch.Tensor, int, float)):
+                result[name] = ValuePatch(value.detach() if isinstance(value, torch.Tensor) else value, n)
+            else:
+                raise ConfigError(f"step result {name!r} must be a Patch, a tensor or a number"
+                                  f" (got {type(value).__name__})")
+    return result
