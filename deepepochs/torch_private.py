@@ -38,6 +38,7 @@ __all__ = [
     "autocast_enabled",
     "scaler_forget",
     "scaler_forget_all",
+    "scaler_records_private",
     "scaler_unscale",
     "scaler_update_with",
 ]
@@ -82,8 +83,18 @@ def _probe_autocast_enabled_attribute() -> bool:
         return False
 
 
-SCALER_RECORDS_PRIVATE: bool = _probe_scaler_records()
-"""The scaler functions use `GradScaler._per_optimizer_states` (else their public fallback)."""
+SCALER_RECORDS_PRIVATE: bool | None = None
+"""The scaler functions use `GradScaler._per_optimizer_states` (else their public fallback); None until
+`scaler_records_private` probes it at the first fp16 use (the probe imports torch's optimizer machinery,
+~1 s, which `import deepepochs` should not pay)."""
+
+
+def scaler_records_private() -> bool:
+    """Whether the private scaler path is used (probed once, on first call)."""
+    global SCALER_RECORDS_PRIVATE
+    if SCALER_RECORDS_PRIVATE is None:
+        SCALER_RECORDS_PRIVATE = _probe_scaler_records()
+    return SCALER_RECORDS_PRIVATE
 AUTOCAST_QUERY_PUBLIC: bool = _probe_autocast_query()
 """`autocast_enabled` asks `torch.is_autocast_enabled(device_type)` (no private attribute needed)."""
 AUTOCAST_ENABLED_PRIVATE: bool = _probe_autocast_enabled_attribute()
@@ -125,7 +136,7 @@ def scaler_unscale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     """`scaler.unscale_(optimizer)`, returning the inf/NaN flags it found (one float32 per device, nonzero:
     found). Private: no public API returns the per-optimizer flags without stepping."""
     scaler.unscale_(optimizer)
-    if SCALER_RECORDS_PRIVATE:
+    if scaler_records_private():
         return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
     flags = _found_inf_public(optimizer)
     _fallback_records(scaler)[id(optimizer)] = flags
@@ -139,7 +150,7 @@ def scaler_forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
 
     `device` is where the scaler keeps its scale (the training device); only the fallback needs it.
     """
-    if SCALER_RECORDS_PRIVATE:
+    if scaler_records_private():
         state = scaler._per_optimizer_states.pop(id(optimizer), None)
         return None if state is None else list(state["found_inf_per_device"].values())
     flags = _fallback_records(scaler).pop(id(optimizer), None)
@@ -151,7 +162,7 @@ def scaler_forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
 def scaler_forget_all(scaler: torch.amp.GradScaler, device: torch.device) -> None:
     """Drop every optimizer's record (an interrupted update), leaving the scale alone. Private: public
     `update()` would change the scale. `device` as in `scaler_forget`."""
-    if SCALER_RECORDS_PRIVATE:
+    if scaler_records_private():
         scaler._per_optimizer_states.clear()  # a defaultdict: entries are recreated on demand
         return
     _fallback_records(scaler).clear()
@@ -162,7 +173,7 @@ def scaler_update_with(scaler: torch.amp.GradScaler, records: list[list[torch.Te
     """One `scaler.update()` over set-aside `records` (flag lists from `scaler_forget`, at least one flag
     in all) plus the records still held; halves the scale on any inf, else counts towards growth.
     Private: `update()` reads its records only from the per-optimizer states."""
-    if SCALER_RECORDS_PRIVATE:
+    if scaler_records_private():
         states = scaler._per_optimizer_states
         for n, flags in enumerate(records):  # keys no optimizer id can take
             states[(_PLACEHOLDER, n)]["found_inf_per_device"] = dict(enumerate(flags))

@@ -21,7 +21,7 @@ SCALER_PATHS = ["private", "fallback"]
 def scaler_path(request, monkeypatch):
     """Run the test once on the private `_per_optimizer_states` path and once on the public fallback."""
     if request.param == "private":
-        assert tp.SCALER_RECORDS_PRIVATE, "the private scaler path is unavailable on this torch"
+        assert tp.scaler_records_private(), "the private scaler path is unavailable on this torch"
     monkeypatch.setattr(tp, "SCALER_RECORDS_PRIVATE", request.param == "private")
     return request.param
 
@@ -64,7 +64,7 @@ def found(flags):
 def test_the_private_paths_are_available_on_the_installed_torch():
     """The import-time probes find the private layouts on this torch (else every run uses the fallback:
     update torch_private, or drop the private path if torch now offers a public one)."""
-    assert tp.SCALER_RECORDS_PRIVATE
+    assert tp.scaler_records_private()
     assert tp.AUTOCAST_ENABLED_PRIVATE
     has_device_query = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 4)
     assert tp.AUTOCAST_QUERY_PUBLIC == has_device_query

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.engine.context import Context
 from deepepochs.fsm.machine import load_spec
 
 __all__ = ["ACTIONS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "reads_on_host",
@@ -269,7 +269,7 @@ def commit_update(ctx: Context) -> None:
     (the update's end) the SIGINT critical section ends and a held Ctrl-C is raised."""
     loop = ctx.loop
     loop.window_committed = True
-    loop.resume = ResumePoint(loop.epoch, ctx.task_index, loop.batch_idx)
+    loop.resume.batches_done = loop.batch_idx  # the driver set it to (epoch, task) when the task began
     if ctx.machine.state == "step_optimized":
         ctx.signals.release()
 

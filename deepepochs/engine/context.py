@@ -24,9 +24,10 @@ class StopRequest:
     source: str = ""
 
 
-@attrs.define(frozen=True)
+@attrs.define(slots=True)
 class ResumePoint:
-    """The last commit point inside an epoch: where an interrupted fit continues.
+    """The last commit point inside an epoch: where an interrupted fit continues (moved forward in place by
+    each committed update).
 
     Attributes:
         epoch: 1-based epoch the point belongs to.
