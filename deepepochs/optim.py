@@ -159,10 +159,6 @@ class Optimizers(Sequence):
         item = self.items[index]
         return item.scheduler if item.sched_on == "step" else None
 
-    def step(self, index: int) -> None:
-        """Step optimizer `index` (its step-wise scheduler follows in the hook of `bind_updates`)."""
-        self.items[index].opt.step()
-
     def drop_stale_grads(self) -> None:
         """Zero the gradients a fit would otherwise start from (e.g. left by user code between fits); a
         parameter scan, so the common case (none left) skips `zero_grad` and its profiler wrappers."""

@@ -106,6 +106,8 @@ class Precision:
             if not self._scaler.is_enabled():
                 raise ConfigError(f"precision='fp16' needs torch.amp.GradScaler, which is unavailable on"
                                   f" {device}; use precision='bf16' or 'fp32'")
+        # The fp16 `GradScaler` (None for fp32/bf16); read per micro-batch, so a plain attribute.
+        self.scaler: torch.amp.GradScaler | None = self._scaler
         # inf records of updates finished since the last scale update, and who finished them
         self._done: list[list[torch.Tensor]] = []
         self._done_ids: set[int] = set()
@@ -115,11 +117,6 @@ class Precision:
         else:
             self.autocast = functools.partial(torch.autocast, device_type=device.type, dtype=self.dtype)
             self.no_autocast = functools.partial(torch.autocast, device_type=device.type, enabled=False)
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The fp16 `GradScaler` (None for fp32/bf16)."""
-        return self._scaler
 
     def scale(self, loss: torch.Tensor, token=None) -> torch.Tensor:
         """The loss to backpropagate: multiplied by the scaler's scale under fp16.

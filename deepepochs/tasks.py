@@ -112,7 +112,7 @@ class TaskMeters:
         self.metrics: dict = {metric_name(m): m for m in metrics}  # the metrics the patches were made for
         self.final: dict | None = None  # the task's metrics, once computed (see Runner._task_metrics)
 
-    def add_batch(self, loss: torch.Tensor | None, n: int, patches: Mapping | None) -> None:
+    def add_batch(self, loss: float | torch.Tensor | None, n: int, patches: Mapping | None) -> None:
         """Record one batch into the open window."""
         if loss is not None:
             self.window_losses.append((loss, n))
@@ -127,9 +127,11 @@ class TaskMeters:
         """
         host = self.host
         for loss, n in self.window_losses:
-            if host is None:  # decided once: reading .device per batch costs more than the add
-                host = self.host = loss.device.type == "cpu"
-            self.add_done(float(loss) if host else loss.detach(), n, None)
+            if type(loss) is not float:  # a float was read on the host already
+                if host is None:  # decided once: reading .device per batch costs more than the add
+                    host = self.host = loss.device.type == "cpu"
+                loss = float(loss) if host else loss.detach()
+            self.add_done(loss, n, None)
         for patches in self.window_patches:
             self.fold_patches(patches)
         self.window_losses.clear()

@@ -180,7 +180,7 @@ def close_window(ctx: Context) -> None:
     loop.meters.close_window()
     loop.window_pos = 0
     opts = ctx.parts.opts
-    if len(opts) > 1:
+    if len(opts.items) > 1:
         # With several optimizers a later loss of the step (e.g. a GAN's generator loss) writes gradients
         # into parameters an earlier update already zeroed; drop them so they cannot leak into the next window.
         opts.zero_grad(opts.all_indices)
@@ -236,7 +236,7 @@ def step_optimizer(ctx: Context) -> None:
     """Step optimizer `opt_index`. Its step post-hook (`Optimizers.bind_updates`) steps the step-wise
     scheduler and sets `window_updated` the moment the update is applied, even if a later post-hook
     raises, so a rollback never replays an applied update."""
-    ctx.parts.opts.step(ctx.loop.opt_index)
+    ctx.parts.opts.items[ctx.loop.opt_index].opt.step()
 
 
 @action
@@ -270,7 +270,7 @@ def commit_update(ctx: Context) -> None:
     loop = ctx.loop
     loop.window_committed = True
     loop.resume.batches_done = loop.batch_idx  # the driver set it to (epoch, task) when the task began
-    if ctx.machine.state == "step_optimized":
+    if ctx.machine.model.state == "step_optimized":  # finish_update: the update is complete
         ctx.signals.release()
 
 
@@ -331,38 +331,38 @@ def reads_on_host(value: torch.Tensor) -> bool:
 def window_loss_finite(ctx: Context) -> bool:
     """Whether the update window's losses are all finite (fp32/bf16; fp16 asks the scaler instead).
 
-    By design this reads one value on the host per update (the guard needs a Python bool): under fp32
-    nothing else tells a NaN update apart, and one read per update, not per batch, is cheap. Under DDP
-    the flag is summed over the ranks first, so every rank takes the same step/skip edge. On an
-    accelerator with nonfinite='raise' there is no host read at all: a device-side flag is kept and
-    checked at the task's end (PERF-2). Raises FloatingPointError with nonfinite='raise'.
+    On the CPU the losses were read as floats when computed (`steps.loss`), so this costs no tensor op.
+    Elsewhere it reads one value on the host per update (the guard needs a Python bool), or none at all
+    with nonfinite='raise': a device-side flag is kept and checked at the task's end (PERF-2). Under DDP
+    the flag is summed over the ranks first, so every rank takes the same step/skip edge. Raises
+    FloatingPointError with nonfinite='raise'.
     """
     parts, loop = ctx.parts, ctx.loop
     dist, raise_ = parts.dist, parts.config.nonfinite == "raise"
-    losses = [loss for loss, _ in loop.meters.window_losses]
-    if ctx.step_loss is not None:
-        losses.append(ctx.step_loss)
-    if not losses:
-        if dist.world_size == 1:
-            return True
-        total = torch.zeros((), device=parts.device)
-    elif len(losses) == 1:
-        total = losses[0]
-    else:  # inf and NaN survive a sum; float32 keeps fp16 losses from overflowing in it
-        total = torch.stack([v.reshape(()).float() for v in losses]).sum()
-    if dist.world_size > 1:
-        ok = dist.reduce_sum((~torch.isfinite(total)).float().reshape(1)).item() == 0.0
-    elif reads_on_host(total):
-        ok = math.isfinite(total.item())
-    elif raise_:
-        bad = ~torch.isfinite(total.detach().reshape(()))
-        ctx.pending_nonfinite = bad if ctx.pending_nonfinite is None else ctx.pending_nonfinite | bad
-        return True
+    window, step_loss = loop.meters.window_losses, ctx.step_loss
+    if not window and type(step_loss) is float:  # the common case: one loss, read on the host already
+        values = (step_loss,)
     else:
-        ok = bool(torch.isfinite(total))
-    if not ok and raise_:
+        values = [loss for loss, _ in window]
+        if step_loss is not None:
+            values.append(step_loss)
+    if all(type(v) is float for v in values):  # read on the host already (or no loss at all)
+        bad = not all(map(math.isfinite, values))
+        if dist.world_size > 1:
+            bad = dist.reduce_sum(torch.tensor([float(bad)], device=parts.device)).item() != 0.0
+    else:
+        flags = [~torch.isfinite(v.detach().reshape(())) for v in values]
+        flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+        if dist.world_size > 1:
+            bad = dist.reduce_sum(flag.float().reshape(1)).item() != 0.0
+        elif raise_:
+            ctx.pending_nonfinite = flag if ctx.pending_nonfinite is None else ctx.pending_nonfinite | flag
+            return True
+        else:
+            bad = bool(flag)
+    if bad and raise_:
         raise FloatingPointError(
             f"non-finite loss in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
             f" (precision={parts.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
         )
-    return ok
+    return not bad

@@ -66,16 +66,16 @@ def train_batches(ctx: Context, data, meters) -> None:
     console = parts.console
     log_batch = console.log_batch or console.log_tqdm
     batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
-    if land is not None:
-        machine.start_walk()
     for batch, is_last in batches:
         if loop.window_pos == 0:
+            if land is not None and k == 1:
+                machine.start_walk("window_step")
             begin_window("begin_window")
-            if land is not None and k > 1:
-                machine.start_walk()
         loop.window_pos += 1
         loop.batch_idx += 1
         loop.window_boundary = is_last or loop.window_pos == k
+        if land is not None and k > 1:
+            machine.start_walk("update_step" if loop.window_boundary else "accumulate_step")
         batch_x, batch_y, n = split(batch)
         if loop.window_pos == 1:
             loop.window_first_size = n

@@ -14,7 +14,7 @@ import torch
 
 from deepepochs.confusion import ConfusionPatch
 from deepepochs.data import call_model
-from deepepochs.engine.actions import batch_token
+from deepepochs.engine import actions
 from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
@@ -69,11 +69,15 @@ def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
 def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool) -> torch.Tensor:
     """`Trainer.loss`: compute the loss; in training backpropagate its share of the window and maybe update.
 
-    The batch's reported loss is kept detached (statistics must not hold the graph); the sub-batch losses
+    The batch's reported loss never holds the graph (a float, or a detached tensor); the sub-batch losses
     of a hand-split batch, weighted by `loss_adjust`, add up to the batch mean.
     """
     value = compute_loss(ctx, model_out, batch_y)
-    reported = value.detach() if loss_adjust == 1.0 else value.detach() * loss_adjust
+    # On the CPU read as a float now (no device to wait for; the finite check and the meters need no
+    # further tensor op); on an accelerator kept as a detached tensor, so no host sync is forced (PERF-2).
+    reported = value.item() if actions.reads_on_host(value) else value.detach()
+    if loss_adjust != 1.0:
+        reported = reported * loss_adjust
     ctx.step_loss = reported if ctx.step_loss is None else ctx.step_loss + reported
     loop = ctx.loop
     if loop.stage != "train":
@@ -96,7 +100,7 @@ def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool
         # Every loss of one iteration is scaled with the same scale (see deepepochs.precision). Backward
         # leaves the step's autocast region: PyTorch advises against running backward under autocast.
         with precision.no_autocast():
-            scaled = precision.scale(value if share == 1.0 else value * share, batch_token(ctx))
+            scaled = precision.scale(value if share == 1.0 else value * share, actions.batch_token(ctx))
             backward(ctx, scaled, 1.0)
     for hook in hooks["on_after_backward"]:
         hook(facade, value)

@@ -156,48 +156,25 @@ class LoopMachine:
         # (source, ((trigger, dest), ...) along its path) -> fused trigger, for `land`
         self._fused = {(f.source, tuple((t.trigger, t.dest) for t in self.spec.fused_path(f))): f.trigger
                        for f in self.spec.transitions if f.fuses}
+        # fused trigger -> its path as (trigger, source, guard predicate, dest, actions) per hop, for `walk`
+        self._plans = {f.trigger: tuple((t.trigger, t.source, _predicate(self.model, t.conditions, t.unless), t.dest,
+                                         tuple(getattr(self.model, a) for a in t.actions))
+                                        for t in self.spec.fused_path(f))
+                       for f in self.spec.transitions if f.fuses}
+        self._plan_trigger = {id(plan): trigger for trigger, plan in self._plans.items()}
         self._walk_start = self.spec.initial
         self._walked: list[tuple[str, str]] = []
+        self._plan: tuple = ()
+        self._planned = 0
 
     @property
     def state(self) -> str:
         """The current state's name."""
         return self.model.state
 
-    def fire(self, trigger: str) -> str:
-        """Fire a hot trigger on the compiled table; returns the new state."""
-        model = self.model
-        source = model.state
-        try:
-            edges = self.table[source, trigger]
-        except KeyError:
-            self._invalid(source, trigger)
-        for pred, dest, actions, error in edges:
-            if pred is None or pred():
-                if error is not None:
-                    error()
-                model.state = dest
-                loop = self.loop
-                self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
-                for action in actions:
-                    action()
-                if self.probe is not None:
-                    self.probe(dest)
-                return dest
-        raise AssertionError(f"no edge matched ({source}, {trigger}): guards are not total")  # spec-validated
-
-    # ---- fused edges: a micro-batch walked hop by hop, recorded as one edge ----
-    def start_walk(self) -> None:
-        """Begin a fused micro-batch at the current state (see `walk` and `land`)."""
-        self._walk_start = self.model.state
-        self._walked.clear()
-
-    def walk(self, trigger: str) -> str:
-        """`fire(trigger)` inside a fused micro-batch: the same edge choice (guards), error edges and
-        actions, and the state moves, but the hop is neither recorded nor probed; `land` records the
-        micro-batch as the spec's fused edge whose path it took."""
-        model = self.model
-        source = model.state
+    def _take(self, source: str, trigger: str) -> tuple[str, tuple]:
+        """The edge the table takes for `trigger` in `source` now, as `(dest, actions)`; its guards are
+        asked in spec order, and an error edge raises here."""
         edges = self.table.get((source, trigger))
         if edges is None:
             self._invalid(source, trigger)
@@ -205,28 +182,79 @@ class LoopMachine:
             if pred is None or pred():
                 if error is not None:
                     error()
+                return dest, actions
+        raise AssertionError(f"no edge matched ({source}, {trigger}): guards are not total")  # spec-validated
+
+    def fire(self, trigger: str) -> str:
+        """Fire a hot trigger on the compiled table (recorded, then probed); returns the new state."""
+        model = self.model
+        source = model.state
+        dest, actions = self._take(source, trigger)
+        model.state = dest
+        loop = self.loop
+        self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
+        for action in actions:
+            action()
+        if self.probe is not None:
+            self.probe(dest)
+        return dest
+
+    # ---- fused edges: a micro-batch walked hop by hop, recorded as one edge ----
+    def start_walk(self, expected: str | None = None) -> None:
+        """Begin a fused micro-batch at the current state; `expected` names the fused edge it will most
+        likely take (see `walk`)."""
+        self._walk_start = self.model.state
+        self._plan = self._plans.get(expected, ())
+        self._planned = 0
+        self._walked.clear()
+
+    def walk(self, trigger: str) -> str:
+        """`fire(trigger)` inside a fused micro-batch: the same edge choice (guards), error edges and
+        actions, and the state moves, but the hop is neither recorded nor probed; `land` records the
+        micro-batch as the spec's fused edge whose path it took.
+
+        The expected fused edge's path was resolved from the table in advance: while the micro-batch
+        follows it (same trigger, same source, the edge's guards true, which guards being exclusive means
+        it is the edge the table would choose) a hop costs no lookup; off it, the table decides."""
+        model = self.model
+        plan, i = self._plan, self._planned
+        if i < len(plan):
+            planned_trigger, source, pred, dest, actions = plan[i]
+            if planned_trigger == trigger and model.state == source and (pred is None or pred()):
                 model.state = dest
-                self._walked.append((trigger, dest))
+                self._planned = i + 1
                 for action in actions:
                     action()
                 return dest
-        raise AssertionError(f"no edge matched ({source}, {trigger}): guards are not total")  # spec-validated
+            self._walked.extend((t, d) for t, _, _, d, _ in plan[:i])
+            self._plan = ()
+        dest, actions = self._take(model.state, trigger)
+        model.state = dest
+        self._walked.append((trigger, dest))
+        for action in actions:
+            action()
+        return dest
 
     def land(self) -> None:
         """End a fused micro-batch: record it as the fused edge whose path it walked, then probe; a walk
         that is no fused edge's path (e.g. a step updating twice) is recorded hop by hop."""
-        start, walked, state = self._walk_start, self._walked, self.model.state
-        loop = self.loop
-        fused = self._fused.get((start, tuple(walked)))
-        if fused is not None:
-            self.history.append((loop.epoch, loop.batch_idx, start, fused, state))
+        start, state, loop, plan = self._walk_start, self.model.state, self.loop, self._plan
+        if plan and self._planned == len(plan):
+            self.history.append((loop.epoch, loop.batch_idx, start, self._plan_trigger[id(plan)], state))
         else:
-            source = start
-            for trigger, dest in walked:
-                self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
-                source = dest
-        walked.clear()
-        self._walk_start = state
+            walked = self._walked
+            if plan:
+                walked[:0] = [(t, d) for t, _, _, d, _ in plan[:self._planned]]
+            fused = self._fused.get((start, tuple(walked)))
+            if fused is not None:
+                self.history.append((loop.epoch, loop.batch_idx, start, fused, state))
+            else:
+                source = start
+                for trigger, dest in walked:
+                    self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
+                    source = dest
+        self._walked.clear()
+        self._plan, self._planned, self._walk_start = (), 0, state
         if self.probe is not None:
             self.probe(state)
 
