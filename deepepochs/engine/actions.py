@@ -341,25 +341,32 @@ def window_loss_finite(ctx: Context) -> bool:
     dist, raise_ = parts.dist, parts.config.nonfinite == "raise"
     window, step_loss = loop.meters.window_losses, ctx.step_loss
     if not window and type(step_loss) is float:  # the common case: one loss, read on the host already
-        values = (step_loss,)
+        bad = not math.isfinite(step_loss)
     else:
         values = [loss for loss, _ in window]
         if step_loss is not None:
             values.append(step_loss)
-    if all(type(v) is float for v in values):  # read on the host already (or no loss at all)
-        bad = not all(map(math.isfinite, values))
-        if dist.world_size > 1:
-            bad = dist.reduce_sum(torch.tensor([float(bad)], device=parts.device)).item() != 0.0
-    else:
-        flags = [~torch.isfinite(v.detach().reshape(())) for v in values]
-        flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-        if dist.world_size > 1:
-            bad = dist.reduce_sum(flag.float().reshape(1)).item() != 0.0
-        elif raise_:
-            ctx.pending_nonfinite = flag if ctx.pending_nonfinite is None else ctx.pending_nonfinite | flag
-            return True
-        else:
-            bad = bool(flag)
+        if all(type(v) is float for v in values):  # read on the host already (or no loss at all)
+            bad = not all(map(math.isfinite, values))
+        else:  # detached tensors on an accelerator
+            flags = [~torch.isfinite(v.detach().reshape(())) for v in values]
+            flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+            if dist.world_size > 1:
+                bad = dist.reduce_sum(flag.float().reshape(1)).item() != 0.0
+            elif raise_:
+                ctx.pending_nonfinite = flag if ctx.pending_nonfinite is None else ctx.pending_nonfinite | flag
+                return True
+            else:
+                bad = bool(flag)
+            return _finite_or_raise(ctx, bad, raise_)
+    if dist.world_size > 1:  # every rank takes the same step/skip edge
+        bad = dist.reduce_sum(torch.tensor([float(bad)], device=parts.device)).item() != 0.0
+    return _finite_or_raise(ctx, bad, raise_)
+
+
+def _finite_or_raise(ctx: Context, bad: bool, raise_: bool) -> bool:
+    """`not bad`, or FloatingPointError with nonfinite='raise'."""
+    loop, parts = ctx.loop, ctx.parts
     if bad and raise_:
         raise FloatingPointError(
             f"non-finite loss in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"

@@ -131,8 +131,8 @@ def optimize(ctx: Context, optimize_index) -> None:
     loop = ctx.loop
     if loop.stage != "train":
         return
-    hop = ctx.hop
-    loop.update_indices = ctx.parts.opts.indices(optimize_index)
+    hop, opts = ctx.hop, ctx.parts.opts
+    loop.update_indices = opts.all_indices if optimize_index is None else opts.indices(optimize_index)
     if hop("optimize") != "optimize_unscaled":
         return  # an inner micro-batch: gradients keep accumulating
     facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
