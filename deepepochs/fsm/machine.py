@@ -3,9 +3,10 @@
 This is the only module that imports `transitions`. Cold triggers (a few per epoch: fit, epoch, stage,
 task, interrupt) go through `transitions.Machine`, which also validates the tables and is what the state
 graph is drawn from. Hot triggers (several per micro-batch) run on a dict compiled from that same machine:
-a `transitions` trigger costs ~20 µs here against ~0.5 µs for a dict lookup, and a tiny model's whole
-training step is ~1.4 ms, so per-batch `transitions` triggers alone would use the 3 % overhead budget.
-Both paths write the same `state` attribute, so a cold trigger from a hot state sees the true state.
+a `transitions` trigger makes dozens of Python calls where a dict dispatch makes a few, which per batch
+would cost more than the whole overhead budget (benchmarks/fsm_dispatch.py measures both). Both paths
+write the same `state` attribute, so a cold trigger from a hot state sees the true state. A fused
+micro-batch is walked (`walk`) and recorded as one edge (`land`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,60 @@
+"""The engine names states, triggers and hooks by the spec's strings; every such name it uses must be one
+the spec defines, so a rename in spec/loop.py fails here instead of at run time."""
+
+import ast
+from pathlib import Path
+
+from deepepochs.engine import batches, driver, steps
+from deepepochs.fsm.machine import load_spec
+
+SPEC = load_spec()
+ENGINE = Path(steps.__file__).resolve().parent
+MOVES = {"hop", "fire", "fire_cold", "walk", "start_walk", "begin_window"}
+
+
+def _literals(kind):
+    """(file, line, name) of string literals the engine passes to a machine move (`kind='trigger'`) or
+    uses to index the hook table (`kind='hook'`)."""
+    found = []
+    for path in sorted(ENGINE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if kind == "trigger" and isinstance(node, ast.Call) and node.args:
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                arg = node.args[0]
+                if name in MOVES and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    found.append((path.name, node.lineno, arg.value))
+            if kind == "hook" and isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                value = node.slice.value
+                if isinstance(value, str) and value.startswith("on_"):
+                    found.append((path.name, node.lineno, value))
+    return found
+
+
+def test_every_trigger_the_engine_fires_is_a_spec_trigger():
+    """Each literal trigger given to fire/walk/hop/fire_cold/start_walk is a spec trigger."""
+    triggers = {t.name for t in SPEC.triggers}
+    used = _literals("trigger")
+    assert len(used) > 15, used
+    assert [u for u in used if u[2] not in triggers] == []
+
+
+def test_every_hook_the_engine_runs_is_a_spec_hook():
+    """Literal hook names and the per-stage names the engine derives are all hooks of the spec."""
+    hooks = {h.name for h in SPEC.hooks}
+    used = _literals("hook")
+    assert len(used) > 5, used
+    assert [u for u in used if u[2] not in hooks] == []
+    derived = {name for names in (*steps.STEP_HOOKS.values(), *driver.STAGE_HOOKS.values()) for name in names}
+    derived |= {f"on_{edge}_{stage}_batch" for edge in ("before", "after") for stage in ("train", "val", "test")}
+    assert derived <= hooks, sorted(derived - hooks)
+
+
+def test_the_fused_observers_are_the_hooks_of_the_fused_paths_inner_states():
+    """FUSED_OBSERVERS comes from the hook table: the hooks that may run in a window/step/optimize state."""
+    inner = {"window_open", "step_forward", "step_backward", "step_optimized", "optimize_unscaled",
+             "optimize_clipped", "optimize_skipped", "task_train"}
+    expected = {h.name for h in SPEC.hooks
+                if {s for s in h.states if SPEC.state(s).layer in ("window", "step", "optimize")} & inner}
+    assert set(batches.FUSED_OBSERVERS) == expected
+    assert "on_before_backward" in expected and "on_after_train_epoch" not in expected
