@@ -31,6 +31,8 @@ class InterruptGuard:
         """Take over SIGINT until `uninstall` (a no-op outside the main thread or when already installed)."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
+        if signal.getsignal(signal.SIGINT) is None:  # a handler set outside Python: it could not be put back
+            return
         try:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         except (ValueError, OSError):  # no signal support here (e.g. an embedded interpreter)
