@@ -159,6 +159,10 @@ FUSED_CASES = {  # name: (precision, k, nonfinite, poisoned (epoch, batch) posit
     "fp16-k3-overflow": ("fp16", 3, "raise", ((1, 2), (2, 6))),
     "fp32-k2-nan-skip": ("fp32", 2, "skip", ((1, 3),)),
     "fp32-k1-nan-skip": ("fp32", 1, "skip", ((1, 3), (2, 1))),
+    "fp16-k1": ("fp16", 1, "raise", ()),
+    "fp16-k3": ("fp16", 3, "raise", ()),
+    "bf16-k1-nan-skip": ("bf16", 1, "skip", ((1, 2),)),
+    "bf16-k3-nan-skip": ("bf16", 3, "skip", ((2, 4),)),
 }
 
 
@@ -238,7 +242,8 @@ def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case, monk
     for a, b in zip(fused.opt[0].opt.state.values(), plain.opt[0].opt.state.values()):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
     if precision == "fp16":
-        assert fused.scaler.get_scale() == plain.scaler.get_scale() < 256.0
+        assert fused.scaler.get_scale() == plain.scaler.get_scale()
+        assert (fused.scaler.get_scale() < 256.0) == bool(poisoned)  # halved on overflow, else kept
 
 
 class TwoOptimizerTrainer(TrainerBase):
