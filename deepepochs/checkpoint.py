@@ -28,7 +28,9 @@ Files live at `<ckpt_dir>/<running_id>/<monitor file>.ckpt` and contain no absol
 folder (or a whole `ckpt_dir`) can be moved or renamed. A write goes to a hidden temporary file in the
 same folder and is renamed over the target with `os.replace`, which is atomic on POSIX and Windows: a
 crash mid-save leaves the previous checkpoint intact, and the leftover temporary file (it does not end
-in `.ckpt`) is never picked by resume.
+in `.ckpt`) is never picked by resume; the next save or resume in that folder removes it once its writer
+no longer runs. Files are read with `weights_only=True` only (SEC-1): a file holding other objects is
+refused unless loaded with `trusted=True` (`read_checkpoint`).
 
 Monitors are found by duck typing, like gradient clippers: a callback with a `monitor_id` string,
 a `ckpt_dir`, `state_dict()` and `load_state_dict(state)` (see `deepepochs.callbacks.check`).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,6 +60,7 @@ __all__ = [
     "load_into",
     "monitors_of",
     "read_checkpoint",
+    "remove_stale_temps",
     "resume_once",
     "snapshot",
     "write_atomic",
@@ -165,6 +169,37 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)-[0-9a-f]{8}" + re.escape(_TEMP_SUFFIX) + "$")
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (a writer that may still finish its file)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists but is not ours, or cannot be asked: leave its file alone
+    return True
+
+
+def remove_stale_temps(folder) -> list[Path]:
+    """Remove the temporary files `write_atomic` left in `folder` when its process was killed mid-save
+    (their writer no longer runs); returns what was removed. Other files are never touched."""
+    folder, removed = Path(folder), []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        match = _TEMP_NAME.match(entry.name)
+        if match and entry.is_file() and not _alive(int(match["pid"])):
+            try:
+                entry.unlink()
+                removed.append(entry)
+            except OSError:
+                pass
+    return removed
+
+
 def write_atomic(data: Mapping, path) -> Path:
     """`torch.save(data)` to `path` atomically: a temporary file in the same folder, then `os.replace`.
 
@@ -173,6 +208,7 @@ def write_atomic(data: Mapping, path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path.parent)
     # Hidden, unique per writer, and not ending in SUFFIX: resume never mistakes it for a checkpoint.
     temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}")
     try:
@@ -195,24 +231,31 @@ def write_atomic(data: Mapping, path) -> Path:
 
 
 # ---- reading ----
-def read_checkpoint(path) -> Checkpoint:
+def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
     """Read and validate one checkpoint file onto the CPU; `CheckpointError` names the path on failure.
 
-    `weights_only=True` is tried first (safe unpickling); a file holding other objects (e.g. a custom
-    scheduler's state) is read again with full unpickling: only load checkpoints you trust.
+    The file is unpickled with `weights_only=True`: only tensors, numbers, strings and containers come
+    out, and nothing in the file can run code (SEC-1). A file holding other objects (a checkpoint of a
+    custom scheduler that keeps objects in its state, or a file crafted to run code) is refused, naming
+    the type, unless `trusted=True`: then it is fully unpickled, which runs whatever code the file
+    carries; pass it only for a file you made yourself.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            if "weights_only" not in str(e):
-                raise
-            data = torch.load(path, map_location="cpu", weights_only=False)
+        data = torch.load(path, map_location="cpu", weights_only=not trusted)
     except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}".split("\n")[0]) from e
+        offending = re.search(r"GLOBAL ([\w.]+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+        if offending is not None:
+            raise CheckpointError(
+                f"checkpoint {path} holds an object of type {offending.group(1)}, not only tensors, numbers,"
+                " strings and containers; it was not loaded, since unpickling it could run code from the file."
+                " If you made this file yourself, load it with trainer.load_checkpoint(path, trusted=True)"
+            ) from e
+        first = str(e).split("\n")[0]
+        raise CheckpointError(f"cannot read checkpoint {path}: the file is truncated or corrupt"
+                              f" ({type(e).__name__}: {first})") from e
     return Checkpoint.from_dict(data, path)
 
 
@@ -243,15 +286,16 @@ def load_model_state(trainer, state: Mapping, path="<memory>") -> None:
         raise CheckpointError(f"checkpoint {path} does not fit the model: {e}") from e
 
 
-def load_into(trainer, path, ckpt: Checkpoint | None = None) -> Checkpoint:
+def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = False) -> Checkpoint:
     """Restore everything a checkpoint holds into `trainer` (model, optimizers, schedulers, scaler,
     completed epoch, monitors, and in one process the generator states of a one-process run); the
     trainer's running id is left alone.
 
     Monitors absent from the file keep their state; states of monitors the trainer lacks are ignored.
+    `trusted` is `read_checkpoint`'s.
     """
     path = Path(path)
-    ckpt = read_checkpoint(path) if ckpt is None else ckpt
+    ckpt = read_checkpoint(path, trusted) if ckpt is None else ckpt
     load_model_state(trainer, ckpt.model, path)
     try:
         trainer.opt.load_state_dict({"optimizers": ckpt.optimizers, "schedulers": ckpt.schedulers})
@@ -321,6 +365,7 @@ def resume_once(trainer) -> None:
         searched = ", ".join(str(d) for d in dict.fromkeys(dirs)) or "nowhere: no CheckCallback"
         trainer._console.info(f"resume=True: no checkpoint found (searched {searched}); starting fresh")
     else:
+        remove_stale_temps(path.parent)
         ckpt = load_into(trainer, path)
         trainer.running_id = path.parent.name
         trainer._console.info(f"Resumed from {path}: {ckpt.epoch} epoch(s) completed,"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["METRIC_PATCHES", "NONFINITE", "PRECISIONS", "TrainerConfig", "check_choice"]
+__all__ = ["METRIC_PATCHES", "NONFINITE", "PRECISIONS", "TrainerConfig", "check_choice", "check_run_name"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 METRIC_PATCHES = ("tensor", "mean", "confusion")
@@ -18,6 +20,16 @@ def check_choice(name: str, value, choices, hint: str = "") -> None:
     if value not in choices:
         accepted = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"{name} must be one of {accepted} (got {value!r}){'; ' + hint if hint else ''}")
+
+
+def check_run_name(name: str, argname: str) -> None:
+    """Raise ConfigError unless `name` can be one folder name under a checkpoint or log folder: a
+    non-empty string without path separators, not `.` or `..` (so it can never point outside them)."""
+    bad = (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+           or "\0" in name or os.path.isabs(name))
+    if bad:
+        raise ConfigError(f"{argname} must be a plain folder name (no path separators, not '.' or '..'): it"
+                          f" becomes a folder under ckpt_dir and log_dir (got {name!r})")
 
 
 def _choice(choices, hint=""):

@@ -13,7 +13,7 @@ import torch
 
 from deepepochs.callbacks.base import HookTable
 from deepepochs.checkpoint import load_into, resume_once
-from deepepochs.config import TrainerConfig
+from deepepochs.config import TrainerConfig, check_run_name
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
 from deepepochs.engine import steps
@@ -101,6 +101,10 @@ class TrainerBase:
             raise ConfigError(f"loss must be a callable loss(model_out, batch_y) or None (got {type(loss).__name__})")
         if not (resume is False or resume is True or isinstance(resume, str)):
             raise ConfigError(f"resume must be False, True or a running id string (got {resume!r})")
+        if isinstance(resume, str):
+            check_run_name(resume, "resume")
+        if running_id is not None:
+            check_run_name(running_id, "running_id")
         ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
         device = _resolve_device(device)
         dist = select_policy(device, split_batches=self.config.split_batches)
@@ -267,16 +271,21 @@ class TrainerBase:
         """Ask for `save()` to run at this epoch's end (the `save_checkpoints` action)."""
         self.loop.save_requests.append(save)
 
-    def load_checkpoint(self, path):
+    def load_checkpoint(self, path, trusted: bool = False):
         """Load one checkpoint file: model, optimizers, schedulers, GradScaler, completed epoch and the
         monitors' state; the next `fit` continues with the following epoch. Every rank loads (DDP).
 
         Overrides a pending `resume=...`; the running id stays as it is. Returns the file's contents as a
         `deepepochs.checkpoint.Checkpoint`. Raises `CheckpointError` naming the path when the file is
-        missing, unreadable or does not fit this trainer.
+        missing, unreadable, truncated or does not fit this trainer.
+
+        The file is read with `torch.load(weights_only=True)`: nothing in it can run code. A file that
+        holds other objects (e.g. a custom scheduler's state with objects of its own) is refused, naming
+        the type; `trusted=True` unpickles it fully, which runs any code the file carries: use it only for
+        files you made yourself.
         """
         self._check_open()
-        ckpt = load_into(self, path)
+        ckpt = load_into(self, path, trusted=trusted)
         self.loop.resume_pending = False
         return ckpt
 

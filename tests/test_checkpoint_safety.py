@@ -1,0 +1,136 @@
+"""SEC-1 and SEC-3 (issue 15, sections 1 and 3): loading a checkpoint never runs code from the file unless
+the caller says it trusts the file; a truncated file says so; names that become paths are validated;
+temporary files of killed saves are cleaned up at the next save or resume."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import deepepochs.checkpoint as ckpt_mod
+from deepepochs import CheckCallback, CheckpointError, ConfigError, Trainer
+
+
+class Payload:
+    """Unpickling this creates `marker`: the stand-in for code a crafted file would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+class CustomState:
+    """An object a custom scheduler might keep in its state: harmless, but not plain data."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _trainer(tmp_path, **kwargs):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    return Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1, device="cpu",
+                   log_batch=False, show_info=False,
+                   callbacks=[CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=tmp_path / "ckpt")],
+                   **kwargs)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    return [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 32, 8)]
+
+
+def _saved_checkpoint(tmp_path):
+    """A real checkpoint written by a one-epoch fit, and its contents."""
+    t = _trainer(tmp_path, running_id="run")
+    t.fit(_data())
+    t.close()
+    path = next((tmp_path / "ckpt" / "run").glob("*.ckpt"))
+    return path, torch.load(path, weights_only=True)
+
+
+def test_resume_refuses_a_crafted_file_without_running_its_code(tmp_path):
+    """A pickle that would run code, named like a checkpoint in the run folder: resume=True raises
+    CheckpointError naming the file and the type, and the code never ran."""
+    path, _ = _saved_checkpoint(tmp_path)
+    marker = tmp_path / "code-ran"
+    evil = path.with_name("zzz-newest.ckpt")
+    torch.save({"format_version": 1, "model": Payload(marker)}, evil)
+    os.utime(evil, (path.stat().st_mtime + 10,) * 2)  # the newest file: the one resume picks
+    t = _trainer(tmp_path, resume=True)
+    with pytest.raises(CheckpointError, match=r"zzz-newest\.ckpt holds an object of type io\.open.*trusted=True"):
+        t.fit(_data())
+    assert not marker.exists()
+
+
+def test_a_trusted_file_is_loaded_only_when_the_caller_says_so(tmp_path):
+    """A checkpoint with a non-plain object in a scheduler state is refused by default and loads with
+    load_checkpoint(path, trusted=True)."""
+    path, data = _saved_checkpoint(tmp_path)
+    data["schedulers"] = [None]
+    data["monitors"] = {**data["monitors"], "extra": {"custom": CustomState(3)}}
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save(data, legacy)
+    t = _trainer(tmp_path)
+    with pytest.raises(CheckpointError, match=r"legacy\.ckpt holds an object of type [\w.]*CustomState"):
+        t.load_checkpoint(legacy)
+    ckpt = t.load_checkpoint(legacy, trusted=True)
+    assert ckpt.monitors["extra"]["custom"].value == 3
+    assert t.loop.completed_epochs == 1
+    for p, q in zip(t.raw_model.state_dict().values(), data["model"].values()):
+        assert torch.equal(p, q)
+
+
+def test_a_truncated_file_is_reported_as_truncated_or_corrupt(tmp_path):
+    """Half a checkpoint file: the error names the path and says truncated or corrupt."""
+    path, _ = _saved_checkpoint(tmp_path)
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"cut\.ckpt: the file is truncated or corrupt"):
+        _trainer(tmp_path).load_checkpoint(cut)
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "/abs", "..", ".", "", "a\\b"])
+def test_a_running_id_or_resume_that_would_leave_the_folder_is_refused(tmp_path, name):
+    """running_id and resume='<id>' become folder names: separators, '..' and absolute paths are refused."""
+    with pytest.raises(ConfigError, match=r"running_id must be a plain folder name .*got"):
+        _trainer(tmp_path, running_id=name)
+    with pytest.raises(ConfigError, match=r"resume must be a plain folder name"):
+        _trainer(tmp_path, resume=name)
+    assert not (tmp_path / "escape").exists()
+
+
+def _dead_pid():
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_temporary_files_of_killed_saves_are_removed_at_the_next_save(tmp_path):
+    """A kill -9 mid-save leaves `.name.<pid>-<hex>.tmp`; the next save in that folder removes it when its
+    writer no longer runs, keeps one whose writer is alive, and touches no other file."""
+    path, _ = _saved_checkpoint(tmp_path)
+    folder = path.parent
+    stale = folder / f".{path.name}.{_dead_pid()}-0123abcd.tmp"
+    live = folder / f".{path.name}.{os.getpid()}-89abcdef.tmp"
+    other = folder / "notes.tmp"
+    for f in (stale, live, other):
+        f.write_bytes(b"x" * 1000)
+    ckpt_mod.write_atomic({"x": torch.zeros(1)}, folder / "another.ckpt")
+    assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_temporary_files_of_killed_saves_are_removed_at_resume(tmp_path):
+    """resume=True cleans the run folder it resumes from the same way."""
+    path, _ = _saved_checkpoint(tmp_path)
+    stale = path.parent / f".{path.name}.{_dead_pid()}-0123abcd.tmp"
+    stale.write_bytes(b"x")
+    t = _trainer(tmp_path, resume=True)
+    t.fit(_data(), epochs=2)
+    assert not stale.exists() and t.loop.completed_epochs == 2
