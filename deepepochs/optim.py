@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from deepepochs.config import check_choice
-from deepepochs.errors import ConfigError
+from deepepochs.errors import ConfigError, DeepEpochsWarning
 
 __all__ = ["Optimizer", "Optimizers"]
 
@@ -88,6 +88,22 @@ class Optimizers(Sequence):
         self.items: list[Optimizer] = items
         self.all_indices = tuple(range(len(items)))
         self._marks: list = []  # the hook handles of bind_updates, one per optimizer
+
+    def check_covers(self, model: torch.nn.Module) -> None:
+        """Refuse optimizers that train none of `model`'s trainable parameters (ConfigError), and warn
+        when some trainable parameters are in no optimizer: neither trains what the user expects."""
+        if not self.items:
+            return
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        held = {id(p) for item in self.items for group in item.opt.param_groups for p in group["params"]}
+        left = [p for p in trainable if id(p) not in held]
+        if trainable and len(left) == len(trainable):
+            raise ConfigError(f"opt holds none of the model's {len(trainable)} trainable parameters (tensors),"
+                              " so nothing would train; build the optimizer from model.parameters()")
+        if left:
+            warnings.warn(f"{len(left)} of the model's {len(trainable)} trainable parameters (tensors) are in no"
+                          " optimizer and will not train; add them to an optimizer or set requires_grad=False",
+                          DeepEpochsWarning, stacklevel=3)
 
     def __getitem__(self, i):
         return self.items[i]

@@ -39,6 +39,9 @@ def _resolve_device(device) -> torch.device:
                           f" (got {device!r})") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} but CUDA is not available; use device='cpu' or None")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        available = ", ".join(["'cpu'", *(["'cuda'"] if torch.cuda.is_available() else [])])
+        raise ConfigError(f"device={device!r} but MPS is not available here; available: {available}")
     return dev
 
 
@@ -119,6 +122,7 @@ class TrainerBase:
         model = model.to(self.device)
         self.raw_model = model
         self._opts = Optimizers(opt, model)
+        self._opts.check_covers(model)
         compiled = torch.compile(model) if compile_model else model
         self._dist = dist
         self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=dist.is_main)
@@ -215,7 +219,7 @@ class TrainerBase:
         """Train toward the epoch target; returns `{'train': {name: [per epoch]}, 'val': {...}}` for the
         epochs this call ran. An exception rolls the open window back and is re-raised with the flight
         record; calling `fit` again continues where the run stopped."""
-        self._check_open()
+        self._check_open("fit")
         if epochs is not None:
             self.config = attrs.evolve(self.config, epochs=epochs)  # validated like the constructor's
         if isinstance(val_freq, bool) or not isinstance(val_freq, int) or val_freq < 1:
@@ -230,17 +234,17 @@ class TrainerBase:
             raise ConfigError("fit() needs training data: pass train_dl or train_tasks")
         val = driver.make_tasks("val", val_dl, val_tasks,
                                 [*common, *as_metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
-        return driver.guarded(lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
+        return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP)."""
-        self._check_open()
+        self._check_open("test")
         driver = self._driver
         tasks = driver.make_tasks("test", test_dl, tasks, [*self.metrics, *as_metric_list(metrics, "metrics")],
                                   do_loss, batch_size)
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
-        return driver.guarded(lambda: driver.run_test(tasks))
+        return driver.guarded("test", lambda: driver.run_test(tasks))
 
     def loss(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True):
         """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
@@ -284,7 +288,7 @@ class TrainerBase:
         the type; `trusted=True` unpickles it fully, which runs any code the file carries: use it only for
         files you made yourself.
         """
-        self._check_open()
+        self._check_open("load_checkpoint")
         ckpt = load_into(self, path, trusted=trusted)
         self.loop.resume_pending = False
         return ckpt
@@ -317,6 +321,7 @@ class TrainerBase:
         """Flush logs, remove hooks and release what the trainer created (idempotent)."""
         if self._closed:
             return
+        self._check_open("close")
         self._closed = True
         errors = []
         for cb in self._hooks.callbacks:
@@ -343,9 +348,13 @@ class TrainerBase:
         self.close()
         return False
 
-    def _check_open(self):
+    def _check_open(self, call: str):
         if self._closed:
             raise RuntimeError("this Trainer was closed; create a new one")
+        running = self._driver.running
+        if running is not None:
+            raise RuntimeError(f"{call}() was called from inside a callback while {running}() runs; a callback"
+                               " can ask for a stop (trainer.request_stop) or a save (trainer.request_save)")
 
     # ---- step methods (override in a subclass or an EpochTask) ----
     def train_step(self, batch_x, batch_y, **step_args):

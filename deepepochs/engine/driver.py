@@ -41,6 +41,7 @@ class Driver:
         ctx.model = ctx.parts.train_model
         self._started = False
         self._header_done = False
+        self.running: str | None = None  # 'fit' or 'test' while one runs (the facade refuses re-entry)
 
     # ---- setup ----
     def make_tasks(self, stage, dataloader, tasks, metrics, do_loss, batch_size) -> list[EpochTask]:
@@ -70,11 +71,12 @@ class Driver:
         return out
 
     # ---- errors: interrupt -> rollback -> idle, with the flight record ----
-    def guarded(self, run):
-        """Run `fit`/`test` with SIGINT held during updates; on any exception roll back and re-raise it
-        with the flight record attached."""
+    def guarded(self, name: str, run):
+        """Run `fit`/`test` (`name`) with SIGINT held during updates; on any exception roll back and
+        re-raise it with the flight record attached."""
         ctx = self.ctx
         ctx.signals.install()
+        self.running = name
         try:
             return run()
         except BaseException as exc:
@@ -88,6 +90,7 @@ class Driver:
             exc.deepepochs_flight_record = machine.records()
             raise
         finally:
+            self.running = None
             ctx.signals.uninstall()
 
     def _rollback(self, exc):
@@ -251,6 +254,11 @@ class Driver:
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
             batches.train_batches(ctx, data, meters)
+            if not skip and loop.batch_idx == 0:
+                raise ConfigError(
+                    f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"
+                    " iterator (e.g. a generator) is used up after one epoch; pass a DataLoader or another"
+                    " re-iterable (a list, or an object whose __iter__ starts over)")
         else:
             batches.eval_batches(ctx, data, meters, stage)
         parts.console.end_task()
