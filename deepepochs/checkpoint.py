@@ -55,6 +55,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SUFFIX",
     "Checkpoint",
+    "check_fits",
     "find_checkpoint",
     "load_model_state",
     "load_into",
@@ -286,16 +287,73 @@ def load_model_state(trainer, state: Mapping, path="<memory>") -> None:
         raise CheckpointError(f"checkpoint {path} does not fit the model: {e}") from e
 
 
+def _shape(value):
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def check_fits(trainer, ckpt: Checkpoint, path) -> None:
+    """Raise `CheckpointError` (naming `path` and every mismatch found) unless `ckpt` can be loaded into
+    `trainer` whole: model keys and shapes, the number of optimizers, each optimizer's kind (its param
+    groups' hyper-parameter names), group and parameter counts and per-parameter state shapes, each
+    scheduler's kind (its state's keys). Loading checks first and changes nothing when this raises."""
+    problems = []
+    model_state = trainer.raw_model.state_dict()
+    saved = _unwrap_keys(ckpt.model, set(model_state))
+    missing, unexpected = sorted(set(model_state) - set(saved)), sorted(set(saved) - set(model_state))
+    if missing or unexpected:
+        problems.append(f"model keys differ (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    problems += [f"model {k}: shape {_shape(saved[k])} in the file, {_shape(v)} in the model"
+                 for k, v in model_state.items() if k in saved and _shape(saved[k]) != _shape(v)]
+    items = trainer.opt.items
+    if len(ckpt.optimizers) != len(items):
+        problems.append(f"{len(ckpt.optimizers)} optimizer state(s) in the file, {len(items)} optimizer(s) in the"
+                        " trainer")
+    for i, (item, state) in enumerate(zip(items, ckpt.optimizers)):
+        groups, have = state.get("param_groups", []) if isinstance(state, Mapping) else [], item.opt.param_groups
+        kind = type(item.opt).__name__
+        if len(groups) != len(have):
+            problems.append(f"optimizer {i} ({kind}): {len(groups)} param group(s) in the file, {len(have)} here")
+            continue
+        for j, (g, h) in enumerate(zip(groups, have)):
+            keys, want = set(g) - {"params"}, set(h) - {"params"}
+            if not keys >= want - {"differentiable", "foreach", "fused", "capturable", "maximize",
+                                   "decoupled_weight_decay"}:
+                problems.append(f"optimizer {i} is {kind}, but the file holds another optimizer's state (param"
+                                f" group {j} lacks {sorted(want - keys)})")
+            elif len(g.get("params", ())) != len(h["params"]):
+                problems.append(f"optimizer {i} ({kind}) param group {j}: {len(g.get('params', ()))} parameters"
+                                f" in the file, {len(h['params'])} here")
+        if not any(p.startswith(f"optimizer {i} ") for p in problems):
+            params = [p for h in have for p in h["params"]]
+            ids = [pid for g in groups for pid in g.get("params", ())]
+            for pid, param in zip(ids, params):
+                for name, value in (state.get("state", {}).get(pid) or {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                        problems.append(f"optimizer {i} ({kind}) state {name!r} of parameter {pid}: shape"
+                                        f" {tuple(value.shape)} in the file, {tuple(param.shape)} here")
+    for i, (item, state) in enumerate(zip(items, ckpt.schedulers)):
+        if item.scheduler is not None and isinstance(state, Mapping):
+            want = set(item.scheduler.state_dict())
+            if set(state) != want:
+                problems.append(f"scheduler {i} is {type(item.scheduler).__name__}, but the file holds another"
+                                f" scheduler's state (keys {sorted(set(state) ^ want)} differ)")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this trainer; nothing was loaded: "
+                              + "; ".join(problems))
+
+
 def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = False) -> Checkpoint:
     """Restore everything a checkpoint holds into `trainer` (model, optimizers, schedulers, scaler,
     completed epoch, monitors, and in one process the generator states of a one-process run); the
     trainer's running id is left alone.
 
     Monitors absent from the file keep their state; states of monitors the trainer lacks are ignored.
-    `trusted` is `read_checkpoint`'s.
+    `trusted` is `read_checkpoint`'s. The file is checked against the trainer first (`check_fits`): a
+    mismatch raises `CheckpointError` before anything is changed.
     """
     path = Path(path)
     ckpt = read_checkpoint(path, trusted) if ckpt is None else ckpt
+    check_fits(trainer, ckpt, path)  # all or nothing: every mismatch is found before anything changes
     load_model_state(trainer, ckpt.model, path)
     try:
         trainer.opt.load_state_dict({"optimizers": ckpt.optimizers, "schedulers": ckpt.schedulers})

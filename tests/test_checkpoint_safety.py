@@ -1,6 +1,6 @@
-"""SEC-1 and SEC-3 (issue 15, sections 1 and 3): loading a checkpoint never runs code from the file unless
-the caller says it trusts the file; a truncated file says so; names that become paths are validated;
-temporary files of killed saves are cleaned up at the next save or resume."""
+"""SEC-1, SEC-2 and SEC-3 (issue 15, sections 1-3): loading a checkpoint never runs code from the file
+unless the caller says it trusts the file; a truncated file says so; loading is all or nothing; names that
+become paths are validated; temporary files of killed saves are cleaned up at the next save or resume."""
 
 import os
 import subprocess
@@ -134,3 +134,90 @@ def test_temporary_files_of_killed_saves_are_removed_at_resume(tmp_path):
     t = _trainer(tmp_path, resume=True)
     t.fit(_data(), epochs=2)
     assert not stale.exists() and t.loop.completed_epochs == 2
+
+
+# ---- SEC-2: loading is all or nothing ----------------------------------------------------------------
+def _state(t):
+    """Everything a load could change: weights, optimizer state, scheduler state, epoch count."""
+    return ({k: v.clone() for k, v in t.raw_model.state_dict().items()},
+            repr(t.opt[0].opt.state_dict()), None if t.opt[0].scheduler is None else t.opt[0].scheduler.state_dict(),
+            t.loop.completed_epochs)
+
+
+def _assert_unchanged(t, before):
+    weights, opt, sched, epochs = _state(t)
+    assert all(torch.equal(weights[k], before[0][k]) for k in weights)
+    assert (opt, sched, epochs) == before[1:]
+
+
+def test_a_checkpoint_of_another_layer_shape_changes_nothing(tmp_path):
+    """A file whose second layer has another width is refused naming the key and both shapes, and the
+    trainer's weights and optimizer are untouched (the first layer, whose shape matches, too)."""
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    src = Trainer(wide, F.mse_loss, torch.optim.SGD(wide.parameters(), lr=0.1), epochs=1, device="cpu",
+                  log_batch=False, show_info=False)
+    path = tmp_path / "wide.ckpt"
+    ckpt_mod.write_atomic(ckpt_mod.snapshot(src).to_dict(), path)
+    torch.manual_seed(1)
+    narrow = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    t = Trainer(narrow, F.mse_loss, torch.optim.SGD(narrow.parameters(), lr=0.1), epochs=1, device="cpu",
+                log_batch=False, show_info=False)
+    before = _state(t)
+    with pytest.raises(CheckpointError, match=r"nothing was loaded: .*model 1\.weight: shape \(3, 8\) in the file,"
+                                              r" \(1, 8\) in the model"):
+        t.load_checkpoint(path)
+    _assert_unchanged(t, before)
+
+
+def test_an_sgd_checkpoint_loaded_into_an_adam_trainer_is_refused_at_load_time(tmp_path):
+    """SGD with momentum into Adam: CheckpointError naming the optimizer kinds at load, not a KeyError at
+    the first step; nothing changed, and the trainer still trains."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    sgd = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), epochs=1,
+                  device="cpu", log_batch=False, show_info=False)
+    sgd.fit(_data())
+    path = ckpt_mod.write_atomic(ckpt_mod.snapshot(sgd).to_dict(), tmp_path / "sgd.ckpt")
+    torch.manual_seed(1)
+    other = nn.Linear(4, 1)
+    t = Trainer(other, F.mse_loss, torch.optim.Adam(other.parameters(), lr=0.1), epochs=1, device="cpu",
+                log_batch=False, show_info=False)
+    t.fit(_data())
+    before = _state(t)
+    with pytest.raises(CheckpointError, match=r"optimizer 0 is Adam, but the file holds another optimizer's state"):
+        t.load_checkpoint(path)
+    _assert_unchanged(t, before)
+    t.fit(_data(), epochs=2)
+    assert t.loop.completed_epochs == 2
+
+
+def test_another_scheduler_kind_or_optimizer_count_is_refused_before_anything_changes(tmp_path):
+    """A StepLR checkpoint into a trainer with CosineAnnealingLR, and a one-optimizer file into a
+    two-optimizer trainer: each names the mismatch; the trainer is unchanged."""
+    from deepepochs import Optimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    src = Trainer(model, F.mse_loss, Optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, 2)), epochs=1,
+                  device="cpu", log_batch=False, show_info=False)
+    path = ckpt_mod.write_atomic(ckpt_mod.snapshot(src).to_dict(), tmp_path / "step.ckpt")
+    torch.manual_seed(1)
+    model2 = nn.Linear(4, 1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    t = Trainer(model2, F.mse_loss, Optimizer(opt2, torch.optim.lr_scheduler.CosineAnnealingLR(opt2, 5)),
+                epochs=1, device="cpu", log_batch=False, show_info=False)
+    before = _state(t)
+    with pytest.raises(CheckpointError, match=r"scheduler 0 is CosineAnnealingLR, but the file holds another"):
+        t.load_checkpoint(path)
+    _assert_unchanged(t, before)
+    model3 = nn.Sequential(nn.Linear(4, 1))
+    two = Trainer(model3, F.mse_loss, [torch.optim.SGD(model3.parameters(), lr=0.1),
+                                       torch.optim.SGD(model3.parameters(), lr=0.2)],
+                  epochs=1, device="cpu", log_batch=False, show_info=False)
+    data = torch.load(path, weights_only=True)
+    data["model"] = {"0." + k: v for k, v in data["model"].items()}
+    other = ckpt_mod.write_atomic(data, tmp_path / "one-opt.ckpt")
+    with pytest.raises(CheckpointError, match=r"1 optimizer state\(s\) in the file, 2 optimizer\(s\) in the trainer"):
+        two.load_checkpoint(other)
