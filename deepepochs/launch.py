@@ -16,6 +16,7 @@ Division of labour with the Trainer:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import os
@@ -282,6 +283,28 @@ def _run_rank(
     result = main()
     if local_rank == 0:
         _write_result(result, result_path)
+    _exit_quietly()
+
+
+def _exit_quietly() -> None:
+    """End a child whose main() returned: run its atexit handlers, flush its output, then leave without
+    the interpreter's teardown.
+
+    Why: that teardown sometimes aborts (SIGABRT, "terminate called without an active exception") when
+    C++ threads of gloo or the TCPStore are destroyed while still joinable, after main() returned and the
+    result was saved; plain torch does it too. The parent would then report a failed rank and drop the
+    result. The child has nothing left to do, so it skips the teardown; the atexit handlers main()
+    registered still run (`atexit._run_exitfuncs`, CPython's own hook for this; skipped if absent).
+    """
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if run_exitfuncs is not None:
+        run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 def _write_result(result: Any, result_path: str) -> None:

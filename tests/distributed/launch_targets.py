@@ -22,6 +22,7 @@ __all__ = [
     "raise_on_rank_1_while_rank_0_waits_in_a_barrier",
     "report_process",
     "return_unpicklable_on_rank_0",
+    "train_with_a_trainer",
 ]
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -95,3 +96,29 @@ class CallableHoldingALock:
 
     def __call__(self) -> str:
         return "never spawned"
+
+
+def train_with_a_trainer() -> float:
+    """A clean DDP fit with a Trainer, as a user's main() would do; each rank registers an atexit handler
+    that writes `$DEEPEPOCHS_TEST_ATEXIT_DIR/rank-<rank>`. Returns rank 0's final training loss."""
+    import atexit
+
+    from torch.nn import functional as F
+
+    from deepepochs import Trainer
+
+    folder, rank = os.environ.get("DEEPEPOCHS_TEST_ATEXIT_DIR"), os.environ["RANK"]
+    if folder:
+        atexit.register(lambda: open(os.path.join(folder, f"rank-{rank}"), "w").close())
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    data = [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 64, 8)]
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.05), epochs=2, device="cpu",
+                      log_batch=False, show_info=False)
+    try:
+        loss = trainer.fit(data, data[:3])["train"]["loss"][-1]
+        trainer.test(data[:3])
+        return loss
+    finally:
+        trainer.close()
