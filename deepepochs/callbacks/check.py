@@ -123,14 +123,21 @@ class CheckCallback(Callback):
             raise ConfigError(f"two CheckCallbacks monitor {self.monitor_id!r} ({same[0]!r} and {same[1]!r});"
                               " they would write the same file: keep one of them")
 
+    def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
+        """Refuse on_stage='val' without validation data before the epoch trains, not after it."""
+        self._check_val_data(val_tasks)
+
+    def _check_val_data(self, val_tasks) -> None:
+        if self.on_stage == "val" and not val_tasks:
+            raise ConfigError(f"CheckCallback({self.monitor!r}, on_stage='val') needs validation metrics,"
+                              " but fit() got no validation data; pass val_dl (or val_tasks) to fit, or"
+                              " use on_stage='train'")
+
     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
         """Check the metric, then request this epoch's save and/or a stop."""
         metrics = val_metrics if self.on_stage == "val" else train_metrics
         if not metrics:
-            if self.on_stage == "val" and not val_tasks:
-                raise ConfigError(f"CheckCallback({self.monitor!r}, on_stage='val') needs validation metrics,"
-                                  " but fit() got no validation data; pass val_dl (or val_tasks) to fit, or"
-                                  " use on_stage='train'")
+            self._check_val_data(val_tasks)
             return  # the stage did not run this epoch (val_freq): not a check
         if self.monitor not in metrics:
             names = ", ".join(repr(n) for n in metrics)

@@ -66,10 +66,14 @@ def test_a_missing_metric_fails_at_the_first_check_listing_the_existing_names(tm
 
 
 def test_a_validation_monitor_without_validation_data_says_how_to_fix_it(tmp_path):
-    """on_stage='val' with fit(train_dl) only raises ConfigError suggesting val_dl or on_stage='train'."""
+    """on_stage='val' with fit(train_dl) only raises ConfigError suggesting val_dl or on_stage='train',
+    before the first epoch trains (the weights are untouched)."""
     trainer = _trainer([CheckCallback("loss", ckpt_dir=tmp_path)])
+    before = [p.detach().clone() for p in trainer.raw_model.parameters()]
     with pytest.raises(ConfigError, match="fit\\(\\) got no validation data.*on_stage='train'"):
         trainer.fit(_loaders()[0])
+    assert all(torch.equal(p, q) for p, q in zip(trainer.raw_model.parameters(), before))
+    assert trainer.loop.completed_epochs == 0
 
 
 def test_monitors_in_one_folder_write_their_own_files_each_holding_every_monitors_state(tmp_path):
