@@ -59,6 +59,7 @@ __all__ = [
     "find_checkpoint",
     "load_model_state",
     "load_into",
+    "monitors_in",
     "monitors_of",
     "read_checkpoint",
     "remove_stale_temps",
@@ -134,9 +135,14 @@ class Checkpoint:
             raise CheckpointError(f"{path}: {e}") from None
 
 
+def monitors_in(callbacks) -> list:
+    """The checkpoint monitors (e.g. `CheckCallback`s) among `callbacks`, in declaration order."""
+    return [cb for cb in callbacks if isinstance(getattr(cb, "monitor_id", None), str)]
+
+
 def monitors_of(trainer) -> list:
-    """The trainer's checkpoint monitors (e.g. `CheckCallback`s), in declaration order."""
-    return [cb for cb in trainer.callbacks if isinstance(getattr(cb, "monitor_id", None), str)]
+    """The trainer's checkpoint monitors, in declaration order."""
+    return monitors_in(trainer.callbacks)
 
 
 def snapshot(trainer) -> Checkpoint:

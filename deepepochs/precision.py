@@ -98,16 +98,15 @@ class Precision:
             )
         if self.dtype is not None:
             _check_autocast(precision, device, self.dtype)
-        self._scaler = None
+        # The fp16 `GradScaler` (None for fp32/bf16); read per micro-batch, so a plain attribute.
+        self.scaler: torch.amp.GradScaler | None = None
         if precision == "fp16":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # an unusable scaler warns and disables itself: checked below
-                self._scaler = torch.amp.GradScaler(device.type)
-            if not self._scaler.is_enabled():
+                self.scaler = torch.amp.GradScaler(device.type)
+            if not self.scaler.is_enabled():
                 raise ConfigError(f"precision='fp16' needs torch.amp.GradScaler, which is unavailable on"
                                   f" {device}; use precision='bf16' or 'fp32'")
-        # The fp16 `GradScaler` (None for fp32/bf16); read per micro-batch, so a plain attribute.
-        self.scaler: torch.amp.GradScaler | None = self._scaler
         # inf records of updates finished since the last scale update, and who finished them
         self._done: list[list[torch.Tensor]] = []
         self._done_ids: set[int] = set()
@@ -124,11 +123,11 @@ class Precision:
         `token` identifies the current iteration (batch); a scale update deferred by a partial update of an
         earlier iteration is applied first, so this backward already uses the new scale.
         """
-        if self._scaler is None:
+        if self.scaler is None:
             return loss
         if self._done and token != self._done_token:
             self._apply_update()
-        return self._scaler.scale(loss)
+        return self.scaler.scale(loss)
 
     def unscale(self, optimizers) -> list[bool] | None:
         """Unscale each optimizer's gradients in place; return per optimizer whether they are finite.
@@ -138,7 +137,7 @@ class Precision:
         here so that the machine's `grads_finite` guard picks the step or skip edge, and then step the
         optimizers ourselves instead of calling `scaler.step`, which would read the flags a second time.
         """
-        scaler = self._scaler
+        scaler = self.scaler
         if scaler is None:
             return None
         flags, owners = [], []
@@ -161,7 +160,7 @@ class Precision:
         iteration (e.g. two discriminator updates per batch). The scale is updated at once when every one
         of the trainer's `n_total` optimizers has finished an update; otherwise later (see the module doc).
         """
-        scaler = self._scaler
+        scaler = self.scaler
         if scaler is None:
             return
         for opt in optimizers:
@@ -178,30 +177,30 @@ class Precision:
         updates), exactly as `GradScaler.update()` does after `scaler.step` of each optimizer."""
         done, self._done, self._done_ids, self._done_token = self._done, [], set(), None
         if any(done):
-            scaler_update_with(self._scaler, done)  # also consumes records still held; resets them all
+            scaler_update_with(self.scaler, done)  # also consumes records still held; resets them all
         # no record at all: the updated optimizers had no gradients; the scale stays as it is
 
     def discard_step_state(self) -> None:
         """Rollback: forget the unscale/inf records of an interrupted update so the next `unscale_` is
         allowed; updates that completed before the interrupt still adjust the scale."""
-        if self._scaler is None:
+        if self.scaler is None:
             return
-        scaler_forget_all(self._scaler, self.device)
+        scaler_forget_all(self.scaler, self.device)
         if self._done:
             self._apply_update()
         self._done_ids.clear()
 
     def state_dict(self) -> dict | None:
         """The scaler's state for checkpoints (None without a scaler); applies a deferred scale update."""
-        if self._scaler is None:
+        if self.scaler is None:
             return None
         if self._done:
             self._apply_update()
-        return self._scaler.state_dict()
+        return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore `state_dict()` output; a missing state leaves the scaler as it is."""
-        if self._scaler is not None and state:
+        if self.scaler is not None and state:
             self._done, self._done_ids, self._done_token = [], set(), None
-            scaler_forget_all(self._scaler, self.device)
-            self._scaler.load_state_dict(state)
+            scaler_forget_all(self.scaler, self.device)
+            self.scaler.load_state_dict(state)

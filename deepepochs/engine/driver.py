@@ -14,6 +14,7 @@ import itertools
 
 import torch
 
+from deepepochs.checkpoint import monitors_in
 from deepepochs.engine import actions, batches
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
@@ -159,8 +160,7 @@ class Driver:
         undoes that, and the monitors' state the hooks change."""
         ctx = self.ctx
         loop = ctx.loop
-        monitors = [cb for cb in ctx.parts.hooks.callbacks if isinstance(getattr(cb, "monitor_id", None), str)]
-        states = [(m, m.state_dict()) for m in monitors]
+        states = [(m, m.state_dict()) for m in monitors_in(ctx.parts.hooks.callbacks)]
         before = loop.completed_epochs
 
         def undo():

@@ -162,8 +162,8 @@ class LoopMachine:
                                          tuple(getattr(self.model, a) for a in t.actions))
                                         for t in self.spec.fused_path(f))
                        for f in self.spec.transitions if f.fuses}
-        self._plan_trigger = {id(plan): trigger for trigger, plan in self._plans.items()}
         self._walk_start = self.spec.initial
+        self._expected: str | None = None
         self._walked: list[tuple[str, str]] = []
         self._plan: tuple = ()
         self._planned = 0
@@ -204,7 +204,7 @@ class LoopMachine:
     def start_walk(self, expected: str | None = None) -> None:
         """Begin a fused micro-batch at the current state; `expected` names the fused edge it will most
         likely take (see `walk`)."""
-        self._walk_start = self.model.state
+        self._walk_start, self._expected = self.model.state, expected
         self._plan = self._plans.get(expected, ())
         self._planned = 0
         self._walked.clear()
@@ -227,8 +227,7 @@ class LoopMachine:
                 for action in actions:
                     action()
                 return dest
-            self._walked.extend((t, d) for t, _, _, d, _ in plan[:i])
-            self._plan = ()
+            self._plan = plan[:i]  # the hops taken on it; the table decides from here
         dest, actions = self._take(model.state, trigger)
         model.state = dest
         self._walked.append((trigger, dest))
@@ -239,22 +238,20 @@ class LoopMachine:
     def land(self) -> None:
         """End a fused micro-batch: record it as the fused edge whose path it walked, then probe; a walk
         that is no fused edge's path (e.g. a step updating twice) is recorded hop by hop."""
-        start, state, loop, plan = self._walk_start, self.model.state, self.loop, self._plan
-        if plan and self._planned == len(plan):
-            self.history.append((loop.epoch, loop.batch_idx, start, self._plan_trigger[id(plan)], state))
+        start, state, loop, plan, walked = self._walk_start, self.model.state, self.loop, self._plan, self._walked
+        if plan and not walked and self._planned == len(plan):  # the expected fused edge's whole path
+            fused, hops = self._expected, ()
         else:
-            walked = self._walked
-            if plan:
-                walked[:0] = [(t, d) for t, _, _, d, _ in plan[:self._planned]]
-            fused = self._fused.get((start, tuple(walked)))
-            if fused is not None:
-                self.history.append((loop.epoch, loop.batch_idx, start, fused, state))
-            else:
-                source = start
-                for trigger, dest in walked:
-                    self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
-                    source = dest
-        self._walked.clear()
+            hops = [(t, d) for t, _, _, d, _ in plan[:self._planned]] + walked
+            fused = self._fused.get((start, tuple(hops)))
+        if fused is not None:
+            self.history.append((loop.epoch, loop.batch_idx, start, fused, state))
+        else:
+            source = start
+            for trigger, dest in hops:
+                self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
+                source = dest
+        walked.clear()
         self._plan, self._planned, self._walk_start = (), 0, state
         if self.probe is not None:
             self.probe(state)
