@@ -20,6 +20,10 @@ def _fmt(metrics: Mapping[str, float], digits: int) -> str:
     return "  ".join(f"{k}: {v:.{digits}f}" for k, v in metrics.items())
 
 
+def _skipped(count: int) -> str:
+    return "" if not count else f"  ({count} update{'s' if count > 1 else ''} skipped)"
+
+
 class Console:
     """Prints on the main process only; everything is a no-op elsewhere or when switched off."""
 
@@ -71,8 +75,9 @@ class Console:
             self._bar = tqdm(total=total, desc=f"{self._prefix}{self._stage}", leave=False, file=self.stream,
                              dynamic_ncols=True)
 
-    def batch(self, batch_idx: int, metrics: Callable[[], Mapping[str, float]]) -> None:
-        """After batch `batch_idx` (1-based); `metrics()` is only called when a refresh is due."""
+    def batch(self, batch_idx: int, metrics: Callable[[], Mapping[str, float]], skipped: int = 0) -> None:
+        """After batch `batch_idx` (1-based); `metrics()` is only called when a refresh is due; `skipped`
+        updates so far in the task (inf/NaN) are shown when there are any."""
         bar = self._bar
         if bar is not None:
             bar.update(1)
@@ -82,14 +87,14 @@ class Console:
         if now < self._due:
             return
         self._due = now + self.interval
-        values = metrics()
+        text = _fmt(metrics(), self.digits) + _skipped(skipped)
         if bar is not None:
             # Redraw now: this branch already runs at most once per refresh interval, and without it the
             # metrics would wait for tqdm's next redraw (or never show, on a task's last refresh).
-            bar.set_postfix_str(_fmt(values, self.digits), refresh=True)
+            bar.set_postfix_str(text, refresh=True)
             return
         total = f"/{self._total}" if self._total else ""
-        line = f"{self._prefix}B {batch_idx}{total}  {self._stage}> {_fmt(values, self.digits)}"
+        line = f"{self._prefix}B {batch_idx}{total}  {self._stage}> {text}"
         if self.tty:
             self.stream.write("\r" + line)
             self.stream.flush()
@@ -103,11 +108,13 @@ class Console:
             self._bar.close()
             self._bar = None
 
-    def epoch(self, epoch: int, epochs: int, stages: Mapping[str, Mapping[str, float]]) -> None:
-        """`E 1/3  TRAIN> loss: ...   VAL> loss: ...`."""
+    def epoch(self, epoch: int, epochs: int, stages: Mapping[str, Mapping[str, float]], skipped: int = 0) -> None:
+        """`E 1/3  TRAIN> loss: ...   VAL> loss: ...`; the training stage's `skipped` updates (inf/NaN)
+        follow its metrics when there are any: `TRAIN> loss: ... (2 updates skipped)`."""
         if not self.enabled:
             return
-        parts = [f"{stage.upper()}> {_fmt(m, self.digits)}" for stage, m in stages.items() if m]
+        parts = [f"{stage.upper()}> {_fmt(m, self.digits)}{_skipped(skipped) if stage == 'train' else ''}"
+                 for stage, m in stages.items() if m]
         self._print(f"E {epoch}/{epochs}  " + "   ".join(parts))
 
     def test(self, metrics: Mapping[str, float]) -> None:

@@ -99,7 +99,7 @@ class TaskMeters:
     interrupt can drop it (ACC-3) without touching what completed windows contributed."""
 
     __slots__ = ("loss_sum", "host_sum", "host", "count", "patches", "window_losses", "window_patches",
-                 "metrics", "final")
+                 "metrics", "final", "skipped")
 
     def __init__(self, metrics=()):
         self.loss_sum: torch.Tensor | None = None
@@ -111,6 +111,7 @@ class TaskMeters:
         self.window_patches: list = []
         self.metrics: dict = {metric_name(m): m for m in metrics}  # the metrics the patches were made for
         self.final: dict | None = None  # the task's metrics, once computed (see Runner._task_metrics)
+        self.skipped = 0  # updates skipped for inf/NaN (nonfinite='skip', fp16 overflow)
 
     def add_batch(self, loss: float | torch.Tensor | None, n: int, patches: Mapping | None) -> None:
         """Record one batch into the open window."""
@@ -170,6 +171,12 @@ class TaskMeters:
         """Forget the open window's contributions."""
         self.window_losses.clear()
         self.window_patches.clear()
+
+    def skip_window(self, updates: int) -> None:
+        """The window's update was skipped (`updates` optimizers skipped, none stepped): its batches stay out
+        of the task's loss and metrics, which describe the batches that trained."""
+        self.skipped += updates
+        self.discard_window()
 
 
 class BatchMetrics(Mapping):

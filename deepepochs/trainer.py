@@ -67,8 +67,9 @@ class TrainerBase:
         precision: 'fp32', 'fp16' or 'bf16'.
         gradient_accumulation_steps: DataLoader batches per update.
         nonfinite: fp32/bf16: 'raise' FloatingPointError (with the flight record) when an update window
-            has an inf/NaN loss, or 'skip' that update. Checking costs one host read per update (not per
-            batch), by design. fp16 ignores it: the GradScaler skips overflowing updates itself.
+            has an inf/NaN loss or inf/NaN gradients, or 'skip' that update. Checking costs one host read
+            per update (not per batch), by design. fp16 ignores it: the GradScaler skips overflowing
+            updates itself. A skipped update's batches stay out of the epoch's loss and metrics.
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
         ddp_kwargs: under DDP, further keyword arguments of `DistributedDataParallel`, e.g.
             `{'find_unused_parameters': True}` for a model with parameters some steps do not use; checked

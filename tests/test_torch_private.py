@@ -306,3 +306,30 @@ def test_without_any_autocast_query_precision_still_rejects_an_autocast_torch_di
                                                                                     dtype=torch.float64))
     with pytest.raises(ConfigError, match=r"precision='fp16' is not supported by autocast on cpu"):
         Precision("fp16", CPU)
+
+
+@pytest.mark.parametrize("path", ["private", "public"])
+@pytest.mark.parametrize("where", [None, "inf", "nan", "float64", "sparse"])
+def test_grads_nonfinite_flags_exactly_when_some_gradient_is_not_finite(monkeypatch, path, where):
+    """One flag over gradients of two dtypes and a sparse one, against `torch.isfinite` per gradient; the
+    values are left as they were (the fused check runs with a scale of 1)."""
+    if path == "private":
+        assert tp._probe_grads_check()
+    monkeypatch.setattr(tp, "GRADS_CHECK_PRIVATE", path == "private")
+    grads = [torch.randn(3, 2), torch.randn(5), torch.randn(4, dtype=torch.float64),
+             torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))]
+    if where in ("inf", "nan"):
+        grads[1][2] = math.inf if where == "inf" else math.nan
+    elif where == "float64":
+        grads[2][0] = math.nan
+    elif where == "sparse":
+        grads[3] = torch.sparse_coo_tensor([[0, 2]], [1.0, math.inf], (4,))
+    before = [g.clone() for g in grads]
+    expected = not all(torch.isfinite(g.to_dense()).all() for g in grads)
+    flag = tp.grads_nonfinite(grads)
+    assert flag.dtype == torch.float32 and flag.numel() == 1
+    assert (float(flag) != 0.0) == expected == (where is not None)
+    assert tp.grads_finite_on_host(grads) is (not expected)
+    assert tp.grads_finite_on_host([torch.ones(2)])  # the reused flag starts over
+    for g, b in zip(grads, before):
+        assert torch.equal(g.to_dense().nan_to_num(posinf=9.0), b.to_dense().nan_to_num(posinf=9.0))

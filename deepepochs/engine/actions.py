@@ -18,11 +18,12 @@ from collections.abc import Callable
 
 import torch
 
+from deepepochs import torch_private
 from deepepochs.engine.context import Context
 from deepepochs.fsm.machine import load_spec
 
 __all__ = ["ACTIONS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "reads_on_host",
-           "window_loss_finite"]
+           "window_finite"]
 
 GUARDS: dict[str, Callable[[Context], bool]] = {}
 ACTIONS: dict[str, Callable[[Context], None]] = {}
@@ -162,6 +163,7 @@ def open_window(ctx: Context) -> None:
     loop.window_first_size = 0
     loop.window_updated = False
     loop.window_committed = False
+    loop.finite.clear()
 
 
 @action
@@ -177,7 +179,7 @@ def skip_gradient_sync(ctx: Context) -> None:
 @action
 def close_window(ctx: Context) -> None:
     loop = ctx.loop
-    loop.meters.close_window()
+    _fold_window(loop)
     loop.window_pos = 0
     opts = ctx.parts.opts
     if len(opts.items) > 1:
@@ -197,14 +199,15 @@ def unscale_gradients(ctx: Context) -> None:
     `w * k * n_first / N` (DDP already averaged over the w ranks): exactly 1 for full windows of equal
     batches, which then cost no pass over the gradients. Non-finite gradients are left alone: their
     optimizer skips. Host syncs: fp16 reads all optimizers' inf flags at once (the read `GradScaler.step`
-    would make); fp32/bf16 read one flag for the window's losses (`window_loss_finite`).
+    would make); fp32/bf16 read one flag for the window's losses and gradients (`window_finite`).
     """
     ctx.signals.hold()
     parts, loop = ctx.parts, ctx.loop
     opts, indices, finite = parts.opts, loop.update_indices, loop.finite
     finite.clear()
     if parts.precision.scaler is None:
-        ok = window_loss_finite(ctx)
+        grads = opts.grads(indices[0]) if len(indices) == 1 else [g for i in indices for g in opts.grads(i)]
+        ok = window_finite(ctx, grads)
         for i in indices:
             finite[i] = ok
     else:
@@ -296,7 +299,7 @@ def discard_window(ctx: Context) -> None:
             # The step's own loss is counted once the window committed; its patches never came back.
             if ctx.step_loss is not None and not ctx.batch_counted:
                 meters.add_batch(ctx.step_loss, ctx.batch_n, ctx.step_patches)
-            meters.close_window()
+            _fold_window(loop)
         else:
             meters.discard_window()
     while ctx.epoch_undo:  # epoch-end work of an epoch that did not commit, newest first
@@ -316,6 +319,19 @@ def reset_loop(ctx: Context) -> None:
     ctx.model = ctx.parts.train_model
 
 
+def _fold_window(loop) -> None:
+    """Fold a finished window into its task's meters, or leave it out if its update was skipped (no
+    optimizer stepped, some skipped for inf/NaN), counting the skipped updates."""
+    if loop.window_updated or not loop.finite:  # the common case: the update was applied
+        loop.meters.close_window()
+        return
+    skipped = sum(not ok for ok in loop.finite.values())
+    if skipped:
+        loop.meters.skip_window(skipped)
+    else:
+        loop.meters.close_window()
+
+
 def batch_token(ctx: Context) -> tuple:
     """Identifies the current training iteration for the scaler (all losses of one batch share a scale)."""
     loop = ctx.loop
@@ -328,18 +344,21 @@ def reads_on_host(value: torch.Tensor) -> bool:
     return value.is_cpu
 
 
-def window_loss_finite(ctx: Context) -> bool:
-    """Whether the update window's losses are all finite (fp32/bf16; fp16 asks the scaler instead).
+def window_finite(ctx: Context, grads: list[torch.Tensor]) -> bool:
+    """Whether the update window's losses and the update's gradients `grads` are all finite (fp32/bf16;
+    fp16 asks the scaler, whose unscale checks the gradients).
 
-    On the CPU the losses were read as floats when computed (`steps.loss`), so this costs no tensor op.
-    Elsewhere it reads one value on the host per update (the guard needs a Python bool), or none at all
-    with nonfinite='raise': a device-side flag is kept and checked at the task's end (PERF-2). Under DDP
-    the flag is summed over the ranks first, so every rank takes the same step/skip edge. Raises
-    FloatingPointError with nonfinite='raise'.
+    On the CPU the losses were read as floats when computed (`steps.loss`) and the gradients' flag is read
+    at no sync cost: one fused pass over the gradients (`torch_private.grads_nonfinite`). Elsewhere the
+    losses' and gradients' flags are combined on the device and read once per update (the guard needs a
+    Python bool), or not at all with nonfinite='raise': the flag is kept and checked at the task's end
+    (PERF-2). Under DDP the flag is summed over the ranks first, so every rank takes the same step/skip
+    edge. Raises FloatingPointError with nonfinite='raise'.
     """
     parts, loop = ctx.parts, ctx.loop
     dist, raise_ = parts.dist, parts.config.nonfinite == "raise"
     window, step_loss = loop.meters.window_losses, ctx.step_loss
+    flag = None  # a device-side flag, when the losses were not read on the host
     if not window and type(step_loss) is float:  # the common case: one loss, read on the host already
         bad = not math.isfinite(step_loss)
     else:
@@ -349,27 +368,35 @@ def window_loss_finite(ctx: Context) -> bool:
         if all(type(v) is float for v in values):  # read on the host already (or no loss at all)
             bad = not all(map(math.isfinite, values))
         else:  # detached tensors on an accelerator
+            bad = False
             flags = [~torch.isfinite(v.detach().reshape(())) for v in values]
             flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-            if dist.world_size > 1:
-                bad = dist.reduce_sum(flag.float().reshape(1)).item() != 0.0
-            elif raise_:
-                ctx.pending_nonfinite = flag if ctx.pending_nonfinite is None else ctx.pending_nonfinite | flag
-                return True
-            else:
-                bad = bool(flag)
-            return _finite_or_raise(ctx, bad, raise_)
-    if dist.world_size > 1:  # every rank takes the same step/skip edge
-        bad = dist.reduce_sum(torch.tensor([float(bad)], device=parts.device)).item() != 0.0
-    return _finite_or_raise(ctx, bad, raise_)
+    if bad:
+        return _finite_or_raise(ctx, bad, raise_, dist, "loss")
+    if grads:
+        if flag is None and grads[0].is_cpu:
+            bad = not torch_private.grads_finite_on_host(grads)  # no sync on the CPU
+        else:
+            found = torch_private.grads_nonfinite(grads).reshape(()) != 0.0
+            flag = found if flag is None else flag | found.to(flag.device)
+    if flag is not None:
+        if dist.world_size == 1 and raise_:
+            ctx.pending_nonfinite = flag if ctx.pending_nonfinite is None else ctx.pending_nonfinite | flag
+            return True
+        bad = bool(flag) if dist.world_size == 1 else dist.reduce_sum(flag.float().reshape(1)).item() != 0.0
+        return _finite_or_raise(ctx, bad, raise_, None, "loss or gradient")
+    return _finite_or_raise(ctx, bad, raise_, dist, "gradient (the loss is finite)")
 
 
-def _finite_or_raise(ctx: Context, bad: bool, raise_: bool) -> bool:
-    """`not bad`, or FloatingPointError with nonfinite='raise'."""
+def _finite_or_raise(ctx: Context, bad: bool, raise_: bool, dist, what: str) -> bool:
+    """`not bad` (agreed over the ranks first when `dist` is given), or FloatingPointError naming `what`
+    was non-finite with nonfinite='raise'."""
     loop, parts = ctx.loop, ctx.parts
+    if dist is not None and dist.world_size > 1:  # every rank takes the same step/skip edge
+        bad = dist.reduce_sum(torch.tensor([float(bad)], device=parts.device)).item() != 0.0
     if bad and raise_:
         raise FloatingPointError(
-            f"non-finite loss in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
+            f"non-finite {what} in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
             f" (precision={parts.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
         )
     return not bad

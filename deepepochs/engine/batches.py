@@ -101,7 +101,8 @@ def train_batches(ctx: Context, data, meters) -> None:
             for hook in after_batch:
                 hook(facade, metrics, loop.batch_idx)
         if log_batch:
-            console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+            console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches),
+                          meters.skipped)
 
 
 def eval_batches(ctx: Context, data, meters, stage: str) -> None:

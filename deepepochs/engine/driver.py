@@ -148,7 +148,8 @@ class Driver:
                 fire("end_stage")
             self._count_epoch(epoch)
             self._run_hooks("on_after_epoch", train, val, train_metrics, val_metrics, epoch)
-            parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics})
+            skipped = sum(meters.skipped for meters in ctx.train_meters or ())
+            parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped)
             fire("end_epoch")
         loop.stage = None
         self._run_hooks("on_after_fit")
@@ -311,7 +312,7 @@ class Driver:
         if flag is not None and bool(flag):
             loop = ctx.loop
             raise FloatingPointError(
-                f"non-finite loss in a training update during epoch {loop.epoch} (task ending at batch"
+                f"non-finite loss or gradient in a training update during epoch {loop.epoch} (task ending at batch"
                 f" {loop.batch_idx}); on {ctx.parts.device} nonfinite='raise' checks at the task's end to avoid"
                 " a host sync per update: pass nonfinite='skip' to skip such updates as they happen"
             )
