@@ -205,6 +205,16 @@ class BatchMetrics(Mapping):
         return len(self._compute())
 
 
+def merge_stage_metrics(per_task: list[Mapping]) -> dict:
+    """A stage's metrics from its tasks' in order: a name a previous task reported gets the task's index
+    as a suffix (`loss`, `loss_1`)."""
+    metrics = {}
+    for i, task_metrics in enumerate(per_task):
+        for name, value in task_metrics.items():
+            metrics[name if name not in metrics else f"{name}_{i}"] = value
+    return metrics
+
+
 def flatten_value(name: str, value) -> dict[str, float]:
     """Turn a metric result into `{name: float}`; a dict result contributes its own keys."""
     if isinstance(value, Mapping):

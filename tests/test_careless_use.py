@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepepochs import Callback, ConfigError, Trainer
+from deepepochs import Callback, CheckCallback, ConfigError, EpochTask, Trainer, rename
 from deepepochs.errors import DeepEpochsWarning
 
 QUIET = dict(device="cpu", log_batch=False, show_info=False)
@@ -85,3 +85,110 @@ def test_mps_on_a_machine_without_it_is_refused_at_construction():
     """device='mps' without MPS: ConfigError naming the argument and the devices available."""
     with pytest.raises(ConfigError, match=r"device='mps' but MPS is not available here; available: 'cpu'"):
         Trainer(nn.Linear(4, 2), F.cross_entropy, device="mps")
+
+
+# ---- metric and monitor mistakes: before the first update ----
+class _CountUpdates(Callback):
+    def __init__(self):
+        self.updates = 0
+
+    def on_after_optimize(self, trainer, optimize_index):
+        self.updates += 1
+
+
+def _acc(preds, targets):
+    return (preds.argmax(1) == targets).float().mean()
+
+
+def _fit_expecting(error_match, metrics=None, callbacks=(), val=True, **fit_kw):
+    """fit() must raise ConfigError matching `error_match` before any update: no optimizer step ran and the
+    weights are the initial ones."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    counter = _CountUpdates()
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2,
+                      callbacks=[counter, *callbacks], metrics=metrics, **QUIET)
+    with pytest.raises(ConfigError, match=error_match):
+        trainer.fit(_data(), _data() if val else None, **fit_kw)
+    assert counter.updates == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    trainer.close()
+
+
+def test_a_metric_returning_a_non_number_fails_at_the_first_batch_before_any_update():
+    _fit_expecting(r"metric 'mood' must return a number.*got str", metrics=[rename(lambda p, y: "high", "mood")])
+
+
+def test_a_checkcallback_monitor_naming_no_val_metric_fails_before_any_update(tmp_path):
+    """A misspelt monitor is refused at the first batch, listing what the validation stage reports."""
+    checker = CheckCallback("acc_typo", on_stage="val", mode="max", ckpt_dir=tmp_path)
+    _fit_expecting(r"one of 'loss', '_acc' \(got 'acc_typo'\)", metrics=[_acc], callbacks=[checker])
+
+
+def test_a_val_monitor_on_the_loss_without_val_loss_fails_before_any_update(tmp_path):
+    """do_val_loss=False: the validation stage reports no loss, so a 'loss' monitor on it cannot work."""
+    checker = CheckCallback("loss", on_stage="val", ckpt_dir=tmp_path)
+    _fit_expecting(r"one of '_acc' \(got 'loss'\)", metrics=[_acc], callbacks=[checker], do_val_loss=False)
+
+
+def test_monitors_of_dict_metric_keys_and_second_task_suffixes_are_accepted(tmp_path):
+    """Names only the metrics' results tell (a dict metric's keys) and a second validation task's suffix
+    (`loss_1`) are known at the first batch: fit trains, and each monitor records its value every epoch,
+    equal to the stage's reported metric."""
+    def stats(preds, targets):
+        return {"hit": _acc(preds, targets), "miss": 1 - _acc(preds, targets)}
+
+    checkers = [CheckCallback("hit", on_stage="val", mode="max", ckpt_dir=tmp_path),
+                CheckCallback("loss_1", on_stage="val", ckpt_dir=tmp_path),
+                CheckCallback("miss", on_stage="train", ckpt_dir=tmp_path)]
+    model = nn.Linear(4, 2)
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2,
+                      callbacks=checkers, metrics=[stats], **QUIET)
+    records = trainer.fit(_data(), _data(), val_tasks=[EpochTask(_data(n=16))])
+    trainer.close()
+    assert checkers[0].last == records["val"]["hit"][-1]
+    assert checkers[1].last == records["val"]["loss_1"][-1]
+    assert checkers[2].last == records["train"]["miss"][-1]
+
+
+def test_a_metric_that_raises_on_one_batch_but_not_on_all_data_is_left_to_the_tasks_end():
+    """A metric needing both classes (as an AUC does) raises on a one-class first batch, not on the
+    epoch's data: no early failure, and its value is the whole dataset's."""
+    def needs_both(preds, targets):
+        if targets.unique().numel() < 2:
+            raise ValueError("only one class present")
+        return _acc(preds, targets)
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0] * 8 + [0, 1] * 12)
+    data = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]
+    model = nn.Linear(4, 2)
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.0), epochs=1,
+                      metrics=[needs_both], **QUIET)
+    records = trainer.fit(data)
+    trainer.close()
+    with torch.no_grad():
+        expected = _acc(model(x), y).item()
+    assert records["train"]["needs_both"][0] == pytest.approx(expected)
+
+
+def test_a_test_metric_returning_a_non_number_fails_at_the_first_test_batch():
+    """test(): the first batch already tells; the loader is not read further."""
+    seen = []
+
+    class Counting:
+        def __iter__(self):
+            for batch in _data():
+                seen.append(1)
+                yield batch
+
+        def __len__(self):
+            return 4
+
+    model = nn.Linear(4, 2)
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), **QUIET)
+    with pytest.raises(ConfigError, match=r"metric 'mood' must return a number"):
+        trainer.test(Counting(), metrics=[rename(lambda p, y: None, "mood")])
+    assert len(seen) == 1
+    trainer.close()

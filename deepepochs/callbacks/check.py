@@ -127,6 +127,19 @@ class CheckCallback(Callback):
         """Refuse on_stage='val' without validation data before the epoch trains, not after it."""
         self._check_val_data(val_tasks)
 
+    def check_names(self, stages) -> None:
+        """Called by the loop at the fit's first training batch, before the first update, with the metric
+        names each stage will report as far as that batch tells (`{stage: names}`; a stage it cannot tell,
+        e.g. with a custom step, is left out and checked at the epoch's end)."""
+        names = stages.get(self.on_stage)
+        if names is not None and self.monitor not in names:
+            raise self._unknown_monitor(names)
+
+    def _unknown_monitor(self, names) -> ConfigError:
+        listed = ", ".join(repr(n) for n in names) or "none"
+        return ConfigError(f"CheckCallback monitor must name a {self.on_stage} metric: one of {listed}"
+                           f" (got {self.monitor!r})")
+
     def _check_val_data(self, val_tasks) -> None:
         if self.on_stage == "val" and not val_tasks:
             raise ConfigError(f"CheckCallback({self.monitor!r}, on_stage='val') needs validation metrics,"
@@ -140,9 +153,7 @@ class CheckCallback(Callback):
             self._check_val_data(val_tasks)
             return  # the stage did not run this epoch (val_freq): not a check
         if self.monitor not in metrics:
-            names = ", ".join(repr(n) for n in metrics)
-            raise ConfigError(f"CheckCallback monitor must name a {self.on_stage} metric: one of {names}"
-                              f" (got {self.monitor!r})")
+            raise self._unknown_monitor(metrics)
         value = float(metrics[self.monitor])
         self.last = value
         improved = not math.isnan(value) and (

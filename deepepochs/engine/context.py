@@ -135,6 +135,9 @@ class Context:
         fit_records, history: per stage, per metric, the values of epochs this fit / this trainer committed.
         step_patches: the default step's metric patches, made before its update (committed with it).
         epoch_undo: how to undo the epoch-end work done before `commit_epoch`, in order (rollback).
+        first_batch: the running task's first batch is yet to be checked (`steps.first_batch_checks`).
+        monitor_check: the fit's (train tasks, val tasks) until the first training batch has checked the
+            checkpoint monitors' names; None after.
     """
 
     parts: Parts
@@ -157,3 +160,5 @@ class Context:
     history: dict = attrs.Factory(lambda: {"train": {}, "val": {}})
     step_patches: dict | None = None
     epoch_undo: list = attrs.Factory(list)
+    first_batch: bool = False
+    monitor_check: tuple | None = None

@@ -21,7 +21,7 @@ from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.patches import TensorPatch
-from deepepochs.tasks import EpochTask, TaskMeters, flatten_value, metric_name
+from deepepochs.tasks import EpochTask, TaskMeters, flatten_value, merge_stage_metrics, metric_name
 
 __all__ = ["Driver"]
 
@@ -128,6 +128,7 @@ class Driver:
         fire = ctx.machine.fire_cold
         loop.target_epochs = epochs
         ctx.fit_records = {"train": {}, "val": {}}
+        ctx.monitor_check = (train, val)
         fire("fit")
         self._header()
         self._run_hooks("on_before_fit", epochs)
@@ -244,6 +245,7 @@ class Driver:
         parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
         before_task, after_task = STAGE_HOOKS[stage][2:]
         ctx.task = task
+        ctx.first_batch = True
         loop.meters = meters
         machine.fire_cold("begin_task")
         self._run_hooks(before_task, task)
@@ -298,11 +300,7 @@ class Driver:
         return out
 
     def _stage_metrics(self, meters_list) -> dict:
-        metrics = {}
-        for i, meters in enumerate(meters_list):
-            for name, value in self._task_metrics(meters).items():
-                metrics[name if name not in metrics else f"{name}_{i}"] = value
-        return metrics
+        return merge_stage_metrics([self._task_metrics(meters) for meters in meters_list])
 
     def _raise_pending_nonfinite(self, meters):
         """nonfinite='raise' on an accelerator: the per-update finite checks were kept on the device

@@ -12,15 +12,17 @@ import contextlib
 
 import torch
 
+from deepepochs.checkpoint import monitors_in
 from deepepochs.confusion import ConfusionPatch
 from deepepochs.data import call_model
 from deepepochs.engine import actions
 from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
-from deepepochs.tasks import metric_name
+from deepepochs.tasks import flatten_value, merge_stage_metrics, metric_name
 
-__all__ = ["batch_patches", "check_step_result", "compute_loss", "default_step", "loss", "no_sync", "optimize"]
+__all__ = ["batch_patches", "check_step_result", "compute_loss", "default_step", "first_batch_checks", "loss",
+           "no_sync", "optimize"]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
 STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
@@ -44,10 +46,58 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
     for hook in hooks[on_metrics]:
         hook(facade, value, model_out, batch_y, task)
     patches = batch_patches(ctx, model_out, batch_y) if task.all_metrics else None
+    if ctx.first_batch:
+        first_batch_checks(ctx, stage, value, model_out, batch_y, patches)
     if stage == "train":
         ctx.step_patches = patches
         optimize(ctx, None)
     return patches
+
+
+def first_batch_checks(ctx: Context, stage: str, value, model_out, batch_y, patches) -> None:
+    """A task's first batch, before its update: run its metrics on that batch, so that a metric returning
+    a non-number is a ConfigError now, not after a whole epoch; at the fit's first training batch, also
+    hand the checkpoint monitors (e.g. `CheckCallback`) the metric names each stage will report, worked out
+    from this batch (the validation metrics run on it too), so a monitor naming no metric fails now.
+
+    Only our own checks fail here: a metric that raises on one batch (e.g. an AUC seeing one class) is
+    left to the task's end, where it runs on all the data. Costs one run of the metrics, once per task."""
+    ctx.first_batch = False
+    names = _patch_names(patches)
+    if stage != "train" or ctx.monitor_check is None:
+        return
+    (train_tasks, val_tasks), ctx.monitor_check = ctx.monitor_check, None
+    monitors = [m for m in monitors_in(ctx.parts.hooks.callbacks) if hasattr(m, "check_names")]
+    if not monitors:
+        return
+    stages = {}
+    if names is not None and len(train_tasks) == 1:
+        stages["train"] = (["loss"] if value is not None else []) + names
+    if val_tasks and all(task.step_fn is None for task in val_tasks):
+        per_task = []
+        with torch.no_grad():
+            for task in val_tasks:
+                task_names = _patch_names(batch_patches(ctx, model_out, batch_y, task.all_metrics))
+                if task_names is None:
+                    break
+                per_task.append(dict.fromkeys((["loss"] if task.do_loss else []) + task_names))
+            else:
+                stages["val"] = list(merge_stage_metrics(per_task))
+    for monitor in monitors:
+        monitor.check_names(stages)
+
+
+def _patch_names(patches) -> list[str] | None:
+    """The metric names `patches` report, computed on what they hold (a non-number result: ConfigError);
+    None when a metric raised its own error (left to the task's end)."""
+    names = []
+    for name, patch in (patches or {}).items():
+        try:
+            result = patch.forward()
+        except Exception:
+            return None
+        names.extend(flatten_value(name, result))
+    return names
 
 
 def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
