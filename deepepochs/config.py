@@ -44,6 +44,11 @@ def _positive_int(_instance, attribute, value):
         raise ConfigError(f"{attribute.name} must be a positive int (got {value!r})")
 
 
+def _positive_seconds(_instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(f"{attribute.name} must be a positive number of seconds, e.g. 600 (got {value!r})")
+
+
 def _bool(_instance, attribute, value):
     if not isinstance(value, bool):
         raise ConfigError(f"{attribute.name} must be True or False (got {value!r})")
@@ -66,6 +71,10 @@ class TrainerConfig:
         fuse_steps: where nothing can observe a micro-batch's inner states, take the spec's fused edges
             (one per micro-batch, see `spec/loop.py`); False takes every edge (a finer flight record,
             a little slower).
+        dist_timeout: seconds a collective may wait for the other ranks before the group fails (passed
+            to `init_process_group` when the Trainer creates the group): a hung rank then ends the whole
+            run with `DistributedError` instead of hanging it. Default 600 (torch's default for gloo is
+            30 minutes).
     """
 
     epochs: int = attrs.field(default=1000, validator=_positive_int)
@@ -81,3 +90,4 @@ class TrainerConfig:
     show_info: bool = attrs.field(default=True, validator=_bool)
     compile_model: bool = attrs.field(default=False, validator=_bool)
     fuse_steps: bool = attrs.field(default=True, validator=_bool)
+    dist_timeout: float = attrs.field(default=600, validator=_positive_seconds)

@@ -18,6 +18,8 @@ Which collectives run, and when (every rank must issue them in the same order):
 - Each training micro-batch: DDP's buffer broadcast in forward; the gradient all-reduce only on the
   window's updating micro-batch.
 - Each update: the window's global sample count (with accumulation) and the fp32 finite-loss flag.
+- Training data without a length (an IterableDataset, a generator): before each batch, whether every rank
+  still has one (`ShortestShard`).
 - End of each task: the batch-count check (training), the loss sums, one exchange per metric patch.
 
 Evaluation runs on the unwrapped module and issues no collective per batch, so validation and test shards
@@ -28,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import inspect
 import os
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -46,10 +50,10 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from deepepochs.errors import ConfigError, DistributedError
+from deepepochs.errors import ConfigError, DeepEpochsWarning, DistributedError
 from deepepochs.patches import _map_tensors
 
-__all__ = ["DDPPolicy", "EvalShardSampler", "SingleProcess", "check_ddp_kwargs", "select_policy"]
+__all__ = ["DDPPolicy", "EvalShardSampler", "ShortestShard", "SingleProcess", "check_ddp_kwargs", "select_policy"]
 
 
 class SingleProcess:
@@ -116,6 +120,10 @@ class SingleProcess:
     def close(self) -> None:
         """Release what this policy created (process groups it initialised)."""
 
+    def timed_out(self, exc: BaseException, where: str) -> DistributedError | None:
+        """The `DistributedError` a collective timeout `exc` stands for; never one in one process."""
+        return None
+
 
 # Set by the trainer: the wrapped module, its device and the process group are the trainer's to choose.
 _DDP_RESERVED = ("module", "device_ids", "output_device", "process_group", "device_mesh")
@@ -143,16 +151,17 @@ def check_ddp_kwargs(ddp_kwargs) -> dict:
     return dict(ddp_kwargs)
 
 
-def select_policy(device: torch.device, split_batches: bool = False):
+def select_policy(device: torch.device, split_batches: bool = False, timeout: float = 600):
     """The policy for this process: `DDPPolicy` in a job of several processes, else `SingleProcess`.
 
     A job of several processes is recognised by `RANK` and `WORLD_SIZE` in the environment with
     `WORLD_SIZE > 1` (torchrun, `deepepochs.launch`), or by an initialised default process group of
-    several ranks (the caller set it up; it stays the caller's to destroy).
+    several ranks (the caller set it up; it stays the caller's to destroy). `timeout`: seconds a
+    collective of a group created here waits for the other ranks (`Trainer(dist_timeout=...)`).
     """
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() > 1:
-            return DDPPolicy(device, split_batches)
+            return DDPPolicy(device, split_batches, timeout)
         return SingleProcess(device, split_batches)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and _env_int("WORLD_SIZE") > 1:
         if not dist.is_available():
@@ -160,7 +169,7 @@ def select_policy(device: torch.device, split_batches: bool = False):
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} asks for distributed training, but this torch build "
                 "has no torch.distributed support; run a single process or install a build with it"
             )
-        return DDPPolicy(device, split_batches)
+        return DDPPolicy(device, split_batches, timeout)
     return SingleProcess(device, split_batches)
 
 
@@ -184,10 +193,12 @@ _owned_group_users = 0
 # order, so the prefixes agree. The store stays open until the process exits.
 _env_store = None
 _groups_initialised = 0
+_group_timeout_s = [None]  # the timeout of the group this module initialised last
 
 
-def _init_group_from_env(backend: str) -> None:
-    """Initialise the default process group from the torchrun-style environment variables."""
+def _init_group_from_env(backend: str, timeout: float) -> None:
+    """Initialise the default process group from the torchrun-style environment variables; its collectives
+    fail after `timeout` seconds of waiting for another rank."""
     global _env_store, _groups_initialised
     if _env_store is None:
         try:
@@ -200,7 +211,8 @@ def _init_group_from_env(backend: str) -> None:
             ) from exc
     store = dist.PrefixStore(f"deepepochs/group-{_groups_initialised}", _env_store)
     _groups_initialised += 1
-    dist.init_process_group(backend, store=store, rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"))
+    dist.init_process_group(backend, store=store, rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"),
+                            timeout=datetime.timedelta(seconds=timeout))
 
 
 class EvalShardSampler(Sampler[int]):
@@ -229,9 +241,11 @@ class DDPPolicy:
         device: the device the trainer resolved. On CUDA it is replaced by `cuda:<LOCAL_RANK>` (one GPU per
             process) and made the current CUDA device.
         split_batches: divide the batch size of the DataLoaders this policy shards by the world size.
+        timeout: seconds a collective waits for the other ranks, when this policy creates the group
+            (None in `timeout_s` when the group was there already: its creator chose).
     """
 
-    def __init__(self, device: torch.device, split_batches: bool = False):
+    def __init__(self, device: torch.device, split_batches: bool = False, timeout: float = 600):
         global _owned_group_users
         self.split_batches = split_batches
         self.device = self._local_device(device)
@@ -239,11 +253,13 @@ class DDPPolicy:
             # Before the group exists: NCCL binds each rank's communicator to the current device.
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
-            _init_group_from_env("nccl" if self.device.type == "cuda" else "gloo")
+            _init_group_from_env("nccl" if self.device.type == "cuda" else "gloo", timeout)
             _owned_group_users = 0
             self._owns_group = True
+            _group_timeout_s[0] = timeout
         else:
             self._owns_group = _owned_group_users > 0
+        self.timeout_s = _group_timeout_s[0] if self._owns_group else None
         if self._owns_group:
             _owned_group_users += 1
         self._closed = False
@@ -328,7 +344,9 @@ class DDPPolicy:
         datasets, plain iterables) are used unchanged; a user `DistributedSampler` still gets `set_epoch`.
 
         For training this is a collective: all ranks compare their batch counts, because a rank with more
-        training batches than another would wait forever in a gradient all-reduce.
+        training batches than another would wait forever in a gradient all-reduce. Where some rank's data
+        has no length (an IterableDataset, a generator), the ranks agree before each batch whether all of
+        them still have one (`ShortestShard`): the epoch ends for all at the shortest shard.
         """
         sharded = _shard(dataloader, stage, self.rank, self.world_size, self.split_batches)
         data = dataloader if sharded is None else sharded
@@ -351,7 +369,15 @@ class DDPPolicy:
             if sharded is not None:
                 sampler.seed = gathered[0][1]  # the same permutation on every rank: disjoint shards
             self._epoch_samplers.add(sampler)
+        if -1 in counts:  # some rank cannot tell its length: agree batch by batch where the epoch ends
+            return ShortestShard(data, self)
         return data
+
+    def all_have(self, have: bool) -> bool:
+        """Whether every rank has `have` (one small all-reduce and one host read)."""
+        buffer = torch.tensor([int(have)], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(buffer, op=dist.ReduceOp.MIN)
+        return bool(buffer.item())
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the training shards' samplers: a new shuffle each epoch, the same on all ranks."""
@@ -449,6 +475,23 @@ class DDPPolicy:
         else:
             dist.barrier()
 
+    def timed_out(self, exc: BaseException, where: str) -> DistributedError | None:
+        """If `exc` is a collective's timeout (gloo/NCCL report it as a RuntimeError saying "timed out"),
+        the `DistributedError` to raise instead, naming this rank, where it waited (`where`) and the
+        timeout; else None. The rank that did not come is usually hung or far slower (a callback that
+        blocks, a deadlock in a DataLoader worker, uneven work); `launch` and torchrun then stop it."""
+        if not isinstance(exc, RuntimeError) or isinstance(exc, DistributedError):
+            return None
+        text = str(exc)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            return None
+        after = f"after {self.timeout_s:g} s (Trainer(dist_timeout=...))" if self.timeout_s else "(its group's timeout)"
+        first_line = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+        return DistributedError(
+            f"rank {self.rank} of {self.world_size}: a collective timed out {after} in {where}: another rank"
+            f" did not reach it (hung, blocked in a callback or a DataLoader, or far slower). Torch said:"
+            f" {first_line}")
+
     def close(self) -> None:
         """Destroy the default process group if this module created it and no other trainer still uses it."""
         global _owned_group_users
@@ -461,6 +504,45 @@ class DDPPolicy:
         _owned_group_users -= 1
         if _owned_group_users == 0 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class ShortestShard:
+    """Training data without a length under DDP: before each batch every rank says whether it has one, and
+    the epoch ends for all ranks when any has none (the shortest shard). A longer shard's remaining batches
+    are not used that epoch (warned once on that rank). Costs one small all-reduce per batch, for such
+    data only; the alternative, shadowing the missing ranks' collectives (`torch.distributed.algorithms.
+    Join`), would train the longer shards on gradients averaged over fewer ranks.
+
+    Args:
+        data: the rank's iterable (iterated anew each epoch).
+        policy: the `DDPPolicy` whose group agrees.
+    """
+
+    def __init__(self, data, policy: DDPPolicy):
+        self.data = data
+        self.policy = policy
+        self.warned = False
+
+    def __iter__(self):
+        batches = iter(self.data)
+        used = 0
+        while True:
+            try:
+                batch, have = next(batches), True
+            except StopIteration:
+                batch, have = None, False
+            if not self.policy.all_have(have):
+                if have and not self.warned:
+                    self.warned = True
+                    warnings.warn(
+                        f"rank {self.policy.rank}: the training epoch ended after {used} batches, where another"
+                        " rank's data ran out (training data without a length under DDP stops at the shortest"
+                        " shard); this rank's remaining batches were not used. Give every rank the same number"
+                        " of batches, or pass a DataLoader over a map-style dataset (sharded evenly)",
+                        DeepEpochsWarning, stacklevel=2)
+                return
+            used += 1
+            yield batch
 
 
 def _len_or_minus_one(data) -> int:

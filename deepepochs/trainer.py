@@ -74,6 +74,9 @@ class TrainerBase:
         ddp_kwargs: under DDP, further keyword arguments of `DistributedDataParallel`, e.g.
             `{'find_unused_parameters': True}` for a model with parameters some steps do not use; checked
             against DDP's signature in any run, used only under DDP.
+        dist_timeout: under DDP, seconds a collective waits for the other ranks before the run fails with
+            `DistributedError` (a hung or far slower rank); default 600. Applies when the Trainer creates
+            the process group (launch/torchrun); a group you created keeps its own timeout.
         resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
         log_long, log_batch, log_tqdm, show_info: console output.
         compile_model: wrap the model in `torch.compile`.
@@ -93,12 +96,12 @@ class TrainerBase:
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 ddp_kwargs=None):
+                 ddp_kwargs=None, dist_timeout=600):
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
-            fuse_steps=fuse_steps)
+            fuse_steps=fuse_steps, dist_timeout=dist_timeout)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__})")
         if loss is not None and not callable(loss):
@@ -111,7 +114,7 @@ class TrainerBase:
             check_run_name(running_id, "running_id")
         ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
         device = _resolve_device(device)
-        dist = select_policy(device, split_batches=self.config.split_batches)
+        dist = select_policy(device, split_batches=self.config.split_batches, timeout=self.config.dist_timeout)
         self.device = dist.device
         self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume

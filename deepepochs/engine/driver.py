@@ -86,9 +86,14 @@ class Driver:
             note = (f"deepepochs: {type(exc).__name__} raised in state {loop.last_error_state!r} (epoch"
                     f" {loop.epoch}, batch {loop.batch_idx}, stage {self._failed_stage!r});"
                     f" {machine.flight_record()}")
-            if hasattr(exc, "add_note"):
-                exc.add_note(note)
-            exc.deepepochs_flight_record = machine.records()
+            timeout = ctx.parts.dist.timed_out(exc, f"state {loop.last_error_state!r} (epoch {loop.epoch},"
+                                                    f" batch {loop.batch_idx})")
+            failure = exc if timeout is None else timeout
+            if hasattr(failure, "add_note"):
+                failure.add_note(note)
+            failure.deepepochs_flight_record = machine.records()
+            if timeout is not None:
+                raise timeout from exc
             raise
         finally:
             self.running = None
