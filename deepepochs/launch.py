@@ -16,6 +16,7 @@ Division of labour with the Trainer:
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import inspect
@@ -64,6 +65,10 @@ _JOIN_HAS_GRACE_PERIOD = "grace_period" in inspect.signature(mp.ProcessContext.j
 
 _RESULT_FILE = "rank0-result.pickle"
 
+# How much of the children's stderr an error message carries (its end), for failures without a traceback
+# file (a child that died importing the script).
+_STDERR_TAIL = 16384
+
 _IMPORTABLE_FIX = (
     "define main at the top level of an importable .py file and call launch(main) under "
     "`if __name__ == '__main__':` (in a notebook, save main to a module, import it and pass the imported "
@@ -108,8 +113,11 @@ def launch(main: Callable[[], T], num_processes: int | None = None) -> T:
 
     Raises:
         ConfigError: ``num_processes`` is not a positive int or None, ``main`` is not callable, or (with
-            more than one process) ``main`` cannot be imported by the child processes.
-        DistributedError: A process raised an exception or died; the message holds its traceback.
+            more than one process) ``main`` cannot be imported by the child processes (a lambda, a nested
+            function, one defined in a notebook or under the script's ``if __name__ == '__main__':``).
+        DistributedError: A process raised an exception or died; the message holds its traceback (a
+            child that died before ``main`` ran, e.g. importing the script, carries the end of what the
+            children printed to stderr). The children's stderr reaches the caller's as it comes.
 
     Example:
         ``launch`` runs any no-argument function; with one process it simply calls it:
@@ -200,6 +208,13 @@ def _check_importable(main: Callable[[], Any]) -> None:
             f"main ({name!r}) is defined in an interactive session or notebook, whose code child processes "
             f"cannot import; {_IMPORTABLE_FIX}"
         )
+    guard = _defined_only_under_main_guard(main)
+    if guard is not None:
+        raise ConfigError(
+            f"main ({name!r}) is defined under `if __name__ == '__main__':` (line {guard} of "
+            f"{sys.modules['__main__'].__file__}); child processes import the script without running that "
+            f"block, so they cannot find main; {_IMPORTABLE_FIX}"
+        )
     try:
         pickle.loads(pickle.dumps(main))
     except Exception as exc:
@@ -207,6 +222,53 @@ def _check_importable(main: Callable[[], Any]) -> None:
             f"main ({name!r}) cannot be pickled for the child processes "
             f"({type(exc).__name__}: {exc}); {_IMPORTABLE_FIX}"
         ) from exc
+
+
+def _defined_only_under_main_guard(main: Callable[[], Any]) -> int | None:
+    """The line where the script run as ``__main__`` defines ``main``'s name inside an
+    ``if __name__ == '__main__':`` block, when nothing at its top level defines that name too; else None.
+
+    A spawned child imports the script under another name (``__mp_main__``), so such a block never runs
+    there and the child cannot find ``main``. Read from the script's source; a source that cannot be read
+    or parsed gives None (the child's own error then carries its traceback)."""
+    if getattr(main, "__module__", None) != "__main__" or "." in getattr(main, "__qualname__", "."):
+        return None
+    path = getattr(sys.modules["__main__"], "__file__", None)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+    name = main.__name__
+    guarded_line = None
+    for node in tree.body:
+        if _is_main_guard(node):
+            guarded_line = guarded_line or next(
+                (inner.lineno for inner in ast.walk(node) if name in _names_bound(inner)), None)
+        elif any(name in _names_bound(inner) for inner in ast.walk(node)):
+            return None  # defined (or imported) outside the guard as well
+    return guarded_line
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """Whether `node` is ``if __name__ == '__main__':`` (either operand order)."""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare) or len(node.test.ops) != 1:
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    return (isinstance(node.test.ops[0], ast.Eq)
+            and any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+            and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
+
+
+def _names_bound(node: ast.AST) -> set[str]:
+    """The module-level names `node` itself binds (a def, a class, an assignment target, an import)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return {node.id}
+    return set()
 
 
 def _spawn(main: Callable[[], T], world_size: int) -> T:
@@ -229,15 +291,19 @@ def _spawn(main: Callable[[], T], world_size: int) -> T:
         _restored_signal_handlers(),
         _temporary_environ(env_updates),
         tempfile.TemporaryDirectory(prefix="deepepochs-launch-") as result_dir,
+        _ChildrenStderr() as stderr,
     ):
         result_path = os.path.join(result_dir, _RESULT_FILE)
         context = mp.start_processes(
             _run_rank,
-            args=(main, world_size, master_port, result_path),
+            # main travels pickled and is unpickled inside _run_rank, where torch records any error with its
+            # traceback for the parent (an error while spawn unpickles the arguments would only be printed)
+            args=(pickle.dumps(main), world_size, master_port, result_path),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
+        stderr.started()
         join_kwargs = {"grace_period": _SHUTDOWN_GRACE_S} if _JOIN_HAS_GRACE_PERIOD else {}
         try:
             # join() returns False while some processes still run; on the first failure it terminates the
@@ -246,7 +312,8 @@ def _spawn(main: Callable[[], T], world_size: int) -> T:
             while not context.join(**join_kwargs):
                 pass
         except ProcessException as exc:
-            raise _distributed_error(exc, context.error_files, world_size) from exc
+            _stop_processes(context.processes)
+            raise _distributed_error(exc, context.error_files, world_size, stderr.tail()) from exc
         finally:
             # Normally a no-op. Matters when the caller is interrupted (Ctrl-C) while waiting: no child
             # may outlive the call.
@@ -261,13 +328,12 @@ def _spawn(main: Callable[[], T], world_size: int) -> T:
             return pickle.load(fh)
 
 
-def _run_rank(
-    local_rank: int, main: Callable[[], Any], world_size: int, master_port: int, result_path: str
-) -> None:
+def _run_rank(local_rank: int, main_pickled: bytes, world_size: int, master_port: int, result_path: str) -> None:
     """Child-process entry: export the torchrun-style environment, run ``main()``, save rank 0's result.
 
     Top level of this module so that ``torch.multiprocessing`` can pickle it by reference.
     """
+    main = pickle.loads(main_pickled)
     os.environ.update(
         {
             _ENV_RANK: str(local_rank),
@@ -324,13 +390,15 @@ def _write_result(result: Any, result_path: str) -> None:
 
 
 def _distributed_error(
-    exc: ProcessException, error_files: list[str | None], world_size: int
+    exc: ProcessException, error_files: list[str | None], world_size: int, stderr_tail: str = ""
 ) -> DistributedError:
     """Build the caller-facing error from torch's, with the traceback of every rank that raised.
 
     torch reports the rank whose exit it noticed first. When a rank's collective failed *because* its
     peer died, both may have written a traceback; ordering them by the time they were written puts the
-    root cause first.
+    root cause first. A rank that died before its function ran (its script failed when the child imported
+    it) or without raising leaves no traceback file: the end of the children's stderr (`stderr_tail`) is
+    carried instead, which holds whatever traceback the child printed.
     """
     tracebacks = []
     for rank, path in enumerate(error_files):
@@ -344,15 +412,23 @@ def _distributed_error(
             os.unlink(path)
     tracebacks.sort()
 
+    printed = "Traceback (most recent call last)" in stderr_tail
     if isinstance(exc, ProcessExitedException):
         how = f"signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
-        header = (
-            f"launch: rank {exc.error_index} of {world_size} died with {how} without a Python traceback; "
-            "processes still running were stopped. A signal often means the system killed it (out of "
-            "memory); an exit code without traceback can come from os._exit(), sys.exit() or a crash in "
-            "native code. If main is defined in a script, check that launch() is called under "
-            "`if __name__ == '__main__':`."
-        )
+        if printed:
+            header = (
+                f"launch: rank {exc.error_index} of {world_size} died with {how}; processes still running "
+                "were stopped. The children printed the traceback below (often the script failing when a "
+                "child imports it: code outside `if __name__ == '__main__':` runs in every child)."
+            )
+        else:
+            header = (
+                f"launch: rank {exc.error_index} of {world_size} died with {how} without a Python traceback; "
+                "processes still running were stopped. A signal often means the system killed it (out of "
+                "memory); an exit code without traceback can come from os._exit(), sys.exit() or a crash in "
+                "native code. If main is defined in a script, check that launch() is called under "
+                "`if __name__ == '__main__':`."
+            )
     else:
         first_rank = tracebacks[0][1] if tracebacks else exc.error_index
         header = (
@@ -360,9 +436,65 @@ def _distributed_error(
             "were stopped."
         )
     if not tracebacks:
-        return DistributedError(f"{header}\n{exc.msg}")
+        printed_text = f"\n--- the children's stderr (last lines) ---\n{stderr_tail.rstrip()}" if stderr_tail else ""
+        return DistributedError(f"{header}\n{exc.msg}{printed_text}")
     sections = [f"\n--- rank {rank} traceback ---\n{text.rstrip()}" for _, rank, text in tracebacks]
     return DistributedError(header + "\n" + "\n".join(sections))
+
+
+class _ChildrenStderr:
+    """The children's stderr: a pipe whose contents go on to this process's stderr as they come, the
+    last `_STDERR_TAIL` bytes kept for the error message (the children inherit the pipe as their fd 2,
+    set just while they start). Without a usable fd 2 (an embedded interpreter) nothing is changed."""
+
+    def __init__(self):
+        self._tail = bytearray()
+        self._saved = self._write = self._thread = None
+
+    def __enter__(self):
+        try:
+            sys.stderr.flush()
+            self._saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):
+            return self
+        read, self._write = os.pipe()
+        self._thread = threading.Thread(target=self._pump, args=(read,), name="deepepochs-launch-stderr",
+                                        daemon=True)
+        self._thread.start()
+        os.dup2(self._write, 2)
+        return self
+
+    def _pump(self, read: int) -> None:
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                with contextlib.suppress(OSError):
+                    os.write(self._saved, chunk)
+                self._tail += chunk
+                del self._tail[:-_STDERR_TAIL]
+
+    def started(self) -> None:
+        """The children hold the pipe now: give this process its own stderr back."""
+        if self._write is not None:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._write)
+            self._write = None
+
+    def tail(self) -> str:
+        """The end of what the children wrote to stderr (waits briefly for the last of it)."""
+        if self._thread is not None:
+            self._thread.join(_SHUTDOWN_GRACE_S)
+        return self._tail.decode("utf-8", "replace")
+
+    def __exit__(self, *exc_info) -> None:
+        self.started()
+        if self._saved is not None:
+            if self._thread is not None:
+                self._thread.join(_SHUTDOWN_GRACE_S)
+                if self._thread.is_alive():  # a grandchild (a DataLoader worker) still holds the pipe:
+                    return  # keep the fd the pump writes to open, or its number could be reused elsewhere
+            os.close(self._saved)
 
 
 def _stop_processes(processes: list[Any]) -> None:

@@ -360,3 +360,71 @@ def test_ten_clean_two_process_launches_all_return_their_result(tmp_path, no_tor
         assert sorted(p.name for p in folder.iterdir()) == ["rank-0", "rank-1"], run
     assert len(results) == 10 and all(isinstance(r, float) for r in results)
     assert len(set(results)) == 1  # the same seeded run each time
+
+
+# ---- scripts whose children cannot run main (issue 15, section 4) ----
+_GUARDED_MAIN_SCRIPT = textwrap.dedent(
+    """
+    import time
+    from deepepochs.launch import launch
+
+    if __name__ == "__main__":
+        def main():
+            return 1
+
+        started = time.monotonic()
+        try:
+            launch(main, num_processes=2)
+        except Exception as exc:
+            print(type(exc).__name__, "|", exc)
+        print("seconds", time.monotonic() - started)
+    """
+)
+
+_CHILD_IMPORT_FAILS_SCRIPT = textwrap.dedent(
+    """
+    from deepepochs.launch import launch
+
+
+    def main():
+        return 1
+
+
+    if __name__ != "__main__":  # runs only when a child imports this script
+        raise RuntimeError("this script cannot be imported by a child")
+
+    if __name__ == "__main__":
+        try:
+            launch(main, num_processes=2)
+        except Exception as exc:
+            print(type(exc).__name__, "|", exc)
+    """
+)
+
+
+def _run_script(tmp_path, text: str) -> str:
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90,
+                               env=_subprocess_env(), cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout
+
+
+def test_main_defined_under_the_main_guard_is_refused_before_spawning(tmp_path):
+    """The children import the script without running its `if __name__ == '__main__':` block: a ConfigError
+    naming the line, raised up front (no process is started, so it comes back at once)."""
+    out = _run_script(tmp_path, _GUARDED_MAIN_SCRIPT)
+    assert "ConfigError | main ('main') is defined under `if __name__ == '__main__':` (line 6 of" in out
+    assert float(out.strip().splitlines()[-1].split()[-1]) < 5
+
+
+@pytest.mark.distributed
+def test_a_child_that_fails_importing_the_script_carries_its_traceback(tmp_path):
+    """A child that dies before main runs leaves no traceback file; the DistributedError carries the
+    traceback it printed (it said "without a Python traceback" before)."""
+    out = _run_script(tmp_path, _CHILD_IMPORT_FAILS_SCRIPT)
+    assert out.startswith("DistributedError |"), out
+    assert "without a Python traceback" not in out
+    assert "Traceback (most recent call last)" in out
+    assert "RuntimeError: this script cannot be imported by a child" in out
