@@ -38,6 +38,7 @@ a `ckpt_dir`, `state_dict()` and `load_state_dict(state)` (see `deepepochs.callb
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import re
@@ -360,6 +361,39 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     path = Path(path)
     ckpt = read_checkpoint(path, trusted) if ckpt is None else ckpt
     check_fits(trainer, ckpt, path)  # all or nothing: every mismatch is found before anything changes
+    backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
+    try:
+        _apply(trainer, ckpt, path)
+    except BaseException as exc:
+        _apply(trainer, backup, "<the state before loading>")
+        if isinstance(exc, CheckpointError):
+            raise
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {first_line});"
+                              " nothing was changed") from exc
+    loop = trainer.loop
+    loop.completed_epochs = ckpt.epoch
+    loop.epoch = ckpt.epoch
+    loop.stop = None
+    loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
+    return ckpt
+
+
+def _backup(trainer) -> Checkpoint:
+    """The trainer's state as an independent `Checkpoint` (tensors copied, to the CPU for the weights)."""
+    opts = copy.deepcopy(trainer.opt.state_dict())
+    scaler = trainer._precision.state_dict()
+    return Checkpoint(
+        running_id=str(trainer.running_id), epoch=trainer.loop.completed_epochs, world_size=trainer.world_size,
+        model={k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+               for k, v in trainer.raw_model.state_dict().items()},
+        optimizers=opts["optimizers"], schedulers=opts["schedulers"], scaler=copy.deepcopy(scaler),
+        monitors={m.monitor_id: copy.deepcopy(m.state_dict()) for m in monitors_of(trainer)},
+        rng=rng_state() if trainer.world_size == 1 else None)
+
+
+def _apply(trainer, ckpt: Checkpoint, path) -> None:
+    """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors and (one process) generator states."""
     load_model_state(trainer, ckpt.model, path)
     try:
         trainer.opt.load_state_dict({"optimizers": ckpt.optimizers, "schedulers": ckpt.schedulers})
@@ -375,12 +409,6 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
             set_rng_state(ckpt.rng)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path}: the random generator states do not fit: {e!r}") from e
-    loop = trainer.loop
-    loop.completed_epochs = ckpt.epoch
-    loop.epoch = ckpt.epoch
-    loop.stop = None
-    loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
-    return ckpt
 
 
 # ---- finding ----

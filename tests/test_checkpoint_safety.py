@@ -221,3 +221,32 @@ def test_another_scheduler_kind_or_optimizer_count_is_refused_before_anything_ch
     other = ckpt_mod.write_atomic(data, tmp_path / "one-opt.ckpt")
     with pytest.raises(CheckpointError, match=r"1 optimizer state\(s\) in the file, 2 optimizer\(s\) in the trainer"):
         two.load_checkpoint(other)
+
+
+@pytest.mark.parametrize("damage", ["monitor", "scaler"])
+def test_a_damaged_monitor_or_scaler_state_leaves_everything_as_it_was(tmp_path, damage):
+    """What a file check cannot foresee fails while applying: a monitor state whose patience counter is
+    not a number, a scaler state of the wrong type. CheckpointError, and the weights, optimizer, monitor
+    and epoch count are those from before the load (the weights and optimizer were loaded first)."""
+    path, data = _saved_checkpoint(tmp_path)
+    if damage == "monitor":
+        (state,) = data["monitors"].values()
+        state["bad_epochs"] = "many"
+    else:
+        data["scaler"] = {"scale": "big"}
+    ckpt_mod.write_atomic(data, path)
+    t = _trainer(tmp_path, precision="fp16" if damage == "scaler" else "fp32")
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in t.raw_model.parameters():
+            p.normal_()
+    t.fit(_data())
+    before = _state(t)
+    monitor = t.callbacks[0] if hasattr(t.callbacks[0], "monitor_id") else None
+    monitor_before = None if monitor is None else dict(monitor.state_dict())
+    with pytest.raises(CheckpointError, match=r"could not be loaded .*nothing was changed"):
+        t.load_checkpoint(path)
+    _assert_unchanged(t, before)
+    if monitor is not None:
+        assert monitor.state_dict() == monitor_before
+    t.close()
