@@ -27,6 +27,7 @@ import socket
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from numbers import Integral
 from typing import Any, TypeVar
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from deepepochs.errors import ConfigError, DistributedError
+from deepepochs.errors import ConfigError, DeepEpochsWarning, DistributedError
 
 __all__ = ["launch"]
 
@@ -313,7 +314,15 @@ def _spawn(main: Callable[[], T], world_size: int) -> T:
                 pass
         except ProcessException as exc:
             _stop_processes(context.processes)
-            raise _distributed_error(exc, context.error_files, world_size, stderr.tail()) from exc
+            if not (isinstance(exc, ProcessExitedException) and os.path.exists(result_path)
+                    and all(os.path.exists(_done_path(result_path, r)) for r in range(world_size))):
+                raise _distributed_error(exc, context.error_files, world_size, stderr.tail()) from exc
+            # Every rank's main() returned and rank 0's result was delivered: the run succeeded, whatever
+            # ended a process afterwards (at exit, e.g. in an atexit handler of the user's or a library).
+            how = f"signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
+            warnings.warn(f"launch: rank {exc.error_index} of {world_size} ended with {how} after main() had"
+                          " returned on every rank; the result of rank 0 is returned", DeepEpochsWarning,
+                          stacklevel=2)
         finally:
             # Normally a no-op. Matters when the caller is interrupted (Ctrl-C) while waiting: no child
             # may outlive the call.
@@ -349,7 +358,13 @@ def _run_rank(local_rank: int, main_pickled: bytes, world_size: int, master_port
     result = main()
     if local_rank == 0:
         _write_result(result, result_path)
+    open(_done_path(result_path, local_rank), "w").close()
     _exit_quietly()
+
+
+def _done_path(result_path: str, rank: int) -> str:
+    """The marker a rank leaves beside the result file once its main() has returned."""
+    return os.path.join(os.path.dirname(result_path), f"rank{rank}.done")
 
 
 def _exit_quietly() -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "gather_environments_and_all_reduce",
     "raise_on_rank_1_while_rank_0_is_stuck",
     "raise_on_rank_1_while_rank_0_waits_in_a_barrier",
+    "rank_1_exits_badly_after_main_returned",
     "report_process",
     "return_unpicklable_on_rank_0",
     "train_with_a_trainer",
@@ -122,3 +123,23 @@ def train_with_a_trainer() -> float:
         return loss
     finally:
         trainer.close()
+
+
+def rank_1_exits_badly_after_main_returned() -> dict:
+    """main() returns on both ranks; then rank 1's atexit handler waits until rank 0 is done too and ends
+    its process with exit code 3 (as a crashing library handler would)."""
+    import atexit
+
+    rank = int(os.environ["RANK"])
+    marker_dir = os.environ["DEEPEPOCHS_TEST_DONE_DIR"]
+    open(os.path.join(marker_dir, f"main-returned-{rank}"), "w").close()
+    if rank == 1:
+        def exit_badly():
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(marker_dir, "main-returned-0")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # rank 0 writes its result and done marker right after main() returns
+            os._exit(3)
+
+        atexit.register(exit_badly)
+    return {"rank": rank}

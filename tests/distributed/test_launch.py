@@ -428,3 +428,16 @@ def test_a_child_that_fails_importing_the_script_carries_its_traceback(tmp_path)
     assert "without a Python traceback" not in out
     assert "Traceback (most recent call last)" in out
     assert "RuntimeError: this script cannot be imported by a child" in out
+
+
+@pytest.mark.distributed
+def test_a_rank_ending_badly_after_every_main_returned_still_returns_the_result(tmp_path, no_torchrun_env,
+                                                                                monkeypatch):
+    """Rank 1 exits with code 3 in an atexit handler after both main()s returned: launch returns rank 0's
+    result and warns about the exit code (it raised DistributedError and dropped the result before)."""
+    from deepepochs.errors import DeepEpochsWarning
+
+    monkeypatch.setenv("DEEPEPOCHS_TEST_DONE_DIR", str(tmp_path))
+    with pytest.warns(DeepEpochsWarning, match=r"rank 1 of 2 ended with exit code 3 after main\(\) had returned"):
+        result = launch(launch_targets.rank_1_exits_badly_after_main_returned, num_processes=2)
+    assert result == {"rank": 0}
