@@ -22,6 +22,9 @@ yours keeps other objects in its state). Keys:
                     run (`deepepochs.utils.rng_state`), None under DDP. Restored on load in a
                     one-process run, so a resumed run shuffles and drops out exactly as the
                     uninterrupted one would; under DDP each rank keeps its own generators.
+`order_seed`        int or None, the seed of the training order (`deepepochs.distributed.DataOrder`):
+                    with it, later epochs of a resumed run see the order the uninterrupted run saw,
+                    in any process and at any world size. None in files of older versions.
 ==================  ==========================================================================
 
 Files live at `<ckpt_dir>/<running_id>/<monitor file>.ckpt` and contain no absolute paths, so a run
@@ -110,6 +113,7 @@ class Checkpoint:
     scaler: Mapping | None = None
     monitors: Mapping = attrs.field(factory=dict, validator=_mapping)
     rng: Mapping | None = None
+    order_seed: int | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""
@@ -159,6 +163,7 @@ def snapshot(trainer) -> Checkpoint:
         scaler=trainer._precision.state_dict(),
         monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
         rng=rng_state() if trainer.world_size == 1 else None,  # under DDP every rank has its own
+        order_seed=trainer._dist.order_seed,
     )
 
 
@@ -389,7 +394,7 @@ def _backup(trainer) -> Checkpoint:
                for k, v in trainer.raw_model.state_dict().items()},
         optimizers=opts["optimizers"], schedulers=opts["schedulers"], scaler=copy.deepcopy(scaler),
         monitors={m.monitor_id: copy.deepcopy(m.state_dict()) for m in monitors_of(trainer)},
-        rng=rng_state() if trainer.world_size == 1 else None)
+        rng=rng_state() if trainer.world_size == 1 else None, order_seed=trainer._dist.order_seed)
 
 
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
@@ -404,6 +409,8 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         state = ckpt.monitors.get(monitor.monitor_id)
         if state is not None:
             monitor.load_state_dict(state)
+    if ckpt.order_seed is not None:  # the training order continues as it was (`distributed.DataOrder`)
+        trainer._dist.order_seed = ckpt.order_seed
     if ckpt.rng is not None and trainer.world_size == 1:
         try:
             set_rng_state(ckpt.rng)

@@ -32,6 +32,7 @@ import contextlib
 import copy
 import datetime
 import inspect
+import itertools
 import os
 import warnings
 import weakref
@@ -53,7 +54,8 @@ from torch.utils.data import (
 from deepepochs.errors import ConfigError, DeepEpochsWarning, DistributedError
 from deepepochs.patches import _map_tensors
 
-__all__ = ["DDPPolicy", "EvalShardSampler", "ShortestShard", "SingleProcess", "check_ddp_kwargs", "select_policy"]
+__all__ = ["DDPPolicy", "DataOrder", "EvalShardSampler", "ShortestShard", "SingleProcess", "check_ddp_kwargs",
+           "select_policy", "skip_batches"]
 
 
 class SingleProcess:
@@ -67,6 +69,8 @@ class SingleProcess:
     def __init__(self, device: torch.device, split_batches: bool = False):
         self.device = device
         self.model = None
+        self.order_seed: int | None = None  # see `DataOrder`; set at the first training DataLoader
+        self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()
 
     def wrap_model(self, model: torch.nn.Module, ddp_kwargs: Mapping | None = None) -> torch.nn.Module:
         """The module the step calls (DDP wraps it; one process uses it as is, `ddp_kwargs` unused)."""
@@ -74,11 +78,22 @@ class SingleProcess:
         return model
 
     def prepare_dataloader(self, dataloader, stage: str):
-        """The iterable a task iterates (DDP shards plain DataLoaders)."""
-        return dataloader
+        """The iterable a task iterates: a plain training DataLoader gets the seeded order (`DataOrder`,
+        as under DDP with one rank); everything else is used as given."""
+        if stage != "train":
+            return dataloader
+        if self.order_seed is None:
+            self.order_seed = torch.initial_seed() % 2**62
+        sharded = _shard(dataloader, stage, 0, 1, False, self)
+        if sharded is None:
+            return dataloader
+        self._epoch_samplers.add(sharded.sampler)
+        return sharded
 
     def set_epoch(self, epoch: int) -> None:
-        """Tell sharded samplers the epoch so shuffling differs per epoch and agrees across ranks."""
+        """Set the epoch of the seeded training orders (a new permutation each epoch)."""
+        for sampler in list(self._epoch_samplers):
+            sampler.set_epoch(epoch)
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients (DDP's no_sync when False)."""
@@ -215,6 +230,46 @@ def _init_group_from_env(backend: str, timeout: float) -> None:
                             timeout=datetime.timedelta(seconds=timeout))
 
 
+class DataOrder(DistributedSampler):
+    """The training order of a plain DataLoader, in one process and under DDP alike: a function of
+    (seed, epoch) only, whatever the world size, then sharded across the ranks.
+
+    It is `DistributedSampler`'s order: with `shuffle`, `torch.randperm(n, generator=torch.Generator().
+    manual_seed(seed + epoch))`, else `range(n)`; padded by repeating its start to a multiple of the world
+    size; rank r takes every w-th index from r. So w ranks with batch b see, batch by batch, the samples
+    one process with batch w*b sees. The seed is the policy's `order_seed` (rank 0's `torch.
+    initial_seed()` when the first training DataLoader was prepared; restored from checkpoints), read
+    at each epoch; a DataLoader built with its own `generator` is ordered by that generator's seed
+    instead. `skip` (set by `skip_batches`) drops this rank's first samples of the next epoch's
+    iteration, so a resumed epoch never loads the batches it skips.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool, policy, generator=None):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, drop_last=False)
+        self.policy = policy
+        self.skip = 0
+        # A DataLoader given its own generator keeps ordering by it: its seed replaces the policy's.
+        self.own_seed = None if generator is None else generator.initial_seed() % 2**62
+
+    def __iter__(self):
+        if self.own_seed is not None:
+            self.seed = self.own_seed
+        elif self.policy is not None and self.policy.order_seed is not None:
+            self.seed = self.policy.order_seed
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
+
+
+def skip_batches(data, count: int):
+    """`data` without its first `count` batches: a seeded-order DataLoader skips at the sampler (the
+    skipped samples are never loaded); anything else is iterated past them."""
+    sampler = getattr(data, "sampler", None)
+    if isinstance(sampler, DataOrder) and isinstance(data, DataLoader):
+        sampler.skip = count * (data.batch_size or 1)
+        return data
+    return itertools.islice(data, count, None)
+
+
 class EvalShardSampler(Sampler[int]):
     """Rank `rank` of `world_size` gets indices `rank, rank + world_size, ...` of `range(num_samples)`.
 
@@ -271,6 +326,7 @@ class DDPPolicy:
         self.model: DistributedDataParallel | None = None
         # Shuffling samplers of training shards; weak, so DataLoaders of finished fits can be collected.
         self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()
+        self.order_seed: int | None = None  # see `DataOrder`: rank 0's, agreed at the first training loader
 
     @staticmethod
     def _local_device(device: torch.device) -> torch.device:
@@ -348,7 +404,7 @@ class DDPPolicy:
         has no length (an IterableDataset, a generator), the ranks agree before each batch whether all of
         them still have one (`ShortestShard`): the epoch ends for all at the shortest shard.
         """
-        sharded = _shard(dataloader, stage, self.rank, self.world_size, self.split_batches)
+        sharded = _shard(dataloader, stage, self.rank, self.world_size, self.split_batches, self)
         data = dataloader if sharded is None else sharded
         if stage != "train":
             return data
@@ -365,9 +421,9 @@ class DDPPolicy:
                 "the gradient all-reduce of a batch the others never run. Pass a plain DataLoader (sharded "
                 "into equal-length shards automatically) or give every rank the same number of batches"
             )
+        if self.order_seed is None:
+            self.order_seed = gathered[0][1]  # rank 0's: the same permutation on every rank, disjoint shards
         if isinstance(sampler, DistributedSampler):
-            if sharded is not None:
-                sampler.seed = gathered[0][1]  # the same permutation on every rank: disjoint shards
             self._epoch_samplers.add(sampler)
         if -1 in counts:  # some rank cannot tell its length: agree batch by batch where the epoch ends
             return ShortestShard(data, self)
@@ -580,8 +636,9 @@ _COPIED = tuple(
 )
 
 
-def _shard(dataloader, stage: str, rank: int, world_size: int, split_batches: bool):
-    """The rebuilt, sharded DataLoader, or None when `dataloader` is to be used as given."""
+def _shard(dataloader, stage: str, rank: int, world_size: int, split_batches: bool, policy=None):
+    """The rebuilt, sharded DataLoader, or None when `dataloader` is to be used as given; `policy` holds
+    the training order's seed (`DataOrder`)."""
     if not _is_plain(dataloader):
         return None
     batch_size = dataloader.batch_size
@@ -598,8 +655,8 @@ def _shard(dataloader, stage: str, rank: int, world_size: int, split_batches: bo
         shuffle = isinstance(dataloader.sampler, RandomSampler)
         # drop_last=False: shards are padded (by repeating samples) to equal length, so every rank runs
         # the same number of batches; the DataLoader's own drop_last still drops short batches.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
-                                     drop_last=False)
+        sampler = DataOrder(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, policy=policy,
+                            generator=dataloader.generator)
         drop_last = dataloader.drop_last
     else:
         sampler = EvalShardSampler(len(dataset), rank, world_size)

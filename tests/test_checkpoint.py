@@ -19,7 +19,7 @@ import deepepochs.checkpoint as ckpt_mod
 from deepepochs import Callback, CheckCallback, CheckpointError, Optimizer, Trainer
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
-        "monitors", "rng"}
+        "monitors", "rng", "order_seed"}
 
 
 def _loader(n=64, batch_size=16, seed=0):
@@ -118,6 +118,7 @@ def test_checkpoint_is_a_plain_dict_with_the_documented_keys_and_no_absolute_pat
     assert data["schedulers"][0]["last_epoch"] == 2
     assert set(data["monitors"]) == {"val-loss.latest"}
     assert set(data["rng"]) == {"python", "numpy", "torch", "cuda"}
+    assert data["order_seed"] == torch.initial_seed() % 2**62  # the seed of this process when fit began
 
     def strings(obj):
         if isinstance(obj, str):

@@ -136,6 +136,12 @@ class Context:
         step_patches: the default step's metric patches, made before its update (committed with it).
         epoch_undo: how to undo the epoch-end work done before `commit_epoch`, in order (rollback).
         first_batch: the running task's first batch is yet to be checked (`steps.first_batch_checks`).
+        random_state: torch's generator states at the last commit point of the running fit.
+        random_restore_due: a fit failed; the next fit starts from `random_state` (a refit).
+        task_random_state: the generator states just before the running training task made its data
+            iterator (which draws DataLoader worker seeds).
+        random_replay: for a refit resuming a task mid-way, (its `task_random_state`, `random_state`):
+            the iterator is made from the first, the batches continue from the second.
         monitor_check: the fit's (train tasks, val tasks) until the first training batch has checked the
             checkpoint monitors' names; None after.
     """
@@ -161,4 +167,8 @@ class Context:
     step_patches: dict | None = None
     epoch_undo: list = attrs.Factory(list)
     first_batch: bool = False
+    random_state: tuple | None = None
+    random_restore_due: bool = False
+    task_random_state: tuple | None = None
+    random_replay: tuple | None = None
     monitor_check: tuple | None = None

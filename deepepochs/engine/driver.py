@@ -10,11 +10,11 @@ that did not commit) is undone by the `interrupt` edge's `discard_window` action
 from __future__ import annotations
 
 import datetime
-import itertools
 
 import torch
 
 from deepepochs.checkpoint import monitors_in
+from deepepochs.distributed import skip_batches
 from deepepochs.engine import actions, batches
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
@@ -106,6 +106,9 @@ class Driver:
         loop.last_error_state = state
         self._failed_stage = loop.stage
         ctx.pending_nonfinite = None
+        if self.running == "fit":  # the refit continues from the last commit point: so do the random numbers
+            ctx.random_restore_due = True
+            ctx.random_replay = (ctx.task_random_state, ctx.random_state)
         try:
             if machine.spec.state(state).running:
                 machine.fire_cold("interrupt")
@@ -134,6 +137,10 @@ class Driver:
         loop.target_epochs = epochs
         ctx.fit_records = {"train": {}, "val": {}}
         ctx.monitor_check = (train, val)
+        if ctx.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
+            ctx.random_restore_due = False
+            actions.set_random_state(ctx, ctx.random_state)
+        actions.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
         fire("fit")
         self._header()
         self._run_hooks("on_before_fit", epochs)
@@ -257,10 +264,21 @@ class Driver:
         data = task.data
         total = _len_or_none(data)
         if skip:
-            data = itertools.islice(data, skip, None)
+            data = skip_batches(data, skip)
         loop.batch_idx = skip
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
+            replay, ctx.random_replay = ctx.random_replay, None
+            if skip and replay is not None and replay[0] is not None:
+                # A refit resuming mid-task: the data iterator draws what it drew when the task first began
+                # (DataLoader worker seeds), then the batches continue from the last commit point's state.
+                ctx.task_random_state = replay[0]
+                actions.set_random_state(ctx, replay[0])
+                data = iter(data)
+                actions.set_random_state(ctx, replay[1])
+            else:
+                ctx.task_random_state = actions.random_state(ctx)
+                data = iter(data)
             batches.train_batches(ctx, data, meters)
             if not skip and loop.batch_idx == 0:
                 raise ConfigError(
