@@ -8,7 +8,8 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["batch_size_of", "call_model", "first_tensor", "lookahead", "prepare_batch", "split_batch", "to_device"]
+__all__ = ["batch_size_of", "call_model", "first_tensor", "input_splitter", "lookahead", "prepare_batch", "split_batch",
+           "to_device"]
 
 
 def split_batch(batch, has_loss_fn: bool):
@@ -157,3 +158,16 @@ def prepare_batch(batch, has_loss_fn: bool, device: torch.device, non_blocking: 
     batch_x = to_device(batch_x, device, non_blocking)
     batch_y = to_device(batch_y, device, non_blocking)
     return batch_x, batch_y, batch_size_of(batch_x, batch_y, batch_size_fn)
+
+
+def input_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None):
+    """`split(batch) -> (batch_x, batch_y, n)` for prediction: batches split as in training (with a loss
+    function the last item of a tuple batch is the label), except that a lone tensor or a one-item
+    tuple/list is the model's input, so unlabelled data can be predicted with a trainer that has a loss."""
+    def split(batch):
+        if has_loss_fn and (isinstance(batch, torch.Tensor) or (type(batch) in (tuple, list) and len(batch) == 1)):
+            batch_x = to_device(batch if isinstance(batch, torch.Tensor) else batch[0], device, non_blocking)
+            return batch_x, None, batch_size_of(batch_x, None, batch_size_fn)
+        return prepare_batch(batch, has_loss_fn, device, non_blocking, batch_size_fn)
+
+    return split

@@ -246,6 +246,41 @@ class TrainerBase:
             raise ConfigError("test() needs data: pass test_dl or tasks")
         return driver.guarded("test", lambda: driver.run_test(tasks))
 
+    def predict(self, dataloader, device="cpu", batch_size=None):
+        """The model's outputs for every batch of `dataloader`, concatenated in order along dim 0.
+
+        The model runs in eval mode without gradients (under the trainer's precision); a tuple, list or
+        dict output keeps its structure with each tensor concatenated. Batches are split as in training:
+        with a loss function the last item of a tuple batch is the label and is not passed to the model; a
+        lone tensor or a one-item tuple is the input. No hooks run and no metrics are computed; a pending
+        `resume=...` loads first, as for `test`.
+
+        Under DDP every rank must call `predict`; a plain DataLoader is sharded, each sample runs once, and
+        rank 0 returns the outputs in dataset order (other ranks return None). In one process the order is
+        the DataLoader's (so a `shuffle=True` loader gives shuffled order).
+
+        Args:
+            dataloader: a DataLoader or any iterable of batches.
+            device: where the outputs are returned: 'cpu' (default), another device, or None to leave them
+                on the device that computed them.
+            batch_size: not needed for prediction; accepted for symmetry with `test`.
+
+        Example:
+            >>> probs = trainer.predict(test_dl).softmax(dim=1)
+        """
+        self._check_open("predict")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ConfigError(f"predict device must be None or a device such as 'cpu' or 'cuda' (got"
+                                  f" {device!r})") from e
+        if dataloader is None:
+            raise ConfigError("predict() needs data: pass a DataLoader or another iterable of batches")
+        driver = self._driver
+        task, = driver.make_tasks("test", dataloader, None, [], False, batch_size)
+        return driver.guarded("predict", lambda: driver.run_predict(task, device))
+
     def loss(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True):
         """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
 

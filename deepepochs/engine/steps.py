@@ -17,10 +17,12 @@ from deepepochs.data import call_model
 from deepepochs.engine import actions
 from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
+from deepepochs.outputs import detached
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
 from deepepochs.tasks import metric_name
 
-__all__ = ["batch_patches", "check_step_result", "compute_loss", "default_step", "loss", "no_sync", "optimize"]
+__all__ = ["batch_patches", "check_step_result", "compute_loss", "default_step", "loss", "no_sync", "optimize",
+           "predict_step"]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
 STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
@@ -48,6 +50,12 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
         ctx.step_patches = patches
         optimize(ctx, None)
     return patches
+
+
+def predict_step(ctx: Context, outputs: list, device: torch.device | None, batch_x, batch_y) -> None:
+    """Prediction's step: the forward pass only; its output is kept in `outputs`, detached and moved to
+    `device` batch by batch (so predicting a large dataset does not fill the accelerator's memory)."""
+    outputs.append(detached(call_model(ctx.model, batch_x), device))
 
 
 def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
