@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from deepepochs.callbacks.base import HookTable
+from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.checkpoint import load_into, resume_once
 from deepepochs.config import TrainerConfig, check_run_name
 from deepepochs.console import Console
@@ -21,6 +22,7 @@ from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import render
+from deepepochs.lr_find import LRFindResult, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
 from deepepochs.tasks import STEP_NAMES, as_metric_list
@@ -220,6 +222,11 @@ class TrainerBase:
         epochs this call ran. An exception rolls the open window back and is re-raised with the flight
         record; calling `fit` again continues where the run stopped."""
         self._check_open("fit")
+        finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
+        if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
+            finder.result = self._find_lr(train_dl, train_tasks, finder.min_lr, finder.max_lr, finder.max_batch,
+                                          finder.stop_factor, finder.smooth, finder.opt_id, finder.plot, batch_size)
+            return {"train": {}, "val": {}}
         if epochs is not None:
             self.config = attrs.evolve(self.config, epochs=epochs)  # validated like the constructor's
         if isinstance(val_freq, bool) or not isinstance(val_freq, int) or val_freq < 1:
@@ -280,6 +287,60 @@ class TrainerBase:
         driver = self._driver
         task, = driver.make_tasks("test", dataloader, None, [], False, batch_size)
         return driver.guarded("predict", lambda: driver.run_predict(task, device))
+
+    def find_lr(self, train_dl, min_lr: float = 1e-7, max_lr: float = 10.0, num_steps: int = 100,
+                stop_factor: float | None = 4.0, smooth: float = 0.9, opt_index: int | None = None, plot=True,
+                batch_size=None) -> LRFindResult:
+        """Learning-rate range test: train `num_steps` updates with the learning rate growing exponentially
+        from `min_lr` to `max_lr`, stopping early when the smoothed loss diverges (above `stop_factor`
+        times its best, or inf/NaN); then restore the model, optimizers, schedulers, GradScaler, epoch
+        counters and random generators, so the trainer is as it was.
+
+        The sweep uses the training loop itself (steps, precision, accumulation: one rate per update;
+        under DDP the global loss, every rank must call it) with the trainer's callbacks detached: nothing
+        is logged or checkpointed. The data is cycled when it has fewer batches than the sweep needs.
+
+        Args:
+            train_dl: training data (a DataLoader or any re-iterable of batches).
+            min_lr, max_lr: the range swept.
+            num_steps: the most updates, one learning rate each (>= 2).
+            stop_factor: divergence threshold on the smoothed loss; None sweeps up to `max_lr`.
+            smooth: the loss's moving-average factor in [0, 1) (0: no smoothing).
+            opt_index: the optimizer whose rate is swept; required with several optimizers.
+            plot: True draws the curve (matplotlib, when installed), a path saves it there, False draws
+                nothing.
+            batch_size: as for `fit`.
+
+        Returns:
+            `LRFindResult` with `lrs`, `losses`, `smoothed`, `suggestion` (the rate where the smoothed loss
+            falls fastest, before its minimum) and `stop_reason`.
+
+        Example:
+            >>> result = trainer.find_lr(train_dl, min_lr=1e-5, max_lr=1.0, plot=False)
+            >>> for group in opt.param_groups: group["lr"] = result.suggestion
+        """
+        self._check_open("find_lr")
+        return self._find_lr(train_dl, None, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
+                             batch_size)
+
+    def _find_lr(self, train_dl, train_tasks, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
+                 batch_size) -> LRFindResult:
+        check_sweep_args(min_lr, max_lr, num_steps, stop_factor, smooth)
+        if train_dl is None and not train_tasks:
+            raise ConfigError("find_lr needs training data: pass train_dl (a DataLoader or iterable of batches)")
+        result = run_sweep(self, train_dl, train_tasks=train_tasks, min_lr=min_lr, max_lr=max_lr,
+                           num_steps=num_steps, stop_factor=stop_factor, beta=smooth, opt_index=opt_index,
+                           batch_size=batch_size)
+        suggestion = "none (fewer than 3 updates)" if result.suggestion is None else f"{result.suggestion:.3g}"
+        self._console.info(f"lr finder: {len(result.lrs)} updates, lr {result.lrs[0]:.3g} to {result.lrs[-1]:.3g}"
+                           f" ({result.stop_reason}); suggested lr: {suggestion}; model, optimizers and"
+                           " schedulers restored")
+        if plot is not False and plot is not None and self.is_main_process:
+            drawn = result.plot(path=None if plot is True else plot)
+            if not drawn:
+                self._console.info("lr finder: matplotlib is not installed, so the curve is not drawn; install"
+                                   " it with `pip install matplotlib`, or read result.lrs and result.losses")
+        return result
 
     def loss(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True):
         """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
