@@ -47,6 +47,29 @@ def _resolve_device(device) -> torch.device:
     return dev
 
 
+def _check_targets(targets):
+    """`Trainer(targets=...)` as (target_key, pick_targets)."""
+    if targets is None:
+        return None, None
+    if isinstance(targets, str):
+        if not targets:
+            raise ConfigError("targets must be None, a non-empty dict-batch key or a callable (got '')")
+        return targets, None
+    if not callable(targets):
+        raise ConfigError(f"targets must be None, the key of the label field of dict batches (a str), or a callable"
+                          f" fn(batch_x, model_out) -> (preds, targets) (got {type(targets).__name__})")
+
+    def pick(batch_x, model_out):
+        pair = targets(batch_x, model_out)
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            size = f" of length {len(pair)}" if isinstance(pair, (tuple, list)) else ""
+            raise ConfigError(f"the targets callable must return a (preds, targets) pair (got"
+                              f" {type(pair).__name__}{size})")
+        return pair
+
+    return None, pick
+
+
 class TrainerBase:
     """Trains a model with a loss function and optimizer(s) on DataLoaders.
 
@@ -78,6 +101,12 @@ class TrainerBase:
         resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
         log_long, log_batch, log_tqdm, show_info: console output.
         compile_model: wrap the model in `torch.compile`.
+        targets: where the metrics' targets come from when batches carry no label (dict batches,
+            loss=None models): '<key>' takes the field `key` of dict batches (with a loss function it is
+            also the loss's label and no model input, like the last item of a tuple batch; with loss=None
+            the model still gets it), or a callable `fn(batch_x, model_out) -> (preds, targets)` gives the
+            metrics' inputs, e.g. `lambda x, out: (out['logits'], x['labels'])`. Without it, a metric that
+            needs targets fails at the first batch with a message saying so.
         fuse_steps: with the default step, one optimizer, no gradient clipper, no callback hook that
             runs per batch and one process, each micro-batch takes one fused edge of the machine (any
             precision and accumulation; bit-identical results); False takes every edge, which gives a
@@ -94,7 +123,7 @@ class TrainerBase:
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 ddp_kwargs=None):
+                 ddp_kwargs=None, targets=None):
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
@@ -111,6 +140,7 @@ class TrainerBase:
         if running_id is not None:
             check_run_name(running_id, "running_id")
         ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
+        target_key, pick_targets = _check_targets(targets)
         device = _resolve_device(device)
         dist = select_policy(device, split_batches=self.config.split_batches)
         self.device = dist.device
@@ -138,7 +168,8 @@ class TrainerBase:
             eval_model=compiled,  # unwrapped: evaluation issues no DDP collectives (DDP-7)
             opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
             console=self._console, facade=self, resolve_step=self._resolve_step,
-            resume=lambda: resume_once(self), running_id=lambda: self.running_id)
+            resume=lambda: resume_once(self), running_id=lambda: self.running_id, target_key=target_key,
+            pick_targets=pick_targets)
         self._ctx = Context(parts, loop, loss_fn=loss)
         self._driver = Driver(self._ctx)
         self._closed = False

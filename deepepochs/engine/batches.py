@@ -58,7 +58,8 @@ def train_batches(ctx: Context, data, meters) -> None:
     ctx.hop = hop = machine.walk if fused else machine.fire
     begin_window = machine.fire if fused and k > 1 else hop  # a k-batch window's opening is its own edge
     land = machine.land if fused else None
-    split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size)
+    split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
+                           parts.target_key)
     step_fn, step_args = task.step_fn, task.step_args
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": "train"}
@@ -115,7 +116,8 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     before_batch, after_batch = ((hooks[f"on_before_{stage}_batch"], hooks[f"on_after_{stage}_batch"]) if observed
                                  else ((), ()))
     if split is None:
-        split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size)
+        split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
+                               parts.target_key)
     step_fn, step_args = task.step_fn, task.step_args
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": stage}

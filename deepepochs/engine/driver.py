@@ -72,6 +72,7 @@ class Driver:
                 task.batch_size = batch_size
             task.data = parts.dist.prepare_dataloader(task.dataloader, stage)
             task.step_fn = parts.resolve_step(task, stage)
+            task.targets_checked = False  # batch_patches checks once that metrics can do without targets
         return out
 
     # ---- errors: interrupt -> rollback -> idle, with the flight record ----
@@ -258,7 +259,7 @@ class Driver:
                                          torch.device("cpu") if sharded else device)
         task.step_args = {}
         split = input_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda",
-                               task.batch_size or _uncounted)
+                               task.batch_size or _uncounted, parts.target_key)
         machine.fire_cold("test")
         loop.stage = "predict"
         ctx.task, ctx.task_index = task, 0

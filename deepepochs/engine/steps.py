@@ -21,8 +21,8 @@ from deepepochs.outputs import detached
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
 from deepepochs.tasks import metric_name
 
-__all__ = ["batch_patches", "check_step_result", "compute_loss", "default_step", "loss", "no_sync", "optimize",
-           "predict_step"]
+__all__ = ["batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss", "default_step",
+           "loss", "no_sync", "optimize", "predict_step"]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
 STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
@@ -45,7 +45,11 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
         value = loss(ctx, model_out, batch_y, 1.0, False)
     for hook in hooks[on_metrics]:
         hook(facade, value, model_out, batch_y, task)
-    patches = batch_patches(ctx, model_out, batch_y) if task.all_metrics else None
+    patches = None
+    if task.all_metrics:
+        pick = ctx.parts.pick_targets
+        preds, targets = (model_out, batch_y) if pick is None else pick(batch_x, model_out)
+        patches = batch_patches(ctx, preds, targets)
     if stage == "train":
         ctx.step_patches = patches
         optimize(ctx, None)
@@ -173,12 +177,35 @@ def batch_patches(ctx: Context, model_out, batch_y, metrics=None) -> dict:
     metrics = ctx.task.all_metrics if metrics is None else metrics
     if not metrics:
         return {}
+    if batch_y is None and not getattr(ctx.task, "targets_checked", True):
+        check_metrics_without_targets(ctx, model_out, metrics)
     kind = ctx.parts.config.metric_patch
     if kind == "confusion":
         return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics)}
     if kind == "mean":
         return {metric_name(m): MeanPatch(m, model_out, batch_y) for m in metrics}
     return {metric_name(m): TensorPatch(m, model_out, batch_y) for m in metrics}
+
+
+def check_metrics_without_targets(ctx: Context, preds, metrics) -> None:
+    """At a task's first batch without targets (dict batches, loss=None models), try each metric on it:
+    one that needs targets fails now, with how to provide them, instead of after a whole epoch (a
+    TensorPatch computes its metric only at the task's end)."""
+    ctx.task.targets_checked = True
+    why = ("with loss=None every item of a batch is a model input" if ctx.loss_fn is None
+           else "dict batches pass every field to the model")
+    for metric in metrics:
+        if not callable(metric):
+            continue
+        try:
+            metric(preds, None)
+        except Exception as e:
+            raise ConfigError(
+                f"metric {metric_name(metric)!r} needs targets, but the batches carry none ({why}), so it got"
+                f" targets=None and raised {type(e).__name__}: {e}. Tell the trainer where the targets are:"
+                " Trainer(targets='<key>') for the label field of dict batches, or Trainer(targets=fn) with"
+                " fn(batch_x, model_out) -> (preds, targets), e.g. for a model that returns them"
+            ) from e
 
 
 def check_step_result(result, n: int):
