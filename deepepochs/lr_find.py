@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from deepepochs.callbacks.base import Callback
-from deepepochs.checkpoint import resume_once
 from deepepochs.errors import ConfigError
 from deepepochs.utils import rng_state, set_rng_state
 
@@ -187,7 +186,7 @@ def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta
     else:
         indices = (opt_index,)
     ctx, driver, hooks, console = trainer._ctx, trainer._driver, trainer._hooks, trainer._console
-    resume_once(trainer)  # a pending resume=... happens before the snapshot, so the restore keeps it
+    ctx.parts.resume()  # a pending resume=... happens before the snapshot, so the restore keeps it
     loop = ctx.loop
     saved = {
         "model": {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()},

@@ -21,6 +21,7 @@ from deepepochs.engine import steps
 from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
+from deepepochs.finished import apply_finished
 from deepepochs.fsm.render import render
 from deepepochs.lr_find import LRFindResult, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
@@ -168,7 +169,7 @@ class TrainerBase:
             eval_model=compiled,  # unwrapped: evaluation issues no DDP collectives (DDP-7)
             opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
             console=self._console, facade=self, resolve_step=self._resolve_step,
-            resume=lambda: resume_once(self), running_id=lambda: self.running_id, target_key=target_key,
+            resume=self._resume, running_id=lambda: self.running_id, target_key=target_key,
             pick_targets=pick_targets)
         self._ctx = Context(parts, loop, loss_fn=loss)
         self._driver = Driver(self._ctx)
@@ -474,6 +475,12 @@ class TrainerBase:
     def __exit__(self, *exc):
         self.close()
         return False
+
+    def _resume(self):
+        """The resume_checkpoint action: load what `resume=...` asks for; for a finished run (see
+        `deepepochs.finished`) the records `fit()` returns without training, else None."""
+        loaded = resume_once(self)
+        return None if loaded is None else apply_finished(self, loaded[0].parent, loaded[1])
 
     def _check_open(self, call: str):
         if self._closed:
