@@ -189,6 +189,19 @@ def _predict() -> dict:
     return {"full": full, "one": one, "fit_epochs": len(fitted["train"]["loss"])}
 
 
+def _find_lr() -> dict:
+    """find_lr over two ranks: the rates and losses each rank saw, and whether the weights came back."""
+    model = make_model()
+    before = _state(model)
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(metrics=None)) as trainer:
+        result = trainer.find_lr(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH), min_lr=1e-3, max_lr=10.0,
+                                 num_steps=12, plot=False)
+        restored = all(torch.equal(before[k], v) for k, v in trainer.raw_model.state_dict().items())
+        fitted = trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH), epochs=1)
+    return {"lrs": result.lrs, "losses": result.losses, "restored": restored,
+            "fit_epochs": len(fitted["train"]["loss"])}
+
+
 def interprete_metrics() -> dict:
     """Per-sample metrics for InterpreteCallback: a continuous one, and one with many ties (the label)."""
     return {"loss": lambda p, y: F.cross_entropy(p, y, reduction="none"), "label": lambda p, y: y.float()}
@@ -286,6 +299,7 @@ def run_scenarios() -> int:
     results["tiny_test_set"] = _tiny_test_set()
     results["interprete"] = _interprete_top_samples()
     results["predict"] = _predict()
+    results["find_lr"] = _find_lr()
     results["shuffled_indices"] = _shuffled_indices()
     results["broadcast_values"] = _broadcast_after_init_callbacks()
     results["main_process_first"] = _main_process_first(out)

@@ -256,6 +256,16 @@ def test_predict_under_ddp_returns_each_sample_once_in_dataset_order_on_rank_0(r
     assert ranks[0]["predict"]["fit_epochs"] == ranks[1]["predict"]["fit_epochs"] == 1
 
 
+@pytest.mark.distributed
+def test_find_lr_under_ddp_agrees_across_ranks_and_restores_the_weights(ranks):
+    """Both ranks sweep the same rates with the same (global) losses, stop at the same update, get their
+    weights back, and can fit afterwards (no rank left waiting in a collective)."""
+    a, b = ranks[0]["find_lr"], ranks[1]["find_lr"]
+    assert a["lrs"] == b["lrs"] and len(a["lrs"]) >= 3
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+    assert a["restored"] and b["restored"] and a["fit_epochs"] == b["fit_epochs"] == 1
+
+
 # ---- DDP-3: sharding and sampler epochs ------------------------------------------------------------------
 @pytest.mark.distributed
 def test_shuffled_training_shards_are_disjoint_complete_and_reshuffled_each_epoch(ranks):
