@@ -252,7 +252,11 @@ class TrainerBase:
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None):
         """Train toward the epoch target; returns `{'train': {name: [per epoch]}, 'val': {...}}` for the
         epochs this call ran. An exception rolls the open window back and is re-raised with the flight
-        record; calling `fit` again continues where the run stopped."""
+        record; calling `fit` again continues where the run stopped.
+
+        With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
+        training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
+        that is finished (see `deepepochs.finished`) trains nothing and returns the run's records."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
