@@ -168,3 +168,14 @@ def test_bad_targets_arguments_are_refused_with_what_was_received():
                  **_quiet()) as trainer:
         with pytest.raises(ConfigError, match=r"must return a \(preds, targets\) pair \(got Tensor\)"):
             trainer.test(_dict_batches(x, y, label="labels"))
+
+
+def test_a_loss_function_without_a_label_fails_at_the_first_batch_saying_how():
+    """Dict batches with a loss function and no targets=: the loss gets batch_y=None; the error names
+    targets='<key>' (and keeps the loss's own error as its cause)."""
+    x, y = _data()
+    counter = CountBatches()
+    with Trainer(OnlyX(), F.cross_entropy, callbacks=[counter], **_quiet()) as trainer:
+        with pytest.raises(ConfigError, match=r"loss function got batch_y=None .*Trainer\(targets='<key>'\)") as info:
+            trainer.fit([{"x": x[:BATCH]}])
+    assert counter.batches == 1 and isinstance(info.value.__cause__, Exception)

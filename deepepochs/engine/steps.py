@@ -71,7 +71,16 @@ def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
             raise ConfigError("with loss=None the model must return a scalar loss tensor or a dict with"
                               f" 'loss' (got {type(model_out).__name__})")
     else:
-        value = loss_fn(model_out, batch_y)
+        try:  # free when nothing raises (Python >= 3.11)
+            value = loss_fn(model_out, batch_y)
+        except Exception as e:
+            if batch_y is not None:
+                raise
+            raise ConfigError(
+                f"the loss function got batch_y=None and raised {type(e).__name__}: {e}. Dict batches carry no"
+                " label by default (every field goes to the model); name the label field with"
+                " Trainer(targets='<key>'), or pass loss=None and let the model compute its loss"
+            ) from e
     if not (isinstance(value, torch.Tensor) and value.numel() == 1):
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ConfigError(f"the loss must be a scalar tensor (got {shape}); reduce it, e.g. with .mean()")
