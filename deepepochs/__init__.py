@@ -7,6 +7,7 @@ from deepepochs.callbacks import (
     GradClipCallback,
     InterpreteCallback,
     LogCallback,
+    LRFindCallback,
 )
 from deepepochs.confusion import ConfusionMetrics, ConfusionPatch
 from deepepochs.errors import (
@@ -45,6 +46,7 @@ __all__ = [
     "GradClipCallback",
     "InterpreteCallback",
     "InvalidTransition",
+    "LRFindCallback",
     "LogCallback",
     "LoopError",
     "MeanPatch",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
 from deepepochs.fsm.render import FORMATS, render
@@ -20,6 +21,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.format in ("png", "svg") and not args.output:
         parser.error(f"--format {args.format} needs --output FILE")
+    if args.format in ("png", "svg") and shutil.which("dot") is None:
+        # A missing system tool is not a bug of the caller's: one line saying what to do, no traceback.
+        print(f"deepepochs graph: --format {args.format} needs Graphviz's 'dot' program, which is not on PATH;"
+              " install Graphviz (e.g. `apt-get install graphviz`, `brew install graphviz` or"
+              " `conda install graphviz`), or use --format dot or --format mermaid", file=sys.stderr)
+        return 2
     out = render(args.format, show_interrupts=args.show_interrupts)
     if args.output:
         with open(args.output, "wb" if isinstance(out, bytes) else "w") as f:

@@ -447,8 +447,9 @@ def find_checkpoint(ckpt_dirs, running_id: str | None = None) -> Path | None:
     return max(found, key=lambda p: (p.stat().st_mtime_ns, str(p)))
 
 
-def resume_once(trainer) -> None:
-    """Honour `Trainer(resume=...)` at the first fit or test; a no-op afterwards.
+def resume_once(trainer) -> tuple[Path, int] | None:
+    """Honour `Trainer(resume=...)` at the first fit or test; a no-op afterwards. Returns the loaded file's
+    path and epoch, or None when nothing was loaded.
 
     `resume=True` loads the newest checkpoint across the monitors' `ckpt_dir`s and starts fresh when
     there is none; `resume='<running id>'` loads that run's newest checkpoint or raises. The run folder's
@@ -456,7 +457,8 @@ def resume_once(trainer) -> None:
     A failed resume stays pending, so fixing the files and calling fit again retries it.
     """
     if not trainer.loop.resume_pending:
-        return
+        return None
+    loaded = None
     run = trainer.resume if isinstance(trainer.resume, str) else None
     dirs = [m.ckpt_dir for m in monitors_of(trainer)]
     path = find_checkpoint(dirs, run)
@@ -469,4 +471,6 @@ def resume_once(trainer) -> None:
         trainer.running_id = path.parent.name
         trainer._console.info(f"Resumed from {path}: {ckpt.epoch} epoch(s) completed,"
                               f" running id {trainer.running_id}")
+        loaded = (path, ckpt.epoch)
     trainer.loop.resume_pending = False
+    return loaded

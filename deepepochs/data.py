@@ -8,18 +8,27 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["batch_size_of", "call_model", "first_tensor", "lookahead", "prepare_batch", "split_batch", "to_device"]
+__all__ = ["batch_size_of", "call_model", "first_tensor", "input_splitter", "lookahead", "prepare_batch", "split_batch",
+           "to_device"]
 
 
-def split_batch(batch, has_loss_fn: bool):
+def split_batch(batch, has_loss_fn: bool, target_key: str | None = None):
     """Split one batch into `(batch_x, batch_y)`.
 
     - tuple/list with a loss function: the last item is the label (any nesting), the rest the inputs;
       one input is passed as itself, several as a tuple (`model(x1, x2)`).
     - tuple/list without a loss function: every item is an input, `batch_y` is None.
-    - dict: every field is a keyword argument of the model, `batch_y` is None.
+    - dict: every field is a keyword argument of the model, `batch_y` is None; with `target_key`
+      (`Trainer(targets='<key>')`) `batch_y` is that field, which, as the label of a tuple batch, is no
+      model input when a loss function is given, and stays one without (the model computes its loss).
     - anything else without a loss function: the single input.
     """
+    if target_key is not None and isinstance(batch, Mapping):
+        if target_key not in batch:
+            raise ConfigError(f"targets={target_key!r} names a field of dict batches, but this batch has only"
+                              f" {sorted(map(str, batch))}; pass the key that holds the labels")
+        inputs = {k: v for k, v in batch.items() if k != target_key} if has_loss_fn else batch
+        return inputs, batch[target_key]
     if isinstance(batch, (tuple, list)):
         if has_loss_fn:
             if len(batch) < 2:
@@ -121,13 +130,14 @@ def lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:
     yield item, True
 
 
-def batch_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None):
+def batch_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None,
+                   target_key: str | None = None):
     """`split(batch) -> (batch_x, batch_y, n)`: `prepare_batch` with its arguments bound, for a loop.
 
     On the CPU an `(x, y)` pair of CPU tensors, the common case, costs a few type and flag checks (no
     device objects made, no further call); anything else goes through `prepare_batch`."""
     if not (has_loss_fn and device.type == "cpu" and batch_size_fn is None):
-        return lambda batch: prepare_batch(batch, has_loss_fn, device, non_blocking, batch_size_fn)
+        return lambda batch: prepare_batch(batch, has_loss_fn, device, non_blocking, batch_size_fn, target_key)
     tensor = torch.Tensor
 
     def split(batch):
@@ -135,12 +145,13 @@ def batch_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, 
             x, y = batch
             if type(x) is tensor and type(y) is tensor and x.is_cpu and y.is_cpu and y.dim():
                 return x, y, y.shape[0]
-        return prepare_batch(batch, True, device, non_blocking, None)
+        return prepare_batch(batch, True, device, non_blocking, None, target_key)
 
     return split
 
 
-def prepare_batch(batch, has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None):
+def prepare_batch(batch, has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None,
+                  target_key: str | None = None):
     """`(batch_x, batch_y, n)`: split, moved to `device`, and the sample count.
 
     The common `(x, y)` pair of tensors takes a short path (one call instead of four per batch).
@@ -153,7 +164,21 @@ def prepare_batch(batch, has_loss_fn: bool, device: torch.device, non_blocking: 
             if y.device != device:
                 y = y.to(device, non_blocking=non_blocking)
             return x, y, y.shape[0]
-    batch_x, batch_y = split_batch(batch, has_loss_fn)
+    batch_x, batch_y = split_batch(batch, has_loss_fn, target_key)
     batch_x = to_device(batch_x, device, non_blocking)
     batch_y = to_device(batch_y, device, non_blocking)
     return batch_x, batch_y, batch_size_of(batch_x, batch_y, batch_size_fn)
+
+
+def input_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None,
+                   target_key: str | None = None):
+    """`split(batch) -> (batch_x, batch_y, n)` for prediction: batches split as in training (with a loss
+    function the last item of a tuple batch is the label), except that a lone tensor or a one-item
+    tuple/list is the model's input, so unlabelled data can be predicted with a trainer that has a loss."""
+    def split(batch):
+        if has_loss_fn and (isinstance(batch, torch.Tensor) or (type(batch) in (tuple, list) and len(batch) == 1)):
+            batch_x = to_device(batch if isinstance(batch, torch.Tensor) else batch[0], device, non_blocking)
+            return batch_x, None, batch_size_of(batch_x, None, batch_size_fn)
+        return prepare_batch(batch, has_loss_fn, device, non_blocking, batch_size_fn, target_key)
+
+    return split

@@ -328,9 +328,10 @@ class TensorPatch(PatchBase):
 
 
 def _scalar(value, what: str):
-    """A detached 0-d tensor (at least float32) or a float, from a per-batch value."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.detach() if value.dim() == 0 else value.detach().reshape(())
+    """A detached 0-d tensor (at least float32) or a float, from a per-batch value; a 1-D tensor of
+    per-class values stays 1-D (each class averaged on its own)."""
+    if isinstance(value, torch.Tensor) and (value.numel() == 1 or value.dim() == 1):
+        value = value.detach() if value.dim() == 0 or value.numel() > 1 else value.detach().reshape(())
         if not value.is_floating_point() or value.element_size() < 4:
             # Half-precision sums lose counts quickly; integer values would truncate the mean.
             value = value.to(torch.get_default_dtype())
@@ -338,7 +339,8 @@ def _scalar(value, what: str):
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-    raise ConfigError(f"{what} must be a number or a one-element tensor (got {got})")
+    raise ConfigError(f"{what} must be a number, a one-element tensor or a 1-D tensor of per-class values"
+                      f" (got {got})")
 
 
 def _weighted(value, count):

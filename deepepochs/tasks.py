@@ -9,7 +9,7 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "metric_name", "rename"]
+__all__ = ["STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "metric_name", "per_class", "rename"]
 
 #: Step-method lookup order per stage: `step` first, then the stage's own, then `evaluate_step`.
 STEP_NAMES = {
@@ -215,20 +215,31 @@ def merge_stage_metrics(per_task: list[Mapping]) -> dict:
     return metrics
 
 
+def per_class(name: str, values) -> dict[str, float]:
+    """A per-class (vector-valued) metric as one entry per class: `{name}.0`, `{name}.1`, ... These names
+    go wherever scalar metrics go: console lines, records, TensorBoard tags, checkpoint monitors."""
+    return {f"{name}.{i}": float(v) for i, v in enumerate(values)}
+
+
 def flatten_value(name: str, value) -> dict[str, float]:
-    """Turn a metric result into `{name: float}`; a dict result contributes its own keys."""
+    """Turn a metric result into `{name: float}`; a dict result contributes its own keys, a 1-D tensor or
+    array of per-class values one key per class (`per_class`)."""
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
             out.update(flatten_value(str(k), v))
         return out
     if isinstance(value, torch.Tensor):
+        if value.dim() == 1 and value.numel() > 1:
+            return per_class(name, value.tolist())
         if value.numel() != 1:
             raise ConfigError(
-                f"metric {name!r} must return a scalar or a dict of scalars (got a tensor of shape"
-                f" {tuple(value.shape)}); reduce it to one number"
+                f"metric {name!r} must return a scalar, a 1-D tensor of per-class values or a dict of them (got"
+                f" a tensor of shape {tuple(value.shape)}); reduce it to one number or one value per class"
             )
         return {name: float(value)}
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.size > 1:
+        return per_class(name, value.tolist())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return {name: float(value)}
     if isinstance(value, np.generic) and value.size == 1:

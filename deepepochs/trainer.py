@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from deepepochs.callbacks.base import HookTable
+from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.checkpoint import load_into, resume_once
 from deepepochs.config import TrainerConfig, check_run_name
 from deepepochs.console import Console
@@ -20,7 +21,9 @@ from deepepochs.engine import steps
 from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
+from deepepochs.finished import apply_finished
 from deepepochs.fsm.render import render
+from deepepochs.lr_find import LRFindResult, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
 from deepepochs.tasks import STEP_NAMES, as_metric_list
@@ -43,6 +46,29 @@ def _resolve_device(device) -> torch.device:
         available = ", ".join(["'cpu'", *(["'cuda'"] if torch.cuda.is_available() else [])])
         raise ConfigError(f"device={device!r} but MPS is not available here; available: {available}")
     return dev
+
+
+def _check_targets(targets):
+    """`Trainer(targets=...)` as (target_key, pick_targets)."""
+    if targets is None:
+        return None, None
+    if isinstance(targets, str):
+        if not targets:
+            raise ConfigError("targets must be None, a non-empty dict-batch key or a callable (got '')")
+        return targets, None
+    if not callable(targets):
+        raise ConfigError(f"targets must be None, the key of the label field of dict batches (a str), or a callable"
+                          f" fn(batch_x, model_out) -> (preds, targets) (got {type(targets).__name__})")
+
+    def pick(batch_x, model_out):
+        pair = targets(batch_x, model_out)
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            size = f" of length {len(pair)}" if isinstance(pair, (tuple, list)) else ""
+            raise ConfigError(f"the targets callable must return a (preds, targets) pair (got"
+                              f" {type(pair).__name__}{size})")
+        return pair
+
+    return None, pick
 
 
 class TrainerBase:
@@ -80,6 +106,12 @@ class TrainerBase:
         resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
         log_long, log_batch, log_tqdm, show_info: console output.
         compile_model: wrap the model in `torch.compile`.
+        targets: where the metrics' targets come from when batches carry no label (dict batches,
+            loss=None models): '<key>' takes the field `key` of dict batches (with a loss function it is
+            also the loss's label and no model input, like the last item of a tuple batch; with loss=None
+            the model still gets it), or a callable `fn(batch_x, model_out) -> (preds, targets)` gives the
+            metrics' inputs, e.g. `lambda x, out: (out['logits'], x['labels'])`. Without it, a metric that
+            needs targets fails at the first batch with a message saying so.
         fuse_steps: with the default step, one optimizer, no gradient clipper, no callback hook that
             runs per batch and one process, each micro-batch takes one fused edge of the machine (any
             precision and accumulation; bit-identical results); False takes every edge, which gives a
@@ -96,7 +128,7 @@ class TrainerBase:
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 ddp_kwargs=None, dist_timeout=600):
+                 ddp_kwargs=None, dist_timeout=600, targets=None):
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
@@ -113,6 +145,7 @@ class TrainerBase:
         if running_id is not None:
             check_run_name(running_id, "running_id")
         ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
+        target_key, pick_targets = _check_targets(targets)
         device = _resolve_device(device)
         dist = select_policy(device, split_batches=self.config.split_batches, timeout=self.config.dist_timeout)
         self.device = dist.device
@@ -140,7 +173,8 @@ class TrainerBase:
             eval_model=compiled,  # unwrapped: evaluation issues no DDP collectives (DDP-7)
             opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
             console=self._console, facade=self, resolve_step=self._resolve_step,
-            resume=lambda: resume_once(self), running_id=lambda: self.running_id)
+            resume=self._resume, running_id=lambda: self.running_id, target_key=target_key,
+            pick_targets=pick_targets)
         self._ctx = Context(parts, loop, loss_fn=loss)
         self._driver = Driver(self._ctx)
         self._closed = False
@@ -222,8 +256,17 @@ class TrainerBase:
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None):
         """Train toward the epoch target; returns `{'train': {name: [per epoch]}, 'val': {...}}` for the
         epochs this call ran. An exception rolls the open window back and is re-raised with the flight
-        record; calling `fit` again continues where the run stopped."""
+        record; calling `fit` again continues where the run stopped.
+
+        With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
+        training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
+        that is finished (see `deepepochs.finished`) trains nothing and returns the run's records."""
         self._check_open("fit")
+        finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
+        if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
+            finder.result = self._find_lr(train_dl, train_tasks, finder.min_lr, finder.max_lr, finder.max_batch,
+                                          finder.stop_factor, finder.smooth, finder.opt_id, finder.plot, batch_size)
+            return {"train": {}, "val": {}}
         if epochs is not None:
             self.config = attrs.evolve(self.config, epochs=epochs)  # validated like the constructor's
         if isinstance(val_freq, bool) or not isinstance(val_freq, int) or val_freq < 1:
@@ -249,6 +292,95 @@ class TrainerBase:
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
         return driver.guarded("test", lambda: driver.run_test(tasks))
+
+    def predict(self, dataloader, device="cpu", batch_size=None):
+        """The model's outputs for every batch of `dataloader`, concatenated in order along dim 0.
+
+        The model runs in eval mode without gradients (under the trainer's precision); a tuple, list or
+        dict output keeps its structure with each tensor concatenated. Batches are split as in training:
+        with a loss function the last item of a tuple batch is the label and is not passed to the model; a
+        lone tensor or a one-item tuple is the input. No hooks run and no metrics are computed; a pending
+        `resume=...` loads first, as for `test`.
+
+        Under DDP every rank must call `predict`; a plain DataLoader is sharded, each sample runs once, and
+        rank 0 returns the outputs in dataset order (other ranks return None). In one process the order is
+        the DataLoader's (so a `shuffle=True` loader gives shuffled order).
+
+        Args:
+            dataloader: a DataLoader or any iterable of batches.
+            device: where the outputs are returned: 'cpu' (default), another device, or None to leave them
+                on the device that computed them.
+            batch_size: not needed for prediction; accepted for symmetry with `test`.
+
+        Example:
+            >>> probs = trainer.predict(test_dl).softmax(dim=1)
+        """
+        self._check_open("predict")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ConfigError(f"predict device must be None or a device such as 'cpu' or 'cuda' (got"
+                                  f" {device!r})") from e
+        if dataloader is None:
+            raise ConfigError("predict() needs data: pass a DataLoader or another iterable of batches")
+        driver = self._driver
+        task, = driver.make_tasks("test", dataloader, None, [], False, batch_size)
+        return driver.guarded("predict", lambda: driver.run_predict(task, device))
+
+    def find_lr(self, train_dl, min_lr: float = 1e-7, max_lr: float = 10.0, num_steps: int = 100,
+                stop_factor: float | None = 4.0, smooth: float = 0.9, opt_index: int | None = None, plot=True,
+                batch_size=None) -> LRFindResult:
+        """Learning-rate range test: train `num_steps` updates with the learning rate growing exponentially
+        from `min_lr` to `max_lr`, stopping early when the smoothed loss diverges (above `stop_factor`
+        times its best, or inf/NaN); then restore the model, optimizers, schedulers, GradScaler, epoch
+        counters and random generators, so the trainer is as it was.
+
+        The sweep uses the training loop itself (steps, precision, accumulation: one rate per update;
+        under DDP the global loss, every rank must call it) with the trainer's callbacks detached: nothing
+        is logged or checkpointed. The data is cycled when it has fewer batches than the sweep needs.
+
+        Args:
+            train_dl: training data (a DataLoader or any re-iterable of batches).
+            min_lr, max_lr: the range swept.
+            num_steps: the most updates, one learning rate each (>= 2).
+            stop_factor: divergence threshold on the smoothed loss; None sweeps up to `max_lr`.
+            smooth: the loss's moving-average factor in [0, 1) (0: no smoothing).
+            opt_index: the optimizer whose rate is swept; required with several optimizers.
+            plot: True draws the curve (matplotlib, when installed), a path saves it there, False draws
+                nothing.
+            batch_size: as for `fit`.
+
+        Returns:
+            `LRFindResult` with `lrs`, `losses`, `smoothed`, `suggestion` (the rate where the smoothed loss
+            falls fastest, before its minimum) and `stop_reason`.
+
+        Example:
+            >>> result = trainer.find_lr(train_dl, min_lr=1e-5, max_lr=1.0, plot=False)
+            >>> for group in opt.param_groups: group["lr"] = result.suggestion
+        """
+        self._check_open("find_lr")
+        return self._find_lr(train_dl, None, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
+                             batch_size)
+
+    def _find_lr(self, train_dl, train_tasks, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
+                 batch_size) -> LRFindResult:
+        check_sweep_args(min_lr, max_lr, num_steps, stop_factor, smooth)
+        if train_dl is None and not train_tasks:
+            raise ConfigError("find_lr needs training data: pass train_dl (a DataLoader or iterable of batches)")
+        result = run_sweep(self, train_dl, train_tasks=train_tasks, min_lr=min_lr, max_lr=max_lr,
+                           num_steps=num_steps, stop_factor=stop_factor, beta=smooth, opt_index=opt_index,
+                           batch_size=batch_size)
+        suggestion = "none (fewer than 3 updates)" if result.suggestion is None else f"{result.suggestion:.3g}"
+        self._console.info(f"lr finder: {len(result.lrs)} updates, lr {result.lrs[0]:.3g} to {result.lrs[-1]:.3g}"
+                           f" ({result.stop_reason}); suggested lr: {suggestion}; model, optimizers and"
+                           " schedulers restored")
+        if plot is not False and plot is not None and self.is_main_process:
+            drawn = result.plot(path=None if plot is True else plot)
+            if not drawn:
+                self._console.info("lr finder: matplotlib is not installed, so the curve is not drawn; install"
+                                   " it with `pip install matplotlib`, or read result.lrs and result.losses")
+        return result
 
     def loss(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True):
         """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
@@ -351,6 +483,12 @@ class TrainerBase:
     def __exit__(self, *exc):
         self.close()
         return False
+
+    def _resume(self):
+        """The resume_checkpoint action: load what `resume=...` asks for; for a finished run (see
+        `deepepochs.finished`) the records `fit()` returns without training, else None."""
+        loaded = resume_once(self)
+        return None if loaded is None else apply_finished(self, loaded[0].parent, loaded[1])
 
     def _check_open(self, call: str):
         if self._closed:

@@ -65,7 +65,8 @@ ROWS = {
         ConfigError, r"metric 'mood' must return a number, a one-element tensor or a dict of them \(got str"),
     "a metric returning a non-scalar tensor": (
         lambda tmp: _trainer().test(DATA, metrics=[rename(lambda p, y: p, "raw")]),
-        ConfigError, r"metric 'raw' must return a scalar or a dict of scalars \(got a tensor of shape \(8, 2\)\)"),
+        ConfigError, r"metric 'raw' must return a scalar, a 1-D tensor of per-class values or a dict of them"
+                     r" \(got a tensor of shape \(8, 2\)\)"),
     "a loss that is not a scalar": (
         lambda tmp: _trainer(loss=lambda o, y: F.cross_entropy(o, y, reduction="none")).fit(DATA),
         ConfigError, r"the loss must be a scalar tensor \(got \(8,\)\); reduce it"),

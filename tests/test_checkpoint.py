@@ -152,7 +152,8 @@ def test_a_failed_write_keeps_the_previous_checkpoint_loadable(tmp_path, monkeyp
 
     assert path.read_bytes() == before
     assert torch.load(path, weights_only=True)["epoch"] == 1
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    # The folder holds the checkpoint and the first fit's run-end record (deepepochs.finished), no temp file.
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, "finished.pt"])
 
 
 def test_a_process_killed_mid_save_leaves_the_last_good_checkpoint_for_resume(tmp_path):
@@ -257,7 +258,8 @@ def test_resume_with_a_run_id_picks_that_run_even_when_another_is_newer(tmp_path
     assert picked_a.running_id == "run-a"
     newest = _trainer(tmp_path, epochs=2, resume=True)
     records = newest.fit(_loader(), _loader(seed=1))
-    assert records["train"] == {}  # both runs are at epoch 2 now; the newest file (run-a) is already done
+    # Both runs are at epoch 2 now; the newest file's run (run-a) is finished: fit returns its records.
+    assert records == picked_a.history and len(records["train"]["loss"]) == 2
     assert newest.running_id == "run-a"
 
 
@@ -313,14 +315,15 @@ def test_model_states_with_ddp_or_compile_prefixes_load_into_the_plain_model(tmp
 def test_fp16_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     """precision='fp16' on CPU: scale and growth tracker are saved, and restored by resume and by file."""
     first = _trainer(tmp_path, epochs=2, precision="fp16", device="cpu")
-    first.fit(_loader(), _loader(seed=1))
+    first_records = first.fit(_loader(), _loader(seed=1))
     want = first.scaler.state_dict()
     saved = torch.load(_only_file(tmp_path / "ckpt"), weights_only=True)
     assert saved["scaler"] == want and want["_growth_tracker"] > 0  # trained: not a fresh scaler's state
 
     resumed = _trainer(tmp_path, epochs=2, resume=True, precision="fp16", device="cpu")
     assert resumed.scaler.state_dict() != want
-    assert resumed.fit(_loader(), _loader(seed=1))["train"] == {}  # already at the target: only loads
+    # Already at the target: the finished run only loads, and fit returns its records.
+    assert resumed.fit(_loader(), _loader(seed=1)) == first_records
     assert resumed.scaler.state_dict() == want
     by_file = _trainer(tmp_path, epochs=2, precision="fp16", device="cpu", callbacks=[])
     by_file.load_checkpoint(_only_file(tmp_path / "ckpt"))

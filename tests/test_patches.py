@@ -322,8 +322,9 @@ def test_sync_without_a_process_group_returns_the_patch_unchanged():
         ),
         (lambda: ConfusionMetrics(num_classes=-2), r"num_classes must be None or a positive int \(got -2\)"),
         (
-            lambda: MeanPatch(lambda p, t: torch.ones(3), torch.zeros(3)),
-            r"metric '<lambda>' must be a number or a one-element tensor \(got shape \[3\]\)",
+            lambda: MeanPatch(lambda p, t: torch.ones(3, 2), torch.zeros(3)),
+            r"metric '<lambda>' must be a number, a one-element tensor or a 1-D tensor of per-class values"
+            r" \(got shape \[3, 2\]\)",
         ),
         (lambda: MeanPatch("accuracy"), r"metric must be a callable taking \(preds, targets\) \(got str\)"),
         (lambda: ValuePatch(1.0), r"batch_size is required with batch_mean_value"),

@@ -317,13 +317,13 @@ def test_grads_nonfinite_flags_exactly_when_some_gradient_is_not_finite(monkeypa
         assert tp._probe_grads_check()
     monkeypatch.setattr(tp, "GRADS_CHECK_PRIVATE", path == "private")
     grads = [torch.randn(3, 2), torch.randn(5), torch.randn(4, dtype=torch.float64),
-             torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))]
+             torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)]
     if where in ("inf", "nan"):
         grads[1][2] = math.inf if where == "inf" else math.nan
     elif where == "float64":
         grads[2][0] = math.nan
     elif where == "sparse":
-        grads[3] = torch.sparse_coo_tensor([[0, 2]], [1.0, math.inf], (4,))
+        grads[3] = torch.sparse_coo_tensor([[0, 2]], [1.0, math.inf], (4,), check_invariants=True)
     before = [g.clone() for g in grads]
     expected = not all(torch.isfinite(g.to_dense()).all() for g in grads)
     flag = tp.grads_nonfinite(grads)

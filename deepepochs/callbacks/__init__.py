@@ -6,6 +6,7 @@ from deepepochs.callbacks.check import CheckCallback
 from deepepochs.callbacks.grad_clip import GradClipCallback
 from deepepochs.callbacks.interprete import InterpreteCallback
 from deepepochs.callbacks.log import LogCallback
+from deepepochs.callbacks.lr_find import LRFindCallback
 
 __all__ = [
     "AnalyzeCallback",
@@ -14,5 +15,6 @@ __all__ = [
     "GradClipCallback",
     "HookTable",
     "InterpreteCallback",
+    "LRFindCallback",
     "LogCallback",
 ]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from deepepochs import checkpoint
+from deepepochs import checkpoint, finished
 from deepepochs.callbacks.base import Callback
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError
@@ -169,6 +169,12 @@ class CheckCallback(Callback):
             best = "none" if self.best is None else f"{self.best:.6g} at epoch {self.best_epoch}"
             trainer.request_stop(f"{self.on_stage} {self.monitor} did not improve for {self.bad_epochs}"
                                  f" epoch(s) (best {best})", f"CheckCallback({self.monitor_id})")
+
+    def on_after_fit(self, trainer):
+        """The fit ended (target reached or stopped early): record it next to this monitor's checkpoints,
+        so that resuming the run says it is finished instead of training again (`deepepochs.finished`)."""
+        if trainer._dist.is_main:
+            finished.write_finished(trainer, self.path(trainer).parent)
 
     def _save(self, trainer) -> None:
         # Runs in the save_checkpoints action: every monitor has checked this epoch by now, so the

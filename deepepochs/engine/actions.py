@@ -102,7 +102,9 @@ def resume_pending(ctx: Context) -> bool:
 # ---- fit and epoch -----------------------------------------------------------------------------------
 @action
 def resume_checkpoint(ctx: Context) -> None:
-    ctx.parts.resume()
+    records = ctx.parts.resume()
+    if records is not None:  # a finished run: fit() trains nothing and returns the run's records
+        ctx.fit_records = records
 
 
 @action

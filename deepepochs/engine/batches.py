@@ -58,7 +58,8 @@ def train_batches(ctx: Context, data, meters) -> None:
     ctx.hop = hop = machine.walk if fused else machine.fire
     begin_window = machine.fire if fused and k > 1 else hop  # a k-batch window's opening is its own edge
     land = machine.land if fused else None
-    split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size)
+    split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
+                           parts.target_key)
     step_fn, step_args = task.step_fn, task.step_args
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": "train"}
@@ -105,13 +106,19 @@ def train_batches(ctx: Context, data, meters) -> None:
                           meters.skipped)
 
 
-def eval_batches(ctx: Context, data, meters, stage: str) -> None:
-    """Run a validation or test task's batches (no gradients; the caller holds `torch.no_grad`)."""
+def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, split=None) -> None:
+    """Run a validation or test task's batches (no gradients; the caller holds `torch.no_grad`).
+
+    `observed=False` (prediction) runs no batch hooks and prints no batch lines; `split` replaces the
+    default batch splitting (`data.batch_splitter`)."""
     parts, loop, task, facade = ctx.parts, ctx.loop, ctx.task, ctx.parts.facade
     fire = ctx.machine.fire
     hooks = parts.hooks.by_event
-    before_batch, after_batch = hooks[f"on_before_{stage}_batch"], hooks[f"on_after_{stage}_batch"]
-    split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size)
+    before_batch, after_batch = ((hooks[f"on_before_{stage}_batch"], hooks[f"on_after_{stage}_batch"]) if observed
+                                 else ((), ()))
+    if split is None:
+        split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
+                               parts.target_key)
     step_fn, step_args = task.step_fn, task.step_args
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": stage}
@@ -134,4 +141,5 @@ def eval_batches(ctx: Context, data, meters, stage: str) -> None:
             metrics = BatchMetrics(value, patches)
             for hook in after_batch:
                 hook(facade, metrics, loop.batch_idx)
-        console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+        if observed:
+            console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))

@@ -90,8 +90,12 @@ class Parts:
         console: the `Console`.
         facade: the object handed to hooks and step methods as `trainer`.
         resolve_step: `(task, stage) -> step method`, or None for the engine's default step.
-        resume: loads the checkpoint `Trainer(resume=...)` asked for (the `resume_checkpoint` action).
+        resume: loads the checkpoint `Trainer(resume=...)` asked for (the `resume_checkpoint` action);
+            returns a finished run's records (what `fit()` then returns without training), else None.
         running_id: the run's current name (a resume may change it).
+        target_key: `Trainer(targets='<key>')`: the field of dict batches that holds the targets, or None.
+        pick_targets: `Trainer(targets=callable)`: `(batch_x, model_out) -> (preds, targets)` for the
+            metrics, or None (the metrics get the model output and the batch's label).
     """
 
     config: object
@@ -107,8 +111,10 @@ class Parts:
     console: object
     facade: object
     resolve_step: Callable
-    resume: Callable[[], None]
+    resume: Callable[[], dict | None]
     running_id: Callable[[], str]
+    target_key: str | None = None
+    pick_targets: Callable | None = None
 
 
 @attrs.define(slots=True, eq=False)

@@ -10,16 +10,19 @@ that did not commit) is undone by the `interrupt` edge's `discard_window` action
 from __future__ import annotations
 
 import datetime
+import functools
 
 import torch
 
 from deepepochs.checkpoint import monitors_in
+from deepepochs.data import input_splitter
 from deepepochs.distributed import skip_batches
-from deepepochs.engine import actions, batches
+from deepepochs.engine import actions, batches, steps
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
+from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.patches import TensorPatch
 from deepepochs.tasks import EpochTask, TaskMeters, flatten_value, merge_stage_metrics, metric_name
 
@@ -69,6 +72,7 @@ class Driver:
                 task.batch_size = batch_size
             task.data = parts.dist.prepare_dataloader(task.dataloader, stage)
             task.step_fn = parts.resolve_step(task, stage)
+            task.targets_checked = False  # batch_patches checks once that metrics can do without targets
         return out
 
     # ---- errors: interrupt -> rollback -> idle, with the flight record ----
@@ -251,6 +255,55 @@ class Driver:
         ctx.parts.console.test(metrics)
         return metrics
 
+    # ---- predict ----
+    def run_predict(self, task: EpochTask, device: torch.device | None):
+        """The model's outputs over `task`'s data, in order; under DDP gathered on rank 0 (None elsewhere).
+
+        Prediction walks the test stage's edges (`test`, `begin_task`, per batch `begin_batch`/`end_batch`,
+        `end_task`, `end_stage`) through the evaluation loop with `steps.predict_step`; it runs no hooks,
+        computes no loss or metrics and prints nothing. A pending `resume=...` loads first, as for test.
+        """
+        ctx = self.ctx
+        parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
+        dist = parts.dist
+        sharded = dist.world_size > 1 and task.data is not task.dataloader
+        outputs = []
+        # Gathering pickles the outputs: keep them on the CPU until rank 0 has them all.
+        task.step_fn = functools.partial(steps.predict_step, ctx, outputs,
+                                         torch.device("cpu") if sharded else device)
+        task.step_args = {}
+        split = input_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda",
+                               task.batch_size or _uncounted, parts.target_key)
+        machine.fire_cold("test")
+        loop.stage = "predict"
+        ctx.task, ctx.task_index = task, 0
+        loop.meters = meters = TaskMeters(())
+        machine.fire_cold("begin_task")
+        loop.batch_idx = 0
+        ctx.model = parts.eval_model
+        parts.raw_model.eval()
+        try:
+            with torch.no_grad():
+                batches.eval_batches(ctx, task.data, meters, "test", observed=False, split=split)
+        finally:
+            ctx.model = parts.train_model
+            parts.raw_model.train()
+        machine.fire_cold("end_task")
+        ctx.task = None
+        loop.stage = None
+        machine.fire_cold("end_stage")
+        result = concat_batches(outputs)
+        if sharded:  # every rank ran its strided shard (EvalShardSampler); rank 0 puts them back in order
+            shards = dist.all_gather_object(result)
+            if not dist.is_main:
+                return None
+            result = merge_shards(shards, dist.world_size)
+            if result is not None and device is not None:
+                result = detached(result, device)
+        elif not dist.is_main:
+            return None
+        return result
+
     # ---- one task ----
     def _run_task(self, task, stage, epoch, meters, skip):
         ctx = self.ctx
@@ -355,6 +408,11 @@ class Driver:
         extra = f" | world size: {world}" if world > 1 else ""
         parts.console.info(f"{now} | device: {parts.device} | running id: {parts.running_id()} | parameters:"
                            f" {n:,} | precision: {parts.config.precision}{extra}")
+
+
+def _uncounted(batch_x, batch_y) -> int:
+    """Prediction keeps no per-sample statistics: batches need no sample count."""
+    return 0
 
 
 def _adopt(meters: TaskMeters, task: EpochTask) -> TaskMeters:

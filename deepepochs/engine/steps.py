@@ -18,11 +18,12 @@ from deepepochs.data import call_model
 from deepepochs.engine import actions
 from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
+from deepepochs.outputs import detached
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
 from deepepochs.tasks import flatten_value, merge_stage_metrics, metric_name
 
-__all__ = ["batch_patches", "check_step_result", "compute_loss", "default_step", "first_batch_checks", "loss",
-           "no_sync", "optimize"]
+__all__ = ["batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss", "default_step",
+           "first_batch_checks", "loss", "no_sync", "optimize", "predict_step"]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
 STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
@@ -45,16 +46,20 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
         value = loss(ctx, model_out, batch_y, 1.0, False)
     for hook in hooks[on_metrics]:
         hook(facade, value, model_out, batch_y, task)
-    patches = batch_patches(ctx, model_out, batch_y) if task.all_metrics else None
+    patches = None
+    if task.all_metrics:
+        pick = ctx.parts.pick_targets
+        preds, targets = (model_out, batch_y) if pick is None else pick(batch_x, model_out)
+        patches = batch_patches(ctx, preds, targets)
     if ctx.first_batch:
-        first_batch_checks(ctx, stage, value, model_out, batch_y, patches)
+        first_batch_checks(ctx, stage, value, batch_x, model_out, batch_y, patches)
     if stage == "train":
         ctx.step_patches = patches
         optimize(ctx, None)
     return patches
 
 
-def first_batch_checks(ctx: Context, stage: str, value, model_out, batch_y, patches) -> None:
+def first_batch_checks(ctx: Context, stage: str, value, batch_x, model_out, batch_y, patches) -> None:
     """A task's first batch, before its update: run its metrics on that batch, so that a metric returning
     a non-number is a ConfigError now, not after a whole epoch; at the fit's first training batch, also
     hand the checkpoint monitors (e.g. `CheckCallback`) the metric names each stage will report, worked out
@@ -75,9 +80,11 @@ def first_batch_checks(ctx: Context, stage: str, value, model_out, batch_y, patc
         stages["train"] = (["loss"] if value is not None else []) + names
     if val_tasks and all(task.step_fn is None for task in val_tasks):
         per_task = []
+        pick = ctx.parts.pick_targets
+        preds, targets = (model_out, batch_y) if pick is None else pick(batch_x, model_out)
         with torch.no_grad():
             for task in val_tasks:
-                task_names = _patch_names(batch_patches(ctx, model_out, batch_y, task.all_metrics))
+                task_names = _patch_names(batch_patches(ctx, preds, targets, task.all_metrics))
                 if task_names is None:
                     break
                 per_task.append(dict.fromkeys((["loss"] if task.do_loss else []) + task_names))
@@ -100,6 +107,12 @@ def _patch_names(patches) -> list[str] | None:
     return names
 
 
+def predict_step(ctx: Context, outputs: list, device: torch.device | None, batch_x, batch_y) -> None:
+    """Prediction's step: the forward pass only; its output is kept in `outputs`, detached and moved to
+    `device` batch by batch (so predicting a large dataset does not fill the accelerator's memory)."""
+    outputs.append(detached(call_model(ctx.model, batch_x), device))
+
+
 def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
     """The loss function's value (or the model's own loss with loss=None), checked to be a scalar."""
     loss_fn = ctx.loss_fn
@@ -109,7 +122,16 @@ def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
             raise ConfigError("with loss=None the model must return a scalar loss tensor or a dict with"
                               f" 'loss' (got {type(model_out).__name__})")
     else:
-        value = loss_fn(model_out, batch_y)
+        try:  # free when nothing raises (Python >= 3.11)
+            value = loss_fn(model_out, batch_y)
+        except Exception as e:
+            if batch_y is not None:
+                raise
+            raise ConfigError(
+                f"the loss function got batch_y=None and raised {type(e).__name__}: {e}. Dict batches carry no"
+                " label by default (every field goes to the model); name the label field with"
+                " Trainer(targets='<key>'), or pass loss=None and let the model compute its loss"
+            ) from e
     if not (isinstance(value, torch.Tensor) and value.numel() == 1):
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ConfigError(f"the loss must be a scalar tensor (got {shape}); reduce it, e.g. with .mean()")
@@ -215,12 +237,35 @@ def batch_patches(ctx: Context, model_out, batch_y, metrics=None) -> dict:
     metrics = ctx.task.all_metrics if metrics is None else metrics
     if not metrics:
         return {}
+    if batch_y is None and not getattr(ctx.task, "targets_checked", True):
+        check_metrics_without_targets(ctx, model_out, metrics)
     kind = ctx.parts.config.metric_patch
     if kind == "confusion":
         return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics)}
     if kind == "mean":
         return {metric_name(m): MeanPatch(m, model_out, batch_y) for m in metrics}
     return {metric_name(m): TensorPatch(m, model_out, batch_y) for m in metrics}
+
+
+def check_metrics_without_targets(ctx: Context, preds, metrics) -> None:
+    """At a task's first batch without targets (dict batches, loss=None models), try each metric on it:
+    one that needs targets fails now, with how to provide them, instead of after a whole epoch (a
+    TensorPatch computes its metric only at the task's end)."""
+    ctx.task.targets_checked = True
+    why = ("with loss=None every item of a batch is a model input" if ctx.loss_fn is None
+           else "dict batches pass every field to the model")
+    for metric in metrics:
+        if not callable(metric):
+            continue
+        try:
+            metric(preds, None)
+        except Exception as e:
+            raise ConfigError(
+                f"metric {metric_name(metric)!r} needs targets, but the batches carry none ({why}), so it got"
+                f" targets=None and raised {type(e).__name__}: {e}. Tell the trainer where the targets are:"
+                " Trainer(targets='<key>') for the label field of dict batches, or Trainer(targets=fn) with"
+                " fn(batch_x, model_out) -> (preds, targets), e.g. for a model that returns them"
+            ) from e
 
 
 def check_step_result(result, n: int):

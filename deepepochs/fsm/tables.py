@@ -102,7 +102,10 @@ GUARDS = (('epochs_remaining', 'Completed epochs are fewer than the epoch target
  ('resume_pending', 'Trainer(resume=...) asked for a resume that has not happened yet.'))
 
 # (name, commit, doc)
-ACTIONS = (('resume_checkpoint', False, "Load the newest checkpoint of the monitors' folders (or start fresh)."),
+ACTIONS = (('resume_checkpoint',
+  False,
+  "Load the newest checkpoint of the monitors' folders (or start fresh); a finished run's records become "
+  "fit()'s result."),
  ('start_epoch', False, "Advance the 1-based epoch counter and set distributed samplers' epoch."),
  ('report_early_stop', False, 'Record and print why the fit stopped before its epoch target.'),
  ('open_window', False, "Reset the window's sample count, loss sums and metric patches."),

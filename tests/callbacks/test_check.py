@@ -83,7 +83,7 @@ def test_monitors_in_one_folder_write_their_own_files_each_holding_every_monitor
     trainer = _trainer([best, latest])
     records = trainer.fit(*_loaders())
     run = tmp_path / trainer.running_id
-    assert sorted(p.name for p in run.iterdir()) == ["train-loss.latest.ckpt", "val-loss.best.ckpt"]
+    assert sorted(p.name for p in run.iterdir()) == ["finished.pt", "train-loss.latest.ckpt", "val-loss.best.ckpt"]
 
     val = records["val"]["loss"]
     best_epoch = val.index(min(val)) + 1

@@ -165,6 +165,43 @@ def _tiny_test_set() -> dict:
         return trainer.test(DataLoader(TensorDataset(*dataset[:1]), batch_size=5))
 
 
+class IndexedOutputs(nn.Module):
+    """`make_model()` whose forward also returns each sample's index (first feature): a nested output."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        return {"logits": self.net(x), "index": x[:, 0].round().long()}
+
+
+def _predict() -> dict:
+    """predict over VAL_N samples (odd: uneven shards) and over one sample (rank 1's shard is empty);
+    each rank's return value, and a fit afterwards still runs."""
+    model = IndexedOutputs()
+    loss = lambda out, y: F.cross_entropy(out["logits"], y)  # noqa: E731
+    with Trainer(model, loss, make_optimizer(model), **trainer_kwargs(metrics=None, epochs=1)) as trainer:
+        dataset = make_data(VAL_N, 2, index_feature=True)
+        full = trainer.predict(DataLoader(dataset, batch_size=6))
+        one = trainer.predict(DataLoader(TensorDataset(*dataset[:1]), batch_size=5))
+        fitted = trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
+    return {"full": full, "one": one, "fit_epochs": len(fitted["train"]["loss"])}
+
+
+def _find_lr() -> dict:
+    """find_lr over two ranks: the rates and losses each rank saw, and whether the weights came back."""
+    model = make_model()
+    before = _state(model)
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(metrics=None)) as trainer:
+        result = trainer.find_lr(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH), min_lr=1e-3, max_lr=10.0,
+                                 num_steps=12, plot=False)
+        restored = all(torch.equal(before[k], v) for k, v in trainer.raw_model.state_dict().items())
+        fitted = trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH), epochs=1)
+    return {"lrs": result.lrs, "losses": result.losses, "restored": restored,
+            "fit_epochs": len(fitted["train"]["loss"])}
+
+
 def interprete_metrics() -> dict:
     """Per-sample metrics for InterpreteCallback: a continuous one, and one with many ties (the label)."""
     return {"loss": lambda p, y: F.cross_entropy(p, y, reduction="none"), "label": lambda p, y: y.float()}
@@ -261,6 +298,8 @@ def run_scenarios() -> int:
     results["uneven_training_error"] = _uneven_training_error()
     results["tiny_test_set"] = _tiny_test_set()
     results["interprete"] = _interprete_top_samples()
+    results["predict"] = _predict()
+    results["find_lr"] = _find_lr()
     results["shuffled_indices"] = _shuffled_indices()
     results["broadcast_values"] = _broadcast_after_init_callbacks()
     results["main_process_first"] = _main_process_first(out)

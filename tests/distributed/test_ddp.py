@@ -237,6 +237,35 @@ def test_an_empty_evaluation_shard_still_gives_global_metrics(ranks):
         assert rank["tiny_test_set"] == pytest.approx(expected, abs=EXACT)
 
 
+# ---- issue 16 section 2: predict under DDP --------------------------------------------------------------
+@pytest.mark.distributed
+def test_predict_under_ddp_returns_each_sample_once_in_dataset_order_on_rank_0(ranks):
+    """Two ranks predict 37 samples (shards of 19 and 18): rank 0 returns the plain model's outputs for all
+    of them in dataset order (nested dict kept, on the CPU), rank 1 returns None; one sample works too."""
+    x, _ = T.make_data(T.VAL_N, 2, index_feature=True).tensors
+    with torch.no_grad():
+        reference = T.make_model()(x)
+    full = ranks[0]["predict"]["full"]
+    assert set(full) == {"logits", "index"}
+    assert full["index"].tolist() == list(range(T.VAL_N))
+    assert full["logits"].device.type == "cpu"
+    torch.testing.assert_close(full["logits"], reference)
+    one = ranks[0]["predict"]["one"]
+    torch.testing.assert_close(one["logits"], reference[:1])
+    assert ranks[1]["predict"]["full"] is None and ranks[1]["predict"]["one"] is None
+    assert ranks[0]["predict"]["fit_epochs"] == ranks[1]["predict"]["fit_epochs"] == 1
+
+
+@pytest.mark.distributed
+def test_find_lr_under_ddp_agrees_across_ranks_and_restores_the_weights(ranks):
+    """Both ranks sweep the same rates with the same (global) losses, stop at the same update, get their
+    weights back, and can fit afterwards (no rank left waiting in a collective)."""
+    a, b = ranks[0]["find_lr"], ranks[1]["find_lr"]
+    assert a["lrs"] == b["lrs"] and len(a["lrs"]) >= 3
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+    assert a["restored"] and b["restored"] and a["fit_epochs"] == b["fit_epochs"] == 1
+
+
 # ---- DDP-3: sharding and sampler epochs ------------------------------------------------------------------
 @pytest.mark.distributed
 def test_shuffled_training_shards_are_disjoint_complete_and_reshuffled_each_epoch(ranks):

@@ -1,0 +1,65 @@
+"""`LRFindCallback`: deepepochs 0.6's learning-rate finder, kept for 0.6 code (issue 16 section 2).
+
+Attached to a trainer, it makes the next `fit()` run a learning-rate sweep instead of training (as in 0.6,
+where the finder's fit ended after the sweep): the learning rate grows exponentially from `min_lr` to
+`max_lr` over at most `max_batch` updates, the sweep stops when the loss diverges, the curve is drawn when
+matplotlib is installed, and then, unlike 0.6, the model, optimizers and schedulers are restored, so a
+following `fit()` trains from where the trainer was. The sweep runs once per callback; its results stay
+on the callback (`lrs`, `losses`, `suggestion`, `result`). `Trainer.find_lr` does the same in one call.
+"""
+
+from __future__ import annotations
+
+from deepepochs.callbacks.base import Callback
+from deepepochs.lr_find import check_sweep_args
+
+__all__ = ["LRFindCallback"]
+
+
+class LRFindCallback(Callback):
+    """Run a learning-rate range test at the next `fit()` instead of training; see the module docstring.
+
+    Args:
+        max_batch: the most updates (learning rates) to try.
+        min_lr, max_lr: the range swept, exponentially.
+        opt_id: which optimizer's learning rate to sweep; required with several optimizers.
+        stop_factor: stop when the smoothed loss exceeds this multiple of its best value (None: never).
+        smooth: the loss's moving-average factor, in [0, 1).
+        plot: draw the curve when matplotlib is installed: True shows it, a path saves it, False skips it.
+
+    Example:
+        >>> finder = LRFindCallback(max_batch=100, min_lr=1e-5, max_lr=1.0)
+        >>> Trainer(model, F.cross_entropy, opt, callbacks=[finder]).fit(train_dl)
+        >>> finder.suggestion
+    """
+
+    def __init__(self, max_batch: int = 100, min_lr: float = 1e-6, max_lr: float = 5.0, opt_id: int | None = None,
+                 stop_factor: float | None = 4.0, smooth: float = 0.9, plot=True):
+        check_sweep_args(min_lr, max_lr, max_batch, stop_factor, smooth)
+        self.max_batch, self.min_lr, self.max_lr, self.opt_id = max_batch, min_lr, max_lr, opt_id
+        self.stop_factor, self.smooth, self.plot = stop_factor, smooth, plot
+        self.result = None  # the LRFindResult once the sweep ran
+
+    @property
+    def done(self) -> bool:
+        """Whether this callback's sweep has run (a later fit trains normally)."""
+        return self.result is not None
+
+    @property
+    def lrs(self) -> list:
+        """The learning rates tried (empty before the sweep)."""
+        return [] if self.result is None else self.result.lrs
+
+    @property
+    def losses(self) -> list:
+        """The loss of each update of the sweep (empty before it)."""
+        return [] if self.result is None else self.result.losses
+
+    @property
+    def suggestion(self) -> float | None:
+        """The suggested learning rate (None before the sweep, or when it ran fewer than 3 updates)."""
+        return None if self.result is None else self.result.suggestion
+
+    def __repr__(self) -> str:
+        return (f"LRFindCallback(max_batch={self.max_batch}, min_lr={self.min_lr}, max_lr={self.max_lr},"
+                f" opt_id={self.opt_id})")

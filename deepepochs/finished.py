@@ -1,0 +1,94 @@
+"""Finished runs (issue 16 section 3): a run that ended (epoch target reached or stopped early) says so when
+it is resumed, and returns its records without training.
+
+When a fit ends normally, each `CheckCallback` (rank 0) writes `finished.pt` into its run folder, next to
+the checkpoints: a `torch.save` dict of numbers, strings, lists and dicts, read with `weights_only=True`:
+
+==================  ==========================================================================
+`completed_epochs`  int, epochs the run had completed when it ended.
+`target_epochs`     int, the epoch target of that fit.
+`stop_reason`       str or None: why it stopped early (None: it reached its target).
+`stop_source`       str: what asked for the stop (e.g. `CheckCallback(val-loss.best)`), or ''.
+`records`           `{'train': {name: [per epoch]}, 'val': {...}}`: the trainer's history at the end
+                    (the epochs of the fits of the trainer that ended the run, those it resumed
+                    from a finished run included).
+==================  ==========================================================================
+
+`resume=True` (or `resume='<run>'`) reads it from the folder of the checkpoint it loads. The file counts
+when it is not older than that checkpoint (`completed_epochs` >= the checkpoint's epoch): a fit that went
+on after it and saved later epochs has made it stale. A counting file restores the completed epoch count,
+the history and an early stop; `fit()` then trains nothing (the stop, or a reached target, ends it at
+once) and returns the run's records. A run that reached its target trains on when `epochs=` is raised;
+an early-stopped run stays stopped: to train it further, delete its `finished.pt` (or start a new run).
+The file is not a checkpoint (it does not end in `.ckpt`) and is never picked by resume as one.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from deepepochs.checkpoint import write_atomic
+
+__all__ = ["FINISHED_FILE", "apply_finished", "read_finished", "write_finished"]
+
+FINISHED_FILE = "finished.pt"
+
+
+def write_finished(trainer, folder) -> Path:
+    """Record in `folder` that the trainer's run ended now (called at the end of a fit, on rank 0)."""
+    loop = trainer.loop
+    stop = loop.stop
+    data = {
+        "completed_epochs": int(loop.completed_epochs),
+        "target_epochs": int(loop.target_epochs),
+        "stop_reason": None if stop is None else str(stop.reason),
+        "stop_source": "" if stop is None else str(stop.source),
+        "records": {stage: {name: [float(v) for v in values] for name, values in metrics.items()}
+                    for stage, metrics in trainer.history.items()},
+    }
+    return write_atomic(data, Path(folder) / FINISHED_FILE)
+
+
+def read_finished(folder) -> dict | None:
+    """The run-end record in `folder`, or None when there is none or it cannot be read (a run without a
+    readable record is resumed as unfinished, as before this record existed)."""
+    path = Path(folder) / FINISHED_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a damaged marker must not block a resume: the checkpoint itself is what counts
+        return None
+    keys = {"completed_epochs", "target_epochs", "stop_reason", "stop_source", "records"}
+    if not isinstance(data, dict) or not keys <= set(data) or not isinstance(data["completed_epochs"], int):
+        return None
+    return data
+
+
+def apply_finished(trainer, folder, ckpt_epoch: int) -> dict | None:
+    """After a resume loaded a checkpoint of epoch `ckpt_epoch` from `folder`: if the run's end record
+    counts, restore its epoch count, history and early stop, say so, and return its records when the next
+    fit has nothing to train (else None)."""
+    finished = read_finished(folder)
+    if finished is None or finished["completed_epochs"] < ckpt_epoch:
+        return None
+    loop = trainer.loop
+    loop.completed_epochs = loop.epoch = finished["completed_epochs"]
+    records = finished["records"]
+    for stage, metrics in trainer.history.items():
+        metrics.clear()
+        metrics.update(copy.deepcopy(records.get(stage, {})))
+    if finished["stop_reason"] is not None:
+        trainer.request_stop(finished["stop_reason"], finished["stop_source"])
+        how = f"stopped early after epoch {loop.completed_epochs}: {finished['stop_reason']}"
+    else:
+        how = f"completed {loop.completed_epochs} of {finished['target_epochs']} epoch(s)"
+    if loop.stop is None and loop.completed_epochs < loop.target_epochs:
+        trainer._console.info(f"Run {trainer.running_id} had {how}; training on to epoch {loop.target_epochs}")
+        return None
+    trainer._console.info(f"Run {trainer.running_id} is finished ({how}); fit() returns its records without"
+                          f" training (delete {Path(folder) / FINISHED_FILE} to resume it as unfinished)")
+    return copy.deepcopy(records)

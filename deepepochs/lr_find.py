@@ -1,0 +1,247 @@
+"""The learning-rate finder behind `Trainer.find_lr` and `LRFindCallback` (issue 16 section 2).
+
+A range test: training updates with a learning rate that grows exponentially from `min_lr` to `max_lr`,
+one rate per update, recording each update's loss; the sweep stops early when the smoothed loss diverges
+(exceeds `stop_factor` times its best value, or becomes inf/NaN). The sweep runs through the ordinary
+training loop (the same steps, precision, accumulation and DDP handling as `fit`) with the trainer's own
+callbacks detached, so nothing is logged, checkpointed or early-stopped; afterwards the model, optimizers,
+schedulers, GradScaler, loop counters, history and random generators are put back as they were.
+
+The suggestion is the learning rate where the smoothed loss falls fastest against log(lr), looking only at
+the part of the curve before its minimum: a common rule of thumb for a starting learning rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import attrs
+import numpy as np
+import torch
+
+from deepepochs.callbacks.base import Callback
+from deepepochs.errors import ConfigError
+from deepepochs.utils import rng_state, set_rng_state
+
+__all__ = ["LRFindResult", "check_sweep_args", "run_sweep", "suggest_lr", "sweep_lrs"]
+
+
+@attrs.define(frozen=True)
+class LRFindResult:
+    """What a learning-rate sweep measured.
+
+    Attributes:
+        lrs: the learning rate of each update, increasing exponentially.
+        losses: each update's training loss (the mean over the update's batches, global under DDP).
+        smoothed: `losses` smoothed by a bias-corrected exponential moving average.
+        suggestion: the suggested learning rate (None when fewer than 3 updates ran).
+        stop_reason: why the sweep ended: 'max_lr reached' or 'diverged: ...'.
+    """
+
+    lrs: list
+    losses: list
+    smoothed: list
+    suggestion: float | None
+    stop_reason: str
+
+    def plot(self, path=None, show: bool = True) -> bool:
+        """Draw loss against learning rate (log scale) with the suggestion marked, if matplotlib is installed.
+
+        With `path` the figure is saved there, else shown (`show`). Returns False, drawing nothing, when
+        matplotlib is not installed (it is optional: `pip install matplotlib`).
+        """
+        try:
+            from matplotlib import pyplot as plt  # optional dependency, imported only to draw
+        except ImportError:
+            return False
+        fig, ax = plt.subplots()
+        ax.plot(self.lrs, self.losses, alpha=0.4, label="loss")
+        ax.plot(self.lrs, self.smoothed, label="smoothed loss")
+        if self.suggestion is not None:
+            ax.axvline(self.suggestion, color="red", linestyle="--", label=f"suggestion {self.suggestion:.3g}")
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("loss")
+        ax.legend()
+        if path is not None:
+            fig.savefig(os.fspath(path))
+            plt.close(fig)
+        elif show:
+            plt.show()
+        return True
+
+
+def sweep_lrs(min_lr: float, max_lr: float, num_steps: int) -> list[float]:
+    """`num_steps` learning rates from `min_lr` to `max_lr`, evenly spaced on a log scale."""
+    ratio = max_lr / min_lr
+    return [min_lr * ratio ** (i / (num_steps - 1)) for i in range(num_steps)]
+
+
+def smooth(losses, beta: float) -> list[float]:
+    """Bias-corrected exponential moving average (`beta=0` returns the losses unchanged)."""
+    out, avg = [], 0.0
+    for i, loss in enumerate(losses, 1):
+        avg = beta * avg + (1 - beta) * loss
+        out.append(avg / (1 - beta ** i))
+    return out
+
+
+def suggest_lr(lrs, smoothed) -> float | None:
+    """The learning rate of the steepest descent of `smoothed` against log10(lr), before its minimum."""
+    values = np.asarray(smoothed, dtype=np.float64)
+    finite = np.isfinite(values)
+    if finite.sum() < 3:
+        return None
+    end = int(np.nanargmin(np.where(finite, values, np.nan))) + 1
+    if end < 3:
+        return None
+    slopes = np.gradient(values[:end], np.log10(np.asarray(lrs[:end], dtype=np.float64)))
+    return float(lrs[int(np.argmin(slopes))])
+
+
+def check_sweep_args(min_lr, max_lr, num_steps, stop_factor, beta) -> None:
+    """Validate a sweep's settings (ConfigError naming the argument and what was received)."""
+    for name, value in (("min_lr", min_lr), ("max_lr", max_lr)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f"{name} must be a positive finite number (got {value!r})")
+    if min_lr >= max_lr:
+        raise ConfigError(f"min_lr must be smaller than max_lr (got min_lr={min_lr!r}, max_lr={max_lr!r})")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
+        raise ConfigError(f"num_steps (max_batch) must be an int >= 2: the number of updates to sweep"
+                          f" (got {num_steps!r})")
+    if stop_factor is not None and (isinstance(stop_factor, bool) or not isinstance(stop_factor, (int, float))
+                                    or stop_factor <= 1):
+        raise ConfigError(f"stop_factor must be a number > 1, or None to sweep up to max_lr (got {stop_factor!r})")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+        raise ConfigError(f"smooth must be a number in [0, 1): the moving-average factor (got {beta!r})")
+
+
+class _SweepDone(Exception):
+    """Raised from the sweep's hook to end the sweep's fit mid-epoch (caught by `run_sweep`)."""
+
+
+class _Sweep(Callback):
+    """The sweep's only callback while it runs: sets each update's learning rate before the optimizer
+    steps, records the update's loss after its last micro-batch, and ends the sweep."""
+
+    def __init__(self, lrs, indices, stop_factor, beta):
+        self.lrs = lrs
+        self.indices = indices
+        self.stop_factor = stop_factor
+        self.beta = beta
+        self.losses: list[float] = []
+        self.smoothed: list[float] = []
+        self.window: list[float] = []
+        self.updated = False
+        self.stop_reason = "max_lr reached"
+
+    def on_before_optimize(self, trainer, optimize_index):
+        lr = self.lrs[len(self.losses)]
+        for i in self.indices:
+            for group in trainer.opt[i].opt.param_groups:
+                group["lr"] = lr  # after any step-wise scheduler of the last update: the sweep's rate wins
+
+    def on_after_optimize(self, trainer, optimize_index):
+        self.updated = True
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        if "loss" not in metrics:
+            raise ConfigError("find_lr needs each training batch's loss, but the step reported none; let the"
+                              " step compute it with self.loss(...) or return a 'loss' entry")
+        self.window.append(float(metrics["loss"]))
+        if not self.updated:
+            return  # accumulation: the update comes with the window's last micro-batch
+        self.updated = False
+        total = torch.tensor([sum(self.window), len(self.window)], dtype=torch.float64, device=trainer.device)
+        total = trainer._dist.reduce_sum(total)  # every rank sees the same loss and stops at the same update
+        self.window = []
+        loss = float(total[0] / total[1])
+        self.losses.append(loss)
+        self.smoothed = smooth(self.losses, self.beta)
+        current, best = self.smoothed[-1], min(self.smoothed)
+        if not math.isfinite(loss):
+            self.stop_reason = f"diverged: loss {loss} at lr {self.lrs[len(self.losses) - 1]:.3g}"
+            raise _SweepDone
+        if self.stop_factor is not None and current > self.stop_factor * best:
+            self.stop_reason = (f"diverged: smoothed loss {current:.4g} > {self.stop_factor} x best {best:.4g}"
+                                f" at lr {self.lrs[len(self.losses) - 1]:.3g}")
+            raise _SweepDone
+        if len(self.losses) == len(self.lrs):
+            raise _SweepDone
+
+
+def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta, opt_index, train_tasks=None,
+              batch_size=None) -> LRFindResult:
+    """Run the range test on `trainer` (see the module docstring) and restore its state afterwards."""
+    opts = trainer.opt
+    if opt_index is None:
+        if len(opts) > 1:
+            raise ConfigError(f"the trainer has {len(opts)} optimizers: pass opt_index (opt_id) = 0..{len(opts) - 1}"
+                              " to choose the one whose learning rate is swept")
+        indices = (0,)
+    elif isinstance(opt_index, bool) or not isinstance(opt_index, int) or not 0 <= opt_index < len(opts):
+        raise ConfigError(f"opt_index (opt_id) must be an int in 0..{len(opts) - 1} (got {opt_index!r})")
+    else:
+        indices = (opt_index,)
+    ctx, driver, hooks, console = trainer._ctx, trainer._driver, trainer._hooks, trainer._console
+    ctx.parts.resume()  # a pending resume=... happens before the snapshot, so the restore keeps it
+    loop = ctx.loop
+    saved = {
+        "model": {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()},
+        "opts": copy.deepcopy(opts.state_dict()),
+        "scaler": copy.deepcopy(trainer._precision.state_dict()),
+        "rng": rng_state(),
+        "loop": (loop.completed_epochs, loop.epoch, loop.target_epochs, loop.stop, copy.deepcopy(loop.resume),
+                 loop.last_error_state),
+        "ctx": (ctx.train_meters, copy.deepcopy(ctx.history), ctx.last_metrics),
+        # the refit bookkeeping (engine.actions.remember_random_state): the sweep ends by an exception,
+        # which must not make the next fit rewind the generators to the sweep's last update
+        "random": (ctx.random_state, ctx.random_restore_due, ctx.task_random_state, ctx.random_replay),
+        "console": (console.enabled, console.log_batch, console.log_tqdm, console.show_info,
+                    driver._header_done),
+    }
+    # The sweep starts a fresh epoch whatever the trainer's state: no early stop pending, no interrupted
+    # epoch to continue (both come back afterwards).
+    loop.stop, loop.resume, ctx.train_meters = None, None, None
+    sweep = _Sweep(sweep_lrs(min_lr, max_lr, num_steps), indices, stop_factor, beta)
+    callbacks = list(hooks.callbacks)
+    hooks.remove(callbacks)
+    hooks.extend([sweep])
+    console.enabled = console.log_batch = console.log_tqdm = console.show_info = False
+    try:
+        tasks = driver.make_tasks("train", train_dl, train_tasks, [], True, batch_size)
+        if not tasks:
+            raise ConfigError("find_lr needs training data: pass a DataLoader or another iterable of batches")
+        # Enough epochs for num_steps updates however short the data; the sweep ends itself before that.
+        epochs = loop.completed_epochs + num_steps
+        try:
+            driver.guarded("fit", lambda: driver.run_fit(tasks, [], 1, epochs))
+        except _SweepDone:
+            pass
+        except FloatingPointError as e:  # nonfinite='raise': an inf/NaN update is divergence to a sweep
+            if not sweep.losses:
+                raise
+            sweep.stop_reason = f"diverged: {str(e).splitlines()[0]}"
+    finally:
+        hooks.remove([sweep])
+        hooks.extend(callbacks)
+        (console.enabled, console.log_batch, console.log_tqdm, console.show_info,
+         driver._header_done) = saved["console"]
+        trainer.raw_model.load_state_dict(saved["model"])
+        opts.load_state_dict(saved["opts"])
+        opts.zero_grad(opts.all_indices)
+        trainer._precision.load_state_dict(saved["scaler"])
+        set_rng_state(saved["rng"])
+        (loop.completed_epochs, loop.epoch, loop.target_epochs, loop.stop, loop.resume,
+         loop.last_error_state) = saved["loop"]
+        ctx.train_meters, history, ctx.last_metrics = saved["ctx"]
+        ctx.random_state, ctx.random_restore_due, ctx.task_random_state, ctx.random_replay = saved["random"]
+        for stage in ctx.history:  # the same dict objects: trainer.history may be held by the user
+            ctx.history[stage].clear()
+            ctx.history[stage].update(history.get(stage, {}))
+    lrs = sweep.lrs[:len(sweep.losses)]
+    smoothed = smooth(sweep.losses, beta)
+    return LRFindResult(lrs=lrs, losses=list(sweep.losses), smoothed=smoothed,
+                        suggestion=suggest_lr(lrs, smoothed), stop_reason=sweep.stop_reason)

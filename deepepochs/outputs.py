@@ -1,0 +1,89 @@
+"""Model outputs collected by `Trainer.predict`: per-batch outputs joined along the batch dimension
+(nested tuples, lists and dicts kept), and DDP shards put back in dataset order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from deepepochs.errors import ConfigError
+
+__all__ = ["concat_batches", "detached", "merge_shards"]
+
+
+def detached(obj, device: torch.device | None):
+    """`obj` with every tensor detached and, unless `device` is None, moved to `device` (nested
+    tuples/lists/dicts kept; other leaves unchanged)."""
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach()
+        return obj if device is None else obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        items = [detached(o, device) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, detached(v, device)) for k, v in obj.items())
+    return obj
+
+
+def _rebuild(like, items):
+    if hasattr(like, "_fields"):  # namedtuple
+        return type(like)(*items)
+    return type(like)(items)
+
+
+def concat_batches(batches: Sequence):
+    """Join per-batch outputs of one structure: tensors with a batch dimension are concatenated along
+    dim 0, 0-dim tensors stacked, other leaves kept as a list of per-batch values. None for no batches."""
+    if not batches:
+        return None
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(list(batches)) if first.dim() == 0 else torch.cat(list(batches))
+    if isinstance(first, (list, tuple)):
+        if any(len(b) != len(first) for b in batches):
+            raise ConfigError("predict: the model returned sequences of different lengths for different batches"
+                              f" ({sorted({len(b) for b in batches})}); return the same structure for every batch")
+        return _rebuild(first, [concat_batches([b[i] for b in batches]) for i in range(len(first))])
+    if isinstance(first, Mapping):
+        keys = list(first)
+        if any(list(b) != keys for b in batches):
+            raise ConfigError(f"predict: the model returned dicts with different keys for different batches (first"
+                              f" {keys}); return the same keys for every batch")
+        return type(first)((k, concat_batches([b[k] for b in batches])) for k in keys)
+    return list(batches)
+
+
+def merge_shards(shards: Sequence, world_size: int):
+    """Rank-ordered outputs of strided shards (rank r held samples r, r + w, ...) joined in dataset order;
+    a rank with no samples contributes None."""
+    present = [s for s in shards if s is not None]
+    if not present:
+        return None
+    return _interleave(list(shards), present[0], world_size)
+
+
+def _interleave(shards, like, world_size):
+    if isinstance(like, torch.Tensor):
+        if like.dim() == 0:
+            raise ConfigError("predict under DDP puts per-sample outputs back in dataset order, but the model"
+                              " returned a 0-dim tensor per batch; return tensors with a batch dimension")
+        chunks = [s for s in shards if s is not None]
+        total = sum(c.shape[0] for c in chunks)
+        out = like.new_empty((total, *like.shape[1:]))
+        for rank, chunk in enumerate(shards):
+            if chunk is not None:
+                out[rank::world_size] = chunk  # rank r held dataset indices r, r + w, r + 2w, ...
+        return out
+    if isinstance(like, (list, tuple)):
+        if any(s is not None and len(s) != len(like) for s in shards):
+            raise ConfigError("predict under DDP: ranks returned sequences of different lengths; return tensors"
+                              " (in tuples or dicts) with a batch dimension")
+        return _rebuild(like, [_interleave([None if s is None else s[i] for s in shards], like[i], world_size)
+                               for i in range(len(like))])
+    if isinstance(like, Mapping):
+        return type(like)((k, _interleave([None if s is None else s[k] for s in shards], like[k], world_size))
+                          for k in like)
+    raise ConfigError(f"predict under DDP puts outputs back in dataset order and needs tensors (in tuples or"
+                      f" dicts) from the model (got {type(like).__name__}); return tensors, or predict in one"
+                      " process")

@@ -1,0 +1,56 @@
+"""FSM-6, issue 16 section 4: `python -m deepepochs graph` on a machine without Graphviz."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _graph_cli(args, tmp_path, path_env):
+    env = {**os.environ, "PATH": path_env,
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "deepepochs", "graph", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("fmt", ["svg", "png"])
+def test_graph_cli_without_graphviz_prints_one_line_and_exits_2(fmt, tmp_path):
+    """With no `dot` on PATH, svg/png exit with status 2 and one stderr line naming Graphviz and how to
+    install it, no traceback, and no output file."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    out = tmp_path / f"g.{fmt}"
+    proc = _graph_cli(["--format", fmt, "--output", str(out)], tmp_path, str(empty))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "Graphviz" in lines[0] and "'dot'" in lines[0] and "install" in lines[0]
+    assert f"--format {fmt}" in lines[0]
+    assert not out.exists()
+
+
+def test_graph_cli_without_graphviz_still_writes_dot_text(tmp_path):
+    """The text formats need no Graphviz: `--format dot` works with an empty PATH."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    proc = _graph_cli(["--format", "dot"], tmp_path, str(empty))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("digraph")
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' is not installed here")
+def test_graph_cli_with_graphviz_writes_svg(tmp_path):
+    """Where `dot` exists, the same command writes an SVG file and exits 0 (the check above is not
+    triggered by a working install)."""
+    out = tmp_path / "g.svg"
+    proc = _graph_cli(["--format", "svg", "--output", str(out)], tmp_path, os.environ.get("PATH", ""))
+    assert proc.returncode == 0, proc.stderr
+    assert b"<svg" in out.read_bytes()

@@ -1,0 +1,99 @@
+"""Resuming a finished run (issue 16 section 3): a run that stopped early or reached its epoch target says
+it is finished when resumed with resume=True, trains nothing and returns its records; a run whose target
+is raised trains on; a stale or missing record changes nothing."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from deepepochs import Callback, CheckCallback, Trainer
+from deepepochs.finished import FINISHED_FILE
+
+
+def _loader(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(48, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+
+
+def constant(preds, targets):
+    """Never improves after its first value: CheckCallback(mode='max', patience=p) stops at epoch 1 + p."""
+    return torch.tensor(1.0)
+
+
+class CountBatches(Callback):
+    def __init__(self):
+        self.batches = 0
+
+    def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
+        self.batches += 1
+
+
+def _run(tmp_path, epochs, resume=False, patience=2, save_best=True):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    counter = CountBatches()
+    check = CheckCallback("constant", mode="max", patience=patience, save_best=save_best, ckpt_dir=tmp_path / "c")
+    trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.05), epochs=epochs,
+                      metrics=[constant], callbacks=[check, counter], resume=resume, log_batch=False,
+                      running_id=None if resume else "run")
+    return trainer, counter
+
+
+def test_an_early_stopped_run_resumed_says_it_is_finished_and_returns_its_records(tmp_path, capsys):
+    """Stopped early after epoch 3 of 10; the rerun with resume=True trains no batch, returns the first
+    run's records, says why it is finished, and holds the run's history and epoch count."""
+    first, _ = _run(tmp_path, epochs=10)
+    records = first.fit(_loader(), _loader(1))
+    first.close()
+    assert len(records["train"]["loss"]) == 3 and (tmp_path / "c" / "run" / FINISHED_FILE).is_file()
+    capsys.readouterr()
+    again, counter = _run(tmp_path, epochs=10, resume=True)
+    with again:
+        resumed = again.fit(_loader(), _loader(1))
+        assert counter.batches == 0
+        assert resumed == records and again.history == records
+        assert again.loop.completed_epochs == 3
+    out = capsys.readouterr().out
+    assert "Run run is finished (stopped early after epoch 3: val constant did not improve" in out
+    assert "returns its records without training" in out
+
+
+def test_a_run_that_reached_its_target_is_finished_until_the_target_is_raised(tmp_path, capsys):
+    """Two epochs of two: resumed with epochs=2 nothing trains and its records come back; with epochs=4
+    epochs 3 and 4 train (only their records are returned) and the history covers all four."""
+    first, _ = _run(tmp_path, epochs=2, patience=0, save_best=False)
+    records = first.fit(_loader(), _loader(1))
+    first.close()
+    same, counter = _run(tmp_path, epochs=2, resume=True, patience=0, save_best=False)
+    with same:
+        assert same.fit(_loader(), _loader(1)) == records and counter.batches == 0
+    assert "completed 2 of 2 epoch(s)" in capsys.readouterr().out
+    more, counter = _run(tmp_path, epochs=4, resume=True, patience=0, save_best=False)
+    with more:
+        new = more.fit(_loader(), _loader(1))
+        assert counter.batches == 2 * 3 and len(new["train"]["loss"]) == 2
+        assert more.history["train"]["loss"][:2] == records["train"]["loss"]
+        assert len(more.history["train"]["loss"]) == 4
+
+
+def test_a_record_older_than_the_checkpoint_or_unreadable_is_ignored(tmp_path):
+    """A finished record from before the loaded checkpoint's epoch (stale) or a damaged one does not stop
+    the resumed run from training."""
+    first, _ = _run(tmp_path, epochs=2, patience=0, save_best=False)
+    first.fit(_loader(), _loader(1))
+    first.close()
+    marker = tmp_path / "c" / "run" / FINISHED_FILE
+    data = torch.load(marker, weights_only=True)
+    data["completed_epochs"] = 1  # the checkpoint holds epoch 2
+    torch.save(data, marker)
+    stale, counter = _run(tmp_path, epochs=3, resume=True, patience=0, save_best=False)
+    with stale:
+        assert len(stale.fit(_loader(), _loader(1))["train"]["loss"]) == 1 and counter.batches == 3
+    marker.write_bytes(b"not a torch file")
+    damaged, counter = _run(tmp_path, epochs=4, resume=True, patience=0, save_best=False)
+    with damaged:
+        assert len(damaged.fit(_loader(), _loader(1))["train"]["loss"]) == 1 and counter.batches == 3
