@@ -66,7 +66,7 @@ class EpochRecorder(Callback):
         self.epochs = []
 
     def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
-        self.epochs.append(epoch_idx)
+        self.epochs.append(epoch_idx + 1)  # the hook's epoch_idx is 0-based
 
 
 def _only_file(folder):

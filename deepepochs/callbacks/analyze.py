@@ -136,7 +136,7 @@ class AnalyzeCallback(Callback):
         """Remove the hooks and write the epoch's statistics."""
         self._remove()
         if trainer.is_main_process and self._stats:
-            self._write(trainer, epoch_idx)
+            self._write(trainer, epoch_idx + 1)  # TensorBoard steps are 1-based epoch numbers
         self._stats = {}
 
     def on_after_fit(self, trainer):

@@ -19,6 +19,10 @@ class Callback(CallbackHooks):
     wraps the ones registered after it. A callback can stop the fit at the end of the epoch with
     `trainer.request_stop(reason)`.
 
+    Indices passed to hooks are 0-based, as in deepepochs 0.6: `epoch_idx` is 0 in the first epoch and
+    `batch_idx` is 0 for a task's first batch (the console shows `E 1/5`, and `trainer.loop.epoch` /
+    `trainer.loop.batch_idx` count from 1).
+
     `idle_hooks` names overridden hooks that this instance does not use in its configuration (read when
     the callback is attached to a trainer): they are never called, and a per-batch one no longer keeps
     training batches off the machine's fused edges, which are much cheaper on a small model.

