@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from deepepochs.data import check_batch_size
 from deepepochs.errors import ConfigError
 
 __all__ = ["STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "metric_name", "rename"]
@@ -46,21 +47,22 @@ class EpochTask:
         dataloader: a DataLoader or any iterable of batches.
         metrics: a metric function or a list of them, added to the stage's metrics.
         do_loss: whether evaluation computes the loss.
-        batch_size: callable `(batch_x, batch_y) -> int` when the sample count cannot be inferred.
+        batch_size: the sample count of a batch when it cannot be inferred from tensor shapes: an int
+            (every batch counts that many samples) or a function `(batch_x, batch_y) -> int`.
         **step_args: extra keyword arguments passed to the step methods.
 
     Example:
         >>> trainer.fit(train_tasks=[EpochTask(train_dl, metrics=[accuracy])], val_dl=val_dl)
     """
 
-    def __init__(self, dataloader, metrics=None, do_loss: bool = True, batch_size: Callable | None = None,
+    def __init__(self, dataloader, metrics=None, do_loss: bool = True, batch_size: int | Callable | None = None,
                  **step_args):
         if dataloader is None or not hasattr(dataloader, "__iter__"):
             raise ConfigError(f"dataloader must be an iterable of batches (got {type(dataloader).__name__})")
         self.dataloader = dataloader
         self.metrics = as_metric_list(metrics, "metrics")
         self.do_loss = do_loss
-        self.batch_size = batch_size
+        self.batch_size = check_batch_size(batch_size)
         self.step_args = step_args
         # Filled in when a stage adopts the task (Runner.make_tasks):
         self.trainer = None

@@ -3,12 +3,13 @@ metric defaults, custom steps calling only `self.loss`, `do_loss`, 0.6 names and
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from deepepochs import Callback, Trainer
+from deepepochs import Callback, ConfigError, EpochTask, Trainer
 
 QUIET = {"log_batch": False, "show_info": False}
 
@@ -84,3 +85,56 @@ def test_hooks_receive_zero_based_epoch_and_batch_indices_while_the_console_coun
     assert rec.seen["before_test_batch"] == list(range(len(val_dl)))
     out = capsys.readouterr().out
     assert "E 1/3  TRAIN>" in out and "E 3/3  TRAIN>" in out and "E 0/3" not in out
+
+
+def _batch_losses(model, dl):
+    """Plain PyTorch: each batch's mean cross-entropy and its (x, y)."""
+    with torch.no_grad():
+        return [(F.cross_entropy(model(x), y).item(), x, y) for x, y in dl]
+
+
+def test_batch_size_int_weighs_every_batch_with_that_count_like_0_6():
+    """fit/test(batch_size=16): each batch counts 16 samples (the short last batch too); it used to fail
+    with "'int' object is not callable" at the first batch."""
+    dl = data(40, 16)  # batches of 16, 16 and 8
+    model = nn.Linear(4, 2)
+    per_batch = _batch_losses(model, dl)
+    with Trainer(model, F.cross_entropy, epochs=1, **QUIET) as trainer:
+        got = trainer.test(dl, batch_size=16)["loss"]
+        inferred = trainer.test(dl)["loss"]
+    assert abs(got - sum(v for v, _, _ in per_batch) / len(per_batch)) < 1e-6
+    weighted = sum(v * len(y) for v, _, y in per_batch) / sum(len(y) for _, _, y in per_batch)
+    assert abs(inferred - weighted) < 1e-6 and abs(got - inferred) > 1e-4
+
+
+def test_batch_size_function_gives_each_batch_its_weight_in_fit_test_and_epoch_task():
+    """batch_size=fn(batch_x, batch_y) -> int weighs each batch, in test(), fit() and EpochTask."""
+    dl = data(40, 16)
+    model = nn.Linear(4, 2)
+
+    def positives_plus_one(batch_x, batch_y):
+        return int(batch_y.sum()) + 1
+
+    per_batch = _batch_losses(model, dl)
+    weights = [positives_plus_one(x, y) for _, x, y in per_batch]
+    expected = sum(v * w for (v, _, _), w in zip(per_batch, weights)) / sum(weights)
+    with Trainer(model, F.cross_entropy, opt=torch.optim.SGD(model.parameters(), lr=0.0), epochs=1,
+                 **QUIET) as trainer:
+        assert abs(trainer.test(dl, batch_size=positives_plus_one)["loss"] - expected) < 1e-6
+        assert abs(trainer.test(tasks=[EpochTask(dl, batch_size=positives_plus_one)])["loss"] - expected) < 1e-6
+        # lr=0: training leaves the weights as they are, so the training loss is the same weighted mean
+        records = trainer.fit(dl, batch_size=positives_plus_one)
+    assert abs(records["train"]["loss"][0] - expected) < 1e-6
+
+
+def test_a_bad_batch_size_is_refused_naming_the_argument_and_what_it_accepts():
+    """batch_size must be None, a positive int or a function; anything else is a ConfigError up front."""
+    dl = data()
+    with Trainer(nn.Linear(4, 2), F.cross_entropy, epochs=1, **QUIET) as trainer:
+        for bad in (0, -3, True, "32", 2.5):
+            with pytest.raises(ConfigError, match=r"batch_size must be None .* a positive int .* \(got "):
+                trainer.fit(dl, batch_size=bad)
+            with pytest.raises(ConfigError, match=r"batch_size must be None"):
+                trainer.test(dl, batch_size=bad)
+            with pytest.raises(ConfigError, match=r"batch_size must be None"):
+                EpochTask(dl, batch_size=bad)

@@ -15,6 +15,7 @@ import itertools
 import torch
 
 from deepepochs.checkpoint import monitors_in
+from deepepochs.data import check_batch_size
 from deepepochs.engine import actions, batches
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
@@ -48,6 +49,7 @@ class Driver:
     def make_tasks(self, stage, dataloader, tasks, metrics, do_loss, batch_size) -> list[EpochTask]:
         """EpochTasks of a stage from a DataLoader and/or a task list (they combine, DataLoader first)."""
         parts = self.ctx.parts
+        check_batch_size(batch_size)
         out = []
         if dataloader is not None:
             out.append(EpochTask(dataloader, do_loss=do_loss, batch_size=batch_size))
