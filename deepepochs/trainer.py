@@ -251,8 +251,13 @@ class TrainerBase:
 
         `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
         splits its batch by hand; the update then happens once per window via `self.optimize()`.
+
+        As in 0.6, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step that
+        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks, except for a
+        training call with `do_optimize=False`. In validation/test with `do_loss=False` it computes no loss
+        and returns None.
         """
-        return steps.loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize)
+        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize)
 
     def optimize(self, optimize_index=None) -> None:
         """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's

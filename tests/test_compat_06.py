@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Callback, ConfigError, EpochTask, Trainer
+from deepepochs.metrics import accuracy
 
 QUIET = {"log_batch": False, "show_info": False}
 
@@ -138,3 +139,60 @@ def test_a_bad_batch_size_is_refused_naming_the_argument_and_what_it_accepts():
                 trainer.test(dl, batch_size=bad)
             with pytest.raises(ConfigError, match=r"batch_size must be None"):
                 EpochTask(dl, batch_size=bad)
+
+
+class LossOnlySteps(Trainer):
+    """A 0.6-style custom trainer: its steps only call `self.loss(out, y)` and return nothing."""
+
+    def train_step(self, batch_x, batch_y, **step_args):
+        self.loss(self.model(batch_x), batch_y)
+
+    def evaluate_step(self, batch_x, batch_y, **step_args):
+        self.returned.append(self.loss(self.model(batch_x), batch_y))
+
+
+def _plain_accuracy(model, dl):
+    with torch.no_grad():
+        x = torch.cat([x for x, _ in dl])
+        y = torch.cat([y for _, y in dl])
+        return (model(x).argmax(dim=1) == y).double().mean().item()
+
+
+def test_custom_steps_that_only_call_self_loss_keep_the_trainers_metrics():
+    """0.6 computed the trainer's metrics inside `self.loss`: a step that returns nothing still reports
+    them (here the accuracy), in training, validation and test, equal to a plain PyTorch computation."""
+    train_dl, val_dl = data(64, 16), data(48, 16, seed=1)
+    model = nn.Linear(4, 2)
+    trainer = LossOnlySteps(model, F.cross_entropy, opt=torch.optim.SGD(model.parameters(), lr=0.0), epochs=1,
+                            metrics=[accuracy], **QUIET)
+    trainer.returned = []
+    records = trainer.fit(train_dl, val_dl)
+    tested = trainer.test(val_dl)
+    trainer.close()
+    assert abs(records["train"]["accuracy"][0] - _plain_accuracy(model, train_dl)) < 1e-6
+    assert abs(records["val"]["accuracy"][0] - _plain_accuracy(model, val_dl)) < 1e-6
+    assert abs(tested["accuracy"] - _plain_accuracy(model, val_dl)) < 1e-6
+    assert "loss" in records["val"] and "loss" in tested
+
+
+def test_do_val_loss_false_and_do_loss_false_compute_no_evaluation_loss_in_custom_steps():
+    """fit(do_val_loss=False) / test(do_loss=False): a custom evaluate step's `self.loss` computes no loss
+    (the loss function is not called, None comes back) and none is reported; metrics still are."""
+    calls = {"train": 0, "val": 0, "test": 0}
+
+    def counting_loss(out, y):
+        calls[trainer.loop.stage] += 1
+        return F.cross_entropy(out, y)
+
+    train_dl, val_dl = data(64, 16), data(48, 16, seed=1)
+    model = nn.Linear(4, 2)
+    trainer = LossOnlySteps(model, counting_loss, epochs=2, metrics=[accuracy], **QUIET)
+    trainer.returned = []
+    records = trainer.fit(train_dl, val_dl, do_val_loss=False)
+    tested = trainer.test(val_dl, do_loss=False)
+    trainer.close()
+    assert calls == {"train": 2 * len(train_dl), "val": 0, "test": 0}
+    assert set(records["val"]) == {"accuracy"} and set(tested) == {"accuracy"}
+    assert trainer.returned == [None] * (3 * len(val_dl))
+    assert abs(tested["accuracy"] - _plain_accuracy(model, val_dl)) < 1e-6
+

@@ -62,6 +62,8 @@ def train_batches(ctx: Context, data, meters) -> None:
     step_fn, step_args = task.step_fn, task.step_args
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": "train"}
+    else:
+        step_fn = steps.custom_step(ctx, step_fn)
     autocast = parts.precision.autocast if parts.precision.dtype is not None else None
     console = parts.console
     log_batch = console.log_batch or console.log_tqdm
@@ -114,6 +116,8 @@ def eval_batches(ctx: Context, data, meters, stage: str) -> None:
     step_fn, step_args = task.step_fn, task.step_args
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": stage}
+    else:
+        step_fn = steps.custom_step(ctx, step_fn)
     console, autocast = parts.console, parts.precision.autocast
     for batch in data:
         loop.batch_idx += 1

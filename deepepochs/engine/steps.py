@@ -20,7 +20,10 @@ from deepepochs.errors import ConfigError
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
 from deepepochs.tasks import metric_name
 
-__all__ = ["batch_patches", "check_step_result", "compute_loss", "default_step", "loss", "no_sync", "optimize"]
+__all__ = [
+    "batch_patches", "check_step_result", "compute_loss", "custom_step", "default_step", "loss", "no_sync",
+    "optimize", "user_loss",
+]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
 STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
@@ -107,6 +110,55 @@ def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool
     if do_optimize:
         optimize(ctx, None)
     return value
+
+
+def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool):
+    """`Trainer.loss` as a custom step calls it: `loss` with what 0.6 did around it.
+
+    - In validation and test with `do_loss=False` (`fit(do_val_loss=False)`, `test(do_loss=False)`) the
+      loss is neither computed nor reported, and None is returned.
+    - The call makes the trainer's metric patches from `(model_out, batch_y)` and runs the stage's
+      `on_*_metrics` hooks, so a step that only calls `self.loss(out, y)` keeps the trainer's metrics. In
+      training the patches are made before the update, which commits them (as in `default_step`); a call
+      with `do_optimize=False` (a sub-batch whose update comes later) makes none, as in 0.6.
+    """
+    task, loop = ctx.task, ctx.loop
+    if task is None:  # called outside fit/test: just the loss
+        return loss(ctx, model_out, batch_y, loss_adjust, do_optimize)
+    stage = loop.stage
+    training = stage == "train"
+    value = loss(ctx, model_out, batch_y, loss_adjust, False) if training or task.do_loss else None
+    if not training or do_optimize:
+        facade = ctx.parts.facade
+        for hook in ctx.parts.hooks.by_event[STEP_HOOKS[stage][2]]:
+            hook(facade, value, model_out, batch_y, task)
+        if task.all_metrics:
+            made, have = batch_patches(ctx, model_out, batch_y), ctx.step_patches
+            if have:  # several calls in one step: their patches add up
+                made = {name: have[name].add(patch) if name in have else patch for name, patch in made.items()}
+                made = {**have, **made}
+            ctx.step_patches = made
+    if training and do_optimize:
+        optimize(ctx, None)
+    return value
+
+
+def custom_step(ctx: Context, step_fn):
+    """A user's step method, returning the metric patches its `self.loss` calls made (`user_loss`) together
+    with what it returns itself (its own entries win). The default step does not go through this."""
+
+    def run(batch_x, batch_y, **step_args):
+        ctx.step_patches = None
+        result = step_fn(batch_x, batch_y, **step_args)
+        made = ctx.step_patches
+        if made:
+            if result is None:
+                return dict(made)
+            if isinstance(result, dict):
+                return {**made, **result}
+        return result
+
+    return run
 
 
 def backward(ctx: Context, root: torch.Tensor, share: float) -> None:
