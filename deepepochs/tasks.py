@@ -10,7 +10,10 @@ import torch
 from deepepochs.data import check_batch_size
 from deepepochs.errors import ConfigError
 
-__all__ = ["STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "metric_name", "rename"]
+__all__ = [
+    "STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "check_metric_names", "flatten_value", "merge_values",
+    "metric_name", "rename",
+]
 
 #: Step-method lookup order per stage: `step` first, then the stage's own, then `evaluate_step`.
 STEP_NAMES = {
@@ -20,13 +23,39 @@ STEP_NAMES = {
 }
 
 
-def rename(metric: Callable, name: str) -> Callable:
-    """Give a metric function the display name `name` (returns a wrapper; the function is unchanged)."""
+def rename(metric, name=None):
+    """Give a metric function a display name: `rename(fn, 'acc')`, or as a decorator `@rename('acc')`.
+
+    For a metric that returns a dict, `name` is a prefix of its keys: `@rename('m.')` reports
+    `{'m.p': ..., 'm.r': ...}` for a result `{'p': ..., 'r': ...}`, and `@rename('')` keeps the keys as
+    they are (as in deepepochs 0.6). The function itself is unchanged; a wrapper is returned.
+
+    Example:
+        >>> @rename('val_')
+        ... def pr(preds, targets):
+        ...     return {'p': precision(preds, targets), 'r': recall(preds, targets)}
+        >>> acc = rename(accuracy, 'acc')
+    """
+    if isinstance(metric, str) and name is None:  # @rename('name')
+        prefix = metric
+        return lambda fn: rename(fn, prefix)
+    if not callable(metric):
+        raise ConfigError(f"rename needs a metric function: rename(fn, 'name') or @rename('name') (got"
+                          f" {type(metric).__name__})")
+    if not isinstance(name, str):
+        raise ConfigError(f"rename's name must be a string (got {type(name).__name__}: {name!r})")
 
     def renamed(*args, **kwargs):
-        return metric(*args, **kwargs)
+        value = metric(*args, **kwargs)
+        if isinstance(value, Mapping):
+            return {f"{name}{key}": v for key, v in value.items()}
+        if not name:
+            raise ConfigError(f"rename(fn, '') is for metrics that return a dict; {metric_name(metric)!r}"
+                              " returned one value: give it a name")
+        return value
 
-    renamed.__name__ = renamed.__qualname__ = name
+    # '' keeps a dict's keys; the metric still needs a name of its own to key its patches.
+    renamed.__name__ = renamed.__qualname__ = name or metric_name(metric)
     renamed.__wrapped__ = metric
     return renamed
 
@@ -84,6 +113,22 @@ class EpochTask:
 
     def __repr__(self):
         return f"{type(self).__name__}(stage={self.stage!r}, dataloader={type(self.dataloader).__name__})"
+
+
+def check_metric_names(metrics, where: str) -> list:
+    """The metrics without repeats of the same function; two different metrics of one name are refused,
+    since the second would silently replace the first."""
+    out, seen = [], {}
+    for m in metrics:
+        name = metric_name(m)
+        if name in seen:
+            if seen[name] is m:
+                continue
+            raise ConfigError(f"two different metrics of {where} are both named {name!r}; one would replace"
+                              f" the other: give one another name with rename(fn, 'name') or @rename('name')")
+        seen[name] = m
+        out.append(m)
+    return out
 
 
 def as_metric_list(metrics, argname: str) -> list:
@@ -185,8 +230,9 @@ class BatchMetrics(Mapping):
     def _compute(self) -> dict:
         if self._values is None:
             values = {} if self._loss is None else {"loss": float(self._loss)}
+            sources = dict.fromkeys(values, "the loss")
             for name, patch in self._patches.items():
-                values.update(flatten_value(name, patch.forward()))
+                merge_values(values, sources, name, patch.forward())
             self._values = values
         return self._values
 
@@ -198,6 +244,19 @@ class BatchMetrics(Mapping):
 
     def __len__(self):
         return len(self._compute())
+
+
+def merge_values(values: dict, sources: dict, name: str, value) -> None:
+    """Add metric `name`'s result to `values`; a key another metric (or the loss) reported already is an
+    error, not a silent overwrite. `sources` maps each key to the metric that reported it."""
+    for key, v in flatten_value(name, value).items():
+        if key in values:
+            raise ConfigError(
+                f"metrics {sources[key]!r} and {name!r} both report {key!r}; one would overwrite the other:"
+                f" prefix a dict metric's keys with @rename('{name}.') or rename(fn, '{name}.')"
+            )
+        values[key] = v
+        sources[key] = name
 
 
 def flatten_value(name: str, value) -> dict[str, float]:

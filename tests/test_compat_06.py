@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from deepepochs import Callback, ConfigError, EpochTask, Trainer
+from deepepochs import Callback, ConfigError, EpochTask, Trainer, rename
 from deepepochs.metrics import accuracy
 
 QUIET = {"log_batch": False, "show_info": False}
@@ -196,3 +196,90 @@ def test_do_val_loss_false_and_do_loss_false_compute_no_evaluation_loss_in_custo
     assert trainer.returned == [None] * (3 * len(val_dl))
     assert abs(tested["accuracy"] - _plain_accuracy(model, val_dl)) < 1e-6
 
+
+
+def _all_xy(dl):
+    return torch.cat([x for x, _ in dl]), torch.cat([y for _, y in dl])
+
+
+def test_rename_works_as_a_decorator_and_as_a_call_like_0_6():
+    """`@rename('acc')` and `rename(fn, 'acc2')` name the metric; the values are the functions' values."""
+    from sklearn.metrics import accuracy_score
+
+    @rename("acc")
+    def my_acc(preds, targets):
+        return (preds.argmax(1) == targets).float().mean()
+
+    other = rename(lambda preds, targets: (preds.argmax(1) == targets).float().mean(), "acc2")
+    dl = data(48, 16)
+    model = nn.Linear(4, 2)
+    with Trainer(model, F.cross_entropy, epochs=1, **QUIET) as trainer:
+        got = trainer.test(dl, metrics=[my_acc, other])
+    x, y = _all_xy(dl)
+    with torch.no_grad():
+        expected = accuracy_score(y.numpy(), model(x).argmax(1).numpy())
+    assert set(got) == {"loss", "acc", "acc2"}
+    assert abs(got["acc"] - expected) < 1e-6 and abs(got["acc2"] - expected) < 1e-6
+
+
+def _pr(preds, targets):
+    from deepepochs.metrics import precision, recall
+
+    return {"p": precision(preds, targets, average="binary"), "r": recall(preds, targets, average="binary")}
+
+
+def test_rename_prefixes_the_keys_of_a_dict_metric_and_an_empty_name_keeps_them():
+    """A dict metric under `@rename('m.')` reports `m.p`, `m.r`; under `@rename('')` plain `p`, `r`; the
+    values equal scikit-learn's precision and recall."""
+    from sklearn.metrics import precision_score, recall_score
+
+    dl = data(64, 16)
+    model = nn.Linear(4, 2)
+    with Trainer(model, F.cross_entropy, epochs=1, **QUIET) as trainer:
+        prefixed = trainer.test(dl, metrics=[rename("m.")(_pr)])
+        kept = trainer.test(dl, metrics=[rename(_pr, "")])
+    x, y = _all_xy(dl)
+    with torch.no_grad():
+        pred = model(x).argmax(1).numpy()
+    p, r = precision_score(y.numpy(), pred, zero_division=0), recall_score(y.numpy(), pred, zero_division=0)
+    assert set(prefixed) == {"loss", "m.p", "m.r"} and set(kept) == {"loss", "p", "r"}
+    assert abs(prefixed["m.p"] - p) < 1e-6 and abs(prefixed["m.r"] - r) < 1e-6
+    assert abs(kept["p"] - p) < 1e-6 and abs(kept["r"] - r) < 1e-6
+
+
+def test_two_dict_metrics_with_the_same_keys_are_an_error_not_a_silent_overwrite():
+    """Two dict metrics reporting the same key fail with a message naming both and the fix; prefixed with
+    rename they both report."""
+
+    def _pr_again(preds, targets):
+        return _pr(preds, targets)
+
+    dl = data(32, 16)
+    with Trainer(nn.Linear(4, 2), F.cross_entropy, epochs=1, **QUIET) as trainer:
+        with pytest.raises(ConfigError, match=r"metrics '_pr' and '_pr_again' both report 'p'.*@rename"):
+            trainer.test(dl, metrics=[_pr, _pr_again])
+        both = trainer.test(dl, metrics=[rename(_pr, "a."), rename(_pr_again, "b.")])
+    assert set(both) == {"loss", "a.p", "a.r", "b.p", "b.r"} and both["a.p"] == both["b.p"]
+
+
+def test_two_different_metrics_with_one_name_are_refused_before_training():
+    """Two different functions both named 'acc' would replace each other: a ConfigError at fit()."""
+    first = rename(lambda p, t: (p.argmax(1) == t).float().mean(), "acc")
+    second = rename(lambda p, t: (p.argmax(1) != t).float().mean(), "acc")
+    model = nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with Trainer(model, F.cross_entropy, epochs=1, **QUIET) as trainer:
+        with pytest.raises(ConfigError, match=r"two different metrics .* both named 'acc'"):
+            trainer.fit(data(), metrics=[first, second])
+        trainer.test(data(), metrics=[first, first])  # the same function twice is one metric
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_an_empty_rename_on_a_single_value_metric_asks_for_a_name():
+    """`rename(fn, '')` on a metric returning one number is an error that says to give it a name."""
+    acc = rename(lambda p, t: (p.argmax(1) == t).float().mean(), "")
+    with Trainer(nn.Linear(4, 2), F.cross_entropy, epochs=1, **QUIET) as trainer:
+        with pytest.raises(ConfigError, match=r"rename\(fn, ''\) is for metrics that return a dict"):
+            trainer.test(data(), metrics=[acc])
+    with pytest.raises(ConfigError, match="rename's name must be a string"):
+        rename(acc, 3)

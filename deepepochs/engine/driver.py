@@ -22,7 +22,7 @@ from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.patches import TensorPatch
-from deepepochs.tasks import EpochTask, TaskMeters, flatten_value, metric_name
+from deepepochs.tasks import EpochTask, TaskMeters, check_metric_names, merge_values, metric_name
 
 __all__ = ["Driver"]
 
@@ -66,7 +66,7 @@ class Driver:
                 )
             task.trainer = parts.facade
             task.stage = stage
-            task.all_metrics = [*metrics, *task.metrics]
+            task.all_metrics = check_metric_names([*metrics, *task.metrics], f"the {stage} task {i}")
             if task.batch_size is None:
                 task.batch_size = batch_size
             task.data = parts.dist.prepare_dataloader(task.dataloader, stage)
@@ -294,8 +294,9 @@ class Driver:
             if stats[1] > 0:
                 out["loss"] = float(stats[0] / stats[1])
         # Under DDP: merged copies (global metrics on every rank), names agreed even for an empty shard.
+        sources = dict.fromkeys(out, "the loss")
         for name, patch in dist.sync_patches(meters.patches).items():
-            out.update(flatten_value(name, patch.forward()))
+            merge_values(out, sources, name, patch.forward())
         meters.final = out
         return out
 
