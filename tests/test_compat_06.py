@@ -3,13 +3,25 @@ metric defaults, custom steps calling only `self.loss`, `do_loss`, 0.6 names and
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from deepepochs import Callback, ConfigError, EpochTask, Trainer, rename
+from deepepochs import (
+    Callback,
+    CheckCallback,
+    CheckpointError,
+    ConfigError,
+    EpochTask,
+    Optimizer,
+    Trainer,
+    rename,
+)
+from deepepochs.errors import DeepEpochsWarning
 from deepepochs.metrics import accuracy
 
 QUIET = {"log_batch": False, "show_info": False}
@@ -283,3 +295,72 @@ def test_an_empty_rename_on_a_single_value_metric_asks_for_a_name():
             trainer.test(data(), metrics=[acc])
     with pytest.raises(ConfigError, match="rename's name must be a string"):
         rename(acc, 3)
+
+
+def _save_06_checkpoint(path, model, epoch_idx):
+    """A checkpoint in deepepochs 0.6's layout, made with plain PyTorch: a few Adam steps with a StepLR."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in data():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    sched.step()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model_state": model.state_dict(),
+                "opt_state": [{"opt_state": opt.state_dict(), "sched_state": sched.state_dict()}],
+                "best_value": 0.25, "epoch": epoch_idx}, path)
+    return opt, sched
+
+
+def _06_trainer(tmp_path, **kwargs):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    check = CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=tmp_path / "ckpt")
+    return Trainer(model, F.cross_entropy, Optimizer(opt, sched), epochs=4, callbacks=[check], **QUIET, **kwargs)
+
+
+def test_a_0_6_checkpoint_loads_weights_optimizer_scheduler_and_epoch(tmp_path):
+    """load_checkpoint reads 0.6's {'model_state', 'opt_state', 'best_value', 'epoch'}: the weights, Adam's
+    moments, the scheduler and the completed epochs (0.6's 0-based epoch 2 = 3 epochs done) come back."""
+    source = nn.Linear(4, 2)
+    opt, sched = _save_06_checkpoint(tmp_path / "old.ckpt", source, epoch_idx=2)
+    trainer = _06_trainer(tmp_path)
+    trainer.load_checkpoint(tmp_path / "old.ckpt")
+    for mine, theirs in zip(trainer.raw_model.parameters(), source.parameters()):
+        assert torch.equal(mine, theirs)
+    loaded = trainer.opt[0].opt.state_dict()
+    for pid, state in opt.state_dict()["state"].items():
+        assert torch.equal(loaded["state"][pid]["exp_avg"], state["exp_avg"])
+    assert trainer.opt[0].scheduler.state_dict() == sched.state_dict()
+    assert trainer.loop.completed_epochs == 3
+    records = trainer.fit(data())
+    trainer.close()
+    assert len(records["train"]["loss"]) == 1  # epochs=4: one epoch was left
+
+
+def test_resume_true_continues_a_0_6_run_and_skips_a_foreign_file_without_aborting(tmp_path):
+    """resume=True finds 0.6's `<ckpt_dir>/<run>/checkpoint.ckpt` and continues it; a 0.6 file of another
+    model (newer) is skipped with a warning naming it, never stopping fit()."""
+    good = tmp_path / "ckpt" / "old-run" / "checkpoint.ckpt"
+    source = nn.Linear(4, 2)
+    _save_06_checkpoint(good, source, epoch_idx=1)
+    foreign = tmp_path / "ckpt" / "other-model" / "checkpoint.ckpt"
+    foreign.parent.mkdir(parents=True)
+    torch.save({"model_state": nn.Linear(7, 3).state_dict(), "opt_state": [], "best_value": 1.0, "epoch": 5},
+               foreign)
+    os.utime(foreign, (good.stat().st_mtime + 10,) * 2)  # the newest file
+    trainer = _06_trainer(tmp_path, resume=True)
+    with pytest.warns(DeepEpochsWarning, match=r"skipped .*other-model.checkpoint\.ckpt: .*does not fit"):
+        records = trainer.fit(data())
+    trainer.close()
+    assert trainer.running_id == "old-run" and len(records["train"]["loss"]) == 2  # epochs 3 and 4
+
+
+def test_a_0_6_file_of_an_unknown_layout_is_refused_with_how_to_convert_it(tmp_path):
+    """An opt_state that is neither 0.6's list nor an optimizer state: CheckpointError with a recipe."""
+    path = tmp_path / "odd.ckpt"
+    torch.save({"model_state": nn.Linear(4, 2).state_dict(), "opt_state": "adam", "epoch": 0}, path)
+    with pytest.raises(CheckpointError, match=r"odd\.ckpt: the 0\.6 checkpoint's opt_state .*torch\.save\("):
+        _06_trainer(tmp_path).load_checkpoint(path)
