@@ -13,6 +13,7 @@ import math
 import torch
 
 from deepepochs.callbacks.base import Callback
+from deepepochs.compat import removed_attribute
 from deepepochs.config import check_choice
 from deepepochs.data import first_tensor
 from deepepochs.errors import ConfigError
@@ -85,6 +86,9 @@ class AnalyzeCallback(Callback):
     Example:
         >>> trainer = Trainer(model, F.cross_entropy, callbacks=[LogCallback(), AnalyzeCallback('backward')])
     """
+
+    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
+    __getattr__ = removed_attribute
 
     def __init__(self, mode: str = "forward", log_dir=None, layers=None, histograms: bool = True):
         check_choice("mode", mode, MODES, "'forward' records layer outputs, 'backward' gradients")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from deepepochs.callbacks.base import Callback
+from deepepochs.compat import removed_attribute
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 
@@ -53,6 +54,9 @@ class InterpreteCallback(Callback):
         >>> for value, pred, label, x in worst.top_samples():
         ...     print(f"{value:.3f}", pred.argmax().item(), label.item())
     """
+
+    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
+    __getattr__ = removed_attribute
 
     def __init__(self, metric: Callable, k: int = 100, mode: str = "max", image_data: bool = False,
                  stages=STAGES, log_dir=None):

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from deepepochs.callbacks.base import Callback
+from deepepochs.compat import removed_attribute
 from deepepochs.data import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.render import render
@@ -66,6 +67,9 @@ class LogCallback(Callback):
         >>> trainer.test(test_dl)   # loss/test, accuracy/test and the HParams record
         >>> trainer.close()         # flushes and closes the writer
     """
+
+    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
+    __getattr__ = removed_attribute
 
     def __init__(self, log_dir=DEFAULT_LOG_DIR, log_graph: bool = False, example_input=None,
                  log_batch: bool = False, state_graph: bool = True):
