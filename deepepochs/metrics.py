@@ -365,7 +365,19 @@ def from_confusion(cm: torch.Tensor, name: str, average: str | None = None, beta
     raise ConfigError(f"name must be one of {_quoted(CONFUSION_METRICS)} (got {name!r})")
 
 
-def accuracy(preds, targets, threshold=0.5) -> torch.Tensor:
+def _given_matrix(preds, targets, conf_mat, name: str):
+    """0.6's `conf_mat=` keyword: the matrix to score, or None when (preds, targets) are to be counted."""
+    if conf_mat is None:
+        if preds is None or targets is None:
+            raise ConfigError(f"{name}() needs preds and targets, or a confusion matrix as conf_mat=")
+        return None
+    if preds is not None or targets is not None:
+        raise ConfigError(f"{name}() takes either conf_mat= or (preds, targets), not both")
+    _check_confusion(conf_mat)
+    return conf_mat
+
+
+def accuracy(preds=None, targets=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """Fraction of samples whose predicted class equals the target class.
 
     Computed without a confusion matrix, so it never syncs with the host and ignores class counts.
@@ -374,6 +386,7 @@ def accuracy(preds, targets, threshold=0.5) -> torch.Tensor:
         preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
         targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword).
 
     Returns:
         A 0-d float tensor (0 for an empty input).
@@ -382,6 +395,8 @@ def accuracy(preds, targets, threshold=0.5) -> torch.Tensor:
         >>> accuracy(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([0, 0]))
         tensor(0.5000)
     """
+    if _given_matrix(preds, targets, conf_mat, "accuracy") is not None:
+        return accuracy_from_confusion(conf_mat)
     pred_idx, target_idx, _ = _class_indices(preds, targets, threshold)
     n = pred_idx.shape[0]
     if n == 0:
@@ -389,7 +404,8 @@ def accuracy(preds, targets, threshold=0.5) -> torch.Tensor:
     return (pred_idx == target_idx).sum().to(torch.get_default_dtype()) / n
 
 
-def precision(preds, targets, average=None, num_classes=None, threshold=0.5) -> torch.Tensor:
+def precision(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *,
+              conf_mat=None) -> torch.Tensor:
     """Precision tp / (tp + fp), scikit-learn's definition with ``zero_division=0``.
 
     Args:
@@ -399,15 +415,20 @@ def precision(preds, targets, average=None, num_classes=None, threshold=0.5) -> 
             'micro', 'macro' or 'weighted'.
         num_classes: The class count; None infers it (see :func:`confusion_matrix`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
 
     Returns:
         A 0-d float tensor.
     """
     _check_average(average)
-    return precision_from_confusion(confusion_matrix(preds, targets, num_classes, threshold), average)
+    cm = _given_matrix(preds, targets, conf_mat, "precision")
+    if cm is None:
+        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    return precision_from_confusion(cm, average)
 
 
-def recall(preds, targets, average=None, num_classes=None, threshold=0.5) -> torch.Tensor:
+def recall(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """Recall tp / (tp + fn), scikit-learn's definition with ``zero_division=0``.
 
     Args:
@@ -417,15 +438,21 @@ def recall(preds, targets, average=None, num_classes=None, threshold=0.5) -> tor
             'micro', 'macro' or 'weighted'.
         num_classes: The class count; None infers it (see :func:`confusion_matrix`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
 
     Returns:
         A 0-d float tensor.
     """
     _check_average(average)
-    return recall_from_confusion(confusion_matrix(preds, targets, num_classes, threshold), average)
+    cm = _given_matrix(preds, targets, conf_mat, "recall")
+    if cm is None:
+        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    return recall_from_confusion(cm, average)
 
 
-def fbeta(preds, targets, beta, average=None, num_classes=None, threshold=0.5) -> torch.Tensor:
+def fbeta(preds=None, targets=None, beta=1.0, average=None, num_classes=None, threshold=0.5, *,
+          conf_mat=None) -> torch.Tensor:
     """F-beta score (1 + b²)·tp / ((1 + b²)·tp + b²·fn + fp), as scikit-learn with ``zero_division=0``.
 
     Args:
@@ -436,16 +463,21 @@ def fbeta(preds, targets, beta, average=None, num_classes=None, threshold=0.5) -
             'micro', 'macro' or 'weighted'.
         num_classes: The class count; None infers it (see :func:`confusion_matrix`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
 
     Returns:
         A 0-d float tensor.
     """
     _check_beta(beta)
     _check_average(average)
-    return fbeta_from_confusion(confusion_matrix(preds, targets, num_classes, threshold), beta, average)
+    cm = _given_matrix(preds, targets, conf_mat, "fbeta")
+    if cm is None:
+        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    return fbeta_from_confusion(cm, beta, average)
 
 
-def f1(preds, targets, average=None, num_classes=None, threshold=0.5) -> torch.Tensor:
+def f1(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """F1 score, the harmonic mean of precision and recall (:func:`fbeta` with ``beta=1``).
 
     Args:
@@ -455,11 +487,14 @@ def f1(preds, targets, average=None, num_classes=None, threshold=0.5) -> torch.T
             'micro', 'macro' or 'weighted'.
         num_classes: The class count; None infers it (see :func:`confusion_matrix`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
 
     Returns:
         A 0-d float tensor.
     """
-    return fbeta(preds, targets, 1.0, average, num_classes, threshold)
+    _given_matrix(preds, targets, conf_mat, "f1")  # so a mistake names f1, not fbeta
+    return fbeta(preds, targets, 1.0, average, num_classes, threshold, conf_mat=conf_mat)
 
 
 DEFAULT_CONFUSION = ("accuracy", "precision", "recall", "f1")

@@ -260,3 +260,24 @@ def test_config_error_is_a_value_error():
     """ConfigError subclasses ValueError, so generic handlers still catch bad metric arguments."""
     with pytest.raises(ValueError):
         dm.recall(torch.tensor([0]), torch.tensor([0]), average="samples")
+
+
+def test_conf_mat_keyword_of_0_6_scores_a_given_confusion_matrix_like_sklearn():
+    """0.6 code calls accuracy(conf_mat=cm) and f1(conf_mat=cm, average='macro'): the values equal
+    scikit-learn's on the data the matrix counts; mixing conf_mat with preds is refused."""
+    logits, targets = _random_case(4, num_classes=4, n=80)
+    preds = logits.argmax(1)
+    cm = dm.confusion_matrix(logits, targets, 4)
+    assert float(dm.accuracy(conf_mat=cm)) == pytest.approx(skm.accuracy_score(targets.numpy(), preds.numpy()))
+    for average in MULTICLASS_AVERAGES:
+        assert float(dm.f1(conf_mat=cm, average=average)) == pytest.approx(_sk("f1", targets, preds, average=average))
+        assert float(dm.precision(conf_mat=cm, average=average)) == pytest.approx(
+            _sk("precision", targets, preds, average=average))
+        assert float(dm.recall(conf_mat=cm, average=average)) == pytest.approx(
+            _sk("recall", targets, preds, average=average))
+        assert float(dm.fbeta(conf_mat=cm, beta=0.5, average=average)) == pytest.approx(
+            _sk("fbeta", targets, preds, beta=0.5, average=average))
+    with pytest.raises(ConfigError, match=r"f1\(\) takes either conf_mat= or \(preds, targets\), not both"):
+        dm.f1(logits, targets, conf_mat=cm)
+    with pytest.raises(ConfigError, match=r"recall\(\) needs preds and targets, or a confusion matrix"):
+        dm.recall(logits)
