@@ -75,8 +75,8 @@ ROWS = {
     "resume naming a missing run": (
         lambda tmp: _trainer(callbacks=[CheckCallback("loss", ckpt_dir=tmp / "c")], resume="no-such-run").fit(DATA),
         CheckpointError, r"no-such-run"),
-    "a corrupt checkpoint file": (
-        lambda tmp: _trainer(callbacks=[_corrupt_checkpoint(tmp)], resume=True).fit(DATA),
+    "a corrupt checkpoint file": (  # resume='<run>' (resume=True skips it with a warning, test_checkpoint.py)
+        lambda tmp: _trainer(callbacks=[_corrupt_checkpoint(tmp)], resume="run-1").fit(DATA),
         CheckpointError, r"cannot read checkpoint .*val-loss\.best\.ckpt"),
     "an empty DataLoader": (
         lambda tmp: _trainer().fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=32,
