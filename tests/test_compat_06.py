@@ -364,3 +364,21 @@ def test_a_0_6_file_of_an_unknown_layout_is_refused_with_how_to_convert_it(tmp_p
     torch.save({"model_state": nn.Linear(4, 2).state_dict(), "opt_state": "adam", "epoch": 0}, path)
     with pytest.raises(CheckpointError, match=r"odd\.ckpt: the 0\.6 checkpoint's opt_state .*torch\.save\("):
         _06_trainer(tmp_path).load_checkpoint(path)
+
+
+def test_a_0_6_step_unpacking_a_single_input_gets_a_hint_to_call_the_model_with_batch_x():
+    """0.6 passed one input as a one-item list, so 0.6 steps call self.model(*batch_x); here that unpacks the
+    tensor's rows, and the TypeError carries a note saying to call self.model(batch_x)."""
+
+    class Old(Trainer):
+        def train_step(self, batch_x, batch_y, **step_args):
+            self.loss(self.model(*batch_x), batch_y)
+
+    trainer = Old(nn.Linear(4, 2), F.cross_entropy, epochs=1, **QUIET)
+    with pytest.raises(TypeError) as info:
+        trainer.fit(data())
+    assert any("call self.model(batch_x), not self.model(*batch_x)" in n for n in info.value.__notes__)
+    with pytest.raises(TypeError) as info:  # a TypeError of another origin gets no such note
+        Trainer(nn.Linear(4, 2), lambda out, y: F.cross_entropy(out, y, 1, 2, 3, 4, 5, 6, 7, 8), epochs=1,
+                **QUIET).fit(data())
+    assert not any("self.model(*batch_x)" in n for n in getattr(info.value, "__notes__", []))

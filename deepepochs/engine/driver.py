@@ -83,6 +83,7 @@ class Driver:
         try:
             return run()
         except BaseException as exc:
+            task = ctx.task  # the rollback forgets it
             self._rollback(exc)
             loop, machine = ctx.loop, ctx.machine
             note = (f"deepepochs: {type(exc).__name__} raised in state {loop.last_error_state!r} (epoch"
@@ -90,6 +91,9 @@ class Driver:
                     f" {machine.flight_record()}")
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
+                hint = _step_hint(exc, task)
+                if hint:
+                    exc.add_note(hint)
             exc.deepepochs_flight_record = machine.records()
             raise
         finally:
@@ -337,6 +341,17 @@ class Driver:
         extra = f" | world size: {world}" if world > 1 else ""
         parts.console.info(f"{now} | device: {parts.device} | running id: {parts.running_id()} | parameters:"
                            f" {n:,} | precision: {parts.config.precision}{extra}")
+
+
+def _step_hint(exc: BaseException, task) -> str | None:
+    """A hint for deepepochs 0.6 step code: 0.6 passed a single input as a one-item list, so its steps
+    call `self.model(*batch_x)`, which unpacks a tensor's rows into arguments here (a TypeError such as
+    "forward() takes 2 positional arguments but 33 were given")."""
+    if (isinstance(exc, TypeError) and getattr(task, "step_fn", None) is not None
+            and "positional argument" in str(exc) and "were given" in str(exc)):
+        return ("deepepochs: a step method gets a single model input as itself, not as a one-item list as in"
+                " deepepochs 0.6: call self.model(batch_x), not self.model(*batch_x) (see docs/MIGRATION.md)")
+    return None
 
 
 def _adopt(meters: TaskMeters, task: EpochTask) -> TaskMeters:
