@@ -59,7 +59,7 @@ class ConfusionPatch(PatchBase):
             'binary', 'micro', 'macro' or 'weighted'.
         num_classes: The class count, or None to infer it (from class-index preds and targets this costs
             one host sync per batch; see :func:`deepepochs.metrics.confusion_matrix`).
-        name: An optional display name.
+        name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
 
     Example:

@@ -121,7 +121,7 @@ class PatchBase(abc.ABC):
     ``a.copy()``. ``sum(patches)`` works too. :meth:`sync` merges across processes with no extra code.
 
     Args:
-        name: An optional display name for the metric.
+        name: An optional prefix for the keys of a dict result, as in 0.6 (`name='C.'` shows `C.accuracy`).
 
     Example:
         >>> class MaxPatch(PatchBase):
@@ -274,7 +274,7 @@ class TensorPatch(PatchBase):
         batch_preds: One batch of predictions, a tensor or a nest of tensors.
         batch_targets: The batch's targets (None when the metric needs none; None with ``batch_preds``
             also None makes an empty patch).
-        name: An optional display name.
+        name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
     Example:
         >>> from deepepochs.metrics import f1
@@ -416,7 +416,7 @@ class MeanPatch(_MeanPatchBase):
         batch_targets: The batch's targets.
         batch_size: The batch's sample count (an int, a float or a tensor); by default the length of dim 0
             of the first tensor in the targets, else in the preds.
-        name: An optional display name.
+        name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
     Example:
         >>> from deepepochs.metrics import accuracy
@@ -463,7 +463,7 @@ class ValuePatch(_MeanPatchBase):
         batch_mean_value: The batch's mean, a number or a one-element tensor (detached here); None makes an
             empty patch.
         batch_size: The number of samples the mean was taken over (an int, a float or a tensor).
-        name: An optional display name.
+        name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
     Example:
         >>> (ValuePatch(torch.tensor(1.0), 3) + ValuePatch(torch.tensor(3.0), 1))()

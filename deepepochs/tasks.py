@@ -232,7 +232,7 @@ class BatchMetrics(Mapping):
             values = {} if self._loss is None else {"loss": float(self._loss)}
             sources = dict.fromkeys(values, "the loss")
             for name, patch in self._patches.items():
-                merge_values(values, sources, name, patch.forward())
+                merge_values(values, sources, name, patch.forward(), getattr(patch, "name", None))
             self._values = values
         return self._values
 
@@ -246,9 +246,12 @@ class BatchMetrics(Mapping):
         return len(self._compute())
 
 
-def merge_values(values: dict, sources: dict, name: str, value) -> None:
+def merge_values(values: dict, sources: dict, name: str, value, prefix: str | None = None) -> None:
     """Add metric `name`'s result to `values`; a key another metric (or the loss) reported already is an
-    error, not a silent overwrite. `sources` maps each key to the metric that reported it."""
+    error, not a silent overwrite. `sources` maps each key to the metric that reported it. `prefix` (a
+    patch's `name`, e.g. `ConfusionPatch(..., name='C.')` as in 0.6) goes before the keys of a dict result."""
+    if prefix and isinstance(value, Mapping):
+        value = {f"{prefix}{key}": v for key, v in value.items()}
     for key, v in flatten_value(name, value).items():
         if key in values:
             raise ConfigError(

@@ -102,8 +102,12 @@ class TrainerBase:
             raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__})")
         if loss is not None and not callable(loss):
             raise ConfigError(f"loss must be a callable loss(model_out, batch_y) or None (got {type(loss).__name__})")
+        if isinstance(resume, int) and not isinstance(resume, bool):
+            resume = str(resume)  # 0.6 took run ids as ints too: resume=1 is the run running_id=1 wrote
+        if isinstance(running_id, int) and not isinstance(running_id, bool):
+            running_id = str(running_id)
         if not (resume is False or resume is True or isinstance(resume, str)):
-            raise ConfigError(f"resume must be False, True or a running id string (got {resume!r})")
+            raise ConfigError(f"resume must be False, True or a running id (a string or an int) (got {resume!r})")
         if isinstance(resume, str):
             check_run_name(resume, "resume")
         if running_id is not None:

@@ -105,9 +105,9 @@ ROWS = {
     "metrics that are not callables": (
         lambda tmp: _trainer(metrics=[1]),
         ConfigError, r"metrics must be a callable or a list of callables \(got int\)"),
-    "a resume value of the wrong type": (
-        lambda tmp: _trainer(resume=3),
-        ConfigError, r"resume must be False, True or a running id string \(got 3\)"),
+    "a resume value of the wrong type": (  # an int is a run id, as in 0.6 (resume=3 names run '3')
+        lambda tmp: _trainer(resume=3.0),
+        ConfigError, r"resume must be False, True or a running id \(a string or an int\) \(got 3\.0\)"),
     "fit without data": (
         lambda tmp: _trainer().fit(),
         ConfigError, r"fit\(\) needs training data: pass train_dl or train_tasks"),

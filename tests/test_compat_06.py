@@ -382,3 +382,46 @@ def test_a_0_6_step_unpacking_a_single_input_gets_a_hint_to_call_the_model_with_
         Trainer(nn.Linear(4, 2), lambda out, y: F.cross_entropy(out, y, 1, 2, 3, 4, 5, 6, 7, 8), epochs=1,
                 **QUIET).fit(data())
     assert not any("self.model(*batch_x)" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_int_running_id_and_resume_of_0_6_name_the_run_folder(tmp_path):
+    """0.6's running_id=1 / resume=1: the run folder is '1', and resume=1 continues that run."""
+    def make(**kwargs):
+        check = CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=tmp_path)
+        return Trainer(nn.Linear(4, 2), F.cross_entropy, epochs=2, callbacks=[check], **QUIET, **kwargs)
+
+    first = make(running_id=1)
+    first.fit(data(), epochs=1)
+    first.close()
+    assert first.running_id == "1" and (tmp_path / "1" / "train-loss.latest.ckpt").is_file()
+    second = make(resume=1)
+    records = second.fit(data())
+    second.close()
+    assert second.running_id == "1" and len(records["train"]["loss"]) == 1  # epoch 2 only
+    with pytest.raises(ConfigError, match=r"resume must be False, True or a running id .* \(got 2\.5\)"):
+        make(resume=2.5)
+
+
+def test_a_patch_name_prefixes_the_keys_of_its_dict_result_like_0_6():
+    """A step's `ConfusionPatch(..., name='C.')` is shown as `C.accuracy`, a nameless one as `accuracy`;
+    the value equals sklearn's accuracy."""
+    from sklearn.metrics import accuracy_score
+
+    from deepepochs import ConfusionPatch
+
+    class Named(EpochTask):
+        def step(self, batch_x, batch_y, **step_args):
+            out = self.model(batch_x)
+            self.loss(out, batch_y)
+            return {"cm": ConfusionPatch(out, batch_y, metrics=["accuracy"], name=step_args["prefix"])}
+
+    dl = data(48, 16)
+    model = nn.Linear(4, 2)
+    with Trainer(model, F.cross_entropy, epochs=1, **QUIET) as trainer:
+        named = trainer.test(tasks=[Named(dl, prefix="C.")])
+        plain = trainer.test(tasks=[Named(dl, prefix=None)])
+    x, y = _all_xy(dl)
+    with torch.no_grad():
+        expected = accuracy_score(y.numpy(), model(x).argmax(1).numpy())
+    assert set(named) == {"loss", "C.accuracy"} and set(plain) == {"loss", "accuracy"}
+    assert abs(named["C.accuracy"] - expected) < 1e-6 and named["C.accuracy"] == plain["accuracy"]

@@ -300,7 +300,7 @@ class Driver:
         # Under DDP: merged copies (global metrics on every rank), names agreed even for an empty shard.
         sources = dict.fromkeys(out, "the loss")
         for name, patch in dist.sync_patches(meters.patches).items():
-            merge_values(out, sources, name, patch.forward())
+            merge_values(out, sources, name, patch.forward(), getattr(patch, "name", None))
         meters.final = out
         return out
 
