@@ -140,9 +140,13 @@ class PatchBase(abc.ABC):
     def __init__(self, name: str | None = None):
         self.name = name
 
-    @abc.abstractmethod
     def load(self, *args, **kwargs) -> PatchBase:
-        """Replace the state with the one of a single batch; return self."""
+        """Replace the state with the one of a single batch; return self.
+
+        Not abstract: a patch that sets its state in ``__init__``, as deepepochs 0.6 patches did, works
+        without it (the trainer itself only adds, copies and computes patches)."""
+        raise NotImplementedError(f"{type(self).__name__}.load() is not implemented: define load(...) to fill"
+                                  " the patch from one batch, or set the state in __init__")
 
     @abc.abstractmethod
     def add(self, other: PatchBase) -> PatchBase:

@@ -425,3 +425,55 @@ def test_a_patch_name_prefixes_the_keys_of_its_dict_result_like_0_6():
         expected = accuracy_score(y.numpy(), model(x).argmax(1).numpy())
     assert set(named) == {"loss", "C.accuracy"} and set(plain) == {"loss", "accuracy"}
     assert abs(named["C.accuracy"] - expected) < 1e-6 and named["C.accuracy"] == plain["accuracy"]
+
+
+def test_a_0_6_patch_that_sets_its_state_in_init_without_load_works_in_a_step():
+    """0.6 patches had no load(): their state came from __init__. Such a patch returned by a step is added
+    over the batches, and its dict result equals counting by hand."""
+    from deepepochs import PatchBase, sum_dicts
+
+    class HitsPatch(PatchBase):
+        def __init__(self, preds, targets, name=None):
+            super().__init__(name)
+            top2 = preds.topk(2, dim=1).indices
+            self.counts = {"@1": int((top2[:, 0] == targets).sum()), "@2": int((top2 == targets[:, None]).any(1).sum())}
+
+        def forward(self):
+            return self.counts
+
+        def add(self, other):
+            self.counts = sum_dicts([self.counts, other.counts])
+            return self
+
+    class Task(EpochTask):
+        def step(self, batch_x, batch_y, **step_args):
+            out = self.model(batch_x)
+            self.loss(out, batch_y)
+            return {"hits": HitsPatch(out, batch_y)}
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(50, 4, generator=g), torch.randint(0, 4, (50,), generator=g)
+    model = nn.Linear(4, 4)
+    with Trainer(model, F.cross_entropy, epochs=1, **QUIET) as trainer:
+        got = trainer.test(tasks=[Task(DataLoader(TensorDataset(x, y), batch_size=16))])
+    with torch.no_grad():
+        top2 = model(x).topk(2, dim=1).indices
+    assert got["@1"] == int((top2[:, 0] == y).sum()) and got["@2"] == int((top2 == y[:, None]).any(1).sum())
+    with pytest.raises(NotImplementedError, match=r"HitsPatch\.load\(\) is not implemented"):
+        HitsPatch(torch.eye(2), torch.tensor([0, 1])).load(torch.eye(2))
+
+
+def test_set_seed_takes_0_6s_float_seed_with_an_integral_value():
+    """set_seed(1.0), as 0.6's examples call it, seeds exactly like set_seed(1); 1.5 is refused."""
+    import random
+
+    import numpy as np
+
+    from deepepochs import set_seed
+
+    set_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_seed(1.0)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    with pytest.raises(ConfigError, match=r"seed must be an int \(got 1\.5\)"):
+        set_seed(1.5)
