@@ -477,3 +477,43 @@ def test_set_seed_takes_0_6s_float_seed_with_an_integral_value():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     with pytest.raises(ConfigError, match=r"seed must be an int \(got 1\.5\)"):
         set_seed(1.5)
+
+
+def test_0_6_manual_accumulation_with_grad_accumulate_and_loss_optimize_matches_plain_pytorch():
+    """0.6's hand-split step (batches/concat, self.loss(..., grad_accumulate=True), self.loss.optimize(),
+    self.loss.on_metric_callback(...)) trains to the weights of the same loop in plain PyTorch and reports
+    the accuracy of the outputs it saw."""
+    from deepepochs import batches, concat
+
+    class Old(Trainer):
+        def train_step(self, batch_x, batch_y, **step_args):
+            outs, loss_value = [], 0.0
+            adjust = 4 / batch_y.shape[0]
+            for sub_x, sub_y in zip(batches(batch_x, 4), batches(batch_y, 4)):
+                out = self.model(sub_x)
+                loss_value += self.loss(out, sub_y, loss_adjust=adjust, grad_accumulate=True) * sub_y.shape[0]
+                outs.append(out)
+            self.loss.optimize()
+            self.loss.on_metric_callback(loss_value / batch_y.shape[0], concat(outs), batch_y)
+
+    dl = data(48, 16)
+    torch.manual_seed(5)
+    model, ref = nn.Linear(4, 2), nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    trainer = Old(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1,
+                  metrics=[accuracy], **QUIET)
+    records = trainer.fit(dl)
+    trainer.close()
+    ref_opt, correct = torch.optim.SGD(ref.parameters(), lr=0.1), 0
+    for x, y in dl:
+        outs = []
+        for sub_x, sub_y in zip(torch.split(x, 4), torch.split(y, 4)):
+            out = ref(sub_x)
+            (F.cross_entropy(out, sub_y) * (4 / len(y))).backward()
+            outs.append(out.detach())
+        correct += int((torch.cat(outs).argmax(1) == y).sum())
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for mine, theirs in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(mine, theirs, atol=1e-6)
+    assert abs(records["train"]["accuracy"][0] - correct / 48) < 1e-6

@@ -22,7 +22,7 @@ from deepepochs.tasks import metric_name
 
 __all__ = [
     "batch_patches", "check_step_result", "compute_loss", "custom_step", "default_step", "loss", "no_sync",
-    "optimize", "user_loss",
+    "optimize", "step_metrics", "user_loss",
 ]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
@@ -129,18 +129,28 @@ def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize:
     training = stage == "train"
     value = loss(ctx, model_out, batch_y, loss_adjust, False) if training or task.do_loss else None
     if not training or do_optimize:
-        facade = ctx.parts.facade
-        for hook in ctx.parts.hooks.by_event[STEP_HOOKS[stage][2]]:
-            hook(facade, value, model_out, batch_y, task)
-        if task.all_metrics:
-            made, have = batch_patches(ctx, model_out, batch_y), ctx.step_patches
-            if have:  # several calls in one step: their patches add up
-                made = {name: have[name].add(patch) if name in have else patch for name, patch in made.items()}
-                made = {**have, **made}
-            ctx.step_patches = made
+        step_metrics(ctx, value, model_out, batch_y)
     if training and do_optimize:
         optimize(ctx, None)
     return value
+
+
+def step_metrics(ctx: Context, value, model_out, batch_y) -> None:
+    """A custom step's metrics for `(model_out, batch_y)`: the stage's `on_*_metrics` hooks, and the
+    trainer's metric patches, added to those the step made already (returned with its result by
+    `custom_step`). `value` is the loss the hooks receive."""
+    task = ctx.task
+    if task is None:
+        raise RuntimeError("metrics can only be made inside a step of fit() or test()")
+    facade = ctx.parts.facade
+    for hook in ctx.parts.hooks.by_event[STEP_HOOKS[ctx.loop.stage][2]]:
+        hook(facade, value, model_out, batch_y, task)
+    if task.all_metrics:
+        made, have = batch_patches(ctx, model_out, batch_y), ctx.step_patches
+        if have:  # several calls in one step: their patches add up
+            made = {name: have[name].add(patch) if name in have else patch for name, patch in made.items()}
+            made = {**have, **made}
+        ctx.step_patches = made
 
 
 def custom_step(ctx: Context, step_fn):
