@@ -57,6 +57,7 @@ from deepepochs.errors import CheckpointError, DeepEpochsWarning
 from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = [
+    "CONVERT_HINT",
     "FORMAT_VERSION",
     "SUFFIX",
     "Checkpoint",
@@ -79,6 +80,12 @@ SUFFIX = ".ckpt"
 _TEMP_SUFFIX = ".tmp"
 # Prefixes a wrapped model adds to parameter names: torch.compile's OptimizedModule and DDP.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+#: How to write a state of another layout in this format, for the errors that refuse one.
+CONVERT_HINT = (" (convert it with torch.save({'format_version': 1, 'epoch': <completed epochs>, 'model':"
+                " model.state_dict(), 'optimizers': [optimizer.state_dict()], 'schedulers': [None]}, path);"
+                " a deepepochs 0.6 file holds model_state, opt_state and epoch and loads as it is)")
 
 
 def _non_negative_int(_instance, attribute, value):
@@ -133,7 +140,7 @@ class Checkpoint:
         missing = [n for n in ("format_version", "epoch", "model") if n not in data]
         if missing:
             raise CheckpointError(f"{path} is not a deepepochs checkpoint: keys {missing} are missing"
-                                  f" (found {sorted(map(str, data))})")
+                                  f" (found {sorted(map(str, data))}){CONVERT_HINT}")
         version = data["format_version"]
         if isinstance(version, int) and version > FORMAT_VERSION:
             raise CheckpointError(f"{path} has format_version {version}, but this deepepochs reads up to"
@@ -152,9 +159,7 @@ class Checkpoint:
         and `i` the 0-based index of the epoch saved, so `i + 1` epochs were complete. A plain optimizer
         `state_dict()` under `opt_state` is accepted too. `best_value` is dropped: monitors start afresh.
         """
-        hint = (" (a deepepochs 0.6 checkpoint holds model_state, opt_state and epoch; convert another layout"
-                " with torch.save({'format_version': 1, 'epoch': <completed epochs>, 'model':"
-                " model.state_dict(), 'optimizers': [optimizer.state_dict()], 'schedulers': [None]}, path))")
+        hint = CONVERT_HINT
         epoch, opt_state = data["epoch"], data["opt_state"]
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
             raise CheckpointError(f"{path}: the 0.6 checkpoint's epoch must be an int (got {epoch!r}){hint}")

@@ -517,3 +517,21 @@ def test_0_6_manual_accumulation_with_grad_accumulate_and_loss_optimize_matches_
     for mine, theirs in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(mine, theirs, atol=1e-6)
     assert abs(records["train"]["accuracy"][0] - correct / 48) < 1e-6
+
+
+def test_a_state_dict_saved_by_plain_pytorch_is_refused_with_how_to_convert_it(tmp_path):
+    """A bare model.state_dict() file (neither this format nor 0.6's) names the missing keys and the
+    torch.save recipe; written that way it loads."""
+    model = nn.Linear(4, 2)
+    torch.save(model.state_dict(), tmp_path / "weights.ckpt")
+    mine = nn.Linear(4, 2)
+    trainer = Trainer(mine, F.cross_entropy, torch.optim.Adam(mine.parameters(), lr=0.01), epochs=4, **QUIET)
+    with pytest.raises(CheckpointError, match=r"weights\.ckpt is not a deepepochs checkpoint: .*convert it with"
+                                              r" torch\.save\(\{'format_version': 1"):
+        trainer.load_checkpoint(tmp_path / "weights.ckpt")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.save({"format_version": 1, "epoch": 2, "model": model.state_dict(), "optimizers": [opt.state_dict()],
+                "schedulers": [None]}, tmp_path / "converted.ckpt")
+    trainer.load_checkpoint(tmp_path / "converted.ckpt")
+    assert trainer.loop.completed_epochs == 2
+    assert all(torch.equal(a, b) for a, b in zip(trainer.raw_model.parameters(), model.parameters()))
