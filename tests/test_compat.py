@@ -143,3 +143,22 @@ def test_plot_confusion_draws_the_counts_in_the_cells():
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert texts == ["5", "1", "2", "7"]
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["neg", "pos"]
+
+
+def test_a_0_6_callback_priority_is_refused_with_how_to_order_callbacks():
+    """0.6's `super().__init__(priority=...)` raises a TypeError saying to order the callbacks list; a plain
+    `super().__init__()` still works."""
+    from deepepochs import Callback
+
+    class Prioritised(Callback):
+        def __init__(self):
+            super().__init__(priority=10)
+
+    class Plain(Callback):
+        def __init__(self):
+            super().__init__()
+
+    with pytest.raises(TypeError, match=r"Prioritised: Callback\(priority=\.\.\.\) \(deepepochs 0\.6\) was removed: "
+                                        r".*order that list instead"):
+        Prioritised()
+    assert isinstance(Plain(), Callback)

@@ -36,6 +36,14 @@ class Callback(CallbackHooks):
 
     idle_hooks: frozenset[str] = frozenset()
 
+    def __init__(self, priority=None):
+        if priority is not None:  # 0.6's Callback(priority=...): refuse it with what to do instead
+            raise TypeError(
+                f"{type(self).__name__}: Callback(priority=...) (deepepochs 0.6) was removed: before hooks run in"
+                " the order of Trainer(callbacks=[...]), after hooks in reverse; order that list instead"
+                " (see docs/MIGRATION.md)"
+            )
+
 
 class HookTable:
     """Per event, the bound methods of the callbacks that override it, in dispatch order.
