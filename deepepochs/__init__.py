@@ -9,6 +9,17 @@ from deepepochs.callbacks import (
     LogCallback,
     LRFindCallback,
 )
+from deepepochs.compat import (
+    TensorDict,
+    TensorTuple,
+    batches,
+    concat,
+    flatten_dict,
+    plot_confusion,
+    sum_dicts,
+    to_numpy,
+)
+from deepepochs.compat import removed as __getattr__  # noqa: F401 (module __getattr__: 0.6 names that are gone)
 from deepepochs.confusion import ConfusionMetrics, ConfusionPatch
 from deepepochs.errors import (
     CheckpointError,
@@ -52,11 +63,19 @@ __all__ = [
     "MeanPatch",
     "Optimizer",
     "PatchBase",
+    "TensorDict",
     "TensorPatch",
+    "TensorTuple",
     "Trainer",
     "TrainerBase",
     "ValuePatch",
+    "batches",
+    "concat",
+    "flatten_dict",
     "launch",
+    "plot_confusion",
     "rename",
     "set_seed",
+    "sum_dicts",
+    "to_numpy",
 ]

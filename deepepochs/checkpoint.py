@@ -35,6 +35,10 @@ in `.ckpt`) is never picked by resume; the next save or resume in that folder re
 no longer runs. Files are read with `weights_only=True` only (SEC-1): a file holding other objects is
 refused unless loaded with `trusted=True` (`read_checkpoint`).
 
+A deepepochs 0.6 file (`{'model_state', 'opt_state', 'best_value', 'epoch'}`) is read too
+(`Checkpoint.from_dict` converts it): its weights, its optimizers' and schedulers' states and its epoch
+load; 0.6's `best_value` is not carried over (its monitors start afresh).
+
 Monitors are found by duck typing, like gradient clippers: a callback with a `monitor_id` string,
 a `ckpt_dir`, `state_dict()` and `load_state_dict(state)` (see `deepepochs.callbacks.check`).
 """
@@ -46,21 +50,24 @@ import os
 import pickle
 import re
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
 import torch
 
-from deepepochs.errors import CheckpointError
+from deepepochs.errors import CheckpointError, DeepEpochsWarning
 from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = [
+    "CONVERT_HINT",
     "FORMAT_VERSION",
     "SUFFIX",
     "Checkpoint",
     "check_fits",
     "find_checkpoint",
+    "find_checkpoints",
     "load_model_state",
     "load_into",
     "monitors_in",
@@ -77,6 +84,12 @@ SUFFIX = ".ckpt"
 _TEMP_SUFFIX = ".tmp"
 # Prefixes a wrapped model adds to parameter names: torch.compile's OptimizedModule and DDP.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+#: How to write a state of another layout in this format, for the errors that refuse one.
+CONVERT_HINT = (" (convert it with torch.save({'format_version': 1, 'epoch': <completed epochs>, 'model':"
+                " model.state_dict(), 'optimizers': [optimizer.state_dict()], 'schedulers': [None]}, path);"
+                " a deepepochs 0.6 file holds model_state, opt_state and epoch and loads as it is)")
 
 
 def _non_negative_int(_instance, attribute, value):
@@ -121,15 +134,18 @@ class Checkpoint:
 
     @classmethod
     def from_dict(cls, data, path="<memory>") -> Checkpoint:
-        """Validate a loaded dict; `CheckpointError` names `path` and what is wrong."""
+        """Validate a loaded dict; `CheckpointError` names `path` and what is wrong. A deepepochs 0.6 file
+        is converted (`from_06`)."""
         if not isinstance(data, Mapping):
             raise CheckpointError(f"{path} is not a deepepochs checkpoint (a dict was expected, got"
                                   f" {type(data).__name__})")
+        if "format_version" not in data and {"model_state", "opt_state", "epoch"} <= set(data):
+            return cls.from_06(data, path)
         names = [f.name for f in attrs.fields(cls)]
         missing = [n for n in ("format_version", "epoch", "model") if n not in data]
         if missing:
             raise CheckpointError(f"{path} is not a deepepochs checkpoint: keys {missing} are missing"
-                                  f" (found {sorted(map(str, data))})")
+                                  f" (found {sorted(map(str, data))}){CONVERT_HINT}")
         version = data["format_version"]
         if isinstance(version, int) and version > FORMAT_VERSION:
             raise CheckpointError(f"{path} has format_version {version}, but this deepepochs reads up to"
@@ -138,6 +154,41 @@ class Checkpoint:
             return cls(**{n: data[n] for n in names if n in data})
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_06(cls, data: Mapping, path="<memory>") -> Checkpoint:
+        """A deepepochs 0.6 checkpoint as this format.
+
+        0.6 saved `{'model_state': model.state_dict(), 'opt_state': [...], 'best_value': ..., 'epoch': i}`,
+        with one `{'opt_state': optimizer state, 'sched_state': scheduler state or None}` per optimizer
+        and `i` the 0-based index of the epoch saved, so `i + 1` epochs were complete. A plain optimizer
+        `state_dict()` under `opt_state` is accepted too. `best_value` is dropped: monitors start afresh.
+        """
+        hint = CONVERT_HINT
+        epoch, opt_state = data["epoch"], data["opt_state"]
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
+            raise CheckpointError(f"{path}: the 0.6 checkpoint's epoch must be an int (got {epoch!r}){hint}")
+        if isinstance(opt_state, Mapping):
+            opt_state = [opt_state]
+        if not isinstance(opt_state, (list, tuple)):
+            raise CheckpointError(f"{path}: the 0.6 checkpoint's opt_state must be a list (got"
+                                  f" {type(opt_state).__name__}){hint}")
+        optimizers, schedulers = [], []
+        for item in opt_state:
+            if isinstance(item, Mapping) and "param_groups" in item:  # a plain optimizer state_dict()
+                optimizers.append(item)
+                schedulers.append(None)
+            elif isinstance(item, Mapping) and "opt_state" in item:
+                optimizers.append(item["opt_state"])
+                schedulers.append(item.get("sched_state"))
+            else:
+                raise CheckpointError(f"{path}: an opt_state entry of the 0.6 checkpoint is neither an optimizer"
+                                      f" state nor {{'opt_state', 'sched_state'}} (got {type(item).__name__}){hint}")
+        model = data["model_state"]
+        if not isinstance(model, Mapping):
+            raise CheckpointError(f"{path}: the 0.6 checkpoint's model_state must be a state dict (got"
+                                  f" {type(model).__name__}){hint}")
+        return cls(epoch=epoch + 1, model=model, optimizers=optimizers, schedulers=schedulers)
 
 
 def monitors_in(callbacks) -> list:
@@ -431,6 +482,15 @@ def find_checkpoint(ckpt_dirs, running_id: str | None = None) -> Path | None:
     With `running_id`, only that run's folders are searched and finding none is a `CheckpointError`
     naming the folders searched; without it, None means there is no checkpoint at all.
     """
+    found = find_checkpoints(ckpt_dirs, running_id)
+    return found[0] if found else None
+
+
+def find_checkpoints(ckpt_dirs, running_id: str | None = None) -> list[Path]:
+    """Every checkpoint under `<ckpt_dir>/<run>/` for all `ckpt_dirs`, newest (modification time) first.
+
+    With `running_id`, only that run's folders are searched and finding none is a `CheckpointError`.
+    """
     dirs = list(dict.fromkeys(Path(d) for d in ckpt_dirs))
     if running_id is None:
         runs = [run for d in dirs if d.is_dir() for run in d.iterdir() if run.is_dir()]
@@ -439,35 +499,53 @@ def find_checkpoint(ckpt_dirs, running_id: str | None = None) -> Path | None:
     found = [p for run in runs for p in _checkpoints_in(run)]
     if not found:
         if running_id is None:
-            return None
+            return []
         searched = ", ".join(str(r) for r in runs) or "(no CheckCallback, so no ckpt_dir to search)"
         raise CheckpointError(f"resume={running_id!r}: no checkpoint of that run was found;"
                               f" searched {searched}")
     # Newest first by mtime; the path breaks ties so the choice is deterministic.
-    return max(found, key=lambda p: (p.stat().st_mtime_ns, str(p)))
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, str(p)), reverse=True)
 
 
 def resume_once(trainer) -> tuple[Path, int] | None:
     """Honour `Trainer(resume=...)` at the first fit or test; a no-op afterwards. Returns the loaded file's
     path and epoch, or None when nothing was loaded.
 
-    `resume=True` loads the newest checkpoint across the monitors' `ckpt_dir`s and starts fresh when
-    there is none; `resume='<running id>'` loads that run's newest checkpoint or raises. The run folder's
-    name becomes `trainer.running_id`, so new checkpoints go on into the same (possibly renamed) folder.
-    A failed resume stays pending, so fixing the files and calling fit again retries it.
+    `resume=True` loads the newest checkpoint across the monitors' `ckpt_dir`s that this trainer can load
+    and starts fresh when there is none: a file it cannot use (unreadable, not a checkpoint, one of
+    another model or optimizer) is skipped with a `DeepEpochsWarning` naming it and why, so an old or
+    foreign file in the folder never stops `fit()`. `resume='<running id>'` loads that run's newest
+    checkpoint or raises. The run folder's name becomes `trainer.running_id`, so new checkpoints go on
+    into the same (possibly renamed) folder. A failed resume stays pending, so fixing the files and
+    calling fit again retries it.
     """
     if not trainer.loop.resume_pending:
         return None
     loaded = None
     run = trainer.resume if isinstance(trainer.resume, str) else None
     dirs = [m.ckpt_dir for m in monitors_of(trainer)]
-    path = find_checkpoint(dirs, run)
+    candidates = find_checkpoints(dirs, run)
+    if run is not None:
+        candidates = candidates[:1]  # the run was named: its newest file loads, or the error says why
+    path = ckpt = None
+    for candidate in candidates:
+        try:
+            ckpt = read_checkpoint(candidate)
+            check_fits(trainer, ckpt, candidate)
+        except CheckpointError as e:
+            if run is not None:
+                raise
+            warnings.warn(f"resume=True skipped {candidate}: {e}", DeepEpochsWarning, stacklevel=2)
+            continue
+        path = candidate
+        break
     if path is None:
         searched = ", ".join(str(d) for d in dict.fromkeys(dirs)) or "nowhere: no CheckCallback"
-        trainer._console.info(f"resume=True: no checkpoint found (searched {searched}); starting fresh")
+        found = f"no checkpoint this trainer can load among {len(candidates)}" if candidates else "no checkpoint"
+        trainer._console.info(f"resume=True: {found} found (searched {searched}); starting fresh")
     else:
         remove_stale_temps(path.parent)
-        ckpt = load_into(trainer, path)
+        ckpt = load_into(trainer, path, ckpt)
         trainer.running_id = path.parent.name
         trainer._console.info(f"Resumed from {path}: {ckpt.epoch} epoch(s) completed,"
                               f" running id {trainer.running_id}")

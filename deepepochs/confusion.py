@@ -55,20 +55,21 @@ class ConfusionPatch(PatchBase):
         metrics: Names among 'accuracy', 'precision', 'recall', 'f1', 'confusion_matrix' (the ``[C, C]``
             matrix itself, not a scalar), or the functions of those names from :mod:`deepepochs.metrics`
             (result key: the function's ``__name__``).
-        average: 'macro' (default), 'binary', 'micro' or 'weighted'.
+        average: None (the default of :mod:`deepepochs.metrics`: 'binary' for two classes, else 'micro'),
+            'binary', 'micro', 'macro' or 'weighted'.
         num_classes: The class count, or None to infer it (from class-index preds and targets this costs
             one host sync per batch; see :func:`deepepochs.metrics.confusion_matrix`).
-        name: An optional display name.
+        name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
 
     Example:
         >>> p = ConfusionPatch(torch.tensor([0, 1]), torch.tensor([0, 1]), metrics=('accuracy', 'f1'))
         >>> p = p + ConfusionPatch(torch.tensor([2]), torch.tensor([1]), metrics=('accuracy', 'f1'))
         >>> {key: round(float(value), 4) for key, value in p().items()}
-        {'accuracy': 0.6667, 'f1': 0.5556}
+        {'accuracy': 0.6667, 'f1': 0.6667}
     """
 
-    def __init__(self, batch_preds=None, batch_targets=None, metrics=_DEFAULT_METRICS, average="macro",
+    def __init__(self, batch_preds=None, batch_targets=None, metrics=_DEFAULT_METRICS, average=None,
                  num_classes=None, name=None, threshold=0.5):  # fmt: skip
         super().__init__(name)
         self.metrics = _metrics._confusion_specs(metrics)
@@ -154,7 +155,7 @@ class ConfusionMetrics:
         {'precision': 0.6667, 'recall': 0.6667}
     """
 
-    def __init__(self, metrics=_DEFAULT_METRICS, average="macro", num_classes=None, threshold=0.5):
+    def __init__(self, metrics=_DEFAULT_METRICS, average=None, num_classes=None, threshold=0.5):
         ConfusionPatch(metrics=metrics, average=average, num_classes=num_classes)  # validates, loads nothing
         self.metrics, self.average = metrics, average
         self.num_classes, self.threshold = num_classes, threshold

@@ -8,8 +8,10 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["batch_size_of", "call_model", "first_tensor", "input_splitter", "lookahead", "prepare_batch", "split_batch",
-           "to_device"]
+__all__ = [
+    "batch_size_of", "call_model", "check_batch_size", "first_tensor", "input_splitter", "lookahead", "prepare_batch",
+    "split_batch", "to_device",
+]
 
 
 def split_batch(batch, has_loss_fn: bool, target_key: str | None = None):
@@ -100,10 +102,25 @@ def _has_batch_dim(tensor: torch.Tensor) -> bool:
     return tensor.dim() > 0
 
 
+def check_batch_size(batch_size, argname: str = "batch_size"):
+    """Validate `batch_size=` of fit/test/EpochTask: None, a positive int or a callable (as in 0.6)."""
+    if batch_size is None or callable(batch_size):
+        return batch_size
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(
+            f"{argname} must be None (count samples from the tensors), a positive int (the sample count of"
+            f" every batch) or a function (batch_x, batch_y) -> int (got {batch_size!r})"
+        )
+    return batch_size
+
+
 def batch_size_of(batch_x, batch_y, batch_size_fn=None) -> int:
-    """Samples in a batch: `batch_size_fn(batch_x, batch_y)` if given, else dim 0 of the first tensor
-    found in the label, then in the inputs (MET-4)."""
+    """Samples in a batch (MET-4): `batch_size_fn` itself when it is an int (every batch weighs that much,
+    as 0.6's `batch_size=32`), `batch_size_fn(batch_x, batch_y)` when it is a function, else dim 0 of the
+    first tensor found in the label, then in the inputs."""
     if batch_size_fn is not None:
+        if type(batch_size_fn) is int:
+            return batch_size_fn
         return int(batch_size_fn(batch_x, batch_y))
     t = first_tensor(batch_y, _has_batch_dim)
     if t is None:

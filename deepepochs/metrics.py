@@ -15,7 +15,12 @@ Accepted inputs (N samples, C classes):
 
 ``average`` selects how per-class scores become one number, as in scikit-learn:
 
-* ``'macro'`` (the default): the unweighted mean over the classes that occur in targets or preds. As in
+* ``None`` (the default), deepepochs 0.6's default: ``'micro'`` for more than two classes (0.6 documented
+  ``average='micro'``), and ``'binary'`` for two classes, scoring class 1 as scikit-learn's default does
+  (0.6 scored class 0 of a two-class matrix, and halved it under 'macro': that was wrong and is not kept).
+  The class count is the confusion matrix's size: pass ``num_classes`` or ``[N, C]`` scores when a batch of
+  class indices may not show every class, or name the average you want.
+* ``'macro'``: the unweighted mean over the classes that occur in targets or preds. As in
   scikit-learn, a class that is neither true nor predicted anywhere is left out, so the value does not depend
   on ``num_classes`` or on how a confusion matrix was padded.
 * ``'binary'``: the score of the positive class 1 (scikit-learn's default; two classes at most).
@@ -50,6 +55,7 @@ __all__ = [
     "AVERAGES",
     "CONFUSION_METRICS",
     "DEFAULT_CONFUSION",
+    "default_average",
     "accuracy",
     "accuracy_from_confusion",
     "confusion_matrix",
@@ -65,7 +71,7 @@ __all__ = [
 ]
 
 AVERAGES = ("binary", "micro", "macro", "weighted")
-"""The accepted values of ``average``."""
+"""The accepted values of ``average`` besides None (the default: 'binary' for two classes, else 'micro')."""
 
 CONFUSION_METRICS = ("accuracy", "precision", "recall", "f1", "fbeta")
 """The metric names :func:`from_confusion` accepts."""
@@ -76,11 +82,17 @@ def _quoted(values) -> str:
 
 
 def _check_average(average) -> None:
-    if not isinstance(average, str) or average not in AVERAGES:
+    if average is not None and (not isinstance(average, str) or average not in AVERAGES):
         raise ConfigError(
-            f"average must be one of {_quoted(AVERAGES)} (got {average!r}); "
-            "'macro' weighs every class equally, 'binary' scores class 1 only"
+            f"average must be None or one of {_quoted(AVERAGES)} (got {average!r}); "
+            "'macro' weighs every class equally, 'binary' scores class 1 only, None is 0.6's default"
+            " ('binary' for two classes, else 'micro')"
         )
+
+
+def default_average(num_classes: int) -> str:
+    """What ``average=None`` means for a ``num_classes`` x ``num_classes`` confusion matrix."""
+    return "binary" if num_classes <= 2 else "micro"
 
 
 def _check_num_classes(num_classes) -> None:
@@ -234,6 +246,8 @@ def _averaged(cm: torch.Tensor, average: str, per_class) -> torch.Tensor:
     """Apply ``average`` to a per-class score computed by ``per_class(tp, fp, fn)``."""
     _check_average(average)
     _check_confusion(cm)
+    if average is None:
+        average = default_average(cm.shape[0])
     if average == "binary":
         cm = _binary_positive(cm)
     tp = cm.diagonal()
@@ -265,12 +279,12 @@ def accuracy_from_confusion(cm: torch.Tensor) -> torch.Tensor:
     return _ratio(cm.diagonal().sum(), cm.sum())
 
 
-def precision_from_confusion(cm: torch.Tensor, average: str = "macro") -> torch.Tensor:
+def precision_from_confusion(cm: torch.Tensor, average: str | None = None) -> torch.Tensor:
     """Precision tp / (tp + fp) of a confusion matrix, averaged as ``average`` says (see the module doc).
 
     Args:
         cm: A ``[C, C]`` count matrix, rows = true class, columns = predicted class.
-        average: One of 'binary', 'micro', 'macro', 'weighted'.
+        average: None (two classes: 'binary', more: 'micro'), 'binary', 'micro', 'macro' or 'weighted'.
 
     Returns:
         A 0-d float tensor.
@@ -279,12 +293,12 @@ def precision_from_confusion(cm: torch.Tensor, average: str = "macro") -> torch.
     return _averaged(cm, average, per_class)
 
 
-def recall_from_confusion(cm: torch.Tensor, average: str = "macro") -> torch.Tensor:
+def recall_from_confusion(cm: torch.Tensor, average: str | None = None) -> torch.Tensor:
     """Recall tp / (tp + fn) of a confusion matrix, averaged as ``average`` says (see the module doc).
 
     Args:
         cm: A ``[C, C]`` count matrix, rows = true class, columns = predicted class.
-        average: One of 'binary', 'micro', 'macro', 'weighted'.
+        average: None (two classes: 'binary', more: 'micro'), 'binary', 'micro', 'macro' or 'weighted'.
 
     Returns:
         A 0-d float tensor.
@@ -293,13 +307,13 @@ def recall_from_confusion(cm: torch.Tensor, average: str = "macro") -> torch.Ten
     return _averaged(cm, average, per_class)
 
 
-def fbeta_from_confusion(cm: torch.Tensor, beta: float, average: str = "macro") -> torch.Tensor:
+def fbeta_from_confusion(cm: torch.Tensor, beta: float, average: str | None = None) -> torch.Tensor:
     """F-beta score of a confusion matrix, averaged as ``average`` says (see the module doc).
 
     Args:
         cm: A ``[C, C]`` count matrix, rows = true class, columns = predicted class.
         beta: Weight of recall relative to precision (1 gives F1, 0 gives precision).
-        average: One of 'binary', 'micro', 'macro', 'weighted'.
+        average: None (two classes: 'binary', more: 'micro'), 'binary', 'micro', 'macro' or 'weighted'.
 
     Returns:
         A 0-d float tensor.
@@ -309,12 +323,12 @@ def fbeta_from_confusion(cm: torch.Tensor, beta: float, average: str = "macro") 
     return _averaged(cm, average, per_class)
 
 
-def f1_from_confusion(cm: torch.Tensor, average: str = "macro") -> torch.Tensor:
+def f1_from_confusion(cm: torch.Tensor, average: str | None = None) -> torch.Tensor:
     """F1 score of a confusion matrix, averaged as ``average`` says (see the module doc).
 
     Args:
         cm: A ``[C, C]`` count matrix, rows = true class, columns = predicted class.
-        average: One of 'binary', 'micro', 'macro', 'weighted'.
+        average: None (two classes: 'binary', more: 'micro'), 'binary', 'micro', 'macro' or 'weighted'.
 
     Returns:
         A 0-d float tensor.
@@ -322,13 +336,14 @@ def f1_from_confusion(cm: torch.Tensor, average: str = "macro") -> torch.Tensor:
     return fbeta_from_confusion(cm, 1.0, average)
 
 
-def from_confusion(cm: torch.Tensor, name: str, average: str = "macro", beta: float = 1.0) -> torch.Tensor:
+def from_confusion(cm: torch.Tensor, name: str, average: str | None = None, beta: float = 1.0) -> torch.Tensor:
     """Compute the metric called ``name`` from a confusion matrix.
 
     Args:
         cm: A ``[C, C]`` count matrix, rows = true class, columns = predicted class.
         name: One of 'accuracy', 'precision', 'recall', 'f1', 'fbeta'.
-        average: One of 'binary', 'micro', 'macro', 'weighted' (ignored by 'accuracy').
+        average: None (two classes: 'binary', more: 'micro'), 'binary', 'micro', 'macro' or 'weighted'
+            (ignored by 'accuracy').
         beta: Used by 'fbeta' only.
 
     Returns:
@@ -350,7 +365,19 @@ def from_confusion(cm: torch.Tensor, name: str, average: str = "macro", beta: fl
     raise ConfigError(f"name must be one of {_quoted(CONFUSION_METRICS)} (got {name!r})")
 
 
-def accuracy(preds, targets, threshold=0.5) -> torch.Tensor:
+def _given_matrix(preds, targets, conf_mat, name: str):
+    """0.6's `conf_mat=` keyword: the matrix to score, or None when (preds, targets) are to be counted."""
+    if conf_mat is None:
+        if preds is None or targets is None:
+            raise ConfigError(f"{name}() needs preds and targets, or a confusion matrix as conf_mat=")
+        return None
+    if preds is not None or targets is not None:
+        raise ConfigError(f"{name}() takes either conf_mat= or (preds, targets), not both")
+    _check_confusion(conf_mat)
+    return conf_mat
+
+
+def accuracy(preds=None, targets=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """Fraction of samples whose predicted class equals the target class.
 
     Computed without a confusion matrix, so it never syncs with the host and ignores class counts.
@@ -359,6 +386,7 @@ def accuracy(preds, targets, threshold=0.5) -> torch.Tensor:
         preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
         targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword).
 
     Returns:
         A 0-d float tensor (0 for an empty input).
@@ -367,6 +395,8 @@ def accuracy(preds, targets, threshold=0.5) -> torch.Tensor:
         >>> accuracy(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([0, 0]))
         tensor(0.5000)
     """
+    if _given_matrix(preds, targets, conf_mat, "accuracy") is not None:
+        return accuracy_from_confusion(conf_mat)
     pred_idx, target_idx, _ = _class_indices(preds, targets, threshold)
     n = pred_idx.shape[0]
     if n == 0:
@@ -374,73 +404,97 @@ def accuracy(preds, targets, threshold=0.5) -> torch.Tensor:
     return (pred_idx == target_idx).sum().to(torch.get_default_dtype()) / n
 
 
-def precision(preds, targets, average="macro", num_classes=None, threshold=0.5) -> torch.Tensor:
+def precision(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *,
+              conf_mat=None) -> torch.Tensor:
     """Precision tp / (tp + fp), scikit-learn's definition with ``zero_division=0``.
 
     Args:
         preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
         targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
-        average: 'macro' (default), 'binary' (class 1, scikit-learn's default), 'micro' or 'weighted'.
+        average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
+            'micro', 'macro' or 'weighted'.
         num_classes: The class count; None infers it (see :func:`confusion_matrix`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
 
     Returns:
         A 0-d float tensor.
     """
     _check_average(average)
-    return precision_from_confusion(confusion_matrix(preds, targets, num_classes, threshold), average)
+    cm = _given_matrix(preds, targets, conf_mat, "precision")
+    if cm is None:
+        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    return precision_from_confusion(cm, average)
 
 
-def recall(preds, targets, average="macro", num_classes=None, threshold=0.5) -> torch.Tensor:
+def recall(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """Recall tp / (tp + fn), scikit-learn's definition with ``zero_division=0``.
 
     Args:
         preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
         targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
-        average: 'macro' (default), 'binary' (class 1, scikit-learn's default), 'micro' or 'weighted'.
+        average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
+            'micro', 'macro' or 'weighted'.
         num_classes: The class count; None infers it (see :func:`confusion_matrix`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
 
     Returns:
         A 0-d float tensor.
     """
     _check_average(average)
-    return recall_from_confusion(confusion_matrix(preds, targets, num_classes, threshold), average)
+    cm = _given_matrix(preds, targets, conf_mat, "recall")
+    if cm is None:
+        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    return recall_from_confusion(cm, average)
 
 
-def fbeta(preds, targets, beta, average="macro", num_classes=None, threshold=0.5) -> torch.Tensor:
+def fbeta(preds=None, targets=None, beta=1.0, average=None, num_classes=None, threshold=0.5, *,
+          conf_mat=None) -> torch.Tensor:
     """F-beta score (1 + b²)·tp / ((1 + b²)·tp + b²·fn + fp), as scikit-learn with ``zero_division=0``.
 
     Args:
         preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
         targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
         beta: Weight of recall relative to precision (>= 0; 1 gives F1).
-        average: 'macro' (default), 'binary' (class 1, scikit-learn's default), 'micro' or 'weighted'.
+        average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
+            'micro', 'macro' or 'weighted'.
         num_classes: The class count; None infers it (see :func:`confusion_matrix`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
 
     Returns:
         A 0-d float tensor.
     """
     _check_beta(beta)
     _check_average(average)
-    return fbeta_from_confusion(confusion_matrix(preds, targets, num_classes, threshold), beta, average)
+    cm = _given_matrix(preds, targets, conf_mat, "fbeta")
+    if cm is None:
+        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    return fbeta_from_confusion(cm, beta, average)
 
 
-def f1(preds, targets, average="macro", num_classes=None, threshold=0.5) -> torch.Tensor:
+def f1(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """F1 score, the harmonic mean of precision and recall (:func:`fbeta` with ``beta=1``).
 
     Args:
         preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
         targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
-        average: 'macro' (default), 'binary' (class 1, scikit-learn's default), 'micro' or 'weighted'.
+        average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
+            'micro', 'macro' or 'weighted'.
         num_classes: The class count; None infers it (see :func:`confusion_matrix`).
         threshold: The probability at or above which a 1-D float pred predicts class 1.
+        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
 
     Returns:
         A 0-d float tensor.
     """
-    return fbeta(preds, targets, 1.0, average, num_classes, threshold)
+    _given_matrix(preds, targets, conf_mat, "f1")  # so a mistake names f1, not fbeta
+    return fbeta(preds, targets, 1.0, average, num_classes, threshold, conf_mat=conf_mat)
 
 
 DEFAULT_CONFUSION = ("accuracy", "precision", "recall", "f1")

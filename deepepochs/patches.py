@@ -121,7 +121,7 @@ class PatchBase(abc.ABC):
     ``a.copy()``. ``sum(patches)`` works too. :meth:`sync` merges across processes with no extra code.
 
     Args:
-        name: An optional display name for the metric.
+        name: An optional prefix for the keys of a dict result, as in 0.6 (`name='C.'` shows `C.accuracy`).
 
     Example:
         >>> class MaxPatch(PatchBase):
@@ -140,9 +140,13 @@ class PatchBase(abc.ABC):
     def __init__(self, name: str | None = None):
         self.name = name
 
-    @abc.abstractmethod
     def load(self, *args, **kwargs) -> PatchBase:
-        """Replace the state with the one of a single batch; return self."""
+        """Replace the state with the one of a single batch; return self.
+
+        Not abstract: a patch that sets its state in ``__init__``, as deepepochs 0.6 patches did, works
+        without it (the trainer itself only adds, copies and computes patches)."""
+        raise NotImplementedError(f"{type(self).__name__}.load() is not implemented: define load(...) to fill"
+                                  " the patch from one batch, or set the state in __init__")
 
     @abc.abstractmethod
     def add(self, other: PatchBase) -> PatchBase:
@@ -274,7 +278,7 @@ class TensorPatch(PatchBase):
         batch_preds: One batch of predictions, a tensor or a nest of tensors.
         batch_targets: The batch's targets (None when the metric needs none; None with ``batch_preds``
             also None makes an empty patch).
-        name: An optional display name.
+        name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
     Example:
         >>> from deepepochs.metrics import f1
@@ -418,7 +422,7 @@ class MeanPatch(_MeanPatchBase):
         batch_targets: The batch's targets.
         batch_size: The batch's sample count (an int, a float or a tensor); by default the length of dim 0
             of the first tensor in the targets, else in the preds.
-        name: An optional display name.
+        name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
     Example:
         >>> from deepepochs.metrics import accuracy
@@ -465,7 +469,7 @@ class ValuePatch(_MeanPatchBase):
         batch_mean_value: The batch's mean, a number or a one-element tensor (detached here); None makes an
             empty patch.
         batch_size: The number of samples the mean was taken over (an int, a float or a tensor).
-        name: An optional display name.
+        name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
     Example:
         >>> (ValuePatch(torch.tensor(1.0), 3) + ValuePatch(torch.tensor(3.0), 1))()

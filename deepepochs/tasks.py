@@ -7,9 +7,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from deepepochs.data import check_batch_size
 from deepepochs.errors import ConfigError
 
-__all__ = ["STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "metric_name", "per_class", "rename"]
+__all__ = [
+    "STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "check_metric_names", "flatten_value",
+    "merge_stage_metrics", "merge_values", "metric_name", "per_class", "rename",
+]
 
 #: Step-method lookup order per stage: `step` first, then the stage's own, then `evaluate_step`.
 STEP_NAMES = {
@@ -19,13 +23,39 @@ STEP_NAMES = {
 }
 
 
-def rename(metric: Callable, name: str) -> Callable:
-    """Give a metric function the display name `name` (returns a wrapper; the function is unchanged)."""
+def rename(metric, name=None):
+    """Give a metric function a display name: `rename(fn, 'acc')`, or as a decorator `@rename('acc')`.
+
+    For a metric that returns a dict, `name` is a prefix of its keys: `@rename('m.')` reports
+    `{'m.p': ..., 'm.r': ...}` for a result `{'p': ..., 'r': ...}`, and `@rename('')` keeps the keys as
+    they are (as in deepepochs 0.6). The function itself is unchanged; a wrapper is returned.
+
+    Example:
+        >>> @rename('val_')
+        ... def pr(preds, targets):
+        ...     return {'p': precision(preds, targets), 'r': recall(preds, targets)}
+        >>> acc = rename(accuracy, 'acc')
+    """
+    if isinstance(metric, str) and name is None:  # @rename('name')
+        prefix = metric
+        return lambda fn: rename(fn, prefix)
+    if not callable(metric):
+        raise ConfigError(f"rename needs a metric function: rename(fn, 'name') or @rename('name') (got"
+                          f" {type(metric).__name__})")
+    if not isinstance(name, str):
+        raise ConfigError(f"rename's name must be a string (got {type(name).__name__}: {name!r})")
 
     def renamed(*args, **kwargs):
-        return metric(*args, **kwargs)
+        value = metric(*args, **kwargs)
+        if isinstance(value, Mapping):
+            return {f"{name}{key}": v for key, v in value.items()}
+        if not name:
+            raise ConfigError(f"rename(fn, '') is for metrics that return a dict; {metric_name(metric)!r}"
+                              " returned one value: give it a name")
+        return value
 
-    renamed.__name__ = renamed.__qualname__ = name
+    # '' keeps a dict's keys; the metric still needs a name of its own to key its patches.
+    renamed.__name__ = renamed.__qualname__ = name or metric_name(metric)
     renamed.__wrapped__ = metric
     return renamed
 
@@ -46,21 +76,22 @@ class EpochTask:
         dataloader: a DataLoader or any iterable of batches.
         metrics: a metric function or a list of them, added to the stage's metrics.
         do_loss: whether evaluation computes the loss.
-        batch_size: callable `(batch_x, batch_y) -> int` when the sample count cannot be inferred.
+        batch_size: the sample count of a batch when it cannot be inferred from tensor shapes: an int
+            (every batch counts that many samples) or a function `(batch_x, batch_y) -> int`.
         **step_args: extra keyword arguments passed to the step methods.
 
     Example:
         >>> trainer.fit(train_tasks=[EpochTask(train_dl, metrics=[accuracy])], val_dl=val_dl)
     """
 
-    def __init__(self, dataloader, metrics=None, do_loss: bool = True, batch_size: Callable | None = None,
+    def __init__(self, dataloader, metrics=None, do_loss: bool = True, batch_size: int | Callable | None = None,
                  **step_args):
         if dataloader is None or not hasattr(dataloader, "__iter__"):
             raise ConfigError(f"dataloader must be an iterable of batches (got {type(dataloader).__name__})")
         self.dataloader = dataloader
         self.metrics = as_metric_list(metrics, "metrics")
         self.do_loss = do_loss
-        self.batch_size = batch_size
+        self.batch_size = check_batch_size(batch_size)
         self.step_args = step_args
         # Filled in when a stage adopts the task (Runner.make_tasks):
         self.trainer = None
@@ -82,6 +113,22 @@ class EpochTask:
 
     def __repr__(self):
         return f"{type(self).__name__}(stage={self.stage!r}, dataloader={type(self.dataloader).__name__})"
+
+
+def check_metric_names(metrics, where: str) -> list:
+    """The metrics without repeats of the same function; two different metrics of one name are refused,
+    since the second would silently replace the first."""
+    out, seen = [], {}
+    for m in metrics:
+        name = metric_name(m)
+        if name in seen:
+            if seen[name] is m:
+                continue
+            raise ConfigError(f"two different metrics of {where} are both named {name!r}; one would replace"
+                              f" the other: give one another name with rename(fn, 'name') or @rename('name')")
+        seen[name] = m
+        out.append(m)
+    return out
 
 
 def as_metric_list(metrics, argname: str) -> list:
@@ -190,8 +237,9 @@ class BatchMetrics(Mapping):
     def _compute(self) -> dict:
         if self._values is None:
             values = {} if self._loss is None else {"loss": float(self._loss)}
+            sources = dict.fromkeys(values, "the loss")
             for name, patch in self._patches.items():
-                values.update(flatten_value(name, patch.forward()))
+                merge_values(values, sources, name, patch.forward(), getattr(patch, "name", None))
             self._values = values
         return self._values
 
@@ -219,6 +267,22 @@ def per_class(name: str, values) -> dict[str, float]:
     """A per-class (vector-valued) metric as one entry per class: `{name}.0`, `{name}.1`, ... These names
     go wherever scalar metrics go: console lines, records, TensorBoard tags, checkpoint monitors."""
     return {f"{name}.{i}": float(v) for i, v in enumerate(values)}
+
+
+def merge_values(values: dict, sources: dict, name: str, value, prefix: str | None = None) -> None:
+    """Add metric `name`'s result to `values`; a key another metric (or the loss) reported already is an
+    error, not a silent overwrite. `sources` maps each key to the metric that reported it. `prefix` (a
+    patch's `name`, e.g. `ConfusionPatch(..., name='C.')` as in 0.6) goes before the keys of a dict result."""
+    if prefix and isinstance(value, Mapping):
+        value = {f"{prefix}{key}": v for key, v in value.items()}
+    for key, v in flatten_value(name, value).items():
+        if key in values:
+            raise ConfigError(
+                f"metrics {sources[key]!r} and {name!r} both report {key!r}; one would overwrite the other:"
+                f" prefix a dict metric's keys with @rename('{name}.') or rename(fn, '{name}.')"
+            )
+        values[key] = v
+        sources[key] = name
 
 
 def flatten_value(name: str, value) -> dict[str, float]:

@@ -71,6 +71,44 @@ def _check_targets(targets):
     return None, pick
 
 
+class _Loss:
+    """What `trainer.loss` returns: call it in a step; 0.6's `self.loss.optimize()` and
+    `self.loss.on_metric_callback(loss, model_out, batch_y)` work too."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: Context):
+        self._ctx = ctx
+
+    def __call__(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True,
+                 grad_accumulate: bool | None = None):
+        """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
+
+        `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
+        splits its batch by hand; the update then happens once per window via `self.optimize()`.
+        `grad_accumulate=True` is 0.6's name for `do_optimize=False`.
+
+        As in 0.6, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step that
+        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks, except for a
+        training call with `do_optimize=False`. In validation/test with `do_loss=False` it computes no loss
+        and returns None.
+        """
+        if grad_accumulate is not None:
+            do_optimize = not grad_accumulate
+        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize)
+
+    def optimize(self) -> None:
+        """0.6's `self.loss.optimize()`: `trainer.optimize()` (an update of every optimizer, on the
+        window's last micro-batch)."""
+        steps.optimize(self._ctx, None)
+
+    def on_metric_callback(self, loss, model_out, batch_y) -> None:
+        """0.6's `self.loss.on_metric_callback(loss, model_out, batch_y)` after sub-batches of one batch:
+        the trainer's metrics of the whole batch's `(model_out, batch_y)` and the `on_*_metrics` hooks
+        (which receive `loss`). The loss statistics come from the `self.loss` calls already."""
+        steps.step_metrics(self._ctx, loss, model_out, batch_y)
+
+
 class TrainerBase:
     """Trains a model with a loss function and optimizer(s) on DataLoaders.
 
@@ -138,8 +176,12 @@ class TrainerBase:
             raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__})")
         if loss is not None and not callable(loss):
             raise ConfigError(f"loss must be a callable loss(model_out, batch_y) or None (got {type(loss).__name__})")
+        if isinstance(resume, int) and not isinstance(resume, bool):
+            resume = str(resume)  # 0.6 took run ids as ints too: resume=1 is the run running_id=1 wrote
+        if isinstance(running_id, int) and not isinstance(running_id, bool):
+            running_id = str(running_id)
         if not (resume is False or resume is True or isinstance(resume, str)):
-            raise ConfigError(f"resume must be False, True or a running id string (got {resume!r})")
+            raise ConfigError(f"resume must be False, True or a running id (a string or an int) (got {resume!r})")
         if isinstance(resume, str):
             check_run_name(resume, "resume")
         if running_id is not None:
@@ -382,13 +424,11 @@ class TrainerBase:
                                    " it with `pip install matplotlib`, or read result.lrs and result.losses")
         return result
 
-    def loss(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True):
-        """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
-
-        `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
-        splits its batch by hand; the update then happens once per window via `self.optimize()`.
-        """
-        return steps.loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize)
+    @property
+    def loss(self) -> _Loss:
+        """`self.loss(model_out, batch_y=None, loss_adjust=1.0, do_optimize=True)`: compute the loss; in
+        training also backpropagate it and (with `do_optimize`) ask for an update. See `_Loss.__call__`."""
+        return _Loss(self._ctx)
 
     def optimize(self, optimize_index=None) -> None:
         """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's

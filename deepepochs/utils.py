@@ -8,11 +8,20 @@ import random
 import numpy as np
 import torch
 
+from deepepochs.errors import ConfigError
+
 __all__ = ["rng_state", "set_rng_state", "set_seed"]
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:
-    """Seed Python, NumPy and PyTorch (all devices); `deterministic` also asks cuDNN for determinism."""
+    """Seed Python, NumPy and PyTorch (all devices); `deterministic` also asks cuDNN for determinism.
+
+    `seed` is an int; a float with an integral value (0.6's examples call `set_seed(1.0)`) counts as that int.
+    """
+    if isinstance(seed, float) and seed.is_integer():
+        seed = int(seed)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an int (got {seed!r})")
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -24,7 +24,7 @@ def make_data(n, seed):
 
 class EpochPrinter(Callback):
     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
-        print(f"  [callback] epoch {epoch_idx} done, val metrics: {sorted(val_metrics)}")
+        print(f"  [callback] epoch {epoch_idx + 1} done, val metrics: {sorted(val_metrics)}")
 
 
 def main():

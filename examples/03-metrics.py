@@ -1,6 +1,7 @@
 """Metrics: functions `(preds, targets) -> scalar | dict`, display names with `rename`, and the ready-made
-classification metrics of `deepepochs.metrics` (micro / macro / weighted averages, binary by default in
-scikit-learn's sense when asked for with average='binary').
+classification metrics of `deepepochs.metrics` (micro / macro / weighted averages, or 'binary': class 1 in
+scikit-learn's sense). Without `average=` they use 0.6's default: 'micro' for more than two classes (which
+equals accuracy for single-label data, as `f2` below shows) and 'binary' for two.
 
 Metrics are computed over the whole dataset, not averaged over batches (the default metric_patch='tensor'
 keeps every prediction of the epoch and computes each metric once at its end).
@@ -61,7 +62,7 @@ def main():
         rename(partial(f1, average="weighted"), "f1_weighted"),
         rename(partial(precision, average="micro"), "p_micro"),
         rename(partial(recall, average="macro"), "r_macro"),
-        rename(partial(fbeta, beta=2.0), "f2"),
+        rename(partial(fbeta, beta=2.0), "f2"),             # default average: micro for 4 classes
         rename(top2_accuracy, "top2"),
     ]
     with Trainer(model, F.cross_entropy, torch.optim.Adam(model.parameters(), lr=1e-2), epochs=epochs,

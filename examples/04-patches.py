@@ -1,7 +1,8 @@
 """Patches: how batch results become dataset-level metrics.
 
-1. `metric_patch='tensor' | 'mean' | 'confusion'` on the same model: the tensor and confusion patches give
-   the exact whole-dataset F1; 'mean' averages per-batch F1 values, which is only an approximation.
+1. `metric_patch='tensor' | 'mean' | 'confusion'` on the same two-class model: the tensor and confusion
+   patches give the exact whole-dataset F1 (of class 1, the default for two classes); 'mean' averages
+   per-batch F1 values, which is only an approximation.
 2. A custom step returning patches: `ConfusionMetrics` (several metrics from one confusion matrix),
    `ValuePatch` (a batch mean), `MeanPatch`, and a custom `PatchBase` subclass (the worst sample loss).
 
@@ -22,8 +23,8 @@ from deepepochs.metrics import accuracy, f1
 
 def make_data(n, seed):
     g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 3, (n,), generator=g)
-    centers = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 2, (n,), generator=g)
+    centers = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
     return TensorDataset(torch.randn(n, 8, generator=g) + 0.7 * centers[y], y)
 
 
@@ -68,7 +69,7 @@ def main():
     val_set = make_data(n // 3, 2)
     val_dl = DataLoader(val_set, batch_size=16)  # small batches: per-batch F1 differs from dataset F1
     set_seed(0)
-    init = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    init = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
 
     for kind in ("tensor", "mean", "confusion"):
         set_seed(1)  # the same shuffling for each run: the three models end up identical

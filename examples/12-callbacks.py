@@ -53,7 +53,7 @@ class Tracer(Callback):
         self.name, self.active = name, False
 
     def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-        self.active = batch_idx == 1 and trainer.loop.epoch == 1
+        self.active = batch_idx == 0 and trainer.loop.epoch == 1  # hook indices are 0-based
         self.say("on_before_train_batch")
 
     def on_before_backward(self, trainer, loss):

@@ -44,7 +44,7 @@ class SkipCounter(Callback):
 
     def on_after_train_epochs(self, trainer, tasks, metrics, epoch_idx):
         if trainer.scaler is not None:
-            print(f"  epoch {epoch_idx}: loss scale {trainer.scaler.get_scale():.0f},"
+            print(f"  epoch {epoch_idx + 1}: loss scale {trainer.scaler.get_scale():.0f},"
                   f" {self.skipped} update(s) skipped so far")
 
 

@@ -39,7 +39,7 @@ class NormReport(Callback):
     def on_after_train_epochs(self, trainer, tasks, metrics, epoch_idx):
         norm = self.clipper.last_norm
         if norm is not None:
-            print(f"  epoch {epoch_idx}: last pre-clip norm {norm.item():.3f} -> clipped to"
+            print(f"  epoch {epoch_idx + 1}: last pre-clip norm {norm.item():.3f} -> clipped to"
                   f" {min(norm.item(), self.clipper.max_value):.3f}")
 
 

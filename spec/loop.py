@@ -216,11 +216,11 @@ H = Hook
 HOOKS = [
     H("on_before_fit", ["epochs"], ["fit_running"], "fit() starts; `epochs` is the epoch target."),
     H("on_before_epoch", ["train_tasks", "val_tasks", "epoch_idx"], ["epoch_running"],
-      "An epoch starts (1-based `epoch_idx`)."),
+      "An epoch starts (0-based `epoch_idx`, as in 0.6; `trainer.loop.epoch` is 1-based)."),
     H("on_before_train_epochs", ["tasks", "epoch_idx"], ["stage_train"], "The training stage starts."),
     H("on_before_train_epoch", ["task"], ["task_train"], "A training task starts."),
     H("on_before_train_batch", ["batch_x", "batch_y", "batch_idx"], ["step_forward"],
-      "A training batch is on the device; `batch_idx` is 1-based within the task."),
+      "A training batch is on the device; `batch_idx` is 0-based within the task (loop.batch_idx: 1-based)."),
     H("on_before_train_forward", [], ["step_forward"], "The model's forward pass is about to run."),
     H("on_after_train_forward", ["model_out"], ["step_forward"], "The forward pass returned `model_out`."),
     H("on_before_backward", ["loss"], ["step_backward"], "`loss` is about to be backpropagated."),

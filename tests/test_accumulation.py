@@ -141,7 +141,7 @@ def test_gradients_do_not_leak_into_the_next_epoch():
 
     class GradAtEpochStart(Callback):
         def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-            if batch_idx == 1:
+            if batch_idx == 0:  # 0-based: an epoch's first batch
                 seen.append([p.grad for p in trainer.raw_model.parameters()])
 
     Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=3,

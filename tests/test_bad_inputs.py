@@ -76,8 +76,8 @@ ROWS = {
     "resume naming a missing run": (
         lambda tmp: _trainer(callbacks=[CheckCallback("loss", ckpt_dir=tmp / "c")], resume="no-such-run").fit(DATA),
         CheckpointError, r"no-such-run"),
-    "a corrupt checkpoint file": (
-        lambda tmp: _trainer(callbacks=[_corrupt_checkpoint(tmp)], resume=True).fit(DATA),
+    "a corrupt checkpoint file": (  # resume='<run>' (resume=True skips it with a warning, test_checkpoint.py)
+        lambda tmp: _trainer(callbacks=[_corrupt_checkpoint(tmp)], resume="run-1").fit(DATA),
         CheckpointError, r"cannot read checkpoint .*val-loss\.best\.ckpt"),
     "an empty DataLoader": (
         lambda tmp: _trainer().fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=32,
@@ -106,9 +106,9 @@ ROWS = {
     "metrics that are not callables": (
         lambda tmp: _trainer(metrics=[1]),
         ConfigError, r"metrics must be a callable or a list of callables \(got int\)"),
-    "a resume value of the wrong type": (
-        lambda tmp: _trainer(resume=3),
-        ConfigError, r"resume must be False, True or a running id string \(got 3\)"),
+    "a resume value of the wrong type": (  # an int is a run id, as in 0.6 (resume=3 names run '3')
+        lambda tmp: _trainer(resume=3.0),
+        ConfigError, r"resume must be False, True or a running id \(a string or an int\) \(got 3\.0\)"),
     "fit without data": (
         lambda tmp: _trainer().fit(),
         ConfigError, r"fit\(\) needs training data: pass train_dl or train_tasks"),

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import deepepochs.checkpoint as ckpt_mod
 from deepepochs import Callback, CheckCallback, CheckpointError, Optimizer, Trainer
+from deepepochs.errors import DeepEpochsWarning
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
         "monitors", "rng", "order_seed"}
@@ -66,7 +67,7 @@ class EpochRecorder(Callback):
         self.epochs = []
 
     def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
-        self.epochs.append(epoch_idx)
+        self.epochs.append(epoch_idx + 1)  # the hook's epoch_idx is 0-based
 
 
 def _only_file(folder):
@@ -275,18 +276,23 @@ def test_resume_true_without_any_checkpoint_starts_fresh_with_an_info_line(tmp_p
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_an_unreadable_checkpoint_raises_checkpoint_error_naming_the_file(tmp_path, damage):
-    """A corrupt or truncated file fails resume and load_checkpoint with the path in the message."""
+    """A corrupt or truncated file fails load_checkpoint and resume='<run>' with the path in the message;
+    resume=True warns with the same message and starts fresh (issue 16: a bad file never stops fit)."""
     first = _trainer(tmp_path, epochs=1)
     first.fit(_loader(), _loader(seed=1))
     path = _only_file(tmp_path / "ckpt")
     data = path.read_bytes()
     path.write_bytes(b"\x00not a checkpoint\xff" * 10 if damage == "garbage" else data[: len(data) // 2])
 
-    resumed = _trainer(tmp_path, epochs=2, resume=True)
+    resumed = _trainer(tmp_path, epochs=2, resume=path.parent.name)
     with pytest.raises(CheckpointError, match="cannot read checkpoint .*val-loss.latest.ckpt"):
         resumed.fit(_loader(), _loader(seed=1))
     with pytest.raises(CheckpointError, match="cannot read checkpoint .*val-loss.latest.ckpt"):
         _trainer(tmp_path, epochs=2).load_checkpoint(path)
+    fresh = _trainer(tmp_path, epochs=2, resume=True)
+    with pytest.warns(DeepEpochsWarning, match="skipped .*cannot read checkpoint .*val-loss.latest.ckpt"):
+        records = fresh.fit(_loader(), _loader(seed=1))
+    assert len(records["train"]["loss"]) == 2  # started fresh: both epochs trained
 
 
 def test_a_checkpoint_from_a_newer_format_or_another_model_is_refused_clearly(tmp_path):

@@ -13,6 +13,7 @@ from torch import nn
 
 import deepepochs.checkpoint as ckpt_mod
 from deepepochs import CheckCallback, CheckpointError, ConfigError, Trainer
+from deepepochs.errors import DeepEpochsWarning
 
 
 class Payload:
@@ -57,16 +58,21 @@ def _saved_checkpoint(tmp_path):
 
 
 def test_resume_refuses_a_crafted_file_without_running_its_code(tmp_path):
-    """A pickle that would run code, named like a checkpoint in the run folder: resume=True raises
-    CheckpointError naming the file and the type, and the code never ran."""
+    """A pickle that would run code, named like a checkpoint in the run folder: resume='<run>' raises
+    CheckpointError naming the file and the type; resume=True skips it with a warning saying the same
+    and resumes from the older good file (issue 16: a foreign file never stops fit); the code never ran."""
     path, _ = _saved_checkpoint(tmp_path)
     marker = tmp_path / "code-ran"
     evil = path.with_name("zzz-newest.ckpt")
     torch.save({"format_version": 1, "model": Payload(marker)}, evil)
     os.utime(evil, (path.stat().st_mtime + 10,) * 2)  # the newest file: the one resume picks
-    t = _trainer(tmp_path, resume=True)
+    t = _trainer(tmp_path, resume="run")
     with pytest.raises(CheckpointError, match=r"zzz-newest\.ckpt holds an object of type io\.open.*trusted=True"):
         t.fit(_data())
+    t = _trainer(tmp_path, resume=True)
+    with pytest.warns(DeepEpochsWarning, match=r"skipped .*zzz-newest\.ckpt: .*holds an object of type io\.open"):
+        t.fit(_data())
+    assert t.running_id == "run" and t.loop.completed_epochs == 1  # the good file was loaded
     assert not marker.exists()
 
 

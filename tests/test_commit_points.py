@@ -97,12 +97,12 @@ def accuracy(preds, targets):
 
 
 class EpochClock(Callback):
-    """Remembers the running epoch."""
+    """Remembers the running epoch (1-based)."""
 
     epoch = 0
 
     def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
-        self.epoch = epoch_idx
+        self.epoch = epoch_idx + 1  # the hook's epoch_idx is 0-based
 
 
 class BatchCounter(EpochClock):
@@ -167,17 +167,17 @@ class FailBeforeEpoch(BatchCounter):
         super().__init__()
         self.hook, self.armed = hook, True
 
-    def fail_if_due(self, hook, epoch_idx):
-        if self.armed and hook == self.hook and epoch_idx == 2:
+    def fail_if_due(self, hook, epoch):
+        if self.armed and hook == self.hook and epoch == 2:  # 1-based
             self.armed = False
             raise Boom(f"injected in {hook}")
 
     def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
         super().on_before_epoch(trainer, train_tasks, val_tasks, epoch_idx)
-        self.fail_if_due("on_before_epoch", epoch_idx)
+        self.fail_if_due("on_before_epoch", epoch_idx + 1)
 
     def on_before_train_epochs(self, trainer, tasks, epoch_idx):
-        self.fail_if_due("on_before_train_epochs", epoch_idx)
+        self.fail_if_due("on_before_train_epochs", epoch_idx + 1)
 
     def on_before_train_epoch(self, trainer, task):
         self.fail_if_due("on_before_train_epoch", self.epoch)
@@ -208,7 +208,7 @@ class FailAfterEpoch(Callback):
         self.exc, self.armed = exc, True
 
     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
-        if self.armed and epoch_idx == 2:
+        if self.armed and epoch_idx == 1:  # 0-based: epoch 2
             self.armed = False
             raise self.exc
 
@@ -359,7 +359,7 @@ class SigintAtBatch(Callback):
         self.at = at
 
     def on_after_train_batch(self, trainer, metrics, batch_idx):
-        if trainer.loop.completed_epochs == 0 and batch_idx == self.at:
+        if trainer.loop.completed_epochs == 0 and batch_idx + 1 == self.at:  # `at` is 1-based
             os.kill(os.getpid(), signal.SIGINT)
 
 

@@ -144,11 +144,23 @@ def test_empty_inputs_score_zero():
     assert dm.confusion_matrix(torch.zeros(0, 3), empty).shape == (3, 3)
 
 
-def test_default_average_is_macro():
-    """Without average=, precision, recall and F1 use 'macro'."""
-    logits, targets = _random_case(7, num_classes=3)
-    assert torch.equal(dm.f1(logits, targets), dm.f1(logits, targets, "macro"))
-    assert torch.equal(dm.recall(logits, targets), dm.recall(logits, targets, "macro"))
+@pytest.mark.parametrize("seed", range(3))
+def test_default_average_is_0_6_micro_for_multiclass_and_sklearn_binary_for_two_classes(seed):
+    """Without average=, multiclass precision/recall/F1/F-beta are 'micro' (0.6's documented default), and
+    two-class ones score class 1 like scikit-learn's default (0.6's class-0 score was wrong)."""
+    logits, targets = _random_case(seed, num_classes=3)
+    preds = logits.argmax(1)
+    assert float(dm.precision(logits, targets)) == pytest.approx(_sk("precision", targets, preds, average="micro"))
+    assert float(dm.recall(logits, targets)) == pytest.approx(_sk("recall", targets, preds, average="micro"))
+    assert float(dm.f1(logits, targets)) == pytest.approx(_sk("f1", targets, preds, average="micro"))
+    assert float(dm.fbeta(logits, targets, 2.0)) == pytest.approx(
+        _sk("fbeta", targets, preds, beta=2.0, average="micro"))
+    logits, targets = _random_case(seed, num_classes=2)
+    preds = logits.argmax(1)
+    for name, fn in (("precision", dm.precision), ("recall", dm.recall), ("f1", dm.f1)):
+        assert float(fn(logits, targets)) == pytest.approx(_sk(name, targets, preds))  # sklearn's default
+    cm = dm.confusion_matrix(logits, targets)
+    assert float(dm.precision_from_confusion(cm)) == pytest.approx(_sk("precision", targets, preds))
 
 
 @pytest.mark.parametrize("average", ("binary",) + MULTICLASS_AVERAGES)
@@ -175,7 +187,7 @@ def test_metrics_return_zero_dim_float_tensors_without_grad():
 def test_bad_average_names_the_accepted_values():
     """An unknown average raises ConfigError listing the accepted values and the received one."""
     with pytest.raises(
-        ConfigError, match=r"average must be one of 'binary', 'micro', 'macro', 'weighted' \(got 'mean'\)"
+        ConfigError, match=r"average must be None or one of 'binary', 'micro', 'macro', 'weighted' \(got 'mean'\)"
     ):
         dm.f1(torch.tensor([0, 1]), torch.tensor([0, 1]), average="mean")
 
@@ -248,3 +260,24 @@ def test_config_error_is_a_value_error():
     """ConfigError subclasses ValueError, so generic handlers still catch bad metric arguments."""
     with pytest.raises(ValueError):
         dm.recall(torch.tensor([0]), torch.tensor([0]), average="samples")
+
+
+def test_conf_mat_keyword_of_0_6_scores_a_given_confusion_matrix_like_sklearn():
+    """0.6 code calls accuracy(conf_mat=cm) and f1(conf_mat=cm, average='macro'): the values equal
+    scikit-learn's on the data the matrix counts; mixing conf_mat with preds is refused."""
+    logits, targets = _random_case(4, num_classes=4, n=80)
+    preds = logits.argmax(1)
+    cm = dm.confusion_matrix(logits, targets, 4)
+    assert float(dm.accuracy(conf_mat=cm)) == pytest.approx(skm.accuracy_score(targets.numpy(), preds.numpy()))
+    for average in MULTICLASS_AVERAGES:
+        assert float(dm.f1(conf_mat=cm, average=average)) == pytest.approx(_sk("f1", targets, preds, average=average))
+        assert float(dm.precision(conf_mat=cm, average=average)) == pytest.approx(
+            _sk("precision", targets, preds, average=average))
+        assert float(dm.recall(conf_mat=cm, average=average)) == pytest.approx(
+            _sk("recall", targets, preds, average=average))
+        assert float(dm.fbeta(conf_mat=cm, beta=0.5, average=average)) == pytest.approx(
+            _sk("fbeta", targets, preds, beta=0.5, average=average))
+    with pytest.raises(ConfigError, match=r"f1\(\) takes either conf_mat= or \(preds, targets\), not both"):
+        dm.f1(logits, targets, conf_mat=cm)
+    with pytest.raises(ConfigError, match=r"recall\(\) needs preds and targets, or a confusion matrix"):
+        dm.recall(logits)

@@ -162,7 +162,7 @@ class SkipRecorder(Callback):
         self.now, self.skips = now, skips
 
     def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-        self.now["at"] = (trainer.loop.epoch, batch_idx)
+        self.now["at"] = (trainer.loop.epoch, batch_idx + 1)  # the hook's batch_idx is 0-based
 
     def on_skip_optimize(self, trainer, optimize_index):
         self.skips.append((self.now["at"], optimize_index))
@@ -394,7 +394,7 @@ def test_norm_clipping_with_several_optimizers_uses_the_joint_norm_of_finite_gro
 
     class Probe(Callback):
         def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-            now["b"] = batch_idx
+            now["b"] = batch_idx + 1  # the hook's batch_idx is 0-based
 
         def on_before_optimize(self, trainer, optimize_index):
             self.before = [[p.grad.clone() for p in g] for g in groups]
@@ -486,7 +486,7 @@ def test_runs_follow_the_spec_edges_and_skip_exactly_on_poisoned_updates(precisi
         armed = interrupt
 
         def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-            now["at"] = (trainer.loop.epoch, batch_idx)
+            now["at"] = (trainer.loop.epoch, batch_idx + 1)  # the hook's batch_idx is 0-based
 
         def on_after_backward(self, trainer, loss):
             if self.armed and now["at"] == inject_at:

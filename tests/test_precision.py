@@ -131,7 +131,7 @@ class PoisonAndWatch(Callback):
         poison_grads(model[0].weight, lambda: self.now in self.poisoned)
 
     def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-        self.now = (trainer.loop.epoch, batch_idx)
+        self.now = (trainer.loop.epoch, batch_idx + 1)  # the hook's batch_idx is 0-based
         self.before = snapshot(trainer.raw_model)
         self.scale_before = trainer.scaler.get_scale()
 
@@ -341,7 +341,7 @@ def test_fp32_nonfinite_skip_leaves_the_weights_of_that_update_unchanged(k):
 
         def on_after_train_batch(self, trainer, metrics, batch_idx):
             after = snapshot(trainer.raw_model)
-            changed[batch_idx] = any(not torch.equal(a, b) for a, b in zip(self.before, after))
+            changed[batch_idx + 1] = any(not torch.equal(a, b) for a, b in zip(self.before, after))
 
     trainer = Trainer(model, loss, Optimizer(opt, sched, sched_on="step"), epochs=1, nonfinite="skip",
                       gradient_accumulation_steps=k, callbacks=[Watch()], **QUIET)

@@ -294,7 +294,7 @@ def test_before_hooks_run_in_registration_order_and_after_hooks_in_reverse():
 
 class Boom(Callback):
     def on_after_train_batch(self, trainer, metrics, batch_idx):
-        if batch_idx == 2:
+        if batch_idx == 1:  # 0-based: the second batch
             raise ValueError("boom at batch 2")
 
 

@@ -13,6 +13,7 @@ import math
 import torch
 
 from deepepochs.callbacks.base import Callback
+from deepepochs.compat import removed_attribute
 from deepepochs.config import check_choice
 from deepepochs.data import first_tensor
 from deepepochs.errors import ConfigError
@@ -86,6 +87,9 @@ class AnalyzeCallback(Callback):
         >>> trainer = Trainer(model, F.cross_entropy, callbacks=[LogCallback(), AnalyzeCallback('backward')])
     """
 
+    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
+    __getattr__ = removed_attribute
+
     def __init__(self, mode: str = "forward", log_dir=None, layers=None, histograms: bool = True):
         check_choice("mode", mode, MODES, "'forward' records layer outputs, 'backward' gradients")
         if layers is not None:
@@ -136,7 +140,7 @@ class AnalyzeCallback(Callback):
         """Remove the hooks and write the epoch's statistics."""
         self._remove()
         if trainer.is_main_process and self._stats:
-            self._write(trainer, epoch_idx)
+            self._write(trainer, epoch_idx + 1)  # TensorBoard steps are 1-based epoch numbers
         self._stats = {}
 
     def on_after_fit(self, trainer):

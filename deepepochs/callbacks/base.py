@@ -19,6 +19,10 @@ class Callback(CallbackHooks):
     wraps the ones registered after it. A callback can stop the fit at the end of the epoch with
     `trainer.request_stop(reason)`.
 
+    Indices passed to hooks are 0-based, as in deepepochs 0.6: `epoch_idx` is 0 in the first epoch and
+    `batch_idx` is 0 for a task's first batch (the console shows `E 1/5`, and `trainer.loop.epoch` /
+    `trainer.loop.batch_idx` count from 1).
+
     `idle_hooks` names overridden hooks that this instance does not use in its configuration (read when
     the callback is attached to a trainer): they are never called, and a per-batch one no longer keeps
     training batches off the machine's fused edges, which are much cheaper on a small model.
@@ -31,6 +35,14 @@ class Callback(CallbackHooks):
     """
 
     idle_hooks: frozenset[str] = frozenset()
+
+    def __init__(self, priority=None):
+        if priority is not None:  # 0.6's Callback(priority=...): refuse it with what to do instead
+            raise TypeError(
+                f"{type(self).__name__}: Callback(priority=...) (deepepochs 0.6) was removed: before hooks run in"
+                " the order of Trainer(callbacks=[...]), after hooks in reverse; order that list instead"
+                " (see docs/MIGRATION.md)"
+            )
 
 
 class HookTable:

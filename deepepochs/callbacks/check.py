@@ -156,14 +156,15 @@ class CheckCallback(Callback):
             raise self._unknown_monitor(metrics)
         value = float(metrics[self.monitor])
         self.last = value
+        epoch = epoch_idx + 1  # monitors (and checkpoint files) record 1-based epoch numbers
         improved = not math.isnan(value) and (
             self.best is None or (value < self.best if self.mode == "min" else value > self.best))
         if improved:
-            self.best, self.best_epoch, self.bad_epochs = value, epoch_idx, 0
+            self.best, self.best_epoch, self.bad_epochs = value, epoch, 0
         else:
             self.bad_epochs += 1
         if improved or not self.save_best:
-            self.saved_epoch = epoch_idx  # before the save runs, so the file records itself
+            self.saved_epoch = epoch  # before the save runs, so the file records itself
             trainer.request_save(lambda: self._save(trainer))
         if self.patience and self.bad_epochs >= self.patience:
             best = "none" if self.best is None else f"{self.best:.6g} at epoch {self.best_epoch}"

@@ -15,22 +15,30 @@ from collections.abc import Callable, Mapping
 import torch
 
 from deepepochs.callbacks.base import Callback
+from deepepochs.compat import removed_attribute
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
+from deepepochs.metrics import confusion_matrix
 
 __all__ = ["InterpreteCallback"]
 
-STAGES = ("val", "test")
+STAGES = ("train", "val", "test")
+DEFAULT_STAGES = ("val", "test")  # 'train' adds per-batch hooks to training, which then leaves the fused edges
+#: The hooks that watch the training stage, idle unless 'train' is among the stages.
+TRAIN_HOOKS = frozenset({"on_before_train_epochs", "on_before_train_batch", "on_train_metrics",
+                         "on_after_train_epochs"})
 
 
 class InterpreteCallback(Callback):
     """Keep the `k` samples with the highest (`mode='max'`) or lowest (`mode='min'`) per-sample metric.
 
-    The watched stages run the default evaluation step, which calls `metric(model_out, batch_y)` in the
-    `on_val_metrics`/`on_test_metrics` hooks; a custom `val_step`/`test_step`/`evaluate_step` does not fire
-    those hooks, so nothing is collected there (a warning says so). Samples are collected anew each time a
-    stage runs: after `fit` the validation samples are those of the last validation; after `test`, the
-    test's. Under DDP the ranks' selections are merged when the stage ends, so every rank holds the best k
+    `metric(model_out, batch_y)` runs in the stage's `on_*_metrics` hook, which the default step and a
+    custom step's `self.loss(out, y)` calls fire; a custom step that never calls `self.loss` fires none, so
+    nothing is collected there (a warning says so). Samples are collected anew each time a stage runs:
+    after `fit` the training and validation samples are those of the last epoch; after `test`, the
+    test's. Watching 'train' (as 0.6 allowed) scores training outputs without gradients; it adds per-batch
+    hooks to training, so training batches take every edge of the machine instead of the fused ones.
+    Under DDP the ranks' selections are merged when the stage ends, so every rank holds the best k
     of the whole dataset; ties go to the sample first in the dataset's order for the evaluation shards
     deepepochs makes (sample i on rank i % world size), otherwise to the lower rank.
 
@@ -43,7 +51,11 @@ class InterpreteCallback(Callback):
             model; of a dict, the first field) with a table of their values and labels, to the trainer's
             shared TensorBoard writer: `interprete/val` at the end of fit, `interprete/test` after test.
             Inputs must be `[C, H, W]` (C = 1, 3 or 4) or `[H, W]`; float images are min-max scaled.
-        stages: the stages to watch, from ('val', 'test').
+        stages: the stages to watch, from ('train', 'val', 'test'); default ('val', 'test').
+        confusion: also count a confusion matrix of each watched stage (`confusion_matrix(stage)`; preds
+            and targets as `deepepochs.metrics.confusion_matrix` takes them) and write it to TensorBoard as
+            an image `interprete/<stage>/confusion` when the stage's samples are written (drawn with
+            `plot_confusion` when matplotlib is installed, else as a heat map without numbers).
         log_dir: the writer's folder (None: the one the trainer's other logging callbacks use).
 
     Example:
@@ -54,8 +66,11 @@ class InterpreteCallback(Callback):
         ...     print(f"{value:.3f}", pred.argmax().item(), label.item())
     """
 
+    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
+    __getattr__ = removed_attribute
+
     def __init__(self, metric: Callable, k: int = 100, mode: str = "max", image_data: bool = False,
-                 stages=STAGES, log_dir=None):
+                 stages=DEFAULT_STAGES, log_dir=None, confusion: bool = False):
         if not callable(metric):
             raise ConfigError(f"metric must be a callable metric(preds, targets) -> Tensor[N] (got"
                               f" {type(metric).__name__})")
@@ -64,6 +79,8 @@ class InterpreteCallback(Callback):
         check_choice("mode", mode, ("max", "min"), "'max' keeps the highest scores, 'min' the lowest")
         if not isinstance(image_data, bool):
             raise ConfigError(f"image_data must be True or False (got {image_data!r})")
+        if not isinstance(confusion, bool):
+            raise ConfigError(f"confusion must be True or False (got {confusion!r})")
         stages = (stages,) if isinstance(stages, str) else tuple(stages)
         if not stages or any(s not in STAGES for s in stages):
             raise ConfigError(f"stages must be a non-empty selection of {STAGES!r} (got {stages!r})")
@@ -73,6 +90,9 @@ class InterpreteCallback(Callback):
         self.image_data = image_data
         self.stages = stages
         self.log_dir = log_dir
+        self.confusion = confusion
+        self.idle_hooks = frozenset() if "train" in stages else TRAIN_HOOKS
+        self._matrices: dict[str, torch.Tensor | None] = dict.fromkeys(STAGES)
         self._sign = 1.0 if mode == "max" else -1.0
         self._heaps: dict[str, list] = {s: [] for s in STAGES}
         self._seen = dict.fromkeys(STAGES, 0)
@@ -96,6 +116,34 @@ class InterpreteCallback(Callback):
         check_choice("stage", stage, STAGES)
         return [list(entry[2]) for entry in sorted(self._heaps[stage], reverse=True)]
 
+    def confusion_matrix(self, stage: str | None = None) -> torch.Tensor | None:
+        """The `[C, C]` confusion matrix (rows: true class) of the last run of `stage` (None: the stage
+        that ran last), with `confusion=True`; None otherwise or before the stage ran."""
+        if stage is None:
+            stage = self._last
+            if stage is None:
+                return None
+        check_choice("stage", stage, STAGES)
+        return self._matrices[stage]
+
+    # ---- hooks: training (with 'train' among the stages) ----
+    def on_before_train_epochs(self, trainer, tasks, epoch_idx):
+        """Training starts: forget the previous epoch's samples."""
+        self._start("train")
+
+    def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
+        """Remember the batch's inputs for the metrics hook."""
+        self._before_batch("train", batch_x)
+
+    def on_train_metrics(self, trainer, loss, model_out, batch_y, task):
+        """Score the batch's samples (without gradients) and keep those among the best k so far."""
+        with torch.no_grad():
+            self._collect("train", model_out, batch_y)
+
+    def on_after_train_epochs(self, trainer, tasks, metrics, epoch_idx):
+        """The epoch's training is done (under DDP: merge the ranks' selections)."""
+        self._end(trainer, "train")
+
     # ---- hooks: validation ----
     def on_before_val_epochs(self, trainer, tasks, epoch_idx):
         """Validation starts: forget the previous validation's samples."""
@@ -114,9 +162,10 @@ class InterpreteCallback(Callback):
         self._end(trainer, "val")
 
     def on_after_fit(self, trainer):
-        """Log the last validation's samples as images (with `image_data`)."""
-        if self.image_data and "val" in self.stages and self._heaps["val"]:
-            self._write_images(trainer, "val")
+        """Log the last epoch's training and validation samples as images (with `image_data`) and their
+        confusion matrices (with `confusion`)."""
+        for stage in ("train", "val"):
+            self._write(trainer, stage)
 
     # ---- hooks: test ----
     def on_before_test_epochs(self, trainer, tasks):
@@ -134,8 +183,7 @@ class InterpreteCallback(Callback):
     def on_after_test_epochs(self, trainer, tasks, metrics):
         """Log the test's samples as images (with `image_data`); under DDP merge the ranks' first."""
         self._end(trainer, "test")
-        if self.image_data and "test" in self.stages and self._heaps["test"]:
-            self._write_images(trainer, "test")
+        self._write(trainer, "test")
 
     def on_interrupted(self, trainer, exception):
         """Drop the reference to the interrupted batch's inputs."""
@@ -147,6 +195,7 @@ class InterpreteCallback(Callback):
             return
         self._heaps[stage] = []
         self._seen[stage] = self._batches[stage] = self._collected[stage] = 0
+        self._matrices[stage] = None
         self._last = stage
 
     def _before_batch(self, stage, batch_x):
@@ -158,6 +207,8 @@ class InterpreteCallback(Callback):
         self._inputs = None
         if stage in self.stages and trainer._dist.world_size > 1:
             self._merge_ranks(trainer._dist, stage)
+            if self.confusion:
+                self._merge_matrices(trainer._dist, stage)
         if stage in self.stages and self._batches[stage] and not self._collected[stage]:
             warnings.warn(
                 f"InterpreteCallback saw {self._batches[stage]} {stage} batches but no predictions: a custom"
@@ -176,9 +227,29 @@ class InterpreteCallback(Callback):
         heapq.heapify(best)
         self._heaps[stage] = best
 
+    def _merge_matrices(self, dist, stage):
+        """Every rank's matrix, padded to the largest class count seen on any rank, summed."""
+        cm = self._matrices[stage]
+        size = dist.all_gather_object(0 if cm is None else cm.shape[0])
+        c = max(size)
+        if c:
+            cm = torch.zeros(c, c, dtype=torch.int64) if cm is None else _pad(cm.cpu(), c)
+            self._matrices[stage] = dist.reduce_sum(cm)
+
+    def _count(self, stage, model_out, batch_y):
+        batch = confusion_matrix(model_out, batch_y).cpu()
+        have = self._matrices[stage]
+        if have is None:
+            self._matrices[stage] = batch
+        else:
+            c = max(have.shape[0], batch.shape[0])
+            self._matrices[stage] = _pad(have, c) + _pad(batch, c)
+
     def _collect(self, stage, model_out, batch_y):
         if stage not in self.stages:
             return
+        if self.confusion:
+            self._count(stage, model_out, batch_y)
         batch_x, self._inputs = self._inputs, None
         scores = self.metric(model_out, batch_y)
         if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
@@ -214,6 +285,22 @@ class InterpreteCallback(Callback):
             elif entry > heap[0]:
                 heapq.heapreplace(heap, entry)
 
+    def _write(self, trainer, stage):
+        if stage not in self.stages:
+            return
+        if self.image_data and self._heaps[stage]:
+            self._write_images(trainer, stage)
+        if self.confusion and self._matrices[stage] is not None and trainer.is_main_process:
+            writer = trainer.writer(self.log_dir)
+            tag, step, cm = f"interprete/{stage}/confusion", trainer.loop.completed_epochs, self._matrices[stage]
+            try:
+                from deepepochs.compat import plot_confusion
+
+                writer.add_figure(tag, plot_confusion(cm, title=f"{stage} confusion matrix"), step)
+            except ImportError:  # no matplotlib: the matrix as a heat map image, one pixel block per cell
+                writer.add_image(tag, _heat_map(cm), step, dataformats="CHW")
+            writer.flush()
+
     def _write_images(self, trainer, stage):
         if not trainer.is_main_process:
             return
@@ -237,6 +324,21 @@ class InterpreteCallback(Callback):
                            "|---|---|---|---|", *rows])
         writer.add_text(tag, table, step)
         writer.flush()
+
+
+def _pad(cm: torch.Tensor, c: int) -> torch.Tensor:
+    """A confusion matrix grown to `c` classes with zero rows and columns."""
+    extra = c - cm.shape[0]
+    return torch.nn.functional.pad(cm, (0, extra, 0, extra)) if extra else cm
+
+
+def _heat_map(cm: torch.Tensor, cell: int = 16) -> torch.Tensor:
+    """A `[3, C*cell, C*cell]` image of a confusion matrix: white for 0 up to dark blue for the largest
+    count, each cell a `cell` x `cell` block (rows: true class)."""
+    share = cm.double() / max(int(cm.max()), 1)
+    white, blue = torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.03, 0.19, 0.42])
+    image = white[:, None, None] + (blue - white)[:, None, None] * share[None].float()
+    return image.repeat_interleave(cell, dim=1).repeat_interleave(cell, dim=2)
 
 
 def _per_sample(obj, idx: torch.Tensor, n: int) -> list:

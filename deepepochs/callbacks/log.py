@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from deepepochs.callbacks.base import Callback
+from deepepochs.compat import removed_attribute
 from deepepochs.data import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.render import render
@@ -66,6 +67,9 @@ class LogCallback(Callback):
         >>> trainer.test(test_dl)   # loss/test, accuracy/test and the HParams record
         >>> trainer.close()         # flushes and closes the writer
     """
+
+    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
+    __getattr__ = removed_attribute
 
     def __init__(self, log_dir=DEFAULT_LOG_DIR, log_graph: bool = False, example_input=None,
                  log_batch: bool = False, state_graph: bool = True):
@@ -125,7 +129,7 @@ class LogCallback(Callback):
             return
         self._stage_tasks = list(tasks)
         try:
-            self._epoch_base = (epoch_idx - 1) * sum(len(task.data) for task in tasks)
+            self._epoch_base = epoch_idx * sum(len(task.data) for task in tasks)
         except TypeError:  # an iterable without len(): count on from the last step
             self._epoch_base = None
 
@@ -144,8 +148,9 @@ class LogCallback(Callback):
         """With `log_batch`: the batch's metrics (reading them is the host-device sync)."""
         if not self.log_batch:
             return
-        # batch_idx is 1-based within the task and, on a resumed task, continues after the skipped batches
-        self._batch_step = self._batch_step + 1 if self._epoch_base is None else self._task_base + batch_idx
+        # batch_idx is 0-based within the task and, on a resumed task, continues after the skipped batches;
+        # steps count from 1
+        self._batch_step = self._batch_step + 1 if self._epoch_base is None else self._task_base + batch_idx + 1
         if not trainer.is_main_process:
             return
         writer = self.writer(trainer)
@@ -158,11 +163,12 @@ class LogCallback(Callback):
         if not trainer.is_main_process:
             return
         writer = self.writer(trainer)
+        step = epoch_idx + 1  # the step of an epoch's values is its 1-based number (the console's `E 1/5`)
         for stage, metrics in (("train", train_metrics), ("val", val_metrics)):
             for name, value in metrics.items():
-                writer.add_scalar(f"{name}/{stage}", value, epoch_idx)
+                writer.add_scalar(f"{name}/{stage}", value, step)
         for name, lr in trainer.opt.lrs().items():
-            writer.add_scalar(name if name == "lr" else f"lr/{name}", lr, epoch_idx)
+            writer.add_scalar(name if name == "lr" else f"lr/{name}", lr, step)
         writer.flush()  # so that a TensorBoard watching the run sees each epoch as it ends
 
     def on_after_test_epochs(self, trainer, tasks, metrics):

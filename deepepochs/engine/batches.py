@@ -63,6 +63,8 @@ def train_batches(ctx: Context, data, meters) -> None:
     step_fn, step_args = task.step_fn, task.step_args
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": "train"}
+    else:
+        step_fn = steps.custom_step(ctx, step_fn)
     autocast = parts.precision.autocast if parts.precision.dtype is not None else None
     console = parts.console
     log_batch = console.log_batch or console.log_tqdm
@@ -83,8 +85,8 @@ def train_batches(ctx: Context, data, meters) -> None:
         loop.window_samples += n
         ctx.batch_n, ctx.step_loss, ctx.step_patches, ctx.batch_counted = n, None, None, False
         hop("begin_batch")
-        for hook in before_batch:
-            hook(facade, batch_x, batch_y, loop.batch_idx)
+        for hook in before_batch:  # hooks get the 0-based batch index, as in 0.6
+            hook(facade, batch_x, batch_y, loop.batch_idx - 1)
         if autocast is None:
             result = step_fn(batch_x, batch_y, **step_args)
         else:
@@ -100,7 +102,7 @@ def train_batches(ctx: Context, data, meters) -> None:
         if after_batch:
             metrics = BatchMetrics(value, patches)
             for hook in after_batch:
-                hook(facade, metrics, loop.batch_idx)
+                hook(facade, metrics, loop.batch_idx - 1)
         if log_batch:
             console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches),
                           meters.skipped)
@@ -122,14 +124,16 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     step_fn, step_args = task.step_fn, task.step_args
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": stage}
+    else:
+        step_fn = steps.custom_step(ctx, step_fn)
     console, autocast = parts.console, parts.precision.autocast
     for batch in data:
         loop.batch_idx += 1
         batch_x, batch_y, n = split(batch)
         ctx.batch_n, ctx.step_loss = n, None
         fire("begin_batch")
-        for hook in before_batch:
-            hook(facade, batch_x, batch_y, loop.batch_idx)
+        for hook in before_batch:  # 0-based, as in training
+            hook(facade, batch_x, batch_y, loop.batch_idx - 1)
         with autocast():
             result = step_fn(batch_x, batch_y, **step_args)
         patches = None if result is None else steps.check_step_result(result, n)
@@ -140,6 +144,6 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
         if after_batch:
             metrics = BatchMetrics(value, patches)
             for hook in after_batch:
-                hook(facade, metrics, loop.batch_idx)
+                hook(facade, metrics, loop.batch_idx - 1)
         if observed:
             console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from deepepochs.checkpoint import monitors_in
-from deepepochs.data import input_splitter
+from deepepochs.data import check_batch_size, input_splitter
 from deepepochs.distributed import skip_batches
 from deepepochs.engine import actions, batches, steps
 from deepepochs.engine.context import Context, ResumePoint
@@ -24,7 +24,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.patches import TensorPatch
-from deepepochs.tasks import EpochTask, TaskMeters, flatten_value, merge_stage_metrics, metric_name
+from deepepochs.tasks import EpochTask, TaskMeters, check_metric_names, merge_stage_metrics, merge_values, metric_name
 
 __all__ = ["Driver"]
 
@@ -51,6 +51,7 @@ class Driver:
     def make_tasks(self, stage, dataloader, tasks, metrics, do_loss, batch_size) -> list[EpochTask]:
         """EpochTasks of a stage from a DataLoader and/or a task list (they combine, DataLoader first)."""
         parts = self.ctx.parts
+        check_batch_size(batch_size)
         out = []
         if dataloader is not None:
             out.append(EpochTask(dataloader, do_loss=do_loss, batch_size=batch_size))
@@ -67,7 +68,7 @@ class Driver:
                 )
             task.trainer = parts.facade
             task.stage = stage
-            task.all_metrics = [*metrics, *task.metrics]
+            task.all_metrics = check_metric_names([*metrics, *task.metrics], f"the {stage} task {i}")
             if task.batch_size is None:
                 task.batch_size = batch_size
             task.data = parts.dist.prepare_dataloader(task.dataloader, stage)
@@ -85,6 +86,7 @@ class Driver:
         try:
             return run()
         except BaseException as exc:
+            task = ctx.task  # the rollback forgets it
             self._rollback(exc)
             loop, machine = ctx.loop, ctx.machine
             note = (f"deepepochs: {type(exc).__name__} raised in state {loop.last_error_state!r} (epoch"
@@ -95,6 +97,9 @@ class Driver:
             failure = exc if timeout is None else timeout
             if hasattr(failure, "add_note"):
                 failure.add_note(note)
+                hint = _step_hint(exc, task)
+                if hint:
+                    failure.add_note(hint)
             failure.deepepochs_flight_record = machine.records()
             if timeout is not None:
                 raise timeout from exc
@@ -154,7 +159,8 @@ class Driver:
         parts.opts.drop_stale_grads()
         while fire("next_epoch") == "epoch_running":
             epoch = loop.epoch
-            self._run_hooks("on_before_epoch", train, val, epoch)
+            epoch_idx = epoch - 1  # hooks get 0-based epoch indices, as in 0.6; the loop counts from 1
+            self._run_hooks("on_before_epoch", train, val, epoch_idx)
             fire("begin_train")
             train_metrics = self._train_stage(train, epoch)
             fire("end_stage")
@@ -164,7 +170,7 @@ class Driver:
                 val_metrics = self._eval_stage("val", val, epoch)
                 fire("end_stage")
             self._count_epoch(epoch)
-            self._run_hooks("on_after_epoch", train, val, train_metrics, val_metrics, epoch)
+            self._run_hooks("on_after_epoch", train, val, train_metrics, val_metrics, epoch_idx)
             skipped = sum(meters.skipped for meters in ctx.train_meters or ())
             parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped)
             fire("end_epoch")
@@ -197,7 +203,7 @@ class Driver:
         loop.stage = "train"
         ctx.model = parts.train_model
         parts.raw_model.train()
-        self._run_hooks("on_before_train_epochs", tasks, epoch)
+        self._run_hooks("on_before_train_epochs", tasks, epoch - 1)
         meters_list = ctx.train_meters = []
         for index, task in enumerate(tasks):
             skip = 0
@@ -215,7 +221,7 @@ class Driver:
         loop.resume = ResumePoint(epoch, -1, 0)
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics["train"] = metrics
-        self._run_hooks("on_after_train_epochs", tasks, metrics, epoch)
+        self._run_hooks("on_after_train_epochs", tasks, metrics, epoch - 1)
         return metrics
 
     def _eval_stage(self, stage, tasks, epoch):
@@ -225,7 +231,7 @@ class Driver:
         loop.stage = stage
         ctx.model = parts.eval_model
         parts.raw_model.eval()
-        self._run_hooks(before_stage, tasks, epoch) if stage == "val" else self._run_hooks(before_stage, tasks)
+        self._run_hooks(before_stage, tasks, epoch - 1) if stage == "val" else self._run_hooks(before_stage, tasks)
         meters_list = []
         try:
             with torch.no_grad():
@@ -240,7 +246,7 @@ class Driver:
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics[stage] = metrics
         if stage == "val":
-            self._run_hooks(after_stage, tasks, metrics, epoch)
+            self._run_hooks(after_stage, tasks, metrics, epoch - 1)
         else:
             self._run_hooks(after_stage, tasks, metrics)
         return metrics
@@ -370,8 +376,9 @@ class Driver:
             if stats[1] > 0:
                 out["loss"] = float(stats[0] / stats[1])
         # Under DDP: merged copies (global metrics on every rank), names agreed even for an empty shard.
+        sources = dict.fromkeys(out, "the loss")
         for name, patch in dist.sync_patches(meters.patches).items():
-            out.update(flatten_value(name, patch.forward()))
+            merge_values(out, sources, name, patch.forward(), getattr(patch, "name", None))
         meters.final = out
         return out
 
@@ -413,6 +420,17 @@ class Driver:
 def _uncounted(batch_x, batch_y) -> int:
     """Prediction keeps no per-sample statistics: batches need no sample count."""
     return 0
+
+
+def _step_hint(exc: BaseException, task) -> str | None:
+    """A hint for deepepochs 0.6 step code: 0.6 passed a single input as a one-item list, so its steps
+    call `self.model(*batch_x)`, which unpacks a tensor's rows into arguments here (a TypeError such as
+    "forward() takes 2 positional arguments but 33 were given")."""
+    if (isinstance(exc, TypeError) and getattr(task, "step_fn", None) is not None
+            and "positional argument" in str(exc) and "were given" in str(exc)):
+        return ("deepepochs: a step method gets a single model input as itself, not as a one-item list as in"
+                " deepepochs 0.6: call self.model(batch_x), not self.model(*batch_x) (see docs/MIGRATION.md)")
+    return None
 
 
 def _adopt(meters: TaskMeters, task: EpochTask) -> TaskMeters:

@@ -20,10 +20,12 @@ from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
 from deepepochs.outputs import detached
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
-from deepepochs.tasks import flatten_value, merge_stage_metrics, metric_name
+from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 
-__all__ = ["batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss", "default_step",
-           "first_batch_checks", "loss", "no_sync", "optimize", "predict_step"]
+__all__ = [
+    "batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss", "custom_step",
+    "default_step", "first_batch_checks", "loss", "no_sync", "optimize", "predict_step", "step_metrics", "user_loss",
+]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
 STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
@@ -97,14 +99,14 @@ def first_batch_checks(ctx: Context, stage: str, value, batch_x, model_out, batc
 def _patch_names(patches) -> list[str] | None:
     """The metric names `patches` report, computed on what they hold (a non-number result: ConfigError);
     None when a metric raised its own error (left to the task's end)."""
-    names = []
+    values, sources = {}, {}
     for name, patch in (patches or {}).items():
         try:
             result = patch.forward()
         except Exception:
             return None
-        names.extend(flatten_value(name, result))
-    return names
+        merge_values(values, sources, name, result, getattr(patch, "name", None))  # as at the task's end
+    return list(values)
 
 
 def predict_step(ctx: Context, outputs: list, device: torch.device | None, batch_x, batch_y) -> None:
@@ -179,6 +181,65 @@ def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool
     if do_optimize:
         optimize(ctx, None)
     return value
+
+
+def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool):
+    """`Trainer.loss` as a custom step calls it: `loss` with what 0.6 did around it.
+
+    - In validation and test with `do_loss=False` (`fit(do_val_loss=False)`, `test(do_loss=False)`) the
+      loss is neither computed nor reported, and None is returned.
+    - The call makes the trainer's metric patches from `(model_out, batch_y)` and runs the stage's
+      `on_*_metrics` hooks, so a step that only calls `self.loss(out, y)` keeps the trainer's metrics. In
+      training the patches are made before the update, which commits them (as in `default_step`); a call
+      with `do_optimize=False` (a sub-batch whose update comes later) makes none, as in 0.6.
+    """
+    task, loop = ctx.task, ctx.loop
+    if task is None:  # called outside fit/test: just the loss
+        return loss(ctx, model_out, batch_y, loss_adjust, do_optimize)
+    stage = loop.stage
+    training = stage == "train"
+    value = loss(ctx, model_out, batch_y, loss_adjust, False) if training or task.do_loss else None
+    if not training or do_optimize:
+        step_metrics(ctx, value, model_out, batch_y)
+    if training and do_optimize:
+        optimize(ctx, None)
+    return value
+
+
+def step_metrics(ctx: Context, value, model_out, batch_y) -> None:
+    """A custom step's metrics for `(model_out, batch_y)`: the stage's `on_*_metrics` hooks, and the
+    trainer's metric patches, added to those the step made already (returned with its result by
+    `custom_step`). `value` is the loss the hooks receive."""
+    task = ctx.task
+    if task is None:
+        raise RuntimeError("metrics can only be made inside a step of fit() or test()")
+    facade = ctx.parts.facade
+    for hook in ctx.parts.hooks.by_event[STEP_HOOKS[ctx.loop.stage][2]]:
+        hook(facade, value, model_out, batch_y, task)
+    if task.all_metrics:
+        made, have = batch_patches(ctx, model_out, batch_y), ctx.step_patches
+        if have:  # several calls in one step: their patches add up
+            made = {name: have[name].add(patch) if name in have else patch for name, patch in made.items()}
+            made = {**have, **made}
+        ctx.step_patches = made
+
+
+def custom_step(ctx: Context, step_fn):
+    """A user's step method, returning the metric patches its `self.loss` calls made (`user_loss`) together
+    with what it returns itself (its own entries win). The default step does not go through this."""
+
+    def run(batch_x, batch_y, **step_args):
+        ctx.step_patches = None
+        result = step_fn(batch_x, batch_y, **step_args)
+        made = ctx.step_patches
+        if made:
+            if result is None:
+                return dict(made)
+            if isinstance(result, dict):
+                return {**made, **result}
+        return result
+
+    return run
 
 
 def backward(ctx: Context, root: torch.Tensor, share: float) -> None:

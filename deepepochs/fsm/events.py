@@ -12,13 +12,13 @@ class Event(str, enum.Enum):
     BEFORE_FIT = 'on_before_fit'
     """fit() starts; `epochs` is the epoch target."""
     BEFORE_EPOCH = 'on_before_epoch'
-    """An epoch starts (1-based `epoch_idx`)."""
+    """An epoch starts (0-based `epoch_idx`, as in 0.6; `trainer.loop.epoch` is 1-based)."""
     BEFORE_TRAIN_EPOCHS = 'on_before_train_epochs'
     """The training stage starts."""
     BEFORE_TRAIN_EPOCH = 'on_before_train_epoch'
     """A training task starts."""
     BEFORE_TRAIN_BATCH = 'on_before_train_batch'
-    """A training batch is on the device; `batch_idx` is 1-based within the task."""
+    """A training batch is on the device; `batch_idx` is 0-based within the task (loop.batch_idx: 1-based)."""
     BEFORE_TRAIN_FORWARD = 'on_before_train_forward'
     """The model's forward pass is about to run."""
     AFTER_TRAIN_FORWARD = 'on_after_train_forward'
@@ -266,7 +266,7 @@ class CallbackHooks:
         """fit() starts; `epochs` is the epoch target."""
 
     def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
-        """An epoch starts (1-based `epoch_idx`)."""
+        """An epoch starts (0-based `epoch_idx`, as in 0.6; `trainer.loop.epoch` is 1-based)."""
 
     def on_before_train_epochs(self, trainer, tasks, epoch_idx):
         """The training stage starts."""
@@ -275,7 +275,7 @@ class CallbackHooks:
         """A training task starts."""
 
     def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-        """A training batch is on the device; `batch_idx` is 1-based within the task."""
+        """A training batch is on the device; `batch_idx` is 0-based within the task (loop.batch_idx: 1-based)."""
 
     def on_before_train_forward(self, trainer):
         """The model's forward pass is about to run."""

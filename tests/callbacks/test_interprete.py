@@ -193,7 +193,8 @@ def test_image_data_writes_the_kept_images_and_their_values(tmp_path):
     ({"metric": 3}, "metric must be a callable"),
     ({"k": 0}, "k must be a positive int"),
     ({"mode": "best"}, "mode must be one of 'max', 'min'"),
-    ({"stages": ("train",)}, "stages must be a non-empty selection"),
+    ({"stages": ("predict",)}, "stages must be a non-empty selection"),
+    ({"confusion": 1}, "confusion must be True or False"),
 ])
 def test_bad_arguments_are_refused_with_a_clear_message(kwargs, message):
     """InterpreteCallback validates its arguments when it is created."""
@@ -208,3 +209,51 @@ def test_a_metric_returning_one_number_per_batch_is_a_clear_error():
     with trainer_for(nn.Linear(6, 3), [InterpreteCallback(F.cross_entropy)]) as trainer:
         with pytest.raises(ConfigError, match=re.escape("one score per sample, a 1-D tensor of shape [N]")):
             trainer.test(DataLoader(TensorDataset(x, y), batch_size=8))
+
+
+def test_the_train_stage_keeps_the_last_epochs_k_worst_training_samples():
+    """stages=('train',) (as in 0.6): the kept samples are the k highest per-sample training losses of the
+    last epoch, computed here with plain PyTorch (lr=0 keeps the weights fixed); without 'train', training
+    batches stay on the fused edges."""
+    torch.manual_seed(0)
+    x, y = data(n=45)
+    model = nn.Linear(6, 3)
+    cb = InterpreteCallback(per_sample_ce, k=5, stages=("train",))
+    with trainer_for(model, [cb], epochs=2, opt=torch.optim.SGD(model.parameters(), lr=0.0)) as trainer:
+        trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8))
+        edges = {r.trigger for r in trainer.machine.records()}
+    with torch.no_grad():
+        losses = per_sample_ce(model(x), y)
+    kept = cb.top_samples("train")
+    assert [r[0] for r in kept] == pytest.approx([losses[i].item() for i in reference(losses, 5, "max")], rel=1e-6)
+    assert all(torch.equal(r[3], x[i]) for r, i in zip(kept, reference(losses, 5, "max")))
+    assert "window_step" not in edges  # the training hooks keep batches off the fused edges
+    plain = InterpreteCallback(per_sample_ce, k=5)
+    with trainer_for(nn.Linear(6, 3), [plain], epochs=1) as trainer:
+        trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8))
+        assert "window_step" in {r.trigger for r in trainer.machine.records()}
+
+
+def test_confusion_counts_each_stage_like_sklearn_and_writes_it_as_an_image(tmp_path):
+    """confusion=True: the validation and test confusion matrices equal scikit-learn's over the whole data,
+    and each is written to TensorBoard as an image."""
+    from sklearn.metrics import confusion_matrix as sk_confusion
+
+    torch.manual_seed(0)
+    x, y = data(n=50)
+    model = nn.Linear(6, 3)
+    cb = InterpreteCallback(per_sample_ce, k=3, confusion=True, log_dir=tmp_path)
+    dl = DataLoader(TensorDataset(x, y), batch_size=8)
+    with trainer_for(model, [cb], running_id="run", opt=torch.optim.SGD(model.parameters(), lr=0.0)) as trainer:
+        trainer.fit(dl, dl)
+        trainer.test(dl)
+    with torch.no_grad():
+        expected = sk_confusion(y.numpy(), model(x).argmax(1).numpy(), labels=[0, 1, 2])
+    assert cb.confusion_matrix("val").tolist() == expected.tolist()
+    assert cb.confusion_matrix().tolist() == expected.tolist()  # the test, which ran last
+    assert InterpreteCallback(per_sample_ce).confusion_matrix("val") is None
+    ea = EventAccumulator(str(tmp_path / "run"), size_guidance={"images": 0})
+    ea.Reload()
+    assert {"interprete/val/confusion", "interprete/test/confusion"} <= set(ea.Tags()["images"])
+    (image,) = ea.Images("interprete/test/confusion")
+    assert image.encoded_image_string.startswith(b"\x89PNG")

@@ -208,14 +208,18 @@ def interprete_metrics() -> dict:
 
 
 def _interprete_top_samples() -> dict:
-    """The samples InterpreteCallback keeps under DDP (k=5, mode='max'), as (value, sample index) lists."""
-    watchers = {name: InterpreteCallback(metric, k=5) for name, metric in interprete_metrics().items()}
+    """The samples InterpreteCallback keeps under DDP (k=5, mode='max'), as (value, sample index) lists, and
+    the confusion matrix the 'loss' watcher counted (confusion=True)."""
+    watchers = {name: InterpreteCallback(metric, k=5, confusion=name == "loss")
+                for name, metric in interprete_metrics().items()}
     model = make_model()
     kwargs = trainer_kwargs(callbacks=list(watchers.values()))
     with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
         trainer.test(DataLoader(make_data(VAL_N, 2, index_feature=True), batch_size=6))
-    return {name: [(value, int(x[0].round())) for value, _, _, x in w.top_samples()]
-            for name, w in watchers.items()}
+    out = {name: [(value, int(x[0].round())) for value, _, _, x in w.top_samples()]
+           for name, w in watchers.items()}
+    out["confusion"] = watchers["loss"].confusion_matrix("test").tolist()
+    return out
 
 
 class _RecordIndices(Callback):
@@ -312,7 +316,7 @@ class _FailOnRank1(Callback):
     """Raises on rank 1 after its second training batch; rank 0 goes on into the next all-reduce."""
 
     def on_after_train_batch(self, trainer, metrics, batch_idx):
-        if dist.get_rank() == 1 and batch_idx == 2:
+        if dist.get_rank() == 1 and batch_idx == 1:  # 0-based: the second batch
             if OUT_ENV in os.environ:  # when it failed, so the caller can time its own error
                 (Path(os.environ[OUT_ENV]) / "failed_at").write_text(repr(time.time()))
             raise RuntimeError("rank 1 failed during training on purpose")

@@ -28,7 +28,7 @@ class _SleepOnRank1(Callback):
     """Rank 1 blocks in a callback at its second batch, as a hung rank does."""
 
     def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-        if dist.get_rank() == 1 and batch_idx == 2:
+        if dist.get_rank() == 1 and batch_idx == 1:  # 0-based: the second batch
             time.sleep(120)
 
 

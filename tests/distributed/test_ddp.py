@@ -203,6 +203,11 @@ def test_interprete_callback_keeps_the_global_best_samples_on_every_rank(ranks):
     x, y = T.make_data(T.VAL_N, 2, index_feature=True).tensors
     with torch.no_grad():
         logits = T.make_model()(x)
+    classes = logits.shape[1]
+    counts = torch.zeros(classes, classes, dtype=torch.int64)
+    counts.index_put_((y, logits.argmax(1)), torch.tensor(1), accumulate=True)
+    for rank in ranks:  # confusion=True: every rank holds the whole test set's matrix (ranks' counts summed)
+        assert rank["interprete"]["confusion"] == counts.tolist()
     for name, metric in T.interprete_metrics().items():
         scores = metric(logits, y).double()
         order = torch.sort(scores, descending=True, stable=True).indices[:5]

@@ -52,7 +52,7 @@ class Poison(Callback):
         model[0].weight.register_hook(lambda g: g * math.inf if self.now in self.poisoned else g)
 
     def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-        self.now = (trainer.loop.epoch, batch_idx)
+        self.now = (trainer.loop.epoch, batch_idx + 1)  # the hook's batch_idx is 0-based
 
     def on_skip_optimize(self, trainer, optimize_index):
         self.skips.append(self.now)

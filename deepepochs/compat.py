@@ -1,0 +1,310 @@
+"""Names deepepochs 0.6 exported (issue 16, COMPAT-2): the helpers that come back, and for the rest an
+ImportError that names what replaces them.
+
+The helpers are written from what 0.6 documented them to do; `docs/MIGRATION.md` lists the decision for
+every 0.6 name. `removed(name)` backs the package's module `__getattr__`: `from deepepochs import
+StopLoopException` raises an ImportError whose message says what to use instead (an AttributeError would
+be turned into Python's generic "cannot import name" message by the import machinery).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from deepepochs.errors import ConfigError
+
+__all__ = [
+    "REMOVED",
+    "TensorDict",
+    "TensorTuple",
+    "batches",
+    "concat",
+    "flatten_dict",
+    "plot_confusion",
+    "removed",
+    "removed_attribute",
+    "sum_dicts",
+    "to_numpy",
+]
+
+
+#: 0.6 names that do not come back, each with what replaces it.
+REMOVED = {
+    "StopLoopException": (
+        "to stop training from a callback call trainer.request_stop(reason): the fit ends after the current"
+        " epoch, with its checkpoints saved (CheckCallback(patience=...) does this for early stopping)"
+    ),
+    "LoopException": (
+        "an error inside fit()/test() is re-raised as it is (not wrapped), with the flight record of the"
+        " loop in its notes; catch the exception type you expect (deepepochs raises ConfigError,"
+        " CheckpointError, DistributedError, InvalidTransition)"
+    ),
+    "CallbackException": (
+        "callbacks raise deepepochs.ConfigError for configuration mistakes (e.g. a monitor naming a metric"
+        " that does not exist); raise any exception of your own from a hook, fit() re-raises it unchanged"
+    ),
+    "Optimizers": (
+        "pass several optimizers as a list, opt=[opt1, Optimizer(opt2, scheduler, sched_on='step')]; the"
+        " trainer's trainer.opt is the sequence of deepepochs.Optimizer wrappers in optimize_index order"
+    ),
+    "LinearCosineScheduler": (
+        "use PyTorch's schedulers, e.g. a linear warm-up then cosine decay over total steps: sched ="
+        " torch.optim.lr_scheduler.SequentialLR(opt, [LinearLR(opt, start_factor=0.01, total_iters=warmup),"
+        " CosineAnnealingLR(opt, T_max=total - warmup)], milestones=[warmup]), passed as"
+        " Optimizer(opt, sched, sched_on='step')"
+    ),
+}
+
+
+def removed(name: str):
+    """The package's module `__getattr__`: raise ImportError for a 0.6 name that is gone, naming its
+    replacement; AttributeError for any other missing name."""
+    reason = REMOVED.get(name)
+    if reason is None:
+        raise AttributeError(f"module 'deepepochs' has no attribute {name!r}")
+    raise ImportError(f"deepepochs.{name} (deepepochs 0.6) was removed: {reason}. See docs/MIGRATION.md.",
+                      name=name)
+
+
+def removed_attribute(obj, name: str):
+    """`__getattr__` of the logging callbacks: 0.6's `run_tensorboard()` is gone; say how to start
+    TensorBoard on the callback's folder. Any other missing attribute is a plain AttributeError."""
+    cls = type(obj).__name__
+    if name != "run_tensorboard":
+        raise AttributeError(f"{cls!r} object has no attribute {name!r}")
+    folder = obj.__dict__.get("log_dir") or "<the log_dir of your LogCallback, default ./logs>"
+    raise AttributeError(
+        f"{cls}.run_tensorboard() (deepepochs 0.6) was removed: after trainer.close(), start TensorBoard on"
+        f" the log folder yourself: `tensorboard --logdir {folder}` in a shell, or `%load_ext tensorboard`"
+        f" and `%tensorboard --logdir {folder}` in a notebook. See docs/MIGRATION.md.",
+        name=name, obj=obj,
+    )
+
+
+def _map_tensors(obj, fn):
+    return type(obj)(fn(t) if isinstance(t, torch.Tensor) else t for t in obj)
+
+
+class TensorTuple(tuple):
+    """A tuple of tensors that moves and converts like one tensor: `.to(...)`, `.cpu()`, `.detach()`,
+    `.clone()`, `.float()`, `.long()`, `.int()`, `.data` and `.device` (the first tensor's). Items that are
+    not tensors are kept as they are.
+
+    Example:
+        >>> out = TensorTuple([torch.zeros(2), torch.ones(2)]).to('cpu').detach()
+    """
+
+    def __new__(cls, tensors=()):
+        if isinstance(tensors, torch.Tensor):
+            tensors = (tensors,)
+        return super().__new__(cls, tensors)
+
+    @property
+    def device(self) -> torch.device:
+        first = next((t for t in self if isinstance(t, torch.Tensor)), None)
+        return torch.device("cpu") if first is None else first.device
+
+    @property
+    def data(self) -> TensorTuple:
+        return _map_tensors(self, lambda t: t.data)
+
+    def to(self, *args, **kwargs) -> TensorTuple:
+        return _map_tensors(self, lambda t: t.to(*args, **kwargs))
+
+    def cpu(self) -> TensorTuple:
+        return _map_tensors(self, torch.Tensor.cpu)
+
+    def detach(self) -> TensorTuple:
+        return _map_tensors(self, torch.Tensor.detach)
+
+    def clone(self) -> TensorTuple:
+        return _map_tensors(self, torch.Tensor.clone)
+
+    def float(self) -> TensorTuple:
+        return _map_tensors(self, torch.Tensor.float)
+
+    def long(self) -> TensorTuple:
+        return _map_tensors(self, torch.Tensor.long)
+
+    def int(self) -> TensorTuple:
+        return _map_tensors(self, torch.Tensor.int)
+
+
+class TensorDict(dict):
+    """A dict of tensors with the same conversions as `TensorTuple`, applied to every tensor value."""
+
+    def _map(self, fn) -> TensorDict:
+        return TensorDict((k, fn(v) if isinstance(v, torch.Tensor) else v) for k, v in self.items())
+
+    @property
+    def device(self) -> torch.device:
+        first = next((t for t in self.values() if isinstance(t, torch.Tensor)), None)
+        return torch.device("cpu") if first is None else first.device
+
+    @property
+    def data(self) -> TensorDict:
+        return self._map(lambda t: t.data)
+
+    def to(self, *args, **kwargs) -> TensorDict:
+        return self._map(lambda t: t.to(*args, **kwargs))
+
+    def cpu(self) -> TensorDict:
+        return self._map(torch.Tensor.cpu)
+
+    def detach(self) -> TensorDict:
+        return self._map(torch.Tensor.detach)
+
+    def clone(self) -> TensorDict:
+        return self._map(torch.Tensor.clone)
+
+    def float(self) -> TensorDict:
+        return self._map(torch.Tensor.float)
+
+    def long(self) -> TensorDict:
+        return self._map(torch.Tensor.long)
+
+    def int(self) -> TensorDict:
+        return self._map(torch.Tensor.int)
+
+
+def _rows(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.shape[0]
+    if isinstance(obj, Mapping):
+        return _rows(next(iter(obj.values())))
+    return _rows(obj[0])
+
+
+def _slice(obj, start: int, stop: int):
+    if isinstance(obj, torch.Tensor):
+        return obj[start:stop]
+    if isinstance(obj, Mapping):
+        return TensorDict((k, _slice(v, start, stop)) for k, v in obj.items())
+    return TensorTuple(_slice(v, start, stop) for v in obj)
+
+
+def batches(data, batch_size: int):
+    """Split a batch into sub-batches of at most `batch_size` samples along dim 0, in order (the last one
+    may be shorter), e.g. to accumulate gradients by hand in a custom step.
+
+    Args:
+        data: a tensor, or a tuple/list (yielding `TensorTuple`s) or dict (yielding `TensorDict`s) of
+            tensors with the same number of rows.
+        batch_size: the largest sub-batch, a positive int.
+
+    Example:
+        >>> for sub_x, sub_y in zip(batches(batch_x, 16), batches(batch_y, 16)):
+        ...     self.loss(self.model(sub_x), sub_y, loss_adjust=len(sub_y) / len(batch_y), do_optimize=False)
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive int (got {batch_size!r})")
+    if not isinstance(data, (torch.Tensor, Mapping, tuple, list)) or (not isinstance(data, torch.Tensor)
+                                                                        and len(data) == 0):
+        raise ConfigError(f"batches() splits a tensor or a non-empty tuple/list/dict of tensors (got"
+                          f" {type(data).__name__})")
+    n = _rows(data)
+    for start in range(0, n, batch_size):
+        yield _slice(data, start, min(start + batch_size, n))
+
+
+def concat(parts, dim: int = 0):
+    """Concatenate a list of tensors along `dim`; a list of tuples (or dicts) of tensors is concatenated
+    position by position (key by key) into a `TensorTuple` (`TensorDict`): the inverse of `batches`.
+    0-d tensors are stacked."""
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise ConfigError(f"concat() needs a non-empty list of tensors or of tuples/dicts of tensors (got"
+                          f" {type(parts).__name__} of length {len(parts) if hasattr(parts, '__len__') else '?'})")
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(list(parts)) if first.dim() == 0 else torch.cat(list(parts), dim=dim)
+    if isinstance(first, Mapping):
+        return TensorDict((k, concat([p[k] for p in parts], dim)) for k in first)
+    if isinstance(first, (tuple, list)):
+        return TensorTuple(concat(list(column), dim) for column in zip(*parts))
+    raise ConfigError(f"concat() joins tensors, or tuples/dicts of tensors (got a list of {type(first).__name__})")
+
+
+def sum_dicts(dicts):
+    """Key-wise sum of dicts: `{k: d1[k] + d2[k] + ...}`; a key missing from some dicts sums the others."""
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = v if k not in out else out[k] + v
+    return out
+
+
+def flatten_dict(d: Mapping, sep: str = ".", prefix: str = "") -> dict:
+    """A nested dict as one level, the keys of each level joined with `sep`:
+    `{'a': {'b': 1}, 'c': 2}` -> `{'a.b': 1, 'c': 2}`."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(flatten_dict(v, sep, key))
+        else:
+            out[key] = v
+    return out
+
+
+def to_numpy(data):
+    """Tensors as NumPy arrays (detached, on the CPU), recursively through tuples, lists and dicts; other
+    values are returned as they are."""
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu()
+        if data.dtype == torch.bfloat16:  # NumPy has no bfloat16
+            data = data.float()
+        return data.numpy()
+    if isinstance(data, Mapping):
+        return {k: to_numpy(v) for k, v in data.items()}
+    if isinstance(data, (tuple, list)):
+        items = [to_numpy(v) for v in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)  # namedtuples too
+    return data
+
+
+def plot_confusion(cm, class_names=None, normalize: bool = False, title: str | None = None):
+    """Draw a confusion matrix (rows: true class, columns: predicted class) with its counts in the cells;
+    returns the matplotlib Figure (e.g. for `writer.add_figure` or `fig.savefig`).
+
+    matplotlib is not a dependency of deepepochs: install it (`pip install matplotlib`) to use this.
+
+    Args:
+        cm: a `[C, C]` tensor or array of counts, e.g. from `deepepochs.metrics.confusion_matrix`.
+        class_names: C labels for the axes (default 0..C-1).
+        normalize: show each row as fractions of its true class (rows that are all zero stay zero).
+        title: the figure's title.
+    """
+    cm = np.asarray(to_numpy(cm), dtype=np.float64)
+    if cm.ndim != 2 or cm.shape[0] != cm.shape[1]:
+        raise ConfigError(f"cm must be a square [C, C] matrix of counts (got shape {list(cm.shape)})")
+    c = cm.shape[0]
+    names = [str(i) for i in range(c)] if class_names is None else [str(n) for n in class_names]
+    if len(names) != c:
+        raise ConfigError(f"class_names must hold {c} names for a {c}x{c} matrix (got {len(names)})")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("plot_confusion needs matplotlib, which deepepochs does not install: pip install"
+                          " matplotlib") from e
+    if normalize:
+        rows = cm.sum(axis=1, keepdims=True)
+        cm = np.divide(cm, rows, out=np.zeros_like(cm), where=rows > 0)
+    fig = Figure(figsize=(1 + 0.6 * c, 1 + 0.6 * c))  # no pyplot: nothing global, works without a display
+    ax = fig.add_subplot()
+    ax.imshow(cm, cmap="Blues")
+    ax.set_xticks(range(c), names, rotation=45)
+    ax.set_yticks(range(c), names)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    high = cm.max() if cm.size else 0
+    for i in range(c):
+        for j in range(c):
+            text = f"{cm[i, j]:.2f}" if normalize else f"{int(cm[i, j])}"
+            ax.text(j, i, text, ha="center", va="center", color="white" if cm[i, j] > high / 2 else "black")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    return fig
