@@ -78,7 +78,8 @@ class EpochTask:
         do_loss: whether evaluation computes the loss.
         batch_size: the sample count of a batch when it cannot be inferred from tensor shapes: an int
             (every batch counts that many samples) or a function `(batch_x, batch_y) -> int`.
-        **step_args: extra keyword arguments passed to the step methods.
+        **step_args: extra keyword arguments passed to the step methods (0.6's `step_args={...}` dict is
+            accepted too).
 
     Example:
         >>> trainer.fit(train_tasks=[EpochTask(train_dl, metrics=[accuracy])], val_dl=val_dl)
@@ -92,6 +93,12 @@ class EpochTask:
         self.metrics = as_metric_list(metrics, "metrics")
         self.do_loss = do_loss
         self.batch_size = check_batch_size(batch_size)
+        given = step_args.pop("step_args", None)  # deepepochs 0.6 took them as one dict: step_args={...}
+        if given is not None:
+            if not isinstance(given, Mapping):
+                raise ConfigError(f"step_args must be a dict of keyword arguments for the step methods (got"
+                                  f" {type(given).__name__})")
+            step_args = {**given, **step_args}
         self.step_args = step_args
         # Filled in when a stage adopts the task (Runner.make_tasks):
         self.trainer = None

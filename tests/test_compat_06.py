@@ -535,3 +535,30 @@ def test_a_state_dict_saved_by_plain_pytorch_is_refused_with_how_to_convert_it(t
     trainer.load_checkpoint(tmp_path / "converted.ckpt")
     assert trainer.loop.completed_epochs == 2
     assert all(torch.equal(a, b) for a, b in zip(trainer.raw_model.parameters(), model.parameters()))
+
+
+def test_epoch_task_takes_06s_step_args_dict_as_the_steps_keyword_arguments():
+    """0.6 passed step arguments as `EpochTask(dl, step_args={...})`: the step gets them unpacked, like
+    `EpochTask(dl, scale=...)`; a non-dict is refused naming the argument."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from deepepochs import ConfigError, EpochTask, Trainer
+
+    seen = []
+
+    class Task(EpochTask):
+        def step(self, batch_x, batch_y, scale=1.0):
+            seen.append(scale)
+            return None
+
+    model = nn.Linear(3, 1)
+    data = [(torch.randn(4, 3), torch.randn(4, 1))]
+    trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1, device="cpu",
+                      log_batch=False, show_info=False)
+    trainer.test(tasks=[Task(data, step_args={"scale": 3.0}), Task(data, scale=5.0)])
+    trainer.close()
+    assert seen == [3.0, 5.0]
+    with pytest.raises(ConfigError, match=r"step_args must be a dict"):
+        EpochTask(data, step_args=[1])
