@@ -7,14 +7,12 @@ which its processes are killed and the test fails instead of hanging.
 """
 
 import json
-import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -34,7 +32,6 @@ from torch.utils.data import (
 from deepepochs import Trainer
 from deepepochs.distributed import EvalShardSampler, SingleProcess, _shard, select_policy
 from deepepochs.errors import ConfigError
-from deepepochs.launch import launch
 
 # Spawned children import their targets by module name; they inherit this sys.path entry.
 TARGETS_DIR = Path(__file__).resolve().parent
@@ -42,6 +39,7 @@ if str(TARGETS_DIR) not in sys.path:
     sys.path.insert(0, str(TARGETS_DIR))
 
 import ddp_targets as T  # noqa: E402  (needs the sys.path entry above)
+from deadline import launch_with_deadline  # noqa: E402  (same sys.path entry)
 
 REPO = TARGETS_DIR.parents[1]
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -49,27 +47,6 @@ EXACT = 1e-5  # DDP-6: fp32 weights within float tolerance of the one-process ru
 
 
 # ---- bounded runs -------------------------------------------------------------------------------------
-def _launch_with_deadline(main, seconds: float):
-    """`launch(main, num_processes=2)`, killing its processes (and failing) after `seconds`."""
-    before = set(multiprocessing.active_children())
-    expired = threading.Event()
-
-    def stop():
-        expired.set()
-        for child in set(multiprocessing.active_children()) - before:
-            child.kill()
-
-    timer = threading.Timer(seconds, stop)
-    timer.daemon = True
-    timer.start()
-    try:
-        return launch(main, num_processes=2)
-    finally:
-        timer.cancel()
-        if expired.is_set():
-            pytest.fail(f"{main.__name__} did not finish within {seconds} s; its processes were killed")
-
-
 def _script_env() -> dict:
     """This environment without torchrun variables, on the CPU only."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
@@ -94,7 +71,7 @@ def ranks(tmp_path_factory, scripts):
         for name in TORCHRUN_VARIABLES:
             patch.delenv(name, raising=False)
         patch.setenv(T.OUT_ENV, str(out))
-        _launch_with_deadline(T.run_scenarios, seconds=240)
+        launch_with_deadline(T.run_scenarios, seconds=240)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

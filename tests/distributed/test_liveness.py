@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -18,37 +17,16 @@ from torch.nn import functional as F
 
 from deepepochs import ConfigError, Trainer
 from deepepochs.errors import DistributedError
-from deepepochs.launch import launch
 
 TARGETS_DIR = Path(__file__).resolve().parent
 if str(TARGETS_DIR) not in sys.path:
     sys.path.insert(0, str(TARGETS_DIR))
 
 import liveness_targets as T  # noqa: E402  (needs the sys.path entry above)
+from deadline import launch_with_deadline  # noqa: E402  (same sys.path entry)
 
 REPO = TARGETS_DIR.parents[1]
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _launch_with_deadline(main, seconds: float):
-    """`launch(main, num_processes=2)`, killing its processes (and failing) after `seconds`."""
-    before = set(multiprocessing.active_children())
-    expired = threading.Event()
-
-    def stop():
-        expired.set()
-        for child in set(multiprocessing.active_children()) - before:
-            child.kill()
-
-    timer = threading.Timer(seconds, stop)
-    timer.daemon = True
-    timer.start()
-    try:
-        return launch(main, num_processes=2)
-    finally:
-        timer.cancel()
-        if expired.is_set():
-            pytest.fail(f"{main.__name__} did not finish within {seconds} s; its processes were killed")
 
 
 @pytest.fixture
@@ -71,7 +49,7 @@ def test_a_hung_rank_ends_a_launched_run_with_a_distributed_error_naming_the_tim
     caller gets DistributedError naming rank 0, the timeout and where it waited; nothing is left running."""
     start = time.monotonic()
     with pytest.raises(DistributedError) as info:
-        _launch_with_deadline(T.hang_on_rank_1, seconds=90)
+        launch_with_deadline(T.hang_on_rank_1, seconds=90)
     message = str(info.value)
     assert "rank 0 of 2: a collective timed out after 3 s (Trainer(dist_timeout=...))" in message
     assert "in state" in message and "batch 2" in message
@@ -112,7 +90,7 @@ def test_length_less_shards_of_different_lengths_end_every_epoch_at_the_shortest
     longer rank warns, and the weights equal a plain loop over the 7 pairs of batches taken together
     (DDP's mean of the two ranks' mean gradients = the gradient of the pair's mean loss)."""
     monkeypatch.setenv(T.OUT_ENV, str(tmp_path))
-    _launch_with_deadline(T.uneven_iterable_shards, seconds=120)
+    launch_with_deadline(T.uneven_iterable_shards, seconds=120)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     torch.manual_seed(0)
     model = nn.Linear(T.FEATURES, 1)
