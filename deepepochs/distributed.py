@@ -239,8 +239,8 @@ class DataOrder(DistributedSampler):
     size; rank r takes every w-th index from r. So w ranks with batch b see, batch by batch, the samples
     one process with batch w*b sees. The seed is the policy's `order_seed` (rank 0's `torch.
     initial_seed()` when the first training DataLoader was prepared; restored from checkpoints), read
-    at each epoch; a DataLoader built with its own `generator` is ordered by that generator's seed
-    instead. `skip` (set by `skip_batches`) drops this rank's first samples of the next epoch's
+    at each epoch; a DataLoader (or its `RandomSampler`) built with its own `generator` is ordered by that
+    generator's seed instead. `skip` (set by `skip_batches`) drops this rank's first samples of the next epoch's
     iteration, so a resumed epoch never loads the batches it skips.
     """
 
@@ -655,8 +655,10 @@ def _shard(dataloader, stage: str, rank: int, world_size: int, split_batches: bo
         shuffle = isinstance(dataloader.sampler, RandomSampler)
         # drop_last=False: shards are padded (by repeating samples) to equal length, so every rank runs
         # the same number of batches; the DataLoader's own drop_last still drops short batches.
+        # The order follows a generator the caller gave the DataLoader or its RandomSampler, if any.
+        generator = dataloader.generator or getattr(dataloader.sampler, "generator", None)
         sampler = DataOrder(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, policy=policy,
-                            generator=dataloader.generator)
+                            generator=generator)
         drop_last = dataloader.drop_last
     else:
         sampler = EvalShardSampler(len(dataset), rank, world_size)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from deepepochs import Callback, CheckCallback, Optimizer, Trainer
 
@@ -87,11 +87,18 @@ def test_a_shuffled_epochs_order_is_the_seeded_permutation_of_seed_and_epoch():
         assert order.seen[epoch] == expected
 
 
-def test_a_dataloader_with_its_own_generator_is_ordered_by_that_generators_seed():
+@pytest.mark.parametrize("where", ["dataloader", "sampler"])
+def test_a_dataloader_with_its_own_generator_is_ordered_by_that_generators_seed(where):
+    """A generator given to the DataLoader, or to its RandomSampler, keeps deciding the order (its seed
+    replaces the process's)."""
     order = Order()
     trainer = _trainer(_model(), F.cross_entropy, [order], k=1)
-    trainer.fit(DataLoader(Indexed(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(77)),
-                epochs=1)
+    dataset, generator = Indexed(), torch.Generator().manual_seed(77)
+    if where == "dataloader":
+        data = DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=generator)
+    else:
+        data = DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, generator=generator))
+    trainer.fit(data, epochs=1)
     trainer.close()
     assert order.seen[1] == torch.randperm(N, generator=torch.Generator().manual_seed(77 + 1)).tolist()
 
