@@ -84,11 +84,48 @@ def removed_attribute(obj, name: str):
     )
 
 
-def _map_tensors(obj, fn):
-    return type(obj)(fn(t) if isinstance(t, torch.Tensor) else t for t in obj)
+class _TensorConversions:
+    """`.to(...)`, `.cpu()`, `.detach()`, `.clone()`, `.float()`, `.long()`, `.int()`, `.data` and `.device`
+    for a container of tensors: each applies to every tensor item through the container's `_map`."""
+
+    def _map(self, fn):
+        raise NotImplementedError
+
+    def _items(self):
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        first = next((t for t in self._items() if isinstance(t, torch.Tensor)), None)
+        return torch.device("cpu") if first is None else first.device
+
+    @property
+    def data(self):
+        return self._map(lambda t: t.data)
+
+    def to(self, *args, **kwargs):
+        return self._map(lambda t: t.to(*args, **kwargs))
+
+    def cpu(self):
+        return self._map(torch.Tensor.cpu)
+
+    def detach(self):
+        return self._map(torch.Tensor.detach)
+
+    def clone(self):
+        return self._map(torch.Tensor.clone)
+
+    def float(self):
+        return self._map(torch.Tensor.float)
+
+    def long(self):
+        return self._map(torch.Tensor.long)
+
+    def int(self):
+        return self._map(torch.Tensor.int)
 
 
-class TensorTuple(tuple):
+class TensorTuple(_TensorConversions, tuple):
     """A tuple of tensors that moves and converts like one tensor: `.to(...)`, `.cpu()`, `.detach()`,
     `.clone()`, `.float()`, `.long()`, `.int()`, `.data` and `.device` (the first tensor's). Items that are
     not tensors are kept as they are.
@@ -102,72 +139,21 @@ class TensorTuple(tuple):
             tensors = (tensors,)
         return super().__new__(cls, tensors)
 
-    @property
-    def device(self) -> torch.device:
-        first = next((t for t in self if isinstance(t, torch.Tensor)), None)
-        return torch.device("cpu") if first is None else first.device
+    def _map(self, fn) -> TensorTuple:
+        return type(self)(fn(t) if isinstance(t, torch.Tensor) else t for t in self)
 
-    @property
-    def data(self) -> TensorTuple:
-        return _map_tensors(self, lambda t: t.data)
-
-    def to(self, *args, **kwargs) -> TensorTuple:
-        return _map_tensors(self, lambda t: t.to(*args, **kwargs))
-
-    def cpu(self) -> TensorTuple:
-        return _map_tensors(self, torch.Tensor.cpu)
-
-    def detach(self) -> TensorTuple:
-        return _map_tensors(self, torch.Tensor.detach)
-
-    def clone(self) -> TensorTuple:
-        return _map_tensors(self, torch.Tensor.clone)
-
-    def float(self) -> TensorTuple:
-        return _map_tensors(self, torch.Tensor.float)
-
-    def long(self) -> TensorTuple:
-        return _map_tensors(self, torch.Tensor.long)
-
-    def int(self) -> TensorTuple:
-        return _map_tensors(self, torch.Tensor.int)
+    def _items(self):
+        return self
 
 
-class TensorDict(dict):
+class TensorDict(_TensorConversions, dict):
     """A dict of tensors with the same conversions as `TensorTuple`, applied to every tensor value."""
 
     def _map(self, fn) -> TensorDict:
         return TensorDict((k, fn(v) if isinstance(v, torch.Tensor) else v) for k, v in self.items())
 
-    @property
-    def device(self) -> torch.device:
-        first = next((t for t in self.values() if isinstance(t, torch.Tensor)), None)
-        return torch.device("cpu") if first is None else first.device
-
-    @property
-    def data(self) -> TensorDict:
-        return self._map(lambda t: t.data)
-
-    def to(self, *args, **kwargs) -> TensorDict:
-        return self._map(lambda t: t.to(*args, **kwargs))
-
-    def cpu(self) -> TensorDict:
-        return self._map(torch.Tensor.cpu)
-
-    def detach(self) -> TensorDict:
-        return self._map(torch.Tensor.detach)
-
-    def clone(self) -> TensorDict:
-        return self._map(torch.Tensor.clone)
-
-    def float(self) -> TensorDict:
-        return self._map(torch.Tensor.float)
-
-    def long(self) -> TensorDict:
-        return self._map(torch.Tensor.long)
-
-    def int(self) -> TensorDict:
-        return self._map(torch.Tensor.int)
+    def _items(self):
+        return self.values()
 
 
 def _rows(obj) -> int:
