@@ -49,26 +49,27 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
     for hook in hooks[on_metrics]:
         hook(facade, value, model_out, batch_y, task)
     patches = None
-    if task.all_metrics:
+    if task.all_metrics or ctx.first_batch:
         pick = ctx.parts.pick_targets
         preds, targets = (model_out, batch_y) if pick is None else pick(batch_x, model_out)
-        patches = batch_patches(ctx, preds, targets)
-    if ctx.first_batch:
-        first_batch_checks(ctx, stage, value, batch_x, model_out, batch_y, patches)
+        patches = batch_patches(ctx, preds, targets) if task.all_metrics else None
+        if ctx.first_batch:
+            first_batch_checks(ctx, stage, value, preds, targets, patches)
     if stage == "train":
         ctx.step_patches = patches
         optimize(ctx, None)
     return patches
 
 
-def first_batch_checks(ctx: Context, stage: str, value, batch_x, model_out, batch_y, patches) -> None:
+def first_batch_checks(ctx: Context, stage: str, value, preds, targets, patches) -> None:
     """A task's first batch, before its update: run its metrics on that batch, so that a metric returning
     a non-number is a ConfigError now, not after a whole epoch; at the fit's first training batch, also
     hand the checkpoint monitors (e.g. `CheckCallback`) the metric names each stage will report, worked out
     from this batch (the validation metrics run on it too), so a monitor naming no metric fails now.
 
     Only our own checks fail here: a metric that raises on one batch (e.g. an AUC seeing one class) is
-    left to the task's end, where it runs on all the data. Costs one run of the metrics, once per task."""
+    left to the task's end, where it runs on all the data. Costs one run of the metrics, once per task.
+    `preds`, `targets`: what the metrics get for this batch (`Trainer(targets=...)` applied)."""
     ctx.first_batch = False
     names = _patch_names(patches)
     if stage != "train" or ctx.monitor_check is None:
@@ -82,8 +83,6 @@ def first_batch_checks(ctx: Context, stage: str, value, batch_x, model_out, batc
         stages["train"] = (["loss"] if value is not None else []) + names
     if val_tasks and all(task.step_fn is None for task in val_tasks):
         per_task = []
-        pick = ctx.parts.pick_targets
-        preds, targets = (model_out, batch_y) if pick is None else pick(batch_x, model_out)
         with torch.no_grad():
             for task in val_tasks:
                 task_names = _patch_names(batch_patches(ctx, preds, targets, task.all_metrics))
