@@ -58,7 +58,22 @@ __all__ = ["DDPPolicy", "DataOrder", "EvalShardSampler", "ShortestShard", "Singl
            "select_policy", "skip_batches"]
 
 
-class SingleProcess:
+class _TrainingOrder:
+    """What both policies keep for the training order: its seed (`DataOrder`; None until the first
+    training DataLoader is prepared, or restored from a checkpoint) and the samplers whose epoch they set
+    (weakly, so DataLoaders of finished fits can be collected)."""
+
+    def __init__(self):
+        self.order_seed: int | None = None
+        self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the training samplers: a new permutation each epoch, the same on every rank."""
+        for sampler in list(self._epoch_samplers):
+            sampler.set_epoch(epoch)
+
+
+class SingleProcess(_TrainingOrder):
     """One process: nothing to synchronise."""
 
     world_size = 1
@@ -67,10 +82,9 @@ class SingleProcess:
     is_main = True
 
     def __init__(self, device: torch.device, split_batches: bool = False):
+        super().__init__()
         self.device = device
         self.model = None
-        self.order_seed: int | None = None  # see `DataOrder`; set at the first training DataLoader
-        self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()
 
     def wrap_model(self, model: torch.nn.Module, ddp_kwargs: Mapping | None = None) -> torch.nn.Module:
         """The module the step calls (DDP wraps it; one process uses it as is, `ddp_kwargs` unused)."""
@@ -89,11 +103,6 @@ class SingleProcess:
             return dataloader
         self._epoch_samplers.add(sharded.sampler)
         return sharded
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the seeded training orders (a new permutation each epoch)."""
-        for sampler in list(self._epoch_samplers):
-            sampler.set_epoch(epoch)
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients (DDP's no_sync when False)."""
@@ -289,7 +298,7 @@ class EvalShardSampler(Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
 
-class DDPPolicy:
+class DDPPolicy(_TrainingOrder):
     """Several processes, one model replica each, gradients all-reduced by `DistributedDataParallel`.
 
     Args:
@@ -302,6 +311,7 @@ class DDPPolicy:
 
     def __init__(self, device: torch.device, split_batches: bool = False, timeout: float = 600):
         global _owned_group_users
+        super().__init__()
         self.split_batches = split_batches
         self.device = self._local_device(device)
         if self.device.type == "cuda":
@@ -324,9 +334,6 @@ class DDPPolicy:
         self.is_main = self.rank == 0
         self._nccl = dist.get_backend() == "nccl"
         self.model: DistributedDataParallel | None = None
-        # Shuffling samplers of training shards; weak, so DataLoaders of finished fits can be collected.
-        self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()
-        self.order_seed: int | None = None  # see `DataOrder`: rank 0's, agreed at the first training loader
 
     @staticmethod
     def _local_device(device: torch.device) -> torch.device:
@@ -434,11 +441,6 @@ class DDPPolicy:
         buffer = torch.tensor([int(have)], dtype=torch.int64, device=self._collective_device())
         dist.all_reduce(buffer, op=dist.ReduceOp.MIN)
         return bool(buffer.item())
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the training shards' samplers: a new shuffle each epoch, the same on all ranks."""
-        for sampler in list(self._epoch_samplers):
-            sampler.set_epoch(epoch)
 
     def check_batch_counts(self, count: int, stage: str) -> None:
         """After a training task: raise `DistributedError` on every rank if ranks ran different counts.
