@@ -8,6 +8,7 @@ from deepepochs.callbacks import (
     InterpreteCallback,
     LogCallback,
     LRFindCallback,
+    SnapshotCallback,
 )
 from deepepochs.compat import (
     TensorDict,
@@ -27,6 +28,7 @@ from deepepochs.errors import (
     DistributedError,
     InvalidTransition,
     LoopError,
+    Preempted,
 )
 from deepepochs.fsm.events import Event
 from deepepochs.launch import launch
@@ -63,6 +65,8 @@ __all__ = [
     "MeanPatch",
     "Optimizer",
     "PatchBase",
+    "Preempted",
+    "SnapshotCallback",
     "TensorDict",
     "TensorPatch",
     "TensorTuple",

@@ -5,7 +5,9 @@ deepepochs (only tensors, numbers, strings, lists, dicts and None are stored, un
 yours keeps other objects in its state). Keys:
 
 ==================  ==========================================================================
-`format_version`    int, currently 1; a newer version is refused with a clear error.
+`format_version`    int: 1, or 2 for a mid-epoch snapshot (it has a `position`); a version newer
+                    than this deepepochs reads is refused with a clear error (so an older deepepochs
+                    never takes a mid-epoch snapshot for an epoch's end).
 `running_id`        str, the run that wrote the file (informational: the folder name wins on resume,
                     so a renamed run folder keeps working).
 `epoch`             int, completed epochs when saved; a resumed fit continues with `epoch + 1`.
@@ -25,6 +27,9 @@ yours keeps other objects in its state). Keys:
 `order_seed`        int or None, the seed of the training order (`deepepochs.distributed.DataOrder`):
                     with it, later epochs of a resumed run see the order the uninterrupted run saw,
                     in any process and at any world size. None in files of older versions.
+`position`          dict or None: where inside epoch `epoch + 1` a mid-epoch snapshot was taken
+                    (`SnapshotCallback`): the data position, the task meters, every rank's generator
+                    states; see `deepepochs.engine.position`. None at an epoch's end.
 ==================  ==========================================================================
 
 Files live at `<ckpt_dir>/<running_id>/<monitor file>.ckpt` and contain no absolute paths, so a run
@@ -57,6 +62,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from deepepochs.engine import position
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 from deepepochs.utils import rng_state, set_rng_state
 
@@ -79,7 +85,7 @@ __all__ = [
     "write_atomic",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this deepepochs reads (and writes, for mid-epoch snapshots)
 SUFFIX = ".ckpt"
 _TEMP_SUFFIX = ".tmp"
 # Prefixes a wrapped model adds to parameter names: torch.compile's OptimizedModule and DDP.
@@ -116,7 +122,7 @@ class Checkpoint:
     Attributes mirror the file's keys (see the module docstring).
     """
 
-    format_version: int = attrs.field(default=FORMAT_VERSION, validator=_non_negative_int)
+    format_version: int = attrs.field(default=1, validator=_non_negative_int)
     running_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
     epoch: int = attrs.field(default=0, validator=_non_negative_int)
     world_size: int = attrs.field(default=1, validator=_non_negative_int)
@@ -127,6 +133,7 @@ class Checkpoint:
     monitors: Mapping = attrs.field(factory=dict, validator=_mapping)
     rng: Mapping | None = None
     order_seed: int | None = None
+    position: Mapping | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""
@@ -201,10 +208,13 @@ def monitors_of(trainer) -> list:
     return monitors_in(trainer.callbacks)
 
 
-def snapshot(trainer) -> Checkpoint:
-    """The trainer's current training state as a `Checkpoint` (tensors are not copied)."""
+def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
+    """The trainer's current training state as a `Checkpoint` (tensors are not copied); `position`: where
+    inside the epoch it was taken (`deepepochs.engine.position.capture`), None at an epoch's end."""
     opts = trainer.opt.state_dict()
     return Checkpoint(
+        format_version=1 if position is None else 2,
+        position=position,
         running_id=str(trainer.running_id),
         epoch=trainer.loop.completed_epochs,
         world_size=trainer.world_size,
@@ -400,6 +410,11 @@ def check_fits(trainer, ckpt: Checkpoint, path) -> None:
             if set(state) != want:
                 problems.append(f"scheduler {i} is {type(item.scheduler).__name__}, but the file holds another"
                                 f" scheduler's state (keys {sorted(set(state) ^ want)} differ)")
+    if ckpt.position is not None:
+        try:
+            position.check(ckpt.position, trainer.world_size, path)
+        except CheckpointError as e:
+            problems.append(str(e))
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit this trainer; nothing was loaded: "
                               + "; ".join(problems))
@@ -420,6 +435,8 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
     try:
         _apply(trainer, ckpt, path)
+        if ckpt.position is not None:  # a mid-epoch snapshot: the next fit continues inside its epoch
+            position.restore(trainer._ctx, ckpt.position, trainer._dist.rank)
     except BaseException as exc:
         _apply(trainer, backup, "<the state before loading>")
         if isinstance(exc, CheckpointError):
@@ -431,7 +448,10 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     loop.completed_epochs = ckpt.epoch
     loop.epoch = ckpt.epoch
     loop.stop = None
-    loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
+    if ckpt.position is None:
+        loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
+        ctx = trainer._ctx  # and so do the generator states a refit after it would have restored
+        ctx.random_restore_due, ctx.random_replay = False, None
     return ckpt
 
 

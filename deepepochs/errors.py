@@ -7,6 +7,7 @@ __all__ = [
     "DistributedError",
     "InvalidTransition",
     "LoopError",
+    "Preempted",
 ]
 
 
@@ -32,3 +33,29 @@ class DistributedError(RuntimeError):
 
 class DeepEpochsWarning(UserWarning):
     """Base class of warnings deepepochs emits (tests turn them into errors)."""
+
+
+class Preempted(SystemExit):
+    """A signal a `SnapshotCallback` listens for (e.g. SIGTERM from a cluster scheduler) stopped `fit` at a
+    commit point, after a snapshot was written.
+
+    A `SystemExit`: left uncaught, the script ends without a traceback and with exit status `code`
+    (128 + the signal's number unless the callback was given `exit_code`), which a scheduler can requeue
+    on; a `Trainer(resume=True)` in the requeued job continues from the snapshot. `except Exception` does
+    not catch it.
+
+    Attributes:
+        code: the exit status.
+        signal_name: the signal that arrived, e.g. 'SIGTERM' ('a peer rank's signal' under DDP on the ranks
+            it did not reach).
+        path: the snapshot written (None on ranks other than 0).
+    """
+
+    def __init__(self, code: int, signal_name: str, path=None):
+        super().__init__(code)
+        self.signal_name = signal_name
+        self.path = path
+
+    def __str__(self) -> str:
+        where = f"; snapshot {self.path}" if self.path is not None else ""
+        return f"preempted by {self.signal_name} at a commit point{where} (exit status {self.code})"

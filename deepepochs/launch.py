@@ -30,6 +30,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from numbers import Integral
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -37,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from deepepochs.errors import ConfigError, DeepEpochsWarning, DistributedError
+from deepepochs.errors import ConfigError, DeepEpochsWarning, DistributedError, Preempted
 
 __all__ = ["launch"]
 
@@ -65,6 +66,8 @@ _SHUTDOWN_GRACE_S = 2.0
 _JOIN_HAS_GRACE_PERIOD = "grace_period" in inspect.signature(mp.ProcessContext.join).parameters
 
 _RESULT_FILE = "rank0-result.pickle"
+# Signals the parent passes on to its children: those a SnapshotCallback listens for by default.
+_FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 # How much of the children's stderr an error message carries (its end), for failures without a traceback
 # file (a child that died importing the script).
@@ -95,7 +98,12 @@ def launch(main: Callable[[], T], num_processes: int | None = None) -> T:
       even when blocked in a collective) and :class:`~deepepochs.errors.DistributedError` is raised here
       with that process's traceback. Nothing is restarted.
     - While the processes run, ``OMP_NUM_THREADS=1`` is set if the caller has not set it. The caller's
-      environment and its SIGINT/SIGTERM handlers are the same after the call as before it.
+      environment and its SIGINT/SIGTERM/SIGUSR1 handlers are the same after the call as before it.
+    - SIGTERM and SIGUSR1 sent to this process while the processes run are passed on to them. When every
+      rank ends ``fit`` with :class:`~deepepochs.errors.Preempted` (a ``SnapshotCallback`` stopped them at
+      one commit point), ``Preempted`` is raised here too: left uncaught, the script exits with its
+      status (143 for SIGTERM) and a requeued job resumes with ``resume=True``. A forwarded signal that
+      did not end in ``Preempted`` is delivered to the caller's own handler once the processes ended.
 
     The return value of rank 0 travels back by pickle, so it must be a plain picklable object: a dict of
     floats, lists, strings... Convert tensors with ``.item()`` or ``.tolist()`` (or at least ``.cpu()``);
@@ -288,6 +296,7 @@ def _spawn(main: Callable[[], T], world_size: int) -> T:
     # default). It must be in the environment *before* spawning: torch reads it when the child imports it.
     env_updates = {} if _ENV_OMP_THREADS in os.environ else {_ENV_OMP_THREADS: "1"}
 
+    received: list[int] = []  # preemption signals the caller got while the children ran (forwarded to them)
     with (
         _restored_signal_handlers(),
         _temporary_environ(env_updates),
@@ -305,6 +314,7 @@ def _spawn(main: Callable[[], T], world_size: int) -> T:
             start_method="spawn",
         )
         stderr.started()
+        _forward_preemption_signals(context.processes, received)
         join_kwargs = {"grace_period": _SHUTDOWN_GRACE_S} if _JOIN_HAS_GRACE_PERIOD else {}
         try:
             # join() returns False while some processes still run; on the first failure it terminates the
@@ -328,13 +338,57 @@ def _spawn(main: Callable[[], T], world_size: int) -> T:
             # may outlive the call.
             _stop_processes(context.processes)
 
-        if not os.path.exists(result_path):
+        preempted = _read_preempted(result_dir, world_size)
+        if preempted is not None:
+            raise preempted
+        if not os.path.exists(result_path) and not received:
             raise DistributedError(
                 f"launch: rank 0 of {world_size} exited without returning from main() (did main() call "
                 "sys.exit(0) or catch KeyboardInterrupt?); no result to return"
             )
-        with open(result_path, "rb") as fh:
-            return pickle.load(fh)
+        result = None
+        if os.path.exists(result_path):
+            with open(result_path, "rb") as fh:
+                result = pickle.load(fh)
+    if received:  # not a clean preemption: the caller's own handler (by default: the end) gets the signal now
+        signal.raise_signal(received[0])
+    return result
+
+
+def _forward_preemption_signals(processes: list[Any], received: list[int]) -> None:
+    """While the children run, SIGTERM and SIGUSR1 sent to this process are passed on to them (a
+    `SnapshotCallback` there stops every rank at one commit point) and remembered in `received`.
+    `_restored_signal_handlers` gives the caller's handlers back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def forward(signum, frame):
+        received.append(signum)
+        for process in processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signum)
+                except OSError:
+                    pass
+
+    for name in _FORWARDED_SIGNALS:
+        number = getattr(signal, name, None)
+        if number is not None:
+            signal.signal(number, forward)
+
+
+def _preempted_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.preempted")
+
+
+def _read_preempted(result_dir: str, world_size: int) -> Preempted | None:
+    """Rank 0's `Preempted` when every rank stopped on one (see `_run_rank`), else None."""
+    paths = [_preempted_path(result_dir, rank) for rank in range(world_size)]
+    if not all(os.path.exists(path) for path in paths):
+        return None
+    with open(paths[0], "rb") as fh:
+        code, signal_name, snapshot = pickle.load(fh)
+    return Preempted(code, signal_name, None if snapshot is None else Path(snapshot))
 
 
 def _run_rank(local_rank: int, main_pickled: bytes, world_size: int, master_port: int, result_path: str) -> None:
@@ -355,7 +409,14 @@ def _run_rank(local_rank: int, main_pickled: bytes, world_size: int, master_port
     )
     # No init_process_group here: the Trainer creates the group from these variables (and so owns it and
     # destroys it), exactly as it does under torchrun.
-    result = main()
+    try:
+        result = main()
+    except Preempted as stop:
+        # Every rank stopped at the same commit point (SnapshotCallback): no failure. The parent raises it
+        # once all ranks ended so; a clean exit here keeps the others from being terminated meanwhile.
+        with open(_preempted_path(os.path.dirname(result_path), local_rank), "wb") as fh:
+            pickle.dump((stop.code, stop.signal_name, None if stop.path is None else str(stop.path)), fh)
+        _exit_quietly()
     if local_rank == 0:
         _write_result(result, result_path)
     open(_done_path(result_path, local_rank), "w").close()
@@ -548,8 +609,8 @@ def _temporary_environ(updates: Mapping[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _restored_signal_handlers() -> Iterator[None]:
-    """Give back the caller's SIGINT and SIGTERM handlers afterwards, whatever the code inside changed."""
-    signals = (signal.SIGINT, signal.SIGTERM)
+    """Give back the caller's SIGINT, SIGTERM and SIGUSR1 handlers afterwards, whatever the code inside changed."""
+    signals = (signal.SIGINT, *(getattr(signal, name) for name in _FORWARDED_SIGNALS if hasattr(signal, name)))
     saved = {sig: signal.getsignal(sig) for sig in signals}
     try:
         yield

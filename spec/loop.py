@@ -22,6 +22,12 @@ Commit points: an action marked `commit=True` (`commit_update` after a window's 
 the epoch's end) is where work becomes permanent: rollback after an interrupt discards only what was done
 since the last commit, never anything before it. A commit action is the last action of its edge
 (`Spec.validate` checks it); `Spec.commit_edges()` lists the edges that commit, fused ones included.
+
+Snapshots: with a `SnapshotCallback` attached, every commit point (after a committed window, in `task_train`;
+after an epoch's commit, in `fit_running`) fires the hot trigger `snapshot`: `save_snapshot` runs when
+`snapshot_due`, and `stop_signalled` (a listed signal arrived, on any rank) leads to `preempted`, whose
+`stop_on_signal` raises `Preempted`; the interrupt edge then rolls back nothing. Without the callback the
+trigger is never fired.
 """
 
 from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
@@ -49,6 +55,8 @@ STATES = [
     S("optimize_unscaled", "optimize", "Gradients are unscaled (fp16) and normalised by the window's samples."),
     S("optimize_clipped", "optimize", "Gradients are clipped; optimizers step in turn (the last one stepped)."),
     S("optimize_skipped", "optimize", "The last optimizer skipped its step: its gradients were not finite."),
+    S("preempted", "fit", "A listed signal stopped the fit at a commit point, after its snapshot; fit() raises"
+      " Preempted."),
     S("rollback", "rollback", "An exception interrupted the loop; the open window is being discarded.",
       running=False),
 ]
@@ -81,6 +89,8 @@ TRIGGERS = [
     T("window_step", "A one-batch window (no accumulation) that updated, as one fused edge.", hot=True),
     T("window_skip_step", "A one-batch window whose update was skipped (not finite), as one fused edge.",
       hot=True),
+    T("snapshot", "A commit point passed (a window's update, an epoch's end) while a SnapshotCallback is"
+      " attached: a snapshot is written if one is due, and a signal it listens for stops the fit.", hot=True),
     T("interrupt", "An exception or KeyboardInterrupt escaped the running loop."),
     T("recover", "Rollback is done; the trainer is ready for fit() or test() again."),
 ]
@@ -93,6 +103,9 @@ GUARDS = [
     G("window_boundary", "This micro-batch closes its window (the k-th batch, or the task's last batch)."),
     G("grads_finite", "The current optimizer's gradients are finite (the scaler found no inf/NaN)."),
     G("has_save_requests", "Callbacks requested checkpoint saves during this epoch's end."),
+    G("snapshot_due", "A SnapshotCallback wants a snapshot at this commit point (its update count or minutes"
+      " came round, an epoch ended, or a signal it listens for arrived), agreed by every rank."),
+    G("stop_signalled", "A signal a SnapshotCallback listens for arrived (on any rank): the fit stops here."),
     G("resume_pending", "Trainer(resume=...) asked for a resume that has not happened yet."),
 ]
 
@@ -118,6 +131,10 @@ ACTIONS = [
     A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end."),
     A("commit_epoch", "Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers'"
       " steps; rollback returns here at the latest.", commit=True),
+    A("save_snapshot", "Write a snapshot of this commit point: the training state, the data position inside"
+      " the epoch, the task meters and the random states (every rank's, written by rank 0)."),
+    A("stop_on_signal", "End the fit: raise Preempted (a SystemExit whose code a scheduler can requeue on);"
+      " the rollback it passes through has nothing to discard."),
     A("discard_window", "Drop the open window's gradients, loss sums, patches and scaler step state."),
     A("reset_loop", "Clear per-run loop state so that the next fit starts a fresh window."),
 ]
@@ -201,6 +218,13 @@ TRANSITIONS = [
       conditions=["has_save_requests"], actions=["step_epoch_schedulers", "save_checkpoints", "commit_epoch"]),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete.",
       unless=["has_save_requests"], actions=["step_epoch_schedulers", "commit_epoch"]),
+    *(edge for state in ("task_train", "fit_running") for edge in (
+        E("snapshot", state, state, "No snapshot is due at this commit point.", unless=["snapshot_due"]),
+        E("snapshot", state, state, "A snapshot is due: it is written at this commit point.",
+          conditions=["snapshot_due"], unless=["stop_signalled"], actions=["save_snapshot"]),
+        E("snapshot", state, "preempted", "A listed signal arrived: a last snapshot is written, then the fit"
+          " stops.", conditions=["snapshot_due", "stop_signalled"], actions=["save_snapshot", "stop_on_signal"]),
+    )),
     E("begin_task", "stage_test", "task_test", "A test task starts."),
     E("begin_batch", "task_test", "test_batch", "A test batch is evaluated."),
     E("end_batch", "test_batch", "task_test", "The test batch is done."),

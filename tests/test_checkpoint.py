@@ -20,7 +20,7 @@ from deepepochs import Callback, CheckCallback, CheckpointError, Optimizer, Trai
 from deepepochs.errors import DeepEpochsWarning
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
-        "monitors", "rng", "order_seed"}
+        "monitors", "rng", "order_seed", "position"}
 
 
 def _loader(n=64, batch_size=16, seed=0):
@@ -111,7 +111,8 @@ def test_checkpoint_is_a_plain_dict_with_the_documented_keys_and_no_absolute_pat
     data = torch.load(_only_file(tmp_path / "ckpt"), weights_only=True)
 
     assert set(data) == KEYS
-    assert data["format_version"] == ckpt_mod.FORMAT_VERSION
+    assert data["format_version"] == 1  # 2 only for mid-epoch snapshots (tests/test_snapshots.py)
+    assert data["position"] is None
     assert data["epoch"] == 2 and data["world_size"] == 1 and data["running_id"] == trainer.running_id
     assert data["scaler"] is None
     assert list(data["model"]) == list(trainer.raw_model.state_dict())
@@ -301,7 +302,7 @@ def test_a_checkpoint_from_a_newer_format_or_another_model_is_refused_clearly(tm
     first.fit(_loader(), _loader(seed=1))
     data = torch.load(_only_file(tmp_path / "ckpt"), weights_only=True)
     torch.save({**data, "format_version": ckpt_mod.FORMAT_VERSION + 1}, tmp_path / "future.ckpt")
-    with pytest.raises(CheckpointError, match="format_version 2.*upgrade deepepochs"):
+    with pytest.raises(CheckpointError, match=f"format_version {ckpt_mod.FORMAT_VERSION + 1}.*upgrade deepepochs"):
         _trainer(tmp_path, epochs=2).load_checkpoint(tmp_path / "future.ckpt")
     other = Trainer(nn.Linear(4, 1), F.mse_loss, epochs=2, log_batch=False)
     with pytest.raises(CheckpointError, match=r"does not fit this trainer; nothing was loaded: model keys differ"):

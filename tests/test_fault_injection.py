@@ -130,6 +130,9 @@ def test_a_fault_on_entering_any_state_is_recovered_exactly(scenario, state):
     """Raise on entering `state`; the trainer rolls back, and fit+test again match an uninterrupted run."""
     if state == "optimize_skipped" and SCENARIOS[scenario]["precision"] != "fp16":
         pytest.skip("reachable only when the fp16 scaler skips a step (covered by the fp16 scenario)")
+    if state == "preempted":
+        pytest.skip("entered only on a SnapshotCallback's signal, whose action raises Preempted on entering it"
+                    " (tests/test_snapshots.py: the same trainer continues exactly after it)")
     if scenario.endswith("-k1-fused") and state == "window_open":
         pytest.skip("fused one-batch windows take task_train --window_step|window_skip_step--> task_train")
     if scenario.endswith("-fused") and state in FUSED_INNER:

@@ -7,6 +7,7 @@ from deepepochs.callbacks.grad_clip import GradClipCallback
 from deepepochs.callbacks.interprete import InterpreteCallback
 from deepepochs.callbacks.log import LogCallback
 from deepepochs.callbacks.lr_find import LRFindCallback
+from deepepochs.callbacks.snapshot import SnapshotCallback
 
 __all__ = [
     "AnalyzeCallback",
@@ -17,4 +18,5 @@ __all__ = [
     "InterpreteCallback",
     "LRFindCallback",
     "LogCallback",
+    "SnapshotCallback",
 ]

@@ -185,7 +185,7 @@ class CheckCallback(Callback):
 
     def on_before_test_epochs(self, trainer, tasks):
         """The first CheckCallback swaps in the weights of the first monitor that has a file."""
-        monitors = checkpoint.monitors_of(trainer)
+        monitors = [m for m in checkpoint.monitors_of(trainer) if isinstance(m, CheckCallback)]  # not snapshots
         if not monitors or monitors[0] is not self:
             return  # one coordinator, so the weights are swapped (and restored) exactly once
         if trainer.world_size > 1:

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 
 import torch
 
 from deepepochs import torch_private
+from deepepochs.engine import position
 from deepepochs.engine.context import Context
+from deepepochs.errors import Preempted
 from deepepochs.fsm.machine import load_spec
 
 __all__ = ["ACTIONS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "reads_on_host",
@@ -97,6 +100,16 @@ def has_save_requests(ctx: Context) -> bool:
 @guard
 def resume_pending(ctx: Context) -> bool:
     return ctx.loop.resume_pending
+
+
+@guard
+def snapshot_due(ctx: Context) -> bool:
+    return ctx.loop.snapshot_due
+
+
+@guard
+def stop_signalled(ctx: Context) -> bool:
+    return ctx.loop.stop_signal is not None
 
 
 # ---- fit and epoch -----------------------------------------------------------------------------------
@@ -279,6 +292,26 @@ def commit_update(ctx: Context) -> None:
     if ctx.machine.model.state == "step_optimized":  # finish_update: the update is complete
         remember_random_state(ctx)
         ctx.signals.release()
+
+
+# ---- snapshots (deepepochs.engine.snapshots) -------------------------------------------------------------
+@action
+def save_snapshot(ctx: Context) -> None:
+    """Write a snapshot of this commit point: mid-epoch with its position (a collective under DDP: every
+    rank's generator states go to rank 0), else the epoch's end."""
+    ctx.loop.snapshot_due = False
+    ctx.snapshot_path = ctx.snapshots.write_snapshot(ctx.parts.facade, position.capture(ctx))
+
+
+@action
+def stop_on_signal(ctx: Context) -> None:
+    """End the fit here: raise `Preempted` (the interrupt edge's rollback finds nothing to discard)."""
+    signal, ctx.loop.stop_signal = ctx.loop.stop_signal, None
+    stop = Preempted(ctx.snapshots.exit_code(signal), signal, ctx.snapshot_path)
+    if ctx.parts.dist.is_main:  # the process is about to end: say why where errors go, whatever show_info says
+        text = str(stop)
+        print(f"deepepochs: {text[0].upper()}{text[1:]}; resume=True continues from it", file=sys.stderr, flush=True)
+    raise stop
 
 
 # ---- rollback ------------------------------------------------------------------------------------------

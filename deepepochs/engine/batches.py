@@ -17,7 +17,7 @@ import functools
 import itertools
 
 from deepepochs.data import batch_splitter, lookahead
-from deepepochs.engine import steps
+from deepepochs.engine import snapshots, steps
 from deepepochs.engine.context import Context
 from deepepochs.fsm.machine import load_spec
 from deepepochs.tasks import BatchMetrics
@@ -68,6 +68,7 @@ def train_batches(ctx: Context, data, meters) -> None:
     autocast = parts.precision.autocast if parts.precision.dtype is not None else None
     console = parts.console
     log_batch = console.log_batch or console.log_tqdm
+    snapshot_writer = ctx.snapshots
     batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
     for batch, is_last in batches:
         if loop.window_pos == 0:
@@ -106,6 +107,8 @@ def train_batches(ctx: Context, data, meters) -> None:
         if log_batch:
             console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches),
                           meters.skipped)
+        if snapshot_writer is not None and loop.window_pos == 0 and loop.window_committed:
+            snapshots.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
 
 
 def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, split=None) -> None:

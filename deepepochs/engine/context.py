@@ -70,6 +70,8 @@ class LoopState:
     resume: ResumePoint | None = None
     resume_pending: bool = False
     last_error_state: str | None = None
+    snapshot_due: bool = False
+    stop_signal: str | None = None
 
 
 @attrs.define(frozen=True, eq=False)
@@ -150,6 +152,9 @@ class Context:
             the iterator is made from the first, the batches continue from the second.
         monitor_check: the fit's (train tasks, val tasks) until the first training batch has checked the
             checkpoint monitors' names; None after.
+        snapshots: the running fit's snapshot writer (a `SnapshotCallback`), or None: then no commit point
+            fires the `snapshot` trigger (`deepepochs.engine.snapshots`).
+        snapshot_path: the snapshot the last `save_snapshot` wrote (None on ranks other than 0).
     """
 
     parts: Parts
@@ -178,3 +183,5 @@ class Context:
     task_random_state: tuple | None = None
     random_replay: tuple | None = None
     monitor_check: tuple | None = None
+    snapshots: object = None
+    snapshot_path: object = None

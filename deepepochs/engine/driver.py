@@ -17,7 +17,7 @@ import torch
 from deepepochs.checkpoint import monitors_in
 from deepepochs.data import check_batch_size, input_splitter
 from deepepochs.distributed import skip_batches
-from deepepochs.engine import actions, batches, steps
+from deepepochs.engine import actions, batches, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
@@ -146,6 +146,7 @@ class Driver:
         loop.target_epochs = epochs
         ctx.fit_records = {"train": {}, "val": {}}
         ctx.monitor_check = (train, val)
+        ctx.snapshots = snapshots.find_writer(parts.hooks.callbacks)
         if ctx.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
             ctx.random_restore_due = False
             actions.set_random_state(ctx, ctx.random_state)
@@ -174,6 +175,8 @@ class Driver:
             skipped = sum(meters.skipped for meters in ctx.train_meters or ())
             parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped)
             fire("end_epoch")
+            if ctx.snapshots is not None:
+                snapshots.commit_point(ctx, epoch_end=True)
         loop.stage = None
         self._run_hooks("on_after_fit")
         fire("finish")
@@ -441,7 +444,8 @@ def _adopt(meters: TaskMeters, task: EpochTask) -> TaskMeters:
     for name in set(meters.metrics) - set(now):
         meters.patches.pop(name, None)
     for name, patch in meters.patches.items():
-        if name in now and isinstance(patch, TensorPatch):
+        # A snapshot stores no functions: a patch read from one gets its metric here (its `metric` is None).
+        if name in now and (isinstance(patch, TensorPatch) or getattr(patch, "metric", False) is None):
             patch.metric = now[name]
     meters.metrics = now
     meters.final = None

@@ -132,6 +132,8 @@ class StateName(str, enum.Enum):
     """Gradients are clipped; optimizers step in turn (the last one stepped)."""
     OPTIMIZE_SKIPPED = 'optimize_skipped'
     """The last optimizer skipped its step: its gradients were not finite."""
+    PREEMPTED = 'preempted'
+    """A listed signal stopped the fit at a commit point, after its snapshot; fit() raises Preempted."""
     ROLLBACK = 'rollback'
     """An exception interrupted the loop; the open window is being discarded."""
 
@@ -185,6 +187,9 @@ class TriggerName(str, enum.Enum):
     """A one-batch window (no accumulation) that updated, as one fused edge."""
     WINDOW_SKIP_STEP = 'window_skip_step'
     """A one-batch window whose update was skipped (not finite), as one fused edge."""
+    SNAPSHOT = 'snapshot'
+    """A commit point passed (a window's update, an epoch's end) while a SnapshotCallback is attached: a snapshot is
+    written if one is due, and a signal it listens for stops the fit."""
     INTERRUPT = 'interrupt'
     """An exception or KeyboardInterrupt escaped the running loop."""
     RECOVER = 'recover'
@@ -206,6 +211,11 @@ class GuardName(str, enum.Enum):
     """The current optimizer's gradients are finite (the scaler found no inf/NaN)."""
     HAS_SAVE_REQUESTS = 'has_save_requests'
     """Callbacks requested checkpoint saves during this epoch's end."""
+    SNAPSHOT_DUE = 'snapshot_due'
+    """A SnapshotCallback wants a snapshot at this commit point (its update count or minutes came round, an epoch ended,
+    or a signal it listens for arrived), agreed by every rank."""
+    STOP_SIGNALLED = 'stop_signalled'
+    """A signal a SnapshotCallback listens for arrived (on any rank): the fit stops here."""
     RESUME_PENDING = 'resume_pending'
     """Trainer(resume=...) asked for a resume that has not happened yet."""
 
@@ -250,6 +260,12 @@ class ActionName(str, enum.Enum):
     COMMIT_EPOCH = 'commit_epoch'
     """Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers' steps; rollback returns
     here at the latest."""
+    SAVE_SNAPSHOT = 'save_snapshot'
+    """Write a snapshot of this commit point: the training state, the data position inside the epoch, the task meters
+    and the random states (every rank's, written by rank 0)."""
+    STOP_ON_SIGNAL = 'stop_on_signal'
+    """End the fit: raise Preempted (a SystemExit whose code a scheduler can requeue on); the rollback it passes through
+    has nothing to discard."""
     DISCARD_WINDOW = 'discard_window'
     """Drop the open window's gradients, loss sums, patches and scaler step state."""
     RESET_LOOP = 'reset_loop'

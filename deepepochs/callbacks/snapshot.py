@@ -1,0 +1,204 @@
+"""`SnapshotCallback`: snapshots at commit points, mid-epoch, and a clean stop on preemption signals.
+
+The callback decides when; the machine does the rest (`deepepochs.engine.snapshots`): at every commit
+point (a committed window's update, an epoch's end) the spec's `snapshot` trigger asks it whether a
+snapshot is due and whether a signal arrived; the `save_snapshot` action calls `write_snapshot`, and on a
+signal `stop_on_signal` ends the fit with `deepepochs.Preempted`. A snapshot is a checkpoint file
+(`deepepochs.checkpoint`) with the data position inside the epoch; `Trainer(resume=True)` continues from
+the newest snapshot or checkpoint, mid-epoch included.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from deepepochs import checkpoint
+from deepepochs.callbacks.base import Callback
+from deepepochs.errors import ConfigError, DeepEpochsWarning
+
+__all__ = ["SnapshotCallback"]
+
+_DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+
+
+class SnapshotCallback(Callback):
+    """Write snapshots at commit points (mid-epoch included) and stop cleanly on preemption signals.
+
+    A snapshot holds the model, optimizers, schedulers, GradScaler, the checkpoint monitors' states, the
+    data position inside the epoch, the task meters (so the epoch's metrics cover the batches before a
+    resume) and every rank's random generator states. Files go to
+    `<ckpt_dir>/<running_id>/snapshot-u<updates>[-epoch<n>].ckpt`, written atomically by rank 0; the
+    newest `keep` are kept. A snapshot is also written at every epoch's end.
+
+    Args:
+        ckpt_dir: root folder (shared with `CheckCallback`: `resume=True` searches both).
+        every_n_updates: write after every n-th update window (skipped windows count: each is a commit
+            point); None: not by count.
+        every_n_minutes: write at the first commit point once this many minutes passed since the last
+            snapshot (agreed over the ranks under DDP); None: not by time.
+        on_signals: signal names (or numbers) that stop the fit: the current update completes, a snapshot
+            is written, and `fit` raises `deepepochs.Preempted` (a `SystemExit` with exit status
+            `exit_code`). Under DDP a signal reaching any rank stops every rank at the same commit point
+            (one small all-reduce per commit point while signals are armed). SIGINT (Ctrl-C) is not
+            accepted here: it already rolls back to the last commit point. Signals are armed during `fit`
+            only, in the main thread; the previous handlers are put back when `fit` ends. The defaults
+            absent on this platform (SIGUSR1 on Windows) are left out.
+        keep: how many snapshot files to keep (the newest, by modification time).
+        exit_code: the exit status of `Preempted`; None: 128 + the signal's number (143 for SIGTERM), what
+            a shell reports for a process ended by that signal.
+
+    Example:
+        >>> snap = SnapshotCallback(every_n_minutes=30)            # and on SIGTERM / SIGUSR1
+        >>> trainer = Trainer(model, loss, opt, epochs=100, callbacks=[snap], resume=True)
+        >>> trainer.fit(train_dl, val_dl)   # requeued after preemption, it continues mid-epoch
+    """
+
+    monitor_id = "snapshot"  # its state (the update count) travels in every checkpoint; resume searches ckpt_dir
+
+    def __init__(self, ckpt_dir="./checkpoints", every_n_updates: int | None = None,
+                 every_n_minutes: float | None = None, on_signals=_DEFAULT_SIGNALS, keep: int = 2,
+                 exit_code: int | None = None):
+        super().__init__()
+        if every_n_updates is not None and (isinstance(every_n_updates, bool)
+                                            or not isinstance(every_n_updates, int) or every_n_updates < 1):
+            raise ConfigError(f"SnapshotCallback every_n_updates must be None or an int >= 1 (got"
+                              f" {every_n_updates!r})")
+        if every_n_minutes is not None and (isinstance(every_n_minutes, bool)
+                                            or not isinstance(every_n_minutes, numbers.Real)
+                                            or not math.isfinite(every_n_minutes) or every_n_minutes <= 0):
+            raise ConfigError(f"SnapshotCallback every_n_minutes must be None or a positive number (got"
+                              f" {every_n_minutes!r})")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"SnapshotCallback keep must be an int >= 1 (got {keep!r})")
+        if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)
+                                      or not 0 <= exit_code <= 255):
+            raise ConfigError(f"SnapshotCallback exit_code must be None or an int in 0..255 (got {exit_code!r})")
+        self.ckpt_dir = Path(ckpt_dir)
+        self.every_n_updates, self.every_n_minutes = every_n_updates, every_n_minutes
+        self.signals = _signal_names(on_signals, on_signals is _DEFAULT_SIGNALS)
+        self.keep, self._exit_code = keep, exit_code
+        self.updates = 0  # committed windows of the run (restored from snapshots: the count goes on)
+        self._since = 0  # windows since the last snapshot
+        self._last = time.monotonic()
+        self._signal: str | None = None
+        self._previous: dict = {}
+
+    def __repr__(self) -> str:
+        return (f"SnapshotCallback(ckpt_dir={str(self.ckpt_dir)!r}, every_n_updates={self.every_n_updates},"
+                f" every_n_minutes={self.every_n_minutes}, on_signals={self.signals}, keep={self.keep})")
+
+    @property
+    def must_agree(self) -> bool:
+        """Whether ranks may decide differently (signals, clocks): then they agree per commit point."""
+        return bool(self.signals) or self.every_n_minutes is not None
+
+    # ---- the engine's side (deepepochs.engine.snapshots) ----
+    def poll_snapshot(self, epoch_end: bool) -> tuple[bool, str | None]:
+        """At a commit point: (whether a snapshot is due here, the signal that arrived or None)."""
+        if epoch_end:
+            return True, self._signal
+        self.updates += 1
+        self._since += 1
+        due = ((self.every_n_updates is not None and self._since >= self.every_n_updates)
+               or (self.every_n_minutes is not None and time.monotonic() - self._last >= 60 * self.every_n_minutes))
+        return due, self._signal
+
+    def write_snapshot(self, trainer, position) -> Path | None:
+        """Write the snapshot (rank 0; `position` None at an epoch's end) and prune old ones; its path."""
+        self._since, self._last = 0, time.monotonic()
+        if not trainer._dist.is_main:
+            return None
+        folder = self.ckpt_dir / str(trainer.running_id)
+        end = "" if position is not None else f"-epoch{trainer.loop.completed_epochs}"
+        path = folder / f"snapshot-u{self.updates:09d}{end}{checkpoint.SUFFIX}"
+        checkpoint.write_atomic(checkpoint.snapshot(trainer, position).to_dict(), path)
+        self._prune(folder)
+        return path
+
+    def exit_code(self, signal_name: str) -> int:
+        """`Preempted`'s exit status for `signal_name`."""
+        return self._exit_code if self._exit_code is not None else 128 + signal.Signals[signal_name].value
+
+    def _prune(self, folder: Path) -> None:
+        files = [p for p in folder.glob(f"snapshot-u*{checkpoint.SUFFIX}") if p.is_file()]
+        files.sort(key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+        for old in files[self.keep:]:
+            try:
+                old.unlink()
+            except OSError:
+                pass
+
+    # ---- monitor protocol (its state is in every checkpoint) ----
+    def state_dict(self) -> dict:
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = int(state.get("updates", 0))
+
+    # ---- hooks ----
+    def on_attach(self, trainer) -> None:
+        same = [cb for cb in trainer.callbacks if isinstance(cb, SnapshotCallback)]
+        if len(same) > 1:
+            raise ConfigError(f"a trainer takes one SnapshotCallback (got {same[0]!r} and {same[1]!r})")
+
+    def on_before_fit(self, trainer, epochs):
+        self._since, self._last, self._signal = 0, time.monotonic(), None
+        self._arm()
+
+    def on_after_fit(self, trainer):
+        self._disarm()
+
+    def on_interrupted(self, trainer, exception):
+        self._disarm()
+
+    def _arm(self) -> None:
+        if not self.signals or self._previous:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(f"SnapshotCallback: fit() runs outside the main thread, where signal handlers cannot be"
+                          f" set; {', '.join(self.signals)} will not stop it cleanly", DeepEpochsWarning,
+                          stacklevel=3)
+            return
+        for name in self.signals:
+            number = signal.Signals[name]
+            self._previous[number] = signal.signal(number, self._handle)
+
+    def _disarm(self) -> None:
+        previous, self._previous = self._previous, {}
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+    def _handle(self, signum, frame) -> None:
+        if self._signal is None:
+            self._signal = signal.Signals(signum).name
+
+
+def _signal_names(on_signals, default: bool) -> tuple[str, ...]:
+    """Validated signal names; the defaults missing on this platform are dropped."""
+    items = (on_signals,) if isinstance(on_signals, (str, int)) else tuple(on_signals or ())
+    names = []
+    valid = sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE | {"SIGINT"})
+    for item in items:
+        try:
+            name = signal.Signals(item).name if isinstance(item, int) else signal.Signals[str(item).upper()].name
+        except (KeyError, ValueError):
+            if default:
+                continue
+            raise ConfigError(f"SnapshotCallback on_signals: {item!r} is not a signal of this platform; accepted:"
+                              f" {', '.join(valid)}") from None
+        if name == "SIGINT":
+            raise ConfigError("SnapshotCallback on_signals cannot hold SIGINT: Ctrl-C already rolls the fit back to"
+                              " its last commit point (KeyboardInterrupt); list SIGTERM or SIGUSR1 for preemption")
+        if name in _UNCATCHABLE:
+            raise ConfigError(f"SnapshotCallback on_signals cannot hold {name}: it cannot be caught; accepted:"
+                              f" {', '.join(valid)}")
+        if name not in names:
+            names.append(name)
+    return tuple(names)

@@ -1,0 +1,196 @@
+"""A training position inside an epoch, as stored in a snapshot (issue 17), and put back on resume.
+
+A mid-epoch snapshot is taken at a commit point (a committed window's update). What a fit needs to
+continue from there, besides the training state every checkpoint holds:
+
+==================  ==========================================================================
+`epoch`             int, the 1-based epoch in progress (the file's `epoch` key counts completed ones).
+`task_index`        int, the training task in progress (0-based).
+`batches_done`      int, that task's batches whose windows were committed (the data position: a
+                    seeded-order DataLoader skips them at the sampler, `distributed.skip_batches`).
+`world_size`        int, processes that trained (every rank ran `batches_done` batches of its shard).
+`meters`            list, per training task of the stage so far: its loss sums and metric patches
+                    (`encode_meters`), so the epoch's metrics cover the batches before the resume.
+`random`            list, per rank: `{'commit': torch's generator states at the commit point,
+                    'task': those just before the task made its data iterator}` (`actions.
+                    random_state`), so dropout and DataLoader worker seeds replay exactly.
+==================  ==========================================================================
+
+Everything is tensors, numbers, strings, lists, dicts and None (`torch.load(weights_only=True)`). A metric
+patch is stored as its class's name and its attributes; its metric function is not stored but taken
+from the task's metric of the same name when the snapshot is loaded. A patch class is found among the
+`PatchBase` subclasses already defined (nothing is imported from a name in a file).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import attrs
+import torch
+
+from deepepochs.engine import actions
+from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.errors import CheckpointError, DeepEpochsWarning
+from deepepochs.patches import PatchBase
+from deepepochs.tasks import TaskMeters
+
+__all__ = ["capture", "check", "decode_meters", "encode_meters", "restore"]
+
+
+class _Unstorable(TypeError):
+    """A value a snapshot cannot hold with `weights_only=True` (names what it is)."""
+
+
+def capture(ctx: Context) -> dict | None:
+    """The mid-epoch position of the last commit point, or None outside a training stage (e.g. at an
+    epoch's end: the file's epoch count says it all). Under DDP a collective: every rank's random states
+    are gathered (every rank calls it at the same commit point)."""
+    loop, dist = ctx.loop, ctx.parts.dist
+    point = loop.resume
+    if point is None or point.task_index < 0 or ctx.train_meters is None:
+        return None
+    random = {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state)}
+    randoms = dist.all_gather_object(random) if dist.world_size > 1 else [random]
+    return {"epoch": int(point.epoch), "task_index": int(point.task_index),
+            "batches_done": int(point.batches_done), "world_size": int(dist.world_size),
+            "meters": [encode_meters(meters) for meters in ctx.train_meters], "random": randoms}
+
+
+def check(position, world_size: int, path) -> None:
+    """Raise `CheckpointError` (naming `path`) when a stored position cannot continue here."""
+    keys = {"epoch", "task_index", "batches_done", "meters", "random"}
+    if not isinstance(position, dict) or not keys <= set(position):
+        raise CheckpointError(f"{path}: the snapshot's position is damaged (got {type(position).__name__})")
+    saved = position.get("world_size", 1)
+    if saved != world_size:
+        raise CheckpointError(
+            f"{path} is a mid-epoch snapshot of {saved} process(es); it resumes on that many only (this run has"
+            f" {world_size}); resume from an epoch-end checkpoint, or with {saved} process(es)")
+
+
+def restore(ctx: Context, position: dict, rank: int) -> None:
+    """Make the next fit continue at `position` (checked by `check`): the epoch's resume point, its task
+    meters, and this rank's generator states as of the commit point (set now)."""
+    meters = [decode_meters(state, ctx.parts.device) for state in position["meters"]]
+    random = position["random"][rank]
+    commit, task = _tuple(random["commit"]), _tuple(random.get("task"))
+    ctx.loop.resume = ResumePoint(position["epoch"], position["task_index"], position["batches_done"])
+    ctx.train_meters = meters
+    ctx.random_state = commit
+    ctx.random_replay = (task, commit)
+    ctx.random_restore_due = False
+    if commit is not None:
+        actions.set_random_state(ctx, commit)
+
+
+def _states(state):
+    return None if state is None else list(state)
+
+
+def _tuple(state):
+    return None if state is None else tuple(state)
+
+
+# ---- task meters -----------------------------------------------------------------------------------------
+def encode_meters(meters: TaskMeters) -> dict:
+    """A committed task's loss sums and metric patches as plain data. A patch holding something a
+    snapshot cannot store is left out with a `DeepEpochsWarning` (after a resume its metric covers only
+    the batches after the snapshot)."""
+    patches = {}
+    for name, patch in meters.patches.items():
+        try:
+            patches[name] = _encode_patch(patch)
+        except _Unstorable as e:
+            warnings.warn(f"a snapshot cannot store the partial epoch state of metric {name!r} ({e}); after a"
+                          " mid-epoch resume that metric covers only the batches after the snapshot",
+                          DeepEpochsWarning, stacklevel=2)
+    loss_sum = meters.loss_sum
+    return {"loss_sum": None if loss_sum is None else loss_sum.detach().cpu(), "host_sum": float(meters.host_sum),
+            "host": meters.host, "count": int(meters.count), "skipped": int(meters.skipped), "patches": patches}
+
+
+def decode_meters(state: dict, device: torch.device) -> TaskMeters:
+    """`TaskMeters` from `encode_meters` output, tensors on `device`; its patches get their metric
+    functions when the resumed task adopts them (`driver._adopt`)."""
+    meters = TaskMeters()
+    loss_sum = state["loss_sum"]
+    meters.loss_sum = None if loss_sum is None else loss_sum.to(device)
+    meters.host_sum, meters.host = state["host_sum"], state["host"]
+    meters.count, meters.skipped = state["count"], state.get("skipped", 0)
+    meters.patches = {name: _decode_patch(patch, device) for name, patch in state["patches"].items()}
+    return meters
+
+
+def _encode_patch(patch: PatchBase) -> dict:
+    cls = type(patch)
+    fields, callables = {}, []
+    for key, value in vars(patch).items():
+        if callable(value) and not isinstance(value, torch.Tensor):
+            callables.append(key)
+        else:
+            fields[key] = _encode(value)
+    if set(callables) - {"metric"}:
+        raise _Unstorable(f"its {', '.join(sorted(set(callables) - {'metric'}))} attribute holds a function")
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "fields": fields, "callables": callables}
+
+
+def _decode_patch(state: dict, device: torch.device) -> PatchBase:
+    cls = _patch_class(state["class"])
+    patch = cls.__new__(cls)
+    patch.__dict__.update({key: _decode(value, device) for key, value in state["fields"].items()})
+    patch.__dict__.update(dict.fromkeys(state["callables"]))  # filled in by the resumed task (`_adopt`)
+    return patch
+
+
+def _patch_class(name: str) -> type:
+    todo, seen = [PatchBase], set()
+    while todo:
+        cls = todo.pop()
+        if f"{cls.__module__}:{cls.__qualname__}" == name:
+            return cls
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+    raise CheckpointError(f"the snapshot holds a metric patch of class {name}, which is not defined in this"
+                          " process (import the module that defines it before resuming)")
+
+
+def _encode(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "meta" else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"__dict__": {k: _encode(v) for k, v in value.items()}}
+    if attrs.has(type(value)):
+        cls = type(value)
+        return {"__attrs__": f"{cls.__module__}:{cls.__qualname__}",
+                "fields": {f.name: _encode(getattr(value, f.name)) for f in attrs.fields(cls)}}
+    raise _Unstorable(f"a {type(value).__name__} value")
+
+
+def _decode(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_decode(v, device) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(_decode(v, device) for v in value["__tuple__"])
+        if "__dict__" in value:
+            return {k: _decode(v, device) for k, v in value["__dict__"].items()}
+        if "__attrs__" in value:
+            module, _, qualname = value["__attrs__"].partition(":")
+            cls = getattr(sys.modules.get(module), qualname, None)
+            if cls is None or not attrs.has(cls):
+                raise CheckpointError(f"the snapshot holds a {value['__attrs__']} record, which is not defined in"
+                                      " this process")
+            return cls(**{k: _decode(v, device) for k, v in value["fields"].items()})
+    return value

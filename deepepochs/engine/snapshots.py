@@ -1,0 +1,44 @@
+"""Snapshots at commit points (issue 17): when the `snapshot` trigger fires, and how ranks agree.
+
+With a snapshot writer attached (a callback with `poll_snapshot`, `write_snapshot` and `signals`: see
+`deepepochs.callbacks.SnapshotCallback`), every commit point fires the spec's `snapshot` trigger: after
+each committed window of a training task (`task_train`) and after each epoch's commit (`fit_running`).
+Its guards read what `commit_point` decided: `snapshot_due` (the writer wants one here) and
+`stop_signalled` (a signal it listens for arrived). Without a writer nothing is fired and nothing is
+paid.
+
+Under DDP a signal may reach only some ranks, and minutes differ per rank: when the writer listens for
+signals or counts minutes, one small all-reduce per commit point makes every rank take the same edge.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepepochs.engine.context import Context
+
+__all__ = ["commit_point", "find_writer"]
+
+
+def find_writer(callbacks):
+    """The snapshot writer among `callbacks` (at most one is attached), or None."""
+    return next((cb for cb in callbacks if callable(getattr(cb, "poll_snapshot", None))), None)
+
+
+def commit_point(ctx: Context, epoch_end: bool) -> None:
+    """At a commit point with a writer attached: decide (agreed over the ranks) and fire `snapshot`."""
+    writer, loop, dist = ctx.snapshots, ctx.loop, ctx.parts.dist
+    due, signal = writer.poll_snapshot(epoch_end)
+    if dist.world_size > 1 and writer.must_agree:
+        names = writer.signals
+        flags = torch.zeros(1 + len(names), device=ctx.parts.device)
+        flags[0] = float(due)
+        if signal is not None:
+            flags[1 + names.index(signal)] = 1.0
+        flags = dist.reduce_sum(flags).tolist()
+        due = flags[0] > 0
+        if signal is None:
+            signal = next((name for name, n in zip(names, flags[1:]) if n > 0), None)
+    loop.snapshot_due = due or signal is not None
+    loop.stop_signal = signal
+    ctx.machine.fire("snapshot")

@@ -1,0 +1,50 @@
+"""Targets for the DDP preemption tests: 2 ranks train with a SnapshotCallback; a SIGTERM may reach one
+rank only (`DEEPEPOCHS_TEST_SIGNAL_RANK`), from inside its own loop."""
+
+import os
+import signal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from deepepochs import Callback, Optimizer, SnapshotCallback, Trainer
+
+FOLDER_ENV = "DEEPEPOCHS_TEST_SNAPSHOTS"
+SIGNAL_RANK_ENV = "DEEPEPOCHS_TEST_SIGNAL_RANK"
+
+
+class SignalOneRank(Callback):
+    """This rank sends itself SIGTERM after its training batch 4 (0-based) of epoch 2."""
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        if trainer.loop.epoch == 2 and batch_idx == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def train() -> dict:
+    """A 2-rank fit (shuffle, dropout, Adam, step-wise StepLR, k=2): with $DEEPEPOCHS_TEST_SNAPSHOTS a
+    SnapshotCallback writes there and the run resumes from it; returns rank 0's weights and records."""
+    folder = os.environ.get(FOLDER_ENV)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.25), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
+    callbacks = []
+    if folder:
+        callbacks.append(SnapshotCallback(folder, every_n_updates=None))
+        if os.environ.get(SIGNAL_RANK_ENV) == os.environ["RANK"]:
+            callbacks.append(SignalOneRank())
+    trainer = Trainer(model, F.cross_entropy, Optimizer(opt, sched, sched_on="step"), epochs=3, device="cpu",
+                      callbacks=callbacks, resume=bool(folder), running_id="ddp", gradient_accumulation_steps=2,
+                      log_batch=False, show_info=False)
+    try:
+        records = trainer.fit(DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+                              DataLoader(TensorDataset(x[:40], y[:40]), batch_size=8))
+    finally:
+        trainer.close()
+    return {"weights": {k: v.tolist() for k, v in model.state_dict().items()}, "records": records,
+            "completed": trainer.loop.completed_epochs}

@@ -1,0 +1,110 @@
+"""Acceptance of issue 17 part 2: a run killed at random moments (SIGKILL) or preempted (SIGTERM), and
+resumed each time with `resume=True`, ends bit-identical to the uninterrupted run.
+
+The target (`snapshot_target.py`) trains with shuffle=True, dropout, Adam, a step-wise scheduler and k=3
+accumulation, writing a snapshot at every update (`every_n_updates=1`). The reference is the same script
+without a SnapshotCallback, run once without interruption.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+TARGET = Path(__file__).with_name("snapshot_target.py")
+KILLS = int(os.environ.get("DEEPEPOCHS_KILLS", "20"))
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
+
+
+def _start(ckpt_dir, out, *extra):
+    return subprocess.Popen([sys.executable, str(TARGET), str(ckpt_dir), str(out), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _run_to_end(ckpt_dir, out, *extra):
+    proc = _start(ckpt_dir, out, *extra)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def _interrupt(ckpt_dir, out, sig, delay: float):
+    """Start a resumed run, wait until it trains, then `delay` seconds, and send `sig`. Returns the exit
+    status, or None when the run ended before the signal."""
+    proc = _start(ckpt_dir, out, "--every", "1")
+    line = proc.stdout.readline()  # 'training': the imports are done and fit has begun
+    assert line.strip() == "training", (line, proc.stderr.read()[-3000:])
+    time.sleep(delay)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+        return proc.returncode, stdout + stderr
+    proc.communicate()
+    return None, ""
+
+
+def _same(a, b) -> bool:
+    return (all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+            and _states_equal(a["opt"], b["opt"]) and a["sched"] == b["sched"])
+
+
+def _states_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reference")
+    _run_to_end(folder, folder / "ref.pt")
+    return torch.load(folder / "ref.pt", weights_only=True)
+
+
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, reference):
+    rng = random.Random(17)
+    kills = 0
+    while kills < KILLS:
+        code, output = _interrupt(tmp_path, tmp_path / "out.pt", signal.SIGKILL, rng.uniform(0.0, 0.12))
+        if code is None:
+            break  # finished before the signal: the run is complete
+        assert code == -signal.SIGKILL, output[-3000:]
+        kills += 1
+    assert kills >= min(KILLS, 20) or (tmp_path / "out.pt").exists()
+    if not (tmp_path / "out.pt").exists():
+        _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1")
+    result = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert _same(result, reference)
+    # Never more than keep=2 snapshots, and no temporary file left behind by a killed write after the last run.
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert len([n for n in names if n.startswith("snapshot-")]) <= 2, names
+    assert not [n for n in names if n.endswith(".tmp")], names
+
+
+def test_sigterm_stops_at_a_commit_point_with_status_143_and_resumes_bit_identical(tmp_path, reference):
+    rng = random.Random(3)
+    stops = 0
+    for _ in range(3):
+        code, output = _interrupt(tmp_path, tmp_path / "out.pt", signal.SIGTERM, rng.uniform(0.05, 0.3))
+        if code is None:
+            break
+        assert code == 128 + signal.SIGTERM, output[-3000:]
+        assert "Preempted by SIGTERM at a commit point; snapshot" in output, output[-3000:]
+        stops += 1
+    assert stops >= 1
+    if not (tmp_path / "out.pt").exists():
+        _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1")
+    assert _same(torch.load(tmp_path / "out.pt", weights_only=True), reference)

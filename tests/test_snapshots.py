@@ -1,0 +1,369 @@
+"""Mid-epoch snapshots and preemption in one process (issue 17, part 2): `SnapshotCallback` writes snapshots
+at commit points; a run resumed from any of them ends bit-identical to the uninterrupted run (weights,
+optimizer, scheduler, and the epoch metrics, which cover the batches before the resume); a listed signal
+stops the fit at the next commit point with `Preempted`. The subprocess acceptance (SIGKILL at random
+moments, SIGTERM) is in tests/preemption."""
+
+import os
+import re
+import shutil
+import signal
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from deepepochs import (
+    Callback,
+    CheckpointError,
+    ConfigError,
+    Optimizer,
+    PatchBase,
+    Preempted,
+    SnapshotCallback,
+    Trainer,
+)
+from deepepochs.callbacks import snapshot as snapshot_module
+from deepepochs.checkpoint import read_checkpoint
+from deepepochs.errors import DeepEpochsWarning
+from deepepochs.metrics import accuracy
+
+needs_sigterm = pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name == "nt", reason="POSIX signals")
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(70, 4, generator=g), torch.randint(0, 3, (70,), generator=g)
+    return (DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+            DataLoader(TensorDataset(x[:20], y[:20]), batch_size=8))
+
+
+def mean_acc(preds, targets):
+    return (preds.argmax(1) == targets).float().mean()
+
+
+def _trainer(folder, resume=False, callbacks=(), epochs=3, cls=Trainer, trainer_kw=None, **snap):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.9)
+    cbs = [SnapshotCallback(folder, **snap), *callbacks] if folder is not None else list(callbacks)
+    trainer = cls(model, F.cross_entropy, Optimizer(opt, sched, sched_on="step"), epochs=epochs, callbacks=cbs,
+                  resume=resume, running_id="run", gradient_accumulation_steps=3, log_batch=False, show_info=False,
+                  **(trainer_kw or {}))
+    return trainer, model
+
+
+def _fit(trainer):
+    train, val = _data()
+    return trainer.fit(train, val, metrics=[accuracy, mean_acc])
+
+
+def _state(trainer, model):
+    return ({k: v.clone() for k, v in model.state_dict().items()}, trainer.opt.state_dict())
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _last(records):
+    return {stage: {k: v[-1] for k, v in values.items()} for stage, values in records.items() if values}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    trainer, model = _trainer(None)
+    records = _fit(trainer)
+    return _state(trainer, model), records
+
+
+@pytest.fixture(scope="module")
+def every_update(tmp_path_factory):
+    """A run writing a snapshot at every update, all kept; its files by name."""
+    folder = tmp_path_factory.mktemp("snapshots")
+    trainer, model = _trainer(folder, every_n_updates=1, keep=1000)
+    records = _fit(trainer)
+    return folder / "run", _state(trainer, model), records
+
+
+def _resume_from(tmp_path, file):
+    (tmp_path / "run").mkdir()
+    shutil.copy(file, tmp_path / "run" / file.name)
+    trainer, model = _trainer(tmp_path, resume=True, every_n_updates=1)
+    torch.manual_seed(1234)  # what the new process drew before must not matter
+    records = _fit(trainer)
+    return _state(trainer, model), records
+
+
+def test_snapshots_do_not_change_the_run(uninterrupted, every_update):
+    _, state, records = every_update
+    assert _equal(state, uninterrupted[0])
+    assert records == uninterrupted[1]
+
+
+def test_a_snapshot_at_every_update_and_epoch_end_is_written(every_update):
+    folder, _, _ = every_update
+    names = sorted(p.name for p in folder.iterdir())
+    # 70 samples in batches of 4: 18 batches, 6 windows of k=3 per epoch; 3 epochs
+    assert [n for n in names if "epoch" not in n] == [f"snapshot-u{u:09d}.ckpt" for u in range(1, 19)]
+    assert [n for n in names if "epoch" in n] == [f"snapshot-u{u:09d}-epoch{u // 6}.ckpt" for u in (6, 12, 18)]
+    mid = read_checkpoint(folder / "snapshot-u000000008.ckpt")  # weights_only=True reads it
+    assert mid.format_version == 2 and mid.epoch == 1
+    assert {k: mid.position[k] for k in ("epoch", "task_index", "batches_done", "world_size")} == {
+        "epoch": 2, "task_index": 0, "batches_done": 6, "world_size": 1}
+    end = read_checkpoint(folder / "snapshot-u000000012-epoch2.ckpt")
+    assert end.format_version == 1 and end.epoch == 2 and end.position is None
+    assert mid.monitors["snapshot"] == {"updates": 8}
+
+
+@pytest.mark.parametrize("name", ["snapshot-u000000001.ckpt", "snapshot-u000000005.ckpt", "snapshot-u000000006.ckpt",
+                                  "snapshot-u000000006-epoch1.ckpt", "snapshot-u000000008.ckpt",
+                                  "snapshot-u000000012.ckpt", "snapshot-u000000017.ckpt"])
+def test_resuming_from_a_snapshot_ends_bit_identical_with_the_same_epoch_metrics(tmp_path, uninterrupted,
+                                                                                every_update, name):
+    folder, _, _ = every_update
+    state, records = _resume_from(tmp_path, folder / name)
+    assert _equal(state, uninterrupted[0])
+    # The resumed epoch's metrics cover its batches before the snapshot too (meters travel in the file).
+    assert _last(records) == _last(uninterrupted[1])
+
+
+def test_the_last_snapshot_of_an_epoch_keeps_the_training_metrics_for_validation_to_follow(tmp_path, uninterrupted,
+                                                                                          every_update):
+    folder, _, _ = every_update  # u6: after the epoch's last window, before its validation and end
+    _, records = _resume_from(tmp_path, folder / "snapshot-u000000006.ckpt")
+    assert records["train"]["loss"] == uninterrupted[1]["train"]["loss"]
+    assert records["val"]["accuracy"] == uninterrupted[1]["val"]["accuracy"]
+
+
+class SendAt(Callback):
+    """Sends `sig` to this process after training batch `batch` (0-based) of epoch `epoch`, or during the
+    validation of that epoch with `batch=None`."""
+
+    def __init__(self, sig, epoch, batch):
+        self.sig, self.epoch, self.batch = sig, epoch, batch
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        if self.batch is not None and trainer.loop.epoch == self.epoch and batch_idx == self.batch:
+            os.kill(os.getpid(), self.sig)
+
+    def on_after_val_batch(self, trainer, metrics, batch_idx):
+        if self.batch is None and trainer.loop.epoch == self.epoch and batch_idx == 0:
+            os.kill(os.getpid(), self.sig)
+
+
+@needs_sigterm
+def test_sigterm_completes_the_window_writes_a_snapshot_and_raises_preempted(tmp_path, uninterrupted):
+    before = signal.getsignal(signal.SIGTERM)
+    trainer, _ = _trainer(tmp_path, callbacks=[SendAt(signal.SIGTERM, 2, 7)])  # batch 8 of 18: window 3 ends at 9
+    with pytest.raises(Preempted) as info:
+        _fit(trainer)
+    stop = info.value
+    assert isinstance(stop, SystemExit) and stop.code == 143 and stop.signal_name == "SIGTERM"
+    assert stop.path == tmp_path / "run" / "snapshot-u000000009.ckpt" and stop.path.is_file()
+    assert read_checkpoint(stop.path).position["batches_done"] == 9
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is given back
+    records = [(r.source, r.trigger, r.dest) for r in stop.deepepochs_flight_record]
+    assert records[-3:] == [("task_train", "snapshot", "preempted"), ("preempted", "interrupt", "rollback"),
+                            ("rollback", "recover", "idle")]
+    resumed, model = _trainer(tmp_path, resume=True, every_n_updates=None)
+    records = _fit(resumed)
+    assert _equal(_state(resumed, model), uninterrupted[0])
+    assert _last(records) == _last(uninterrupted[1])
+
+
+@needs_sigterm
+def test_a_signal_during_validation_stops_at_the_epochs_end(tmp_path, uninterrupted):
+    trainer, _ = _trainer(tmp_path, callbacks=[SendAt(signal.SIGUSR1, 1, None)], exit_code=75)
+    with pytest.raises(Preempted) as info:
+        _fit(trainer)
+    assert info.value.code == 75 and info.value.signal_name == "SIGUSR1"
+    assert info.value.path.name == "snapshot-u000000006-epoch1.ckpt"
+    assert trainer.loop.completed_epochs == 1
+    assert [(r.source, r.dest) for r in info.value.deepepochs_flight_record if r.trigger == "snapshot"][-1] == (
+        "fit_running", "preempted")
+    resumed, model = _trainer(tmp_path, resume=True, every_n_updates=None)
+    _fit(resumed)
+    assert _equal(_state(resumed, model), uninterrupted[0])
+
+
+@needs_sigterm
+def test_the_same_trainer_continues_after_preempted_is_caught(tmp_path, uninterrupted):
+    trainer, model = _trainer(tmp_path, callbacks=[SendAt(signal.SIGTERM, 1, 3)])
+    with pytest.raises(Preempted):
+        _fit(trainer)
+    trainer.callbacks[1].epoch = 0  # no second signal
+    _fit(trainer)
+    assert _equal(_state(trainer, model), uninterrupted[0])
+
+
+def test_keep_prunes_old_snapshots_and_every_n_updates_counts_windows(tmp_path):
+    trainer, _ = _trainer(tmp_path, every_n_updates=4, keep=2)
+    _fit(trainer)
+    # windows 4, 8, 12, 16 mid-epoch (plus the epoch ends 6, 12, 18): the newest two remain
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "snapshot-u000000016.ckpt", "snapshot-u000000018-epoch3.ckpt"]
+
+
+def test_every_n_minutes_writes_at_the_first_commit_point_after_the_interval(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(snapshot_module.time, "monotonic", lambda: clock[0])
+
+    class Tick(Callback):
+        def on_after_train_batch(self, trainer, metrics, batch_idx):
+            clock[0] += 25  # seconds per batch: a minute passes every 2.4 batches
+
+    trainer, _ = _trainer(tmp_path, callbacks=[Tick()], epochs=1, every_n_minutes=1, keep=100)
+    _fit(trainer)
+    # commit points at batches 3, 6, ...: 75 s at the first, then 75 s between each
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(
+        [f"snapshot-u{u:09d}.ckpt" for u in range(1, 7)] + ["snapshot-u000000006-epoch1.ckpt"])
+
+
+def test_without_a_snapshot_callback_no_snapshot_trigger_fires():
+    trainer, _ = _trainer(None, epochs=1)
+    _fit(trainer)
+    assert "snapshot" not in {r.trigger for r in trainer.machine.records()}
+
+
+def test_the_state_graph_shows_the_snapshot_edges():
+    trainer, _ = _trainer(None)
+    lines = {line.strip() for line in trainer.state_graph("mermaid").splitlines()}
+    for state in ("task_train", "fit_running"):
+        assert f"{state} --> {state} : snapshot [!snapshot_due]" in lines
+        assert f"{state} --> {state} : snapshot [snapshot_due, !stop_signalled]" in lines
+        assert f"{state} --> preempted : snapshot [snapshot_due, stop_signalled]" in lines
+
+
+class CustomPatch(PatchBase):
+    """A user patch whose state is a tensor: stored like the library's own."""
+
+    def __init__(self, preds=None, targets=None):
+        super().__init__()
+        self.total = torch.zeros(()) if preds is None else (preds.argmax(1) == targets).sum().float()
+
+    def add(self, other):
+        self.total = self.total + other.total
+        return self
+
+    def forward(self):
+        return self.total
+
+
+class UnstorablePatch(CustomPatch):
+    """Holds a function besides its metric: a snapshot cannot store it."""
+
+    def __init__(self, preds=None, targets=None):
+        super().__init__(preds, targets)
+        self.reduce = torch.sum
+
+
+class PatchTrainer(Trainer):
+    """A custom step that reports its own patches."""
+
+    def train_step(self, batch_x, batch_y, **step_args):
+        out = self.model(batch_x)
+        self.loss(out, batch_y)
+        return {"correct": CustomPatch(out, batch_y), "odd": UnstorablePatch(out, batch_y)}
+
+
+def test_patches_of_any_class_travel_and_an_unstorable_one_warns(tmp_path):
+    def run(folder, resume):
+        trainer, _ = _trainer(folder, resume=resume, epochs=1, cls=PatchTrainer, every_n_updates=1, keep=100)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            records = trainer.fit(_data()[0])
+        return records, [str(w.message) for w in caught if issubclass(w.category, DeepEpochsWarning)]
+
+    records, caught = run(tmp_path / "a", False)
+    assert any("cannot store the partial epoch state of metric 'odd'" in m for m in caught)
+    assert not any("'correct'" in m for m in caught)
+    (tmp_path / "b" / "run").mkdir(parents=True)
+    shutil.copy(tmp_path / "a" / "run" / "snapshot-u000000004.ckpt", tmp_path / "b" / "run")
+    resumed, _ = run(tmp_path / "b", True)
+    assert resumed["train"]["correct"] == records["train"]["correct"]  # the stored patch continues
+    assert resumed["train"]["odd"] < records["train"]["odd"]  # only the batches after the snapshot
+
+
+def test_a_mid_epoch_snapshot_of_another_world_size_is_refused_naming_the_file(tmp_path, every_update):
+    folder, _, _ = every_update
+    data = torch.load(folder / "snapshot-u000000008.ckpt", weights_only=True)
+    data["position"]["world_size"] = 2
+    torch.save(data, tmp_path / "w2.ckpt")
+    trainer, _ = _trainer(None)
+    with pytest.raises(CheckpointError, match=r"w2.ckpt is a mid-epoch snapshot of 2 process\(es\)"):
+        trainer.load_checkpoint(tmp_path / "w2.ckpt")
+    (tmp_path / "run").mkdir()
+    shutil.copy(tmp_path / "w2.ckpt", tmp_path / "run" / "w2.ckpt")
+    resumed, _ = _trainer(tmp_path, resume=True, every_n_updates=1)
+    train, _ = _data()
+    with pytest.warns(DeepEpochsWarning, match="resume=True skipped .*w2.ckpt"):
+        resumed.fit(train, epochs=1)
+
+
+def test_an_older_deepepochs_version_number_is_written_only_for_epoch_ends(every_update):
+    folder, _, _ = every_update
+    versions = {p.name: torch.load(p, weights_only=True)["format_version"] for p in folder.iterdir()}
+    assert {v for n, v in versions.items() if "epoch" in n} == {1}
+    assert {v for n, v in versions.items() if "epoch" not in n} == {2}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"every_n_updates": 0}, "every_n_updates must be None or an int >= 1 (got 0)"),
+    ({"every_n_updates": 2.5}, "every_n_updates must be None or an int >= 1 (got 2.5)"),
+    ({"every_n_minutes": -1}, "every_n_minutes must be None or a positive number (got -1)"),
+    ({"keep": 0}, "keep must be an int >= 1 (got 0)"),
+    ({"exit_code": 300}, "exit_code must be None or an int in 0..255 (got 300)"),
+    ({"on_signals": ["SIGINT"]}, "cannot hold SIGINT: Ctrl-C already rolls the fit back"),
+    ({"on_signals": "SIGKILL"}, "cannot hold SIGKILL: it cannot be caught"),
+    ({"on_signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal of this platform; accepted: .*SIGTERM"),
+])
+def test_bad_arguments_name_the_argument_the_accepted_values_and_what_was_given(kwargs, message):
+    with pytest.raises(ConfigError, match=message if "accepted: ." in message else re.escape(message)):
+        SnapshotCallback(**kwargs)
+
+
+def test_two_snapshot_callbacks_are_refused():
+    with pytest.raises(ConfigError, match="one SnapshotCallback"):
+        _trainer("unused", callbacks=[SnapshotCallback()], every_n_updates=1)
+
+
+def test_signals_are_taken_only_during_fit_and_given_back_after_a_failure(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+
+    class Fail(Callback):
+        def on_after_train_batch(self, trainer, metrics, batch_idx):
+            assert signal.getsignal(signal.SIGTERM) != before  # armed during the fit
+            raise RuntimeError("boom")
+
+    trainer, _ = _trainer(tmp_path, callbacks=[Fail()])
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(trainer)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_with_signals_only_snapshots_are_written_at_epoch_ends_only(tmp_path):
+    trainer, _ = _trainer(tmp_path, on_signals=("SIGTERM",), every_n_updates=None)
+    _fit(trainer)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "snapshot-u000000012-epoch2.ckpt", "snapshot-u000000018-epoch3.ckpt"]
+
+
+def test_mean_patches_resume_too(tmp_path):
+    kw = {"metric_patch": "mean"}
+    trainer, _ = _trainer(tmp_path / "a", epochs=1, trainer_kw=kw, every_n_updates=1, keep=100)
+    full = trainer.fit(_data()[0], metrics=[accuracy, mean_acc])
+    (tmp_path / "b" / "run").mkdir(parents=True)
+    shutil.copy(tmp_path / "a" / "run" / "snapshot-u000000003.ckpt", tmp_path / "b" / "run")
+    resumed, _ = _trainer(tmp_path / "b", resume=True, epochs=1, trainer_kw=kw, every_n_updates=1)
+    assert resumed.fit(_data()[0], metrics=[accuracy, mean_acc]) == full
