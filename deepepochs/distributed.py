@@ -271,11 +271,22 @@ class DataOrder(DistributedSampler):
 
 def skip_batches(data, count: int):
     """`data` without its first `count` batches: a seeded-order DataLoader skips at the sampler (the
-    skipped samples are never loaded); anything else is iterated past them."""
+    skipped samples are never loaded); anything else is iterated past them, which continues the
+    interrupted order only when the order is fixed: for other data (a user's random sampler, an
+    IterableDataset, a generator) a `DeepEpochsWarning` says the resumed epoch may repeat or miss samples."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, DataOrder) and isinstance(data, DataLoader):
         sampler.skip = count * (data.batch_size or 1)
         return data
+    fixed = isinstance(data, (list, tuple)) or (
+        isinstance(data, DataLoader) and isinstance(sampler, SequentialSampler)
+        and not isinstance(data.dataset, IterableDataset))
+    if not fixed:
+        warnings.warn(
+            f"resuming inside an epoch: the training data ({type(data).__name__}) is not a plain DataLoader, so its"
+            f" order may differ from the interrupted run's; its first {count} batches are iterated past, and the"
+            " rest of the epoch may repeat or miss samples. A plain DataLoader(dataset, batch_size=...,"
+            " shuffle=...) resumes exactly (README: Exact resume)", DeepEpochsWarning, stacklevel=2)
     return itertools.islice(data, count, None)
 
 

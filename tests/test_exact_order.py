@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from deepepochs import Callback, CheckCallback, Optimizer, Trainer
+from deepepochs.errors import DeepEpochsWarning
 
 N, BATCH = 40, 4
 
@@ -178,3 +179,60 @@ def test_a_resumed_run_in_another_process_seed_keeps_the_training_order(tmp_path
     resumed = run(3, seed=999, resume=True, folder="split")
     assert list(resumed) == [3]
     assert resumed[3] == whole[3]
+
+
+class ShuffledOnce(torch.utils.data.Sampler):
+    """A user's sampler: a new random order at every iteration (from torch's generator)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("kind", ["sampler", "generator"])
+def test_a_refit_mid_epoch_on_data_of_unknown_order_warns_that_samples_may_repeat(kind):
+    dataset = Indexed()
+    if kind == "sampler":
+        data = DataLoader(dataset, batch_size=BATCH, sampler=ShuffledOnce(N))
+    else:
+        data = _Regenerating(DataLoader(dataset, batch_size=BATCH))
+    model = _model()
+    trainer = Trainer(model, FailingLoss(fail_at=8), torch.optim.SGD(model.parameters(), lr=0.1), epochs=1,
+                      device="cpu", log_batch=False, show_info=False, gradient_accumulation_steps=3)
+    with pytest.raises(RuntimeError):
+        trainer.fit(data)
+    with pytest.warns(DeepEpochsWarning, match=r"resuming inside an epoch: the training data \((DataLoader|"
+                                               r"_Regenerating)\) is not a plain DataLoader.*first 6 batches"):
+        trainer.fit(data)
+    trainer.close()
+
+
+class _Regenerating:
+    """A re-iterable that is no DataLoader (its order is the wrapped loader's)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+@pytest.mark.parametrize("kind", ["list", "sequential"])
+def test_a_refit_mid_epoch_on_data_of_fixed_order_does_not_warn(kind, recwarn):
+    dataset = Indexed()
+    data = DataLoader(dataset, batch_size=BATCH)
+    if kind == "list":
+        data = list(data)
+    model = _model()
+    trainer = Trainer(model, FailingLoss(fail_at=8), torch.optim.SGD(model.parameters(), lr=0.1), epochs=1,
+                      device="cpu", log_batch=False, show_info=False, gradient_accumulation_steps=3)
+    with pytest.raises(RuntimeError):
+        trainer.fit(data)
+    trainer.fit(data)
+    trainer.close()
+    assert not [w for w in recwarn if issubclass(w.category, DeepEpochsWarning)]
