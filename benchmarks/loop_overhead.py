@@ -29,7 +29,9 @@ import copy
 import gc
 import logging
 import random
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -195,6 +197,29 @@ class DeepEpochsFp16(DeepEpochs):
     note = "console off, precision='fp16' (CPU autocast + GradScaler)"
 
 
+class DeepEpochsSnapshotsArmed(DeepEpochs):
+    """A SnapshotCallback listening for SIGTERM only: the `snapshot` trigger fires at every commit point,
+    a snapshot is written at each epoch's end (one file per fit() here, in the fixed cost)."""
+
+    note = "console off, SnapshotCallback(on_signals=('SIGTERM',)): armed, nothing due mid-epoch"
+    snapshot = {"on_signals": ("SIGTERM",)}
+
+    def __init__(self, model):
+        self.folder = tempfile.mkdtemp(prefix="deepepochs-bench-")
+        self.kwargs = {**DeepEpochs.kwargs,
+                       "callbacks": [deepepochs.SnapshotCallback(self.folder, **self.snapshot)]}
+        super().__init__(model)
+
+    def close(self):
+        super().close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class DeepEpochsSnapshotEveryUpdate(DeepEpochsSnapshotsArmed):
+    note = "console off, SnapshotCallback(every_n_updates=1): a snapshot file per update"
+    snapshot = {"on_signals": ("SIGTERM",), "every_n_updates": 1}
+
+
 class Ignite:
     """pytorch-ignite's create_supervised_trainer with its defaults (it reads loss.item() per batch)."""
 
@@ -257,6 +282,8 @@ VARIANTS = {
     "raw_acc4_seeded": RawAccumulateSeeded,
     "raw_fp16": RawFp16,
     "deepepochs_fp16": DeepEpochsFp16,
+    "deepepochs_snapshots_armed": DeepEpochsSnapshotsArmed,
+    "deepepochs_snapshot_every_update": DeepEpochsSnapshotEveryUpdate,
     "ignite": Ignite,
     "lightning": Lightning,
 }
@@ -426,6 +453,21 @@ def perf1_verdict(rows: list[dict]) -> dict:
     return verdict
 
 
+def snapshot_costs(rows: list[dict]) -> dict:
+    """What SnapshotCallback adds on the tiny model, per batch (= per update: k=1): armed with nothing due,
+    and writing a file at every update (issue 17: reported, no budget; snapshots off is PERF-1's case)."""
+    tiny = {row["variant"]: row for row in rows if row["model"] == "tiny"}
+    base = tiny.get("deepepochs")
+    out = {}
+    for variant in ("deepepochs_snapshots_armed", "deepepochs_snapshot_every_update"):
+        if base is not None and variant in tiny:
+            row = tiny[variant]
+            out[variant] = {"us_per_batch_over_deepepochs": row["steady_us_per_batch"] - base["steady_us_per_batch"],
+                            "paired_batch_ratio": row["paired_batch_ratio"],
+                            "fixed_us_per_fit_over_raw": row["fixed_us_over_ref"]}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="deepepochs loop overhead against a raw PyTorch loop")
     parser.add_argument("--rounds", type=int, default=50, help="interleaved rounds, tiny model")
@@ -490,6 +532,12 @@ def main(argv=None) -> int:
             f" plus {v['fixed_us_per_fit']:.0f} µs once per fit(); whole 100-batch epochs"
             f" {v['whole_epoch_ratio']:.3f}x CPU: {'met' if v['whole_epoch_met'] else 'NOT met'}"
             for k, v in verdict.items()))
+    snapshots = snapshot_costs(rows)
+    if snapshots:
+        payload["snapshots"] = snapshots
+        print("\nSnapshots (tiny model): " + "; ".join(
+            f"{k}: +{v['us_per_batch_over_deepepochs']:.1f} µs per batch over deepepochs without"
+            f" ({v['paired_batch_ratio']:.3f}x the raw loop per batch)" for k, v in snapshots.items()))
     if not args.no_fsm:
         import fsm_dispatch
 

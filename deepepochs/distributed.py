@@ -269,15 +269,30 @@ class DataOrder(DistributedSampler):
         return itertools.islice(super().__iter__(), skip, None)
 
 
-def skip_batches(data, count: int):
-    """`data` without its first `count` batches: a seeded-order DataLoader skips at the sampler (the
-    skipped samples are never loaded); anything else is iterated past them, which continues the
-    interrupted order only when the order is fixed: for other data (a user's random sampler, an
-    IterableDataset, a generator) a `DeepEpochsWarning` says the resumed epoch may repeat or miss samples."""
+def skip_batches(data, count: int, samples: int | None = None, world_size: int = 1):
+    """`(data without its first batches, how many batches were skipped)`.
+
+    `count` batches of this rank, or with `samples` (a snapshot of another world size) the samples all
+    ranks consumed: this rank's shard then skips `samples / world_size`. A seeded-order DataLoader skips at
+    the sampler (the skipped samples are never loaded); anything else is iterated past `count` batches,
+    which continues the interrupted order only when the order is fixed: for other data (a user's random
+    sampler, an IterableDataset, a generator) a `DeepEpochsWarning` says the resumed epoch may repeat or
+    miss samples."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, DataOrder) and isinstance(data, DataLoader):
-        sampler.skip = count * (data.batch_size or 1)
-        return data
+        batch = data.batch_size or 1
+        if samples is None:
+            sampler.skip = count * batch
+            return data, count
+        per_rank, extra = divmod(samples, world_size)
+        count, partial = divmod(per_rank, batch)
+        if extra or partial:
+            warnings.warn(f"resuming a snapshot of another world size: the {samples} samples the epoch consumed are"
+                          f" not a whole number of this run's global batches ({world_size} x {batch}); it"
+                          f" continues after {count * batch * world_size} of them (keep world size x batch size"
+                          " equal to resume exactly)", DeepEpochsWarning, stacklevel=2)
+        sampler.skip = count * batch
+        return data, count
     fixed = isinstance(data, (list, tuple)) or (
         isinstance(data, DataLoader) and isinstance(sampler, SequentialSampler)
         and not isinstance(data.dataset, IterableDataset))
@@ -287,7 +302,7 @@ def skip_batches(data, count: int):
             f" order may differ from the interrupted run's; its first {count} batches are iterated past, and the"
             " rest of the epoch may repeat or miss samples. A plain DataLoader(dataset, batch_size=...,"
             " shuffle=...) resumes exactly (README: Exact resume)", DeepEpochsWarning, stacklevel=2)
-    return itertools.islice(data, count, None)
+    return itertools.islice(data, count, None), count
 
 
 class EvalShardSampler(Sampler[int]):

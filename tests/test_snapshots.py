@@ -295,13 +295,16 @@ def test_patches_of_any_class_travel_and_an_unstorable_one_warns(tmp_path):
     assert resumed["train"]["odd"] < records["train"]["odd"]  # only the batches after the snapshot
 
 
-def test_a_mid_epoch_snapshot_of_another_world_size_is_refused_naming_the_file(tmp_path, every_update):
+def test_a_snapshot_of_another_world_size_without_a_batch_size_is_refused_naming_the_file(tmp_path, every_update):
     folder, _, _ = every_update
     data = torch.load(folder / "snapshot-u000000008.ckpt", weights_only=True)
+    assert data["position"]["samples_done"] == 6 * 4 and data["position"]["batch_size"] == 4
     data["position"]["world_size"] = 2
+    data["position"]["samples_done"] = None  # as for training data without a batch size
     torch.save(data, tmp_path / "w2.ckpt")
     trainer, _ = _trainer(None)
-    with pytest.raises(CheckpointError, match=r"w2.ckpt is a mid-epoch snapshot of 2 process\(es\)"):
+    with pytest.raises(CheckpointError, match=r"w2.ckpt is a mid-epoch snapshot of 2 process\(es\) whose training"
+                                              r" data has no batch size"):
         trainer.load_checkpoint(tmp_path / "w2.ckpt")
     (tmp_path / "run").mkdir()
     shutil.copy(tmp_path / "w2.ckpt", tmp_path / "run" / "w2.ckpt")

@@ -33,11 +33,14 @@ class ResumePoint:
         epoch: 1-based epoch the point belongs to.
         task_index: the training task in progress (0-based), or -1 once the epoch's training stage is done.
         batches_done: that task's batches whose windows were committed (their updates applied).
+        samples: for a snapshot resumed on another world size, the samples the task consumed over all
+            ranks (the task then skips `samples / world size` of its shard); None otherwise.
     """
 
     epoch: int
     task_index: int
     batches_done: int
+    samples: int | None = None
 
 
 @attrs.define(slots=True)

@@ -218,9 +218,10 @@ class Driver:
             meters_list.append(meters)
             if skip is None:  # this task completed before the interrupt
                 continue
+            samples = resume.samples if skip and index == resume.task_index else None  # another world size
             loop.resume = ResumePoint(epoch, index, skip)
             ctx.task_index = index
-            self._run_task(task, "train", epoch, meters, skip)
+            self._run_task(task, "train", epoch, meters, skip, samples)
         loop.resume = ResumePoint(epoch, -1, 0)
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics["train"] = metrics
@@ -314,7 +315,7 @@ class Driver:
         return result
 
     # ---- one task ----
-    def _run_task(self, task, stage, epoch, meters, skip):
+    def _run_task(self, task, stage, epoch, meters, skip, samples=None):
         ctx = self.ctx
         parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
         before_task, after_task = STAGE_HOOKS[stage][2:]
@@ -326,7 +327,8 @@ class Driver:
         data = task.data
         total = _len_or_none(data)
         if skip:
-            data = skip_batches(data, skip)
+            data, skip = skip_batches(data, skip, samples, parts.dist.world_size)
+            loop.resume.batches_done = skip  # in this run's batches
         loop.batch_idx = skip
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":

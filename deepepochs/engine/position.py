@@ -9,11 +9,14 @@ continue from there, besides the training state every checkpoint holds:
 `batches_done`      int, that task's batches whose windows were committed (the data position: a
                     seeded-order DataLoader skips them at the sampler, `distributed.skip_batches`).
 `world_size`        int, processes that trained (every rank ran `batches_done` batches of its shard).
-`meters`            list, per training task of the stage so far: its loss sums and metric patches
-                    (`encode_meters`), so the epoch's metrics cover the batches before the resume.
-`random`            list, per rank: `{'commit': torch's generator states at the commit point,
-                    'task': those just before the task made its data iterator}` (`actions.
-                    random_state`), so dropout and DataLoader worker seeds replay exactly.
+`batch_size`        int or None, the task's per-rank DataLoader batch size (None: not a DataLoader).
+`samples_done`      int or None, samples the task consumed over all ranks (`batches_done` x
+                    `batch_size` x `world_size`): the global position another world size continues at.
+`ranks`             list, per rank: `{'meters': per training task of the stage so far, its loss sums
+                    and metric patches (`encode_meters`), so the epoch's metrics cover the batches
+                    before the resume; 'random': {'commit': torch's generator states at the commit
+                    point, 'task': those just before the task made its data iterator}}`
+                    (`actions.random_state`), so dropout and DataLoader worker seeds replay exactly.
 ==================  ==========================================================================
 
 Everything is tensors, numbers, strings, lists, dicts and None (`torch.load(weights_only=True)`). A metric
@@ -24,6 +27,7 @@ from the task's metric of the same name when the snapshot is loaded. A patch cla
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import warnings
 
@@ -45,44 +49,95 @@ class _Unstorable(TypeError):
 
 def capture(ctx: Context) -> dict | None:
     """The mid-epoch position of the last commit point, or None outside a training stage (e.g. at an
-    epoch's end: the file's epoch count says it all). Under DDP a collective: every rank's random states
-    are gathered (every rank calls it at the same commit point)."""
+    epoch's end: the file's epoch count says it all). Under DDP a collective: every rank's meters and
+    random states are gathered (every rank calls it at the same commit point)."""
     loop, dist = ctx.loop, ctx.parts.dist
     point = loop.resume
     if point is None or point.task_index < 0 or ctx.train_meters is None:
         return None
-    random = {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state)}
-    randoms = dist.all_gather_object(random) if dist.world_size > 1 else [random]
+    mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state)},
+            "meters": [encode_meters(meters) for meters in ctx.train_meters]}
+    ranks = dist.all_gather_object(mine) if dist.world_size > 1 else [mine]
+    batch_size = getattr(getattr(ctx.task, "data", None), "batch_size", None)
+    samples = None if not isinstance(batch_size, int) else point.batches_done * batch_size * dist.world_size
     return {"epoch": int(point.epoch), "task_index": int(point.task_index),
             "batches_done": int(point.batches_done), "world_size": int(dist.world_size),
-            "meters": [encode_meters(meters) for meters in ctx.train_meters], "random": randoms}
+            "batch_size": batch_size if isinstance(batch_size, int) else None, "samples_done": samples,
+            "ranks": ranks}
 
 
 def check(position, world_size: int, path) -> None:
     """Raise `CheckpointError` (naming `path`) when a stored position cannot continue here."""
-    keys = {"epoch", "task_index", "batches_done", "meters", "random"}
+    keys = {"epoch", "task_index", "batches_done", "world_size", "ranks"}
     if not isinstance(position, dict) or not keys <= set(position):
         raise CheckpointError(f"{path}: the snapshot's position is damaged (got {type(position).__name__})")
-    saved = position.get("world_size", 1)
-    if saved != world_size:
+    saved = position["world_size"]
+    if saved != world_size and position.get("samples_done") is None:
         raise CheckpointError(
-            f"{path} is a mid-epoch snapshot of {saved} process(es); it resumes on that many only (this run has"
-            f" {world_size}); resume from an epoch-end checkpoint, or with {saved} process(es)")
+            f"{path} is a mid-epoch snapshot of {saved} process(es) whose training data has no batch size (not"
+            f" a DataLoader), so its position cannot be carried to {world_size}; resume it with {saved}"
+            " process(es), or from an epoch-end checkpoint")
 
 
 def restore(ctx: Context, position: dict, rank: int) -> None:
     """Make the next fit continue at `position` (checked by `check`): the epoch's resume point, its task
-    meters, and this rank's generator states as of the commit point (set now)."""
-    meters = [decode_meters(state, ctx.parts.device) for state in position["meters"]]
-    random = position["random"][rank]
-    commit, task = _tuple(random["commit"]), _tuple(random.get("task"))
-    ctx.loop.resume = ResumePoint(position["epoch"], position["task_index"], position["batches_done"])
+    meters, and this rank's generator states as of the commit point (set now).
+
+    On another world size (issue 17 part 3) the global data position carries over (`ResumePoint.samples`,
+    turned into this run's batches when the task starts), rank 0 continues the meters of all saved ranks
+    merged (the epoch's metrics stay global), and the generators are re-derived from (epoch, position,
+    rank), with a `DeepEpochsWarning`: dropout then differs from an uninterrupted run's."""
+    device, world = ctx.parts.device, ctx.parts.dist.world_size
+    ranks = position["ranks"]
+    point = ResumePoint(position["epoch"], position["task_index"], position["batches_done"])
+    if position["world_size"] == world:
+        own = ranks[rank]
+        meters = [decode_meters(state, device) for state in own["meters"]]
+        commit, task = _tuple(own["random"]["commit"]), _tuple(own["random"].get("task"))
+    else:
+        point.samples = position["samples_done"]
+        tasks = len(ranks[0]["meters"])
+        meters = [_merged([decode_meters(r["meters"][i], device) for r in ranks]) if rank == 0 else TaskMeters()
+                  for i in range(tasks)]
+        commit = task = _derived_random_state(ctx, position, rank)
+        warnings.warn(f"resuming a mid-epoch snapshot of {position['world_size']} process(es) on {world}: the"
+                      " random generators are re-derived from (epoch, position, rank), so dropout and other"
+                      " random draws differ from an uninterrupted run's from here on", DeepEpochsWarning,
+                      stacklevel=2)
+    ctx.loop.resume = point
     ctx.train_meters = meters
     ctx.random_state = commit
     ctx.random_replay = (task, commit)
     ctx.random_restore_due = False
     if commit is not None:
         actions.set_random_state(ctx, commit)
+
+
+def _merged(parts: list[TaskMeters]) -> TaskMeters:
+    """One task's meters of several ranks as one (loss sums, counts and patches added, in rank order)."""
+    merged = parts[0]
+    for other in parts[1:]:
+        if other.loss_sum is not None:
+            merged.loss_sum = other.loss_sum if merged.loss_sum is None else merged.loss_sum + other.loss_sum
+        merged.host_sum += other.host_sum
+        merged.host = merged.host if merged.host is not None else other.host
+        merged.count += other.count
+        merged.skipped = max(merged.skipped, other.skipped)  # every rank skipped the same updates
+        merged.fold_patches(other.patches)
+    return merged
+
+
+def _derived_random_state(ctx: Context, position: dict, rank: int) -> tuple:
+    """torch's generator states seeded from (epoch, global position, rank): the same on every resume."""
+    key = f"deepepochs/{int(position['epoch'])}/{int(position['samples_done'] or 0)}/{rank}".encode()
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2**62
+    cpu = torch.Generator().manual_seed(seed).get_state()
+    device = ctx.parts.device
+    gpu = None
+    if device.type == "cuda":
+        generator = torch.Generator(device=device).manual_seed(seed)
+        gpu = generator.get_state()
+    return cpu, gpu
 
 
 def _states(state):

@@ -1,5 +1,6 @@
-"""Targets for the DDP preemption tests: 2 ranks train with a SnapshotCallback; a SIGTERM may reach one
-rank only (`DEEPEPOCHS_TEST_SIGNAL_RANK`), from inside its own loop."""
+"""Targets for the DDP preemption tests: ranks train with a SnapshotCallback; a SIGTERM may reach one rank
+only (`DEEPEPOCHS_TEST_SIGNAL_RANK`), from inside its own loop; the batch size and dropout are set by the
+environment, so a snapshot of one world size can resume on another with the same global batch."""
 
 import os
 import signal
@@ -13,6 +14,8 @@ from deepepochs import Callback, Optimizer, SnapshotCallback, Trainer
 
 FOLDER_ENV = "DEEPEPOCHS_TEST_SNAPSHOTS"
 SIGNAL_RANK_ENV = "DEEPEPOCHS_TEST_SIGNAL_RANK"
+BATCH_ENV = "DEEPEPOCHS_TEST_BATCH"  # per-rank batch size (default 4)
+DROPOUT_ENV = "DEEPEPOCHS_TEST_DROPOUT"  # dropout probability (default 0.25)
 
 
 class SignalOneRank(Callback):
@@ -24,25 +27,28 @@ class SignalOneRank(Callback):
 
 
 def train() -> dict:
-    """A 2-rank fit (shuffle, dropout, Adam, step-wise StepLR, k=2): with $DEEPEPOCHS_TEST_SNAPSHOTS a
-    SnapshotCallback writes there and the run resumes from it; returns rank 0's weights and records."""
+    """A fit (shuffle, dropout, Adam, step-wise StepLR, k=2) on 2 ranks (`launch`) or in this process: with
+    $DEEPEPOCHS_TEST_SNAPSHOTS a SnapshotCallback writes there and the run resumes from it; returns rank 0's
+    weights and records."""
     folder = os.environ.get(FOLDER_ENV)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.25), nn.ReLU(), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(float(os.environ.get(DROPOUT_ENV, "0.25"))), nn.ReLU(),
+                          nn.Linear(16, 3))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
     callbacks = []
     if folder:
         callbacks.append(SnapshotCallback(folder, every_n_updates=None))
-        if os.environ.get(SIGNAL_RANK_ENV) == os.environ["RANK"]:
+        if os.environ.get(SIGNAL_RANK_ENV) == os.environ.get("RANK", "0"):
             callbacks.append(SignalOneRank())
     trainer = Trainer(model, F.cross_entropy, Optimizer(opt, sched, sched_on="step"), epochs=3, device="cpu",
                       callbacks=callbacks, resume=bool(folder), running_id="ddp", gradient_accumulation_steps=2,
                       log_batch=False, show_info=False)
     try:
-        records = trainer.fit(DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+        batch = int(os.environ.get(BATCH_ENV, "4"))
+        records = trainer.fit(DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True),
                               DataLoader(TensorDataset(x[:40], y[:40]), batch_size=8))
     finally:
         trainer.close()

@@ -15,6 +15,7 @@ from deadline import launch_with_deadline  # noqa: E402
 
 from deepepochs import Preempted  # noqa: E402
 from deepepochs.checkpoint import read_checkpoint  # noqa: E402
+from deepepochs.errors import DeepEpochsWarning  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGTERM") or sys.platform == "win32", reason="POSIX signals")
 
@@ -32,10 +33,48 @@ def test_a_signal_on_one_rank_stops_both_at_one_commit_point_and_the_resume_is_e
     # batch 5 of epoch 2, so both ranks stopped after the window ending at batch 6.
     snap = read_checkpoint(stop.path)
     assert snap.epoch == 1 and snap.position["batches_done"] == 6 and snap.position["world_size"] == 2
-    assert len(snap.position["random"]) == 2
+    assert len(snap.position["ranks"]) == 2 and snap.position["samples_done"] == 6 * 4 * 2
     monkeypatch.delenv(preempt_targets.SIGNAL_RANK_ENV)
     resumed = launch_with_deadline(preempt_targets.train, 120)
     assert resumed["completed"] == 3
     assert resumed["weights"] == reference["weights"]
-    last = {stage: {k: v[-1] for k, v in m.items()} for stage, m in resumed["records"].items()}
-    assert last == {stage: {k: v[-1] for k, v in m.items()} for stage, m in reference["records"].items()}
+    # epochs 2 and 3: the resumed epoch's metrics cover both ranks' batches before the snapshot too
+    assert resumed["records"] == {stage: {k: v[1:] for k, v in m.items()} for stage, m in reference["records"].items()}
+
+
+def _close(a, b, tol=1e-5):
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    return abs(a - b) <= tol
+
+
+@pytest.mark.parametrize("saved, resumed_on", [(2, 1), (1, 2)])
+def test_a_snapshot_resumes_on_another_world_size_with_the_same_global_batch(tmp_path, monkeypatch, saved,
+                                                                            resumed_on):
+    """2 ranks x batch 4 and 1 process x batch 8 see the same global batches: a snapshot of one continues on
+    the other and ends as the uninterrupted run there, within 1e-5 (no dropout: the generators are
+    re-derived, with a warning, when the world size changes)."""
+
+    def run(world):
+        monkeypatch.setenv(preempt_targets.BATCH_ENV, str(8 // world))
+        return launch_with_deadline(preempt_targets.train, 120) if world == 2 else preempt_targets.train()
+
+    monkeypatch.setenv(preempt_targets.DROPOUT_ENV, "0")
+    reference = run(resumed_on)
+    monkeypatch.setenv(preempt_targets.FOLDER_ENV, str(tmp_path))
+    monkeypatch.setenv(preempt_targets.SIGNAL_RANK_ENV, "0")
+    with pytest.raises(Preempted) as info:
+        run(saved)
+    assert read_checkpoint(info.value.path).position["samples_done"] == 6 * 8  # 6 global batches of 8
+    monkeypatch.delenv(preempt_targets.SIGNAL_RANK_ENV)
+    if resumed_on == 1:
+        with pytest.warns(DeepEpochsWarning, match="random generators are re-derived"):
+            resumed = run(resumed_on)
+    else:
+        resumed = run(resumed_on)
+    assert resumed["completed"] == 3
+    for name, values in reference["weights"].items():
+        assert _close(resumed["weights"][name], values), name
+    for stage, metrics in reference["records"].items():
+        for name, values in metrics.items():
+            assert _close(resumed["records"][stage][name], values[1:], 1e-5), (stage, name)
