@@ -370,3 +370,34 @@ def test_mean_patches_resume_too(tmp_path):
     shutil.copy(tmp_path / "a" / "run" / "snapshot-u000000003.ckpt", tmp_path / "b" / "run")
     resumed, _ = _trainer(tmp_path / "b", resume=True, epochs=1, trainer_kw=kw, every_n_updates=1)
     assert resumed.fit(_data()[0], metrics=[accuracy, mean_acc]) == full
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_two_training_tasks_resume_from_snapshots_in_either_task_bit_identical(tmp_path, precision):
+    """Snapshots inside the first and the second training task of an epoch (the first's meters complete,
+    the second's partial), fp16 included (the GradScaler's state travels)."""
+    from deepepochs import EpochTask
+
+    def tasks():
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g)
+        return [EpochTask(DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)),
+                EpochTask(DataLoader(TensorDataset(x[:30], y[:30]), batch_size=5, shuffle=True), metrics=[mean_acc])]
+
+    def run(folder, resume):
+        trainer, model = _trainer(folder, resume=resume, epochs=2, trainer_kw={"precision": precision},
+                                  every_n_updates=1, keep=1000)
+        records = trainer.fit(train_tasks=tasks(), metrics=[accuracy])
+        return _state(trainer, model), records
+
+    state, records = run(tmp_path / "a", False)
+    saved = tmp_path / "a" / "run"
+    assert [read_checkpoint(saved / f"snapshot-u{u:09d}.ckpt").position["task_index"] for u in (2, 5, 10)] == [0, 1, 1]
+    # 10 + 6 batches per epoch in windows of 3: 4 + 2 updates; u5 is inside task 2 of epoch 1, u10 of epoch 2
+    for name in ("snapshot-u000000002.ckpt", "snapshot-u000000005.ckpt", "snapshot-u000000010.ckpt"):
+        folder = tmp_path / name
+        (folder / "run").mkdir(parents=True)
+        shutil.copy(tmp_path / "a" / "run" / name, folder / "run")
+        got, got_records = run(folder, True)
+        assert _equal(got, state), name
+        assert _last(got_records) == _last(records), name
