@@ -392,9 +392,9 @@ def test_two_training_tasks_resume_from_snapshots_in_either_task_bit_identical(t
 
     state, records = run(tmp_path / "a", False)
     saved = tmp_path / "a" / "run"
-    assert [read_checkpoint(saved / f"snapshot-u{u:09d}.ckpt").position["task_index"] for u in (2, 5, 10)] == [0, 1, 1]
-    # 10 + 6 batches per epoch in windows of 3: 4 + 2 updates; u5 is inside task 2 of epoch 1, u10 of epoch 2
-    for name in ("snapshot-u000000002.ckpt", "snapshot-u000000005.ckpt", "snapshot-u000000010.ckpt"):
+    assert [read_checkpoint(saved / f"snapshot-u{u:09d}.ckpt").position["task_index"] for u in (2, 5, 11)] == [0, 1, 1]
+    # 10 + 6 batches per epoch in windows of 3: 4 + 2 updates; u5 is inside task 2 of epoch 1, u11 of epoch 2
+    for name in ("snapshot-u000000002.ckpt", "snapshot-u000000005.ckpt", "snapshot-u000000011.ckpt"):
         folder = tmp_path / name
         (folder / "run").mkdir(parents=True)
         shutil.copy(tmp_path / "a" / "run" / name, folder / "run")
