@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from deepepochs.errors import ConfigError
 
 __all__ = [
-    "batch_size_of", "call_model", "check_batch_size", "first_tensor", "input_splitter", "lookahead", "prepare_batch",
-    "split_batch", "to_device",
+    "batch_size_of", "call_model", "check_batch_size", "exact_length", "first_tensor", "input_splitter", "lookahead",
+    "prepare_batch", "split_batch", "stateful", "to_device",
 ]
 
 
@@ -131,6 +132,29 @@ def batch_size_of(batch_x, batch_y, batch_size_fn=None) -> int:
             " batch_size=callable(batch_x, batch_y) -> int to fit()/test()"
         )
     return t.shape[0]
+
+
+def exact_length(data) -> int | None:
+    """The number of batches `data` yields when its length is known to be exact: a list, a tuple, or a
+    DataLoader over a map-style dataset with torch's own sequential, random or distributed sampler
+    (deepepochs' `DataOrder` included); None for anything else (a length may be missing or an estimate).
+
+    The training loop then knows a task's last batch by counting, so it never reads a batch ahead: a
+    batch is loaded right before it runs, which keeps random draws in loading (augmentation in the main
+    process) in the uninterrupted order across a resume, and a stateful loader's position exact."""
+    if isinstance(data, (list, tuple)):
+        return len(data)
+    if (isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset)
+            and (isinstance(data.sampler, (SequentialSampler, RandomSampler, DistributedSampler)) or stateful(data))):
+        return len(data)
+    return None
+
+
+def stateful(data) -> bool:
+    """Whether `data` is a DataLoader that can save and restore its position (torchdata's
+    `StatefulDataLoader`: `state_dict()` / `load_state_dict(state)`)."""
+    return (isinstance(data, DataLoader) and callable(getattr(data, "state_dict", None))
+            and callable(getattr(data, "load_state_dict", None)))
 
 
 def lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:

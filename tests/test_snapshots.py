@@ -401,3 +401,53 @@ def test_two_training_tasks_resume_from_snapshots_in_either_task_bit_identical(t
         got, got_records = run(folder, True)
         assert _equal(got, state), name
         assert _last(got_records) == _last(records), name
+
+
+def _stateful_loader():
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(70, 4, generator=g), torch.randint(0, 3, (70,), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torchdata 0.11 calls a deprecated torch function
+        return stateful.StatefulDataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+
+
+class FailOnce(Callback):
+    """Raises once, after training batch `batch` (0-based) of epoch `epoch`: inside a window (k=3)."""
+
+    def __init__(self, epoch, batch):
+        self.at = (epoch, batch)
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        if (trainer.loop.epoch, batch_idx) == self.at:
+            self.at = None
+            raise RuntimeError("injected")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_stateful_dataloader_continues_from_its_own_state_after_a_fault_and_from_a_snapshot(tmp_path):
+    """torchdata's StatefulDataLoader (its own shuffling, not deepepochs'): its position is kept at every
+    commit point (`state_dict()`), so a refit after a fault and a resume from a snapshot continue its
+    order exactly, without the unknown-order warning."""
+    trainer, model = _trainer(None)
+    trainer.fit(_stateful_loader())
+    want = _state(trainer, model)
+
+    trainer, model = _trainer(tmp_path / "a", callbacks=[FailOnce(2, 7)], every_n_updates=1, keep=100)
+    loader = _stateful_loader()
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.fit(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeepEpochsWarning)
+        trainer.fit(loader)  # the refit
+    assert _equal(_state(trainer, model), want)
+
+    name = "snapshot-u000000008.ckpt"  # epoch 2, after batch 12 of 18
+    assert read_checkpoint(tmp_path / "a" / "run" / name).position["ranks"][0]["data"] is not None
+    (tmp_path / "b" / "run").mkdir(parents=True)
+    shutil.copy(tmp_path / "a" / "run" / name, tmp_path / "b" / "run")
+    resumed, model = _trainer(tmp_path / "b", resume=True, every_n_updates=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeepEpochsWarning)
+        resumed.fit(_stateful_loader())
+    assert _equal(_state(resumed, model), want)

@@ -288,7 +288,10 @@ def commit_update(ctx: Context) -> None:
     (the update's end) the SIGINT critical section ends and a held Ctrl-C is raised."""
     loop = ctx.loop
     loop.window_committed = True
-    loop.resume.batches_done = loop.batch_idx  # the driver set it to (epoch, task) when the task began
+    point = loop.resume
+    point.batches_done = loop.batch_idx  # the driver set it to (epoch, task) when the task began
+    if ctx.data_source is not None:  # a stateful loader: its position, read right after the window's batches
+        ctx.data_state = (point.epoch, point.task_index, ctx.data_source.state_dict())
     if ctx.machine.model.state == "step_optimized":  # finish_update: the update is complete
         remember_random_state(ctx)
         ctx.signals.release()

@@ -46,8 +46,10 @@ def fuses(ctx: Context) -> bool:
             and not any(hooks[name] for name in FUSED_OBSERVERS))
 
 
-def train_batches(ctx: Context, data, meters) -> None:
-    """Run a training task's micro-batches (the window and step layers of the machine)."""
+def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
+    """Run a training task's micro-batches (the window and step layers of the machine). `total`: the
+    task's batch count when it is exact (`data.exact_length`): the last batch is then known by counting;
+    else, with accumulation, one batch is read ahead to know it (`data.lookahead`)."""
     parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
     task, facade = ctx.task, parts.facade
     hooks = parts.hooks.by_event
@@ -69,7 +71,13 @@ def train_batches(ctx: Context, data, meters) -> None:
     console = parts.console
     log_batch = console.log_batch or console.log_tqdm
     snapshot_writer = ctx.snapshots
-    batches = lookahead(data) if k > 1 else zip(data, itertools.repeat(True))
+    if k == 1:  # every batch closes its window
+        batches = zip(data, itertools.repeat(True))
+    elif total is None:
+        batches = lookahead(data)
+    else:  # counted: a batch beyond `total` (a length that lied) still runs, closing its own window
+        batches = zip(data, itertools.chain(itertools.repeat(False, max(total - loop.batch_idx - 1, 0)),
+                                            itertools.repeat(True)))
     for batch, is_last in batches:
         if loop.window_pos == 0:
             if land is not None and k == 1:

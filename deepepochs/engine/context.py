@@ -158,6 +158,10 @@ class Context:
         snapshots: the running fit's snapshot writer (a `SnapshotCallback`), or None: then no commit point
             fires the `snapshot` trigger (`deepepochs.engine.snapshots`).
         snapshot_path: the snapshot the last `save_snapshot` wrote (None on ranks other than 0).
+        data_source: the running training task's stateful DataLoader (torchdata's `StatefulDataLoader`),
+            whose position `commit_update` keeps; None for other data.
+        data_state: `(epoch, task index, state_dict())` of that loader at the last commit point: a refit
+            or a resumed snapshot continues it with `load_state_dict` instead of skipping batches.
     """
 
     parts: Parts
@@ -188,3 +192,5 @@ class Context:
     monitor_check: tuple | None = None
     snapshots: object = None
     snapshot_path: object = None
+    data_source: object = None
+    data_state: tuple | None = None

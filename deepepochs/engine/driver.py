@@ -15,7 +15,7 @@ import functools
 import torch
 
 from deepepochs.checkpoint import monitors_in
-from deepepochs.data import check_batch_size, input_splitter
+from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
 from deepepochs.distributed import skip_batches
 from deepepochs.engine import actions, batches, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
@@ -326,9 +326,15 @@ class Driver:
         self._run_hooks(before_task, task)
         data = task.data
         total = _len_or_none(data)
-        if skip:
+        exact = exact_length(data) if stage == "train" else None
+        source = data if stage == "train" and stateful(data) else None
+        saved = ctx.data_state
+        if skip and source is not None and saved is not None and saved[:2] == (epoch, ctx.task_index):
+            source.load_state_dict(saved[2])  # continues after the committed batches: nothing is skipped
+        elif skip:
             data, skip = skip_batches(data, skip, samples, parts.dist.world_size)
             loop.resume.batches_done = skip  # in this run's batches
+        ctx.data_source = source
         loop.batch_idx = skip
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
@@ -343,7 +349,7 @@ class Driver:
             else:
                 ctx.task_random_state = actions.random_state(ctx)
                 data = iter(data)
-            batches.train_batches(ctx, data, meters)
+            batches.train_batches(ctx, data, meters, exact)
             if not skip and loop.batch_idx == 0:
                 raise ConfigError(
                     f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"
@@ -351,6 +357,7 @@ class Driver:
                     " re-iterable (a list, or an object whose __iter__ starts over)")
         else:
             batches.eval_batches(ctx, data, meters, stage)
+        ctx.data_source = None
         parts.console.end_task()
         self._raise_pending_nonfinite(meters)
         parts.dist.check_batch_counts(loop.batch_idx, stage)

@@ -15,8 +15,9 @@ continue from there, besides the training state every checkpoint holds:
 `ranks`             list, per rank: `{'meters': per training task of the stage so far, its loss sums
                     and metric patches (`encode_meters`), so the epoch's metrics cover the batches
                     before the resume; 'random': {'commit': torch's generator states at the commit
-                    point, 'task': those just before the task made its data iterator}}`
-                    (`actions.random_state`), so dropout and DataLoader worker seeds replay exactly.
+                    point, 'task': those just before the task made its data iterator},
+                    (`actions.random_state`), so dropout and DataLoader worker seeds replay exactly;
+                    'data': a stateful DataLoader's `state_dict()` at the commit point, or None}`.
 ==================  ==========================================================================
 
 Everything is tensors, numbers, strings, lists, dicts and None (`torch.load(weights_only=True)`). A metric
@@ -55,8 +56,10 @@ def capture(ctx: Context) -> dict | None:
     point = loop.resume
     if point is None or point.task_index < 0 or ctx.train_meters is None:
         return None
+    data_state = ctx.data_state
     mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state)},
-            "meters": [encode_meters(meters) for meters in ctx.train_meters]}
+            "meters": [encode_meters(meters) for meters in ctx.train_meters],
+            "data": None if data_state is None or data_state[:2] != (point.epoch, point.task_index) else data_state[2]}
     ranks = dist.all_gather_object(mine) if dist.world_size > 1 else [mine]
     batch_size = getattr(getattr(ctx.task, "data", None), "batch_size", None)
     samples = None if not isinstance(batch_size, int) else point.batches_done * batch_size * dist.world_size
@@ -72,6 +75,11 @@ def check(position, world_size: int, path) -> None:
     if not isinstance(position, dict) or not keys <= set(position):
         raise CheckpointError(f"{path}: the snapshot's position is damaged (got {type(position).__name__})")
     saved = position["world_size"]
+    if saved != world_size and any(r.get("data") is not None for r in position["ranks"]):
+        raise CheckpointError(
+            f"{path} is a mid-epoch snapshot of {saved} process(es) whose training data is a stateful DataLoader;"
+            f" its position cannot be carried to {world_size}: resume it with {saved} process(es), or from an"
+            " epoch-end checkpoint")
     if saved != world_size and position.get("samples_done") is None:
         raise CheckpointError(
             f"{path} is a mid-epoch snapshot of {saved} process(es) whose training data has no batch size (not"
@@ -94,6 +102,8 @@ def restore(ctx: Context, position: dict, rank: int) -> None:
         own = ranks[rank]
         meters = [decode_meters(state, device) for state in own["meters"]]
         commit, task = _tuple(own["random"]["commit"]), _tuple(own["random"].get("task"))
+        if own.get("data") is not None:
+            ctx.data_state = (point.epoch, point.task_index, own["data"])
     else:
         point.samples = position["samples_done"]
         tasks = len(ranks[0]["meters"])
