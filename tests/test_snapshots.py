@@ -451,3 +451,31 @@ def test_a_stateful_dataloader_continues_from_its_own_state_after_a_fault_and_fr
         warnings.simplefilter("error", DeepEpochsWarning)
         resumed.fit(_stateful_loader())
     assert _equal(_state(resumed, model), want)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Adds torch noise to each sample as it is loaded (augmentation in the main process)."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(70, 4, generator=g), torch.randint(0, 3, (70,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(4), self.y[i]
+
+
+def test_augmentation_in_the_main_process_resumes_exactly_with_accumulation(tmp_path):
+    """k=3: no batch is read ahead of the window's last step, so a resumed run draws the augmentation's
+    numbers at the same points of torch's stream (before, the look-ahead batch drew them earlier)."""
+    trainer, model = _trainer(tmp_path / "a", every_n_updates=1, keep=100)
+    trainer.fit(DataLoader(Augmented(), batch_size=4, shuffle=True))
+    want = _state(trainer, model)
+    for name in ("snapshot-u000000002.ckpt", "snapshot-u000000010.ckpt"):
+        (tmp_path / name / "run").mkdir(parents=True)
+        shutil.copy(tmp_path / "a" / "run" / name, tmp_path / name / "run")
+        resumed, model = _trainer(tmp_path / name, resume=True, every_n_updates=1)
+        resumed.fit(DataLoader(Augmented(), batch_size=4, shuffle=True))
+        assert _equal(_state(resumed, model), want), name
