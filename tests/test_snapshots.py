@@ -479,3 +479,31 @@ def test_augmentation_in_the_main_process_resumes_exactly_with_accumulation(tmp_
         resumed, model = _trainer(tmp_path / name, resume=True, every_n_updates=1)
         resumed.fit(DataLoader(Augmented(), batch_size=4, shuffle=True))
         assert _equal(_state(resumed, model), want), name
+
+
+class HostRandom(Callback):
+    """Draws from Python's and NumPy's generators at every training batch and records the draws."""
+
+    def __init__(self):
+        self.draws = []
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        import random
+
+        import numpy as np
+        self.draws.append((trainer.loop.epoch, batch_idx, random.random(), float(np.random.rand())))
+
+
+def test_a_snapshot_resume_continues_pythons_and_numpys_generators(tmp_path):
+    first = HostRandom()
+    trainer, _ = _trainer(tmp_path / "a", callbacks=[first], every_n_updates=1, keep=100)
+    trainer.fit(_data()[0])
+    (tmp_path / "b" / "run").mkdir(parents=True)
+    shutil.copy(tmp_path / "a" / "run" / "snapshot-u000000008.ckpt", tmp_path / "b" / "run")
+    second = HostRandom()
+    resumed, _ = _trainer(tmp_path / "b", resume=True, callbacks=[second], every_n_updates=1)
+    import random
+    random.seed(99)  # what this process drew before must not matter
+    resumed.fit(_data()[0])
+    assert second.draws == first.draws[len(first.draws) - len(second.draws):]
+    assert second.draws[0][:2] == (2, 6)  # epoch 2, its 7th batch: right after the snapshot

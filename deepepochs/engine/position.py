@@ -15,7 +15,8 @@ continue from there, besides the training state every checkpoint holds:
 `ranks`             list, per rank: `{'meters': per training task of the stage so far, its loss sums
                     and metric patches (`encode_meters`), so the epoch's metrics cover the batches
                     before the resume; 'random': {'commit': torch's generator states at the commit
-                    point, 'task': those just before the task made its data iterator},
+                    point, 'task': those just before the task made its data iterator, 'host':
+                    Python's, NumPy's and torch's generators when the snapshot was written},
                     (`actions.random_state`), so dropout and DataLoader worker seeds replay exactly;
                     'data': a stateful DataLoader's `state_dict()` at the commit point, or None}`.
 ==================  ==========================================================================
@@ -40,6 +41,7 @@ from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 from deepepochs.patches import PatchBase
 from deepepochs.tasks import TaskMeters
+from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["capture", "check", "decode_meters", "encode_meters", "restore"]
 
@@ -57,7 +59,8 @@ def capture(ctx: Context) -> dict | None:
     if point is None or point.task_index < 0 or ctx.train_meters is None:
         return None
     data_state = ctx.data_state
-    mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state)},
+    mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state),
+                       "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
             "meters": [encode_meters(meters) for meters in ctx.train_meters],
             "data": None if data_state is None or data_state[:2] != (point.epoch, point.task_index) else data_state[2]}
     ranks = dist.all_gather_object(mine) if dist.world_size > 1 else [mine]
@@ -104,6 +107,8 @@ def restore(ctx: Context, position: dict, rank: int) -> None:
         commit, task = _tuple(own["random"]["commit"]), _tuple(own["random"].get("task"))
         if own.get("data") is not None:
             ctx.data_state = (point.epoch, point.task_index, own["data"])
+        if own["random"].get("host") is not None:
+            set_rng_state(own["random"]["host"])  # Python, NumPy (torch is set from `commit` below)
     else:
         point.samples = position["samples_done"]
         tasks = len(ranks[0]["meters"])
