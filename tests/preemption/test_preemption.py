@@ -37,10 +37,13 @@ def _run_to_end(ckpt_dir, out, *extra):
     return stdout
 
 
+EPOCHS = "5"  # 5 x 150 updates: 20 kills at most 0.12 s into each run cannot reach the end (~3 s of training)
+
+
 def _interrupt(ckpt_dir, out, sig, delay: float):
     """Start a resumed run, wait until it trains, then `delay` seconds, and send `sig`. Returns the exit
     status, or None when the run ended before the signal."""
-    proc = _start(ckpt_dir, out, "--every", "1")
+    proc = _start(ckpt_dir, out, "--every", "1", "--epochs", EPOCHS)
     line = proc.stdout.readline()  # 'training': the imports are done and fit has begun
     assert line.strip() == "training", (line, proc.stderr.read()[-3000:])
     time.sleep(delay)
@@ -70,22 +73,20 @@ def _states_equal(a, b) -> bool:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reference")
-    _run_to_end(folder, folder / "ref.pt")
+    _run_to_end(folder, folder / "ref.pt", "--epochs", EPOCHS)
     return torch.load(folder / "ref.pt", weights_only=True)
 
 
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, reference):
     rng = random.Random(17)
-    kills = 0
-    while kills < KILLS:
+    for _ in range(KILLS):  # each run is killed 0-0.12 s after it began training (or loading the snapshot)
         code, output = _interrupt(tmp_path, tmp_path / "out.pt", signal.SIGKILL, rng.uniform(0.0, 0.12))
-        if code is None:
-            break  # finished before the signal: the run is complete
         assert code == -signal.SIGKILL, output[-3000:]
-        kills += 1
-    assert kills >= min(KILLS, 20) or (tmp_path / "out.pt").exists()
-    if not (tmp_path / "out.pt").exists():
-        _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1")
+    # The killed runs made progress together: each resumed from the last one's newest snapshot.
+    updates = [int(p.name[len("snapshot-u"):][:9]) for p in (tmp_path / "run").glob("snapshot-u*.ckpt")]
+    print(f"{KILLS} kills; the newest snapshot is after update {max(updates)} of {int(EPOCHS) * 150}")
+    assert max(updates) > KILLS
+    _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1", "--epochs", EPOCHS)
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert _same(result, reference)
     # Never more than keep=2 snapshots, and no temporary file left behind by a killed write after the last run.
@@ -106,5 +107,5 @@ def test_sigterm_stops_at_a_commit_point_with_status_143_and_resumes_bit_identic
         stops += 1
     assert stops >= 1
     if not (tmp_path / "out.pt").exists():
-        _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1")
+        _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1", "--epochs", EPOCHS)
     assert _same(torch.load(tmp_path / "out.pt", weights_only=True), reference)
