@@ -1,0 +1,50 @@
+"""Multi-node DDP (issue 18 part 5), as two `torchrun --nnodes=2` invocations on this machine (one process
+per "node", c10d rendezvous on 127.0.0.1): the run equals one process with the global batch."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TARGET = Path(__file__).with_name("multinode_target.py")
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_two_torchrun_nodes_train_as_one_process_with_the_global_batch(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    subprocess.run([sys.executable, str(TARGET), str(tmp_path / "one.pt")], env=env, check=True, timeout=120,
+                   capture_output=True)
+    port = _free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+                               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                               "--rdzv-id=deepepochs-multinode", str(TARGET), str(tmp_path / "two.pt")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-3000:]
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    for name, value in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], value, rtol=0, atol=1e-5)
+    for stage, metrics in one["records"].items():
+        for name, values in metrics.items():
+            assert two["records"][stage][name] == pytest.approx(values, abs=1e-5), (stage, name)
