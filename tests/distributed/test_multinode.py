@@ -38,7 +38,7 @@ def test_two_torchrun_nodes_train_as_one_process_with_the_global_batch(tmp_path)
         for node in nodes:
             if node.poll() is None:
                 node.kill()
-    for node, (stdout, stderr) in zip(nodes, outputs):
+    for node, (_stdout, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr[-3000:]
     one = torch.load(tmp_path / "one.pt", weights_only=True)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
