@@ -92,7 +92,10 @@ class Stamped:
         that updates every k batches does unlike work per batch, and any k consecutive batches hold one
         update whatever loop reads ahead)."""
         s = self.stamps[skip:] if len(self.stamps) > skip + window else self.stamps
-        return [(b - a) * 1e6 / window for a, b in zip(s[::window], s[window::window])]
+        intervals = [(b - a) * 1e6 / window for a, b in zip(s[::window], s[window::window])]
+        if not intervals and len(s) >= 2:  # an epoch shorter than one window (e.g. --quick): its mean interval
+            intervals = [(s[-1] - s[0]) * 1e6 / (len(s) - 1)]
+        return intervals
 
     def steady_us(self, skip: int = 5) -> float:
         """Mean interval between batch hand-outs after the first `skip` batches, in microseconds."""
