@@ -507,3 +507,49 @@ def test_a_snapshot_resume_continues_pythons_and_numpys_generators(tmp_path):
     resumed.fit(_data()[0])
     assert second.draws == first.draws[len(first.draws) - len(second.draws):]
     assert second.draws[0][:2] == (2, 6)  # epoch 2, its 7th batch: right after the snapshot
+
+
+class FailingStepLR(torch.optim.lr_scheduler.StepLR):
+    """StepLR raising once on its `fail_at`-th step: after the optimizer applied the update, before the
+    update's commit point completed (the update stays applied; its window must not be replayed)."""
+
+    def __init__(self, opt, fail_at):
+        self.fail_at, self.steps = fail_at, 0
+        super().__init__(opt, 5, 0.9)
+
+    def step(self, *args, **kwargs):
+        super().step(*args, **kwargs)
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("scheduler fault")
+
+
+def _plain_loader():
+    return _data()[0]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("make_loader", [_plain_loader, _stateful_loader], ids=["plain", "stateful"])
+def test_a_refit_after_a_fault_between_an_update_and_its_commit_is_exact(make_loader):
+    """The update was applied (its scheduler stepped, then raised): the refit keeps it, does not replay its
+    window, and continues with the generators and the loader's position as they were after it (dropout)."""
+
+    def run(fail_at):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.Adam(model.parameters(), 1e-2)
+        sched = FailingStepLR(opt, fail_at)
+        trainer = Trainer(model, F.cross_entropy, Optimizer(opt, sched, sched_on="step"), epochs=2,
+                          gradient_accumulation_steps=3, log_batch=False, show_info=False)
+        loader = make_loader()
+        if fail_at:
+            with pytest.raises(RuntimeError, match="scheduler fault"):
+                trainer.fit(loader)
+            trainer.fit(loader)
+        else:
+            trainer.fit(loader)
+        return {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
+
+    want = run(None)
+    for fail_at in (3, 8):  # epoch 1's third update; epoch 2's second
+        assert _equal(run(fail_at), want), fail_at

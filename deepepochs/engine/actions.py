@@ -290,11 +290,18 @@ def commit_update(ctx: Context) -> None:
     loop.window_committed = True
     point = loop.resume
     point.batches_done = loop.batch_idx  # the driver set it to (epoch, task) when the task began
-    if ctx.data_source is not None:  # a stateful loader: its position, read right after the window's batches
-        ctx.data_state = (point.epoch, point.task_index, ctx.data_source.state_dict())
     if ctx.machine.model.state == "step_optimized":  # finish_update: the update is complete
-        remember_random_state(ctx)
+        _remember_position(ctx)
         ctx.signals.release()
+
+
+def _remember_position(ctx: Context) -> None:
+    """What a refit continues from besides the batch count: torch's generators and a stateful loader's
+    position, both as they are right after the window's update (no batch is read ahead of a window's end)."""
+    remember_random_state(ctx)
+    if ctx.data_source is not None:
+        point = ctx.loop.resume
+        ctx.data_state = (point.epoch, point.task_index, point.batches_done, ctx.data_source.state_dict())
 
 
 # ---- snapshots (deepepochs.engine.snapshots) -------------------------------------------------------------
@@ -333,8 +340,10 @@ def discard_window(ctx: Context) -> None:
     parts.dist.set_grad_sync(True)
     meters = loop.meters
     if meters is not None and loop.stage == "train" and loop.window_pos:
-        if loop.window_updated and not loop.window_committed:
-            commit_update(ctx)
+        if loop.window_updated:  # applied: the update's commit point is completed now, with the position after it
+            if not loop.window_committed:
+                commit_update(ctx)
+            _remember_position(ctx)
         if loop.window_committed:
             # The step's own loss is counted once the window committed; its patches never came back.
             if ctx.step_loss is not None and not ctx.batch_counted:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 
 import torch
 
@@ -116,8 +117,7 @@ class Driver:
         self._failed_stage = loop.stage
         ctx.pending_nonfinite = None
         if self.running == "fit":  # the refit continues from the last commit point: so do the random numbers
-            ctx.random_restore_due = True
-            ctx.random_replay = (ctx.task_random_state, ctx.random_state)
+            ctx.random_restore_due = True  # from `random_state` as the rollback leaves it (`discard_window`)
         try:
             if machine.spec.state(state).running:
                 machine.fire_cold("interrupt")
@@ -149,6 +149,7 @@ class Driver:
         ctx.snapshots = snapshots.find_writer(parts.hooks.callbacks)
         if ctx.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
             ctx.random_restore_due = False
+            ctx.random_replay = (ctx.task_random_state, ctx.random_state)
             actions.set_random_state(ctx, ctx.random_state)
         actions.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
         fire("fit")
@@ -330,7 +331,9 @@ class Driver:
         source = data if stage == "train" and stateful(data) else None
         saved = ctx.data_state
         if skip and source is not None and saved is not None and saved[:2] == (epoch, ctx.task_index):
-            source.load_state_dict(saved[2])  # continues after the committed batches: nothing is skipped
+            source.load_state_dict(saved[3])  # continues after the batches committed when it was read
+            if skip > saved[2]:  # an update applied after it, whose commit a fault cut short: in order, past it
+                data = itertools.islice(source, skip - saved[2], None)
         elif skip:
             data, skip = skip_batches(data, skip, samples, parts.dist.world_size)
             loop.resume.batches_done = skip  # in this run's batches

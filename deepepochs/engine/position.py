@@ -62,7 +62,8 @@ def capture(ctx: Context) -> dict | None:
     mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state),
                        "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
             "meters": [encode_meters(meters) for meters in ctx.train_meters],
-            "data": None if data_state is None or data_state[:2] != (point.epoch, point.task_index) else data_state[2]}
+            "data": None if data_state is None or data_state[:3] != (point.epoch, point.task_index, point.batches_done)
+            else data_state[3]}
     ranks = dist.all_gather_object(mine) if dist.world_size > 1 else [mine]
     batch_size = getattr(getattr(ctx.task, "data", None), "batch_size", None)
     samples = None if not isinstance(batch_size, int) else point.batches_done * batch_size * dist.world_size
@@ -106,7 +107,7 @@ def restore(ctx: Context, position: dict, rank: int) -> None:
         meters = [decode_meters(state, device) for state in own["meters"]]
         commit, task = _tuple(own["random"]["commit"]), _tuple(own["random"].get("task"))
         if own.get("data") is not None:
-            ctx.data_state = (point.epoch, point.task_index, own["data"])
+            ctx.data_state = (point.epoch, point.task_index, point.batches_done, own["data"])
         if own["random"].get("host") is not None:
             set_rng_state(own["random"]["host"])  # Python, NumPy (torch is set from `commit` below)
     else:
