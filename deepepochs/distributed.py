@@ -58,10 +58,11 @@ __all__ = ["DDPPolicy", "DataOrder", "EvalShardSampler", "ShortestShard", "Singl
            "select_policy", "skip_batches"]
 
 
-class _TrainingOrder:
-    """What both policies keep for the training order: its seed (`DataOrder`; None until the first
-    training DataLoader is prepared, or restored from a checkpoint) and the samplers whose epoch they set
-    (weakly, so DataLoaders of finished fits can be collected)."""
+class _PolicyBase:
+    """What every policy shares: the training order's seed (`DataOrder`; None until the first training
+    DataLoader is prepared, or restored from a checkpoint) and the samplers whose epoch they set (weakly,
+    so DataLoaders of finished fits can be collected); and how a checkpoint reads and loads the full
+    model and optimizer states (here: `state_dict()` and `load_state_dict()` of whole tensors)."""
 
     def __init__(self):
         self.order_seed: int | None = None
@@ -72,8 +73,25 @@ class _TrainingOrder:
         for sampler in list(self._epoch_samplers):
             sampler.set_epoch(epoch)
 
+    # Checkpoint files hold full states; the checkpoint code reads and loads them only through these.
+    def model_state_dict(self, model: torch.nn.Module) -> dict:
+        """The model's full state for a checkpoint (here `model.state_dict()`: the live tensors, not copies)."""
+        return model.state_dict()
 
-class SingleProcess(_TrainingOrder):
+    def load_model_state_dict(self, model: torch.nn.Module, state: Mapping) -> None:
+        """Load a full model state (strict)."""
+        model.load_state_dict(state)
+
+    def optimizer_state_dict(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+        """An optimizer's full state for a checkpoint, keyed by parameter index (`opt.state_dict()`)."""
+        return opt.state_dict()
+
+    def load_optimizer_state_dict(self, model: torch.nn.Module, opt: torch.optim.Optimizer, state: Mapping) -> None:
+        """Load a full optimizer state keyed by parameter index."""
+        opt.load_state_dict(state)
+
+
+class SingleProcess(_PolicyBase):
     """One process: nothing to synchronise."""
 
     world_size = 1
@@ -324,7 +342,7 @@ class EvalShardSampler(Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
 
-class DDPPolicy(_TrainingOrder):
+class DDPPolicy(_PolicyBase):
     """Several processes, one model replica each, gradients all-reduced by `DistributedDataParallel`.
 
     Args:
