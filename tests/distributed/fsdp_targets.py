@@ -18,14 +18,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from deepepochs import CheckCallback, GradClipCallback, Trainer, torch_private
+from deepepochs import CheckCallback, GradClipCallback, SnapshotCallback, Trainer, torch_private
 
-__all__ = ["CLIP", "FAULT_EPOCH", "FSDP_KWARGS", "RUN_ID", "run_scenarios", "uneven_batches", "val_loader"]
+__all__ = ["CLIP", "FAULT_EPOCH", "FSDP_KWARGS", "RUN_ID", "SNAPSHOT_RUN_ID", "run_scenarios", "uneven_batches",
+           "val_loader"]
 
 FSDP_KWARGS = {"min_params": 20}  # both Linear layers of make_model() get their own fully_shard, then the root
 CLIP = 0.05  # GradClipCallback's max norm: far below the gradients' norms here, so every update is clipped
 FAULT_EPOCH = 2
 RUN_ID = "fsdp-save"
+SNAPSHOT_RUN_ID = "fsdp-snapshot"
 
 
 def val_loader() -> DataLoader:
@@ -137,6 +139,33 @@ def _save_then_resume(out: Path) -> dict:
                 "resumed_records": records}
 
 
+def _snapshot_then_resume(out: Path) -> dict:
+    """Mid-epoch snapshots every 3 updates (every rank gathers, rank 0 writes); both ranks fail at epoch 2
+    batch 4, one update after the snapshot of epoch 2 batch 3; a new 2-process Trainer resumes from it to
+    the end. The parent resumes a copy of the same snapshot in 1 process."""
+    snapshots = out / "snapshots"
+    kwargs = {"running_id": SNAPSHOT_RUN_ID, "fuse_steps": False}
+    with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=3, on_signals=())], **kwargs) as trainer:
+
+        def probe(dest):
+            if dest == "step_forward" and trainer.loop.epoch == 2 and trainer.loop.batch_idx == 4:
+                raise RuntimeError("injected fault after a mid-epoch snapshot")
+
+        trainer.machine.probe = probe
+        try:
+            trainer.fit(_train_loader(), val_loader())
+        except RuntimeError as exc:
+            error = str(exc).splitlines()[0]
+        if trainer.is_main_process:
+            shutil.copytree(snapshots, out / "snapshots-1")
+        # rank 0 wrote the files: another rank may get here before rank 0 finished writing the last one
+        kept = sorted(p.name for p in (snapshots / SNAPSHOT_RUN_ID).glob("*.ckpt")) if trainer.is_main_process else None
+    with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=3, on_signals=())], resume=True,
+                  **kwargs) as trainer:
+        records = trainer.fit(_train_loader(), val_loader())
+        return {"error": error, "kept": kept, "resumed": _full_state(trainer.raw_model), "records": records}
+
+
 def _mixed_precision() -> dict:
     """precision='bf16': the layers compute with bf16 parameters (gathered in bf16 by the
     MixedPrecisionPolicy), the fit runs and stays finite, the sharded fp32 weights change."""
@@ -195,7 +224,8 @@ def run_scenarios() -> int:
     out = Path(os.environ[T.OUT_ENV])
     results = {"k1": _train(1), "k3": _train(3), "clip": _train(1, clip=True),
                "k3_fallback": _train_without_private_drop(), "fault": _fault_mid_window(),
-               "checkpoint": _save_then_resume(out / "checkpoints"), "bf16": _mixed_precision(),
+               "checkpoint": _save_then_resume(out / "checkpoints"), "snapshot": _snapshot_then_resume(out),
+               "bf16": _mixed_precision(),
                "find_lr": _find_lr(), "uneven_eval": _uneven_evaluation()}
     rank = int(os.environ["RANK"])
     torch.save(results, out / f"rank{rank}.pt")

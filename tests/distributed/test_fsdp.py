@@ -19,7 +19,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from deepepochs import CheckCallback, Trainer
+from deepepochs import CheckCallback, SnapshotCallback, Trainer
+from deepepochs.errors import DeepEpochsWarning
 
 TARGETS_DIR = Path(__file__).resolve().parent
 if str(TARGETS_DIR) not in sys.path:
@@ -263,6 +264,43 @@ def test_test_under_fsdp_uses_the_best_checkpoint_then_restores_the_weights(rank
         run = rank["checkpoint"]
         assert run["test"] == pytest.approx(expected, abs=EXACT)
         assert _max_diff(run["after_test"], run["saved"]) == 0.0
+
+
+@pytest.mark.distributed
+def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_with_two_processes(ranks):
+    """SnapshotCallback under FSDP: the snapshot of epoch 2 batch 3 (full states gathered on rank 0) resumes
+    in a new 2-process Trainer, which finishes the run as the uninterrupted one; the epoch's records
+    cover the batches before the fault too."""
+    reference, _ = plain_reference(1)
+    expected_val = ranks[0]["k1"]["records"]["val"]
+    # 5 updates in epoch 1, then 3 in epoch 2; the newest two are kept
+    assert ranks[0]["snapshot"]["kept"] == ["snapshot-u000000005-epoch1.ckpt", "snapshot-u000000008.ckpt"]
+    for rank in ranks:
+        run = rank["snapshot"]
+        assert run["error"] == "injected fault after a mid-epoch snapshot"
+        assert _max_diff(run["resumed"], reference) < EXACT
+        assert run["records"]["train"]["sample_count"] == [float(T.TRAIN_N)] * 2  # epochs 2 and 3, whole
+        assert run["records"]["val"]["loss"] == pytest.approx(expected_val["loss"][1:], abs=EXACT)
+
+
+@pytest.mark.distributed
+def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_in_one_process(ranks, out_dir, tmp_path, monkeypatch):
+    """The same 2-process snapshot resumed by one process with the whole batch (the global position carried
+    over: 24 samples of epoch 2 done) ends as the uninterrupted run."""
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    ckpt_dir = tmp_path / "snapshots"
+    shutil.copytree(out_dir / "snapshots-1", ckpt_dir)
+    model = T.make_model()
+    snap = SnapshotCallback(ckpt_dir, every_n_updates=3, on_signals=())
+    with Trainer(model, F.cross_entropy, T.make_optimizer(model), resume=S.SNAPSHOT_RUN_ID,
+                 **T.trainer_kwargs(callbacks=[snap])) as trainer:
+        # RES-3's documented policy for another world size (this model draws no random numbers)
+        with pytest.warns(DeepEpochsWarning, match="resuming a mid-epoch snapshot of 2 process"):
+            trainer.fit(DataLoader(T.make_data(T.TRAIN_N, 1), batch_size=2 * T.BATCH), S.val_loader())
+        state = trainer.raw_model.state_dict()
+    reference, _ = plain_reference(1)
+    assert _max_diff(state, reference) < EXACT
 
 
 # ---- mixed precision and the lr finder -----------------------------------------------------------------
