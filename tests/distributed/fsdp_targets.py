@@ -6,6 +6,7 @@ builders). Each rank writes what it observed to ``$DEEPEPOCHS_TEST_OUT/rank<r>.p
 torch's own ``get_model_state_dict(full_state_dict=True)`` on every rank, not with deepepochs' code.
 """
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -20,12 +21,13 @@ from torch.utils.data import DataLoader
 
 from deepepochs import CheckCallback, GradClipCallback, SnapshotCallback, Trainer, torch_private
 
-__all__ = ["CLIP", "FAULT_EPOCH", "FSDP_KWARGS", "RUN_ID", "SNAPSHOT_RUN_ID", "run_scenarios", "uneven_batches",
-           "val_loader"]
+__all__ = ["BAD_SAMPLE", "CLIP", "FAULT_EPOCH", "FSDP_KWARGS", "RUN_ID", "SNAPSHOT_RUN_ID", "data_with",
+           "run_scenarios", "uneven_batches", "val_loader"]
 
 FSDP_KWARGS = {"min_params": 20}  # both Linear layers of make_model() get their own fully_shard, then the root
 CLIP = 0.05  # GradClipCallback's max norm: far below the gradients' norms here, so every update is clipped
 FAULT_EPOCH = 2
+BAD_SAMPLE = 5  # a sample of rank 1's first batch (DataOrder without shuffling: rank r takes r, r + 2, ...)
 RUN_ID = "fsdp-save"
 SNAPSHOT_RUN_ID = "fsdp-snapshot"
 
@@ -166,6 +168,28 @@ def _snapshot_then_resume(out: Path) -> dict:
         return {"error": error, "kept": kept, "resumed": _full_state(trainer.raw_model), "records": records}
 
 
+def data_with(value: float, index: int = BAD_SAMPLE):
+    """The training data with every feature of sample `index` set to `value` (NaN, or too large for fp16)."""
+    data = T.make_data(T.TRAIN_N, 1)
+    data.tensors[0][index] = value
+    return data
+
+
+def _skipped_updates() -> dict:
+    """fp32 with nonfinite='skip': sample 5 (rank 1's first batch) is NaN, so the first global window of each
+    epoch has a NaN loss on rank 1 only; both ranks must skip that update. fp16: sample 5 overflows fp16
+    on rank 1; the GradScaler's inf check over the sharded gradients must agree on both ranks too."""
+    out = {}
+    with _trainer(nonfinite="skip") as trainer:
+        trainer.fit(DataLoader(data_with(math.nan), batch_size=T.BATCH))
+        out["fp32"] = _full_state(trainer.raw_model)
+    with _trainer(precision="fp16") as trainer:
+        records = trainer.fit(DataLoader(data_with(1e6), batch_size=T.BATCH))
+        out["fp16"] = {"state": _full_state(trainer.raw_model), "scale": trainer.scaler.get_scale(),
+                       "records": records}
+    return out
+
+
 def _mixed_precision() -> dict:
     """precision='bf16': the layers compute with bf16 parameters (gathered in bf16 by the
     MixedPrecisionPolicy), the fit runs and stays finite, the sharded fp32 weights change."""
@@ -225,7 +249,7 @@ def run_scenarios() -> int:
     results = {"k1": _train(1), "k3": _train(3), "clip": _train(1, clip=True),
                "k3_fallback": _train_without_private_drop(), "fault": _fault_mid_window(),
                "checkpoint": _save_then_resume(out / "checkpoints"), "snapshot": _snapshot_then_resume(out),
-               "bf16": _mixed_precision(),
+               "skipped": _skipped_updates(), "bf16": _mixed_precision(),
                "find_lr": _find_lr(), "uneven_eval": _uneven_evaluation()}
     rank = int(os.environ["RANK"])
     torch.save(results, out / f"rank{rank}.pt")

@@ -201,6 +201,38 @@ def test_a_fault_mid_window_rolls_back_exactly_under_fsdp(ranks):
         assert len(run["records"]["train"]["loss"]) == T.EPOCHS - S.FAULT_EPOCH + 1  # epochs 2 and 3
 
 
+# ---- the skip edge: a non-finite update on one rank is skipped on every rank ------------------------------
+@pytest.mark.distributed
+def test_a_nan_loss_on_one_rank_skips_that_update_on_both_like_one_process(ranks):
+    """nonfinite='skip', fp32: rank 1's first batch holds a NaN sample; the agreed flag skips that window's
+    update on both ranks every epoch, which is what one process with the whole batch skips."""
+    x, y = S.data_with(math.nan).tensors
+    model = T.make_model()
+    opt = T.make_optimizer(model)
+    for _ in range(T.EPOCHS):
+        for start in range(0, T.TRAIN_N, 2 * T.BATCH):
+            loss = F.cross_entropy(model(x[start:start + 2 * T.BATCH]), y[start:start + 2 * T.BATCH])
+            loss.backward()
+            if math.isfinite(loss.item()):
+                opt.step()
+            opt.zero_grad()
+    for rank in ranks:
+        assert _max_diff(rank["skipped"]["fp32"], model.state_dict()) < EXACT
+
+
+@pytest.mark.distributed
+def test_an_fp16_overflow_on_one_rank_skips_on_both_and_halves_both_scales(ranks):
+    """precision='fp16': rank 1's first batch overflows fp16 each epoch; the GradScaler's check over the
+    sharded gradients finds it on both ranks, both skip and halve the scale once per epoch (65536 / 2**3),
+    and the weights stay equal on both ranks."""
+    for rank in ranks:
+        run = rank["skipped"]["fp16"]
+        assert run["scale"] == 65536.0 / 2 ** T.EPOCHS
+        assert all(math.isfinite(v) for v in run["records"]["train"]["loss"])
+    assert _max_diff(ranks[0]["skipped"]["fp16"]["state"], ranks[1]["skipped"]["fp16"]["state"]) == 0.0
+    assert _max_diff(ranks[0]["skipped"]["fp16"]["state"], T.make_model().state_dict()) > 1e-3  # it trained
+
+
 # ---- checkpoints: one plain file, loadable at any world size -----------------------------------------------
 @pytest.mark.distributed
 def test_a_two_process_fsdp_checkpoint_is_a_plain_file_of_full_states(ranks, out_dir):
