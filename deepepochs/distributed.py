@@ -67,6 +67,10 @@ class _PolicyBase:
     so DataLoaders of finished fits can be collected); and, for policies that keep whole tensors (one
     process, DDP), the model-facing methods `FSDPPolicy` (`deepepochs.fsdp`) replaces."""
 
+    #: Whether the model is sharded (FSDP): then any forward and any whole-gradient read is a collective
+    #: every rank must join (callbacks that read the model on rank 0 alone check it).
+    shards_model = False
+
     def __init__(self):
         self.order_seed: int | None = None
         self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()

@@ -44,7 +44,7 @@ from deepepochs import torch_private
 from deepepochs.distributed import DDPPolicy, PaddingBatch, _len_or_minus_one
 from deepepochs.errors import ConfigError, DistributedError
 
-__all__ = ["FSDPConfig", "FSDPPolicy", "check_strategy_kwargs", "shard_targets"]
+__all__ = ["FSDP_KEYS", "FSDPConfig", "FSDPPolicy", "check_strategy_kwargs", "shard_targets"]
 
 #: The keys `Trainer(fsdp_kwargs=...)` accepts, with what each takes.
 FSDP_KEYS = {
@@ -200,6 +200,8 @@ class FSDPPolicy(DDPPolicy):
         config: the validated `fsdp_kwargs`.
         precision: `Trainer(precision=...)`, which picks the `MixedPrecisionPolicy` unless `config` names one.
     """
+
+    shards_model = True
 
     def __init__(self, device: torch.device, split_batches: bool = False, timeout: float = 600,
                  config: FSDPConfig | None = None, precision: str = "fp32"):

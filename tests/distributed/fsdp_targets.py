@@ -9,6 +9,7 @@ torch's own ``get_model_state_dict(full_state_dict=True)`` on every rank, not wi
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import ddp_targets as T
@@ -19,10 +20,19 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from deepepochs import CheckCallback, GradClipCallback, SnapshotCallback, Trainer, torch_private
+from deepepochs import (
+    AnalyzeCallback,
+    CheckCallback,
+    GradClipCallback,
+    LogCallback,
+    SnapshotCallback,
+    Trainer,
+    torch_private,
+)
+from deepepochs.errors import DeepEpochsWarning
 
-__all__ = ["BAD_SAMPLE", "CLIP", "FAULT_EPOCH", "FSDP_KWARGS", "RUN_ID", "SNAPSHOT_RUN_ID", "data_with",
-           "run_scenarios", "uneven_batches", "val_loader"]
+__all__ = ["ANALYZE_RUN_ID", "BAD_SAMPLE", "CLIP", "FAULT_EPOCH", "FSDP_KWARGS", "RUN_ID", "SNAPSHOT_RUN_ID",
+           "data_with", "run_scenarios", "uneven_batches", "val_loader"]
 
 FSDP_KWARGS = {"min_params": 20}  # both Linear layers of make_model() get their own fully_shard, then the root
 CLIP = 0.05  # GradClipCallback's max norm: far below the gradients' norms here, so every update is clipped
@@ -30,6 +40,7 @@ FAULT_EPOCH = 2
 BAD_SAMPLE = 5  # a sample of rank 1's first batch (DataOrder without shuffling: rank r takes r, r + 2, ...)
 RUN_ID = "fsdp-save"
 SNAPSHOT_RUN_ID = "fsdp-snapshot"
+ANALYZE_RUN_ID = "fsdp-analyze"
 
 
 def val_loader() -> DataLoader:
@@ -190,6 +201,18 @@ def _skipped_updates() -> dict:
     return out
 
 
+def _analysis_and_graph(out: Path) -> dict:
+    """AnalyzeCallback(mode='backward') gathers the sharded parameter gradients (every rank joins, rank 0
+    writes); LogCallback(log_graph=True) skips the graph with a warning on rank 0 instead of hanging."""
+    callbacks = [AnalyzeCallback(mode="backward", log_dir=out / "analyze", histograms=False),
+                 LogCallback(log_dir=out / "logs", log_graph=True)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _trainer(epochs=1, running_id=ANALYZE_RUN_ID, callbacks=callbacks) as trainer:
+            trainer.fit(_train_loader())
+    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, DeepEpochsWarning)]}
+
+
 def _mixed_precision() -> dict:
     """precision='bf16': the layers compute with bf16 parameters (gathered in bf16 by the
     MixedPrecisionPolicy), the fit runs and stays finite, the sharded fp32 weights change."""
@@ -249,7 +272,7 @@ def run_scenarios() -> int:
     results = {"k1": _train(1), "k3": _train(3), "clip": _train(1, clip=True),
                "k3_fallback": _train_without_private_drop(), "fault": _fault_mid_window(),
                "checkpoint": _save_then_resume(out / "checkpoints"), "snapshot": _snapshot_then_resume(out),
-               "skipped": _skipped_updates(), "bf16": _mixed_precision(),
+               "skipped": _skipped_updates(), "callbacks": _analysis_and_graph(out), "bf16": _mixed_precision(),
                "find_lr": _find_lr(), "uneven_eval": _uneven_evaluation()}
     rank = int(os.environ["RANK"])
     torch.save(results, out / f"rank{rank}.pt")

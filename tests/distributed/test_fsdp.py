@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from deepepochs import CheckCallback, SnapshotCallback, Trainer
+from deepepochs import AnalyzeCallback, CheckCallback, SnapshotCallback, Trainer
 from deepepochs.errors import DeepEpochsWarning
 
 TARGETS_DIR = Path(__file__).resolve().parent
@@ -333,6 +334,36 @@ def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_in_one_process(ranks, out_dir
         state = trainer.raw_model.state_dict()
     reference, _ = plain_reference(1)
     assert _max_diff(state, reference) < EXACT
+
+
+# ---- callbacks that read the model ------------------------------------------------------------------------
+def _param_grad_scalars(folder: Path) -> dict:
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if tag.startswith("param_grad/")}
+
+
+@pytest.mark.distributed
+def test_analyze_callback_under_fsdp_records_the_whole_gradients_as_one_process_does(ranks, out_dir, tmp_path,
+                                                                                     monkeypatch):
+    """AnalyzeCallback(mode='backward'): rank 0 writes the statistics of the whole (gathered) parameter
+    gradients, equal to one process's with the whole batch; LogCallback(log_graph=True) warns on rank 0
+    that an FSDP model's graph is skipped, and nothing hangs."""
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    model = T.make_model()
+    with Trainer(model, F.cross_entropy, T.make_optimizer(model), running_id=S.ANALYZE_RUN_ID,
+                 **T.trainer_kwargs(epochs=1, callbacks=[AnalyzeCallback(mode="backward", log_dir=tmp_path,
+                                                                         histograms=False)])) as trainer:
+        trainer.fit(DataLoader(T.make_data(T.TRAIN_N, 1), batch_size=2 * T.BATCH))
+    expected = _param_grad_scalars(tmp_path / S.ANALYZE_RUN_ID)
+    got = _param_grad_scalars(out_dir / "analyze" / S.ANALYZE_RUN_ID)
+    assert sorted(got) == sorted(expected) and len(got) == 8  # mean and std of 4 parameters
+    for tag, values in expected.items():
+        assert got[tag] == pytest.approx(values, abs=1e-6), tag
+    assert [w for w in ranks[0]["callbacks"]["warnings"] if "does not draw the graph" in w]
+    assert ranks[1]["callbacks"]["warnings"] == []
 
 
 # ---- mixed precision and the lr finder -----------------------------------------------------------------
