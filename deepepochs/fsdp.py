@@ -22,10 +22,17 @@ seed) with the model-facing methods replaced:
 - evaluation: every forward all-gathers parameters, so every rank must run as many forwards as the others.
   Evaluation shards stay exactly-once (`EvalShardSampler`: shards differ by at most one sample, so by at
   most one batch), and `pad_eval` makes a rank whose shard ended early run the forward of a
-  `PaddingBatch` (a repeat of a batch it already ran) while the others run their last batches. The
+  `PaddingBatch` (a repeat of its last batch, or the dataset's first sample when its shard is empty)
+  while the others run their last batches; data without a length is agreed on batch by batch. The
   engine runs a padding batch's forward only: no step, no hooks, no loss, no metrics (so nothing is
   counted twice), no prediction output. A custom evaluation step must therefore call the model once per
   batch (a second call, or a call of another method, would issue all-gathers the padded rank does not).
+
+Collectives FSDP adds to DDPPolicy's (every rank issues them in the same order): the parameter broadcast
+before sharding; FSDP's all-gathers in every forward (and backward, with `reshard_after_forward`) and its
+reduce-scatters in synchronising backwards; per evaluation task one exchange of the batch counts (per
+batch for data without a length); the gathers and broadcasts of full states when a checkpoint is saved,
+loaded or backed up (`load_into`), and before `test()` swaps in a checkpoint's weights.
 
 Why padding forwards, not padded shards: a duplicated sample would have to be masked in every loss and
 metric patch (tensor, mean, confusion, user patches); a forward whose result is dropped needs no mask.
@@ -321,7 +328,22 @@ class FSDPPolicy(DDPPolicy):
     def load_optimizer_state_dict(self, model: nn.Module, opt: torch.optim.Optimizer, state: Mapping) -> None:
         """Load rank 0's full `state` (keyed by parameter index, as `opt.state_dict()`; the other ranks'
         `state` is not read) into the sharded optimizer `opt`."""
-        sharded = self.broadcast_object(bool(state.get("state")) if self.is_main else None)
+        by_name, problem = {}, None
+        if self.is_main:  # rank 0's state is the one loaded: key it by parameter name, as DCP wants
+            names = {p: name for name, p in model.named_parameters()}
+            ordered = [names[p] for group in opt.param_groups for p in group["params"]]
+            saved = [i for group in state.get("param_groups", ()) for i in group["params"]]
+            if len(saved) != len(ordered):
+                problem = f"the optimizer state holds {len(saved)} parameters, the optimizer {len(ordered)}"
+            else:
+                name_of = dict(zip(saved, ordered))
+                by_name = {"state": {name_of[i]: value for i, value in state.get("state", {}).items()},
+                           "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                                            for group in state["param_groups"]]}
+        # every rank learns rank 0's verdict, so all raise or all join the broadcasts below
+        sharded, problem = self.broadcast_object((bool(by_name.get("state")), problem) if self.is_main else None)
+        if problem is not None:
+            raise ValueError(problem)
         if not sharded:  # hyper-parameters only: no tensor to shard
             opt.load_state_dict(self.broadcast_object(dict(state) if self.is_main else None))
             return
@@ -329,17 +351,6 @@ class FSDPPolicy(DDPPolicy):
             StateDictOptions,
             set_optimizer_state_dict,
         )
-        by_name = {}
-        if self.is_main:
-            names = {p: name for name, p in model.named_parameters()}
-            ordered = [names[p] for group in opt.param_groups for p in group["params"]]
-            saved = [i for group in state["param_groups"] for i in group["params"]]
-            if len(saved) != len(ordered):
-                raise ValueError(f"the optimizer state holds {len(saved)} parameters, the optimizer {len(ordered)}")
-            name_of = dict(zip(saved, ordered))
-            by_name = {"state": {name_of[i]: value for i, value in state["state"].items()},
-                       "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
-                                        for group in state["param_groups"]]}
         set_optimizer_state_dict(model, opt, by_name,
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
