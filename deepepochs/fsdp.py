@@ -89,7 +89,11 @@ def _check_reshard(_instance, _attribute, value) -> None:
 def _check_mixed_precision(_instance, _attribute, value) -> None:
     if value is None:
         return
-    from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415 (heavy import, only when given)
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415 (heavy import, only when given)
+    except ImportError:
+        raise ConfigError(f"fsdp_kwargs['mixed_precision'] needs FSDP2 (torch >= 2.6; this is torch"
+                          f" {torch.__version__})") from None
     if not isinstance(value, MixedPrecisionPolicy):
         raise ConfigError(f"fsdp_kwargs['mixed_precision'] must be {FSDP_KEYS['mixed_precision']} (got"
                           f" {type(value).__name__}); e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16,"

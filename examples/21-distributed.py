@@ -24,12 +24,16 @@ import os
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Trainer, launch, set_seed
 from deepepochs.metrics import accuracy
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch < 2.6 has no FSDP2: strategy='fsdp' is unavailable there
+    FSDPModule = ()
 
 # Children started by launch() re-import this file without its command line, so main() reads the epoch
 # count from the environment, where the parent put it before launching.

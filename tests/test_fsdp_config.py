@@ -5,13 +5,18 @@ is in `tests/distributed/test_fsdp.py`."""
 
 import pytest
 import torch
+import torch.distributed.fsdp
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn import functional as F
 
-from deepepochs import ConfigError, Trainer
-from deepepochs.distributed import SingleProcess
-from deepepochs.fsdp import FSDP_KEYS, FSDPConfig, shard_targets
+if not hasattr(torch.distributed.fsdp, "fully_shard"):
+    pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6", allow_module_level=True)
+
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402 (after the skip above)
+
+from deepepochs import ConfigError, Trainer  # noqa: E402
+from deepepochs.distributed import SingleProcess  # noqa: E402
+from deepepochs.fsdp import FSDP_KEYS, FSDPConfig, shard_targets  # noqa: E402
 
 X = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] > 0).long()

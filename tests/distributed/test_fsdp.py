@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.fsdp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -26,6 +27,9 @@ from deepepochs.errors import DeepEpochsWarning
 TARGETS_DIR = Path(__file__).resolve().parent
 if str(TARGETS_DIR) not in sys.path:
     sys.path.insert(0, str(TARGETS_DIR))
+
+if not hasattr(torch.distributed.fsdp, "fully_shard"):
+    pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6", allow_module_level=True)
 
 import ddp_targets as T  # noqa: E402  (needs the sys.path entry above)
 import fsdp_targets as S  # noqa: E402
