@@ -72,6 +72,7 @@ __all__ = [
     "SUFFIX",
     "Checkpoint",
     "check_fits",
+    "copied_to_cpu",
     "find_checkpoint",
     "find_checkpoints",
     "load_model_state",
@@ -208,17 +209,26 @@ def monitors_of(trainer) -> list:
     return monitors_in(trainer.callbacks)
 
 
+def _full_optimizer_states(trainer) -> dict:
+    """`trainer.opt.state_dict()` with each optimizer's full state (the policy gathers sharded ones)."""
+    dist, model = trainer._dist, trainer.raw_model
+    return trainer.opt.state_dict(lambda opt: dist.optimizer_state_dict(model, opt))
+
+
 def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
     """The trainer's current training state as a `Checkpoint` (tensors are not copied); `position`: where
-    inside the epoch it was taken (`deepepochs.engine.position.capture`), None at an epoch's end."""
-    opts = trainer.opt.state_dict()
+    inside the epoch it was taken (`deepepochs.engine.position.capture`), None at an epoch's end.
+
+    Every rank must call it: under FSDP the full model and optimizer states are gathered onto rank 0 (a
+    collective), and the other ranks' snapshots hold empty model and optimizer states."""
+    opts = _full_optimizer_states(trainer)
     return Checkpoint(
         format_version=1 if position is None else 2,
         position=position,
         running_id=str(trainer.running_id),
         epoch=trainer.loop.completed_epochs,
         world_size=trainer.world_size,
-        model=trainer.raw_model.state_dict(),
+        model=trainer._dist.model_state_dict(trainer.raw_model),
         optimizers=opts["optimizers"],
         schedulers=opts["schedulers"],
         scaler=trainer._precision.state_dict(),
@@ -351,13 +361,21 @@ def _unwrap_keys(state: Mapping, expected: set) -> Mapping:
 
 
 def load_model_state(trainer, state: Mapping, path="<memory>") -> None:
-    """Load a model state dict into `trainer.raw_model` (strict); `CheckpointError` names `path`."""
+    """Load a full model state dict into `trainer.raw_model` (strict, through the distributed policy: every
+    rank calls it, and under FSDP rank 0's `state` is what loads); `CheckpointError` names `path`."""
     model = trainer.raw_model
     state = _unwrap_keys(state, set(model.state_dict()))
     try:
-        model.load_state_dict(state)
+        trainer._dist.load_model_state_dict(model, state)
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit the model: {e}") from e
+
+
+def copied_to_cpu(state: Mapping) -> dict:
+    """A copy of a state dict with its tensors detached and on the CPU (a backup the live weights cannot
+    change)."""
+    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in state.items()}
 
 
 def _shape(value):
@@ -456,13 +474,13 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
 
 
 def _backup(trainer) -> Checkpoint:
-    """The trainer's state as an independent `Checkpoint` (tensors copied, to the CPU for the weights)."""
-    opts = copy.deepcopy(trainer.opt.state_dict())
+    """The trainer's state as an independent `Checkpoint` (tensors copied, to the CPU for the weights; under
+    FSDP full states on rank 0, as `snapshot` takes them)."""
+    opts = copy.deepcopy(_full_optimizer_states(trainer))
     scaler = trainer._precision.state_dict()
     return Checkpoint(
         running_id=str(trainer.running_id), epoch=trainer.loop.completed_epochs, world_size=trainer.world_size,
-        model={k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-               for k, v in trainer.raw_model.state_dict().items()},
+        model=copied_to_cpu(trainer._dist.model_state_dict(trainer.raw_model)),
         optimizers=opts["optimizers"], schedulers=opts["schedulers"], scaler=copy.deepcopy(scaler),
         monitors={m.monitor_id: copy.deepcopy(m.state_dict()) for m in monitors_of(trainer)},
         rng=rng_state() if trainer.world_size == 1 else None, order_seed=trainer._dist.order_seed)
@@ -471,8 +489,10 @@ def _backup(trainer) -> Checkpoint:
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
     """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors and (one process) generator states."""
     load_model_state(trainer, ckpt.model, path)
+    dist, model = trainer._dist, trainer.raw_model
     try:
-        trainer.opt.load_state_dict({"optimizers": ckpt.optimizers, "schedulers": ckpt.schedulers})
+        trainer.opt.load_state_dict({"optimizers": ckpt.optimizers, "schedulers": ckpt.schedulers},
+                                    lambda opt, state: dist.load_optimizer_state_dict(model, opt, state))
     except (ValueError, RuntimeError, KeyError, IndexError) as e:
         raise CheckpointError(f"checkpoint {path}: optimizer or scheduler state does not fit: {e}") from e
     trainer._precision.load_state_dict(ckpt.scaler)

@@ -8,11 +8,13 @@ import attrs
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["METRIC_PATCHES", "NONFINITE", "PRECISIONS", "TrainerConfig", "check_choice", "check_run_name"]
+__all__ = ["METRIC_PATCHES", "NONFINITE", "PRECISIONS", "STRATEGIES", "TrainerConfig", "check_choice",
+           "check_run_name"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 METRIC_PATCHES = ("tensor", "mean", "confusion")
 NONFINITE = ("raise", "skip")
+STRATEGIES = ("ddp", "fsdp")
 
 
 def check_choice(name: str, value, choices, hint: str = "") -> None:
@@ -71,6 +73,7 @@ class TrainerConfig:
         fuse_steps: where nothing can observe a micro-batch's inner states, take the spec's fused edges
             (one per micro-batch, see `spec/loop.py`); False takes every edge (a finer flight record,
             a little slower).
+        strategy: with several processes, 'ddp' (replicated model) or 'fsdp' (FSDP2, sharded model).
         dist_timeout: seconds a collective may wait for the other ranks before the group fails (passed
             to `init_process_group` when the Trainer creates the group): a hung rank then ends the whole
             run with `DistributedError` instead of hanging it. Default 600 (torch's default for gloo is
@@ -90,4 +93,6 @@ class TrainerConfig:
     show_info: bool = attrs.field(default=True, validator=_bool)
     compile_model: bool = attrs.field(default=False, validator=_bool)
     fuse_steps: bool = attrs.field(default=True, validator=_bool)
+    strategy: str = attrs.field(
+        default="ddp", validator=_choice(STRATEGIES, "'fsdp' shards the model with FSDP2 (fully_shard)"))
     dist_timeout: float = attrs.field(default=600, validator=_positive_seconds)

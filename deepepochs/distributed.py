@@ -8,6 +8,9 @@ The trainer holds one policy object and calls the same methods whatever the worl
   (`RANK`/`WORLD_SIZE`, as set by `torchrun` or `deepepochs.launch`) or a process group of several ranks is
   already initialised. It joins the group, wraps the model in `DistributedDataParallel`, shards plain
   DataLoaders and turns local counts, loss sums and metric patches into global ones.
+- `FSDPPolicy` (`deepepochs.fsdp`, with `Trainer(strategy='fsdp')`) is `DDPPolicy` with the model sharded
+  by FSDP2 instead of replicated; it replaces the model-facing methods (`shard_model`, `set_grad_sync`,
+  the full-state methods checkpoints use, `pad_eval`) and adds its own collectives (see its module).
 
 Which collectives run, and when (every rank must issue them in the same order):
 
@@ -54,14 +57,19 @@ from torch.utils.data import (
 from deepepochs.errors import ConfigError, DeepEpochsWarning, DistributedError
 from deepepochs.patches import _map_tensors
 
-__all__ = ["DDPPolicy", "DataOrder", "EvalShardSampler", "ShortestShard", "SingleProcess", "check_ddp_kwargs",
-           "select_policy", "skip_batches"]
+__all__ = ["DDPPolicy", "DataOrder", "EvalShardSampler", "PaddingBatch", "ShortestShard", "SingleProcess",
+           "check_ddp_kwargs", "select_policy", "skip_batches"]
 
 
-class _TrainingOrder:
-    """What both policies keep for the training order: its seed (`DataOrder`; None until the first
-    training DataLoader is prepared, or restored from a checkpoint) and the samplers whose epoch they set
-    (weakly, so DataLoaders of finished fits can be collected)."""
+class _PolicyBase:
+    """What every policy shares: the training order's seed (`DataOrder`; None until the first training
+    DataLoader is prepared, or restored from a checkpoint) and the samplers whose epoch they set (weakly,
+    so DataLoaders of finished fits can be collected); and, for policies that keep whole tensors (one
+    process, DDP), the model-facing methods `FSDPPolicy` (`deepepochs.fsdp`) replaces."""
+
+    #: Whether the model is sharded (FSDP): then any forward and any whole-gradient read is a collective
+    #: every rank must join (callbacks that read the model on rank 0 alone check it).
+    shards_model = False
 
     def __init__(self):
         self.order_seed: int | None = None
@@ -72,8 +80,49 @@ class _TrainingOrder:
         for sampler in list(self._epoch_samplers):
             sampler.set_epoch(epoch)
 
+    def shard_model(self, model: torch.nn.Module, optimizers) -> None:
+        """Shard `model` and point `optimizers` at its shards (FSDP); whole tensors need nothing."""
 
-class SingleProcess(_TrainingOrder):
+    def drop_unsynced_gradients(self) -> None:
+        """Rollback: drop gradients kept outside the parameters' `.grad` (FSDP); none here."""
+
+    def local_shards(self, tensors: list) -> list:
+        """This rank's part of each tensor: the tensors themselves when nothing is sharded."""
+        return tensors
+
+    def pad_eval(self, data):
+        """The evaluation batches to run: `data` as it is (FSDP adds `PaddingBatch`es)."""
+        return data
+
+    # Checkpoint files hold full states; the checkpoint code reads and loads them only through these.
+    def model_state_dict(self, model: torch.nn.Module) -> dict:
+        """The model's full state for a checkpoint (here `model.state_dict()`: the live tensors, not copies)."""
+        return model.state_dict()
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: Mapping) -> None:
+        """Load a full model state (strict)."""
+        model.load_state_dict(state)
+
+    def optimizer_state_dict(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+        """An optimizer's full state for a checkpoint, keyed by parameter index (`opt.state_dict()`)."""
+        return opt.state_dict()
+
+    def load_optimizer_state_dict(self, model: torch.nn.Module, opt: torch.optim.Optimizer, state: Mapping) -> None:
+        """Load a full optimizer state keyed by parameter index."""
+        opt.load_state_dict(state)
+
+
+class PaddingBatch:
+    """A batch a rank runs only so that its forward's collectives meet the other ranks' (FSDP evaluation,
+    `deepepochs.fsdp`): the engine runs the model's forward on `batch` and records nothing of it."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch):
+        self.batch = batch
+
+
+class SingleProcess(_PolicyBase):
     """One process: nothing to synchronise."""
 
     world_size = 1
@@ -175,26 +224,33 @@ def check_ddp_kwargs(ddp_kwargs) -> dict:
     return dict(ddp_kwargs)
 
 
-def select_policy(device: torch.device, split_batches: bool = False, timeout: float = 600):
-    """The policy for this process: `DDPPolicy` in a job of several processes, else `SingleProcess`.
+def select_policy(device: torch.device, split_batches: bool = False, timeout: float = 600, fsdp=None,
+                  precision: str = "fp32"):
+    """The policy for this process: `DDPPolicy` (or `FSDPPolicy` when `fsdp`, an `FSDPConfig`, is given) in a
+    job of several processes, else `SingleProcess` (one process: the strategy makes no difference).
 
     A job of several processes is recognised by `RANK` and `WORLD_SIZE` in the environment with
     `WORLD_SIZE > 1` (torchrun, `deepepochs.launch`), or by an initialised default process group of
     several ranks (the caller set it up; it stays the caller's to destroy). `timeout`: seconds a
     collective of a group created here waits for the other ranks (`Trainer(dist_timeout=...)`).
+    `precision` picks FSDP's mixed-precision policy.
     """
+    several = False
     if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            return DDPPolicy(device, split_batches, timeout)
-        return SingleProcess(device, split_batches)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and _env_int("WORLD_SIZE") > 1:
+        several = dist.get_world_size() > 1
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and _env_int("WORLD_SIZE") > 1:
         if not dist.is_available():
             raise DistributedError(
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} asks for distributed training, but this torch build "
                 "has no torch.distributed support; run a single process or install a build with it"
             )
-        return DDPPolicy(device, split_batches, timeout)
-    return SingleProcess(device, split_batches)
+        several = True
+    if not several:
+        return SingleProcess(device, split_batches)
+    if fsdp is not None:
+        from deepepochs.fsdp import FSDPPolicy  # noqa: PLC0415 (deepepochs.fsdp builds on this module)
+        return FSDPPolicy(device, split_batches, timeout, fsdp, precision)
+    return DDPPolicy(device, split_batches, timeout)
 
 
 def _env_int(name: str) -> int:
@@ -324,7 +380,7 @@ class EvalShardSampler(Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
 
-class DDPPolicy(_TrainingOrder):
+class DDPPolicy(_PolicyBase):
     """Several processes, one model replica each, gradients all-reduced by `DistributedDataParallel`.
 
     Args:
@@ -389,10 +445,14 @@ class DDPPolicy(_TrainingOrder):
         return self.model
 
     def broadcast_model(self, model: torch.nn.Module) -> None:
-        """Copy rank 0's parameters and buffers to every rank (after init callbacks changed them, DDP-5)."""
+        """Copy rank 0's parameters and buffers to every rank (after init callbacks changed them, DDP-5).
+
+        A sharded parameter (a DTensor, FSDP) is left alone: each of its elements lives on one rank only,
+        so there is nothing to make equal."""
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+                if not _is_sharded(tensor):
+                    dist.broadcast(tensor.data, src=0)
 
     def broadcast_object(self, obj):
         """Rank 0's value of a picklable object (e.g. the running id), on every rank."""
@@ -627,6 +687,14 @@ class ShortestShard:
                 return
             used += 1
             yield batch
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 (torch >= 2.4; loaded with FSDP anyway)
+    except ImportError:
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def _len_or_minus_one(data) -> int:

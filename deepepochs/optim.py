@@ -228,21 +228,26 @@ class Optimizers(Sequence):
                 out[key] = float(group["lr"])
         return out
 
-    def state_dict(self) -> dict:
-        """Optimizer and scheduler states, as lists in `optimize_index` order."""
+    def state_dict(self, optimizer_state=None) -> dict:
+        """Optimizer and scheduler states, as lists in `optimize_index` order. `optimizer_state(opt)` reads
+        one optimizer's state (default `opt.state_dict()`; checkpoints pass the distributed policy's, which
+        gathers sharded states)."""
+        read = optimizer_state or (lambda opt: opt.state_dict())
         return {
-            "optimizers": [item.opt.state_dict() for item in self.items],
+            "optimizers": [read(item.opt) for item in self.items],
             "schedulers": [None if item.scheduler is None else item.scheduler.state_dict()
                            for item in self.items],
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output; the number of optimizers must match."""
+    def load_state_dict(self, state: dict, load_optimizer=None) -> None:
+        """Restore `state_dict()` output; the number of optimizers must match. `load_optimizer(opt, state)`
+        loads one optimizer's state (default `opt.load_state_dict(state)`)."""
         opts, scheds = state["optimizers"], state["schedulers"]
         if len(opts) != len(self.items):
             raise ConfigError(f"checkpoint has {len(opts)} optimizer states but the trainer has"
                               f" {len(self.items)}")
+        load = load_optimizer or (lambda opt, saved: opt.load_state_dict(saved))
         for item, o, s in zip(self.items, opts, scheds):
-            item.opt.load_state_dict(o)
+            load(item.opt, o)
             if item.scheduler is not None and s is not None:
                 item.scheduler.load_state_dict(s)

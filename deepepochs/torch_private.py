@@ -30,6 +30,18 @@ fallback may be slower or coarser, but makes the same step/skip decisions and sc
     one flag (nonfinite='raise'/'skip' when the loss itself is finite). Why: the public ways cost an op
     per gradient plus a stack (4-9x the time on a small model, paid on every update).
     Fallback: `torch.isfinite(grad).all()` per gradient, stacked into one flag.
+
+FSDP2's per-parameter records (`FSDPModule._get_fsdp_state()._fsdp_param_groups[*].fsdp_params`, their
+`unsharded_accumulated_grad` and `_unsharded_param.grad`)
+    Used on rollback, to drop the gradients that micro-batches run with
+    `set_requires_gradient_sync(False)` accumulated: FSDP keeps them unsharded in these records until the
+    next synchronising backward reduce-scatters them, and `zero_grad` (which clears the sharded `.grad`s)
+    does not reach them, so an interrupted window's gradients would leak into the next window. Why: no
+    public API drops them (unshard/reshard exposes the unsharded parameters' `.grad` but not the fp32
+    accumulator a mixed-precision policy keeps).
+    Fallback: `fsdp_unsynced_grads_private` says False, and `FSDPPolicy` then never turns gradient sync
+    off: every micro-batch reduce-scatters its gradients into the sharded `.grad`s, which `zero_grad`
+    clears. Same results, more communication inside accumulation windows.
 """
 
 from __future__ import annotations
@@ -42,6 +54,8 @@ import torch
 
 __all__ = [
     "autocast_enabled",
+    "fsdp_drop_unsynced_grads",
+    "fsdp_unsynced_grads_private",
     "grads_finite_on_host",
     "grads_nonfinite",
     "scaler_forget",
@@ -276,3 +290,39 @@ def autocast_enabled(ctx: torch.autocast, device_type: str) -> bool:
     if AUTOCAST_ENABLED_PRIVATE:
         return bool(ctx._enabled)
     return True  # coarser: the caller's check of torch's "not supported" warning decides
+
+
+def _fsdp_params(model) -> list:
+    """FSDP2's per-parameter records of every `fully_shard`-ed module in `model` (private attributes)."""
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (heavy import, FSDP runs only)
+    records = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch < 2.10: at most one group per module
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            for group in groups:
+                records.extend(group.fsdp_params)
+    return records
+
+
+def fsdp_unsynced_grads_private(model) -> bool:
+    """Whether `fsdp_drop_unsynced_grads` can reach FSDP2's unsynced gradients in `model` (probed on the
+    sharded model itself: each parameter record has the attributes it clears)."""
+    try:  # any failure, whatever its type, means the private layout changed: use the public fallback
+        records = _fsdp_params(model)
+        # `_unsharded_param` appears at the first all-gather; until then there is no gradient to drop
+        return bool(records) and all("unsharded_accumulated_grad" in vars(r) for r in records)
+    except Exception:
+        return False
+
+
+def fsdp_drop_unsynced_grads(model) -> None:
+    """Drop the gradients FSDP2 holds for `model`'s parameters between no-sync backwards (the unsharded
+    gradient and the reduce-dtype accumulator of each parameter). Private: no public API reaches them."""
+    for record in _fsdp_params(model):
+        record.unsharded_accumulated_grad = None
+        unsharded = record.__dict__.get("_unsharded_param")
+        if unsharded is not None:
+            unsharded.grad = None

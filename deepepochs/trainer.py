@@ -22,6 +22,7 @@ from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
 from deepepochs.finished import apply_finished
+from deepepochs.fsdp import check_strategy_kwargs
 from deepepochs.fsm.render import render
 from deepepochs.lr_find import LRFindResult, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
@@ -135,9 +136,17 @@ class TrainerBase:
             per update (not per batch), by design. fp16 ignores it: the GradScaler skips overflowing
             updates itself. A skipped update's batches stay out of the epoch's loss and metrics.
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
+        strategy: how several processes train together: 'ddp' (default: a whole replica of the model per
+            process, gradients all-reduced) or 'fsdp' (FSDP2 `fully_shard`: parameters, gradients and
+            optimizer states sharded over the processes, for models too large to replicate). One process
+            accepts either and trains alone.
         ddp_kwargs: under DDP, further keyword arguments of `DistributedDataParallel`, e.g.
             `{'find_unused_parameters': True}` for a model with parameters some steps do not use; checked
             against DDP's signature in any run, used only under DDP.
+        fsdp_kwargs: with strategy='fsdp': 'wrap' (None: each submodule holding at least 'min_params'
+            parameters, default 1_000_000, gets its own `fully_shard`; or module classes, or a callable
+            `(module) -> bool`), 'reshard_after_forward' (True, False or an int) and 'mixed_precision' (a
+            `MixedPrecisionPolicy`; default from `precision`). Checked in any run; see `deepepochs.fsdp`.
         dist_timeout: under DDP, seconds a collective waits for the other ranks before the run fails with
             `DistributedError` (a hung or far slower rank); default 600. Applies when the Trainer creates
             the process group (launch/torchrun); a group you created keeps its own timeout.
@@ -166,12 +175,12 @@ class TrainerBase:
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 ddp_kwargs=None, dist_timeout=600, targets=None):
+                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None):
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
-            fuse_steps=fuse_steps, dist_timeout=dist_timeout)
+            fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__})")
         if loss is not None and not callable(loss):
@@ -187,9 +196,11 @@ class TrainerBase:
         if running_id is not None:
             check_run_name(running_id, "running_id")
         ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
+        fsdp = check_strategy_kwargs(strategy, ddp_kwargs, fsdp_kwargs)
         target_key, pick_targets = _check_targets(targets)
         device = _resolve_device(device)
-        dist = select_policy(device, split_batches=self.config.split_batches, timeout=self.config.dist_timeout)
+        dist = select_policy(device, split_batches=self.config.split_batches, timeout=self.config.dist_timeout,
+                             fsdp=fsdp, precision=self.config.precision)
         self.device = dist.device
         self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume
@@ -202,6 +213,7 @@ class TrainerBase:
         self.raw_model = model
         self._opts = Optimizers(opt, model)
         self._opts.check_covers(model)
+        dist.shard_model(model, [item.opt for item in self._opts.items])  # FSDP: in place, before compiling
         compiled = torch.compile(model) if compile_model else model
         self._dist = dist
         self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=dist.is_main)
@@ -212,7 +224,7 @@ class TrainerBase:
         parts = Parts(
             config=self.config, device=self.device, raw_model=model,
             train_model=dist.wrap_model(compiled, ddp_kwargs),
-            eval_model=compiled,  # unwrapped: evaluation issues no DDP collectives (DDP-7)
+            eval_model=compiled,  # not DDP-wrapped: evaluation issues no DDP collectives (DDP-7)
             opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
             console=self._console, facade=self, resolve_step=self._resolve_step,
             resume=self._resume, running_id=lambda: self.running_id, target_key=target_key,

@@ -333,3 +333,61 @@ def test_grads_nonfinite_flags_exactly_when_some_gradient_is_not_finite(monkeypa
     assert tp.grads_finite_on_host([torch.ones(2)])  # the reused flag starts over
     for g, b in zip(grads, before):
         assert torch.equal(g.to_dense().nan_to_num(posinf=9.0), b.to_dense().nan_to_num(posinf=9.0))
+
+
+# ---- FSDP2's unsynced gradients ----
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group in this process (fully_shard needs a group), destroyed afterwards."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp
+
+    if not hasattr(torch.distributed.fsdp, "fully_shard"):
+        pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6")
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_drop_unsynced_grads_leaves_only_the_next_synchronised_backward(one_rank_group):
+    """A no-sync backward leaves gradients inside FSDP (not in `.grad`); after the drop, a synchronising
+    backward gives exactly the gradients of that backward alone, as plain torch computes them."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, plain = make_model(), make_model()
+    fully_shard(model[0])
+    fully_shard(model)
+    assert tp.fsdp_unsynced_grads_private(model)
+    first, second = torch.randn(5, 3), torch.randn(5, 3)
+    model.set_requires_gradient_sync(False)
+    model(first).sum().backward()
+    assert all(p.grad is None for p in model.parameters())  # held inside FSDP, out of zero_grad's reach
+    tp.fsdp_drop_unsynced_grads(model)
+    model.set_requires_gradient_sync(True)
+    model(second).sum().backward()
+    plain(second).sum().backward()
+    for sharded, reference in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(sharded.grad.full_tensor(), reference.grad)
+
+
+def test_without_the_drop_the_unsynced_gradients_would_reach_the_next_window(one_rank_group):
+    """The leak the drop prevents: without it the synchronising backward adds the earlier gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, plain = make_model(), make_model()
+    fully_shard(model)
+    first, second = torch.randn(5, 3), torch.randn(5, 3)
+    model.set_requires_gradient_sync(False)
+    model(first).sum().backward()
+    model.set_requires_gradient_sync(True)
+    model(second).sum().backward()
+    plain(second).sum().backward()
+    assert any(not torch.allclose(s.grad.full_tensor(), r.grad) for s, r in zip(model.parameters(), plain.parameters()))
+
+
+def test_the_fsdp_probe_says_no_for_a_model_without_fully_shard():
+    """No FSDP records to reach (an unsharded model, or a torch whose layout changed): the fallback."""
+    assert not tp.fsdp_unsynced_grads_private(make_model())

@@ -105,6 +105,7 @@ class AnalyzeCallback(Callback):
         self._handles: list = []
         self._stats: dict[str, _Stat] = {}
         self._modules: dict[str, torch.nn.Module] | None = None
+        self._gathering = False  # FSDP, backward mode, in a training stage: every rank gathers gradients
 
     @property
     def hook_count(self) -> int:
@@ -120,21 +121,28 @@ class AnalyzeCallback(Callback):
         """Register the hooks for this training stage."""
         self._remove()
         self._stats = {}
-        if not trainer.is_main_process:
-            return
         if self._modules is None:
             self._modules = self._select(trainer.raw_model)
+        self._gathering = self.mode == "backward" and trainer._dist.shards_model
+        if not trainer.is_main_process:
+            return
         for name, module in self._modules.items():
             self._handles.append(module.register_forward_hook(self._forward_hook(name)))
 
     def on_before_optimize(self, trainer, optimize_index):
-        """backward: the parameter gradients the optimizers are about to use."""
-        if self.mode != "backward" or not self._handles:
+        """backward: the parameter gradients the optimizers are about to use. Under FSDP each is a shard:
+        every rank joins gathering the whole gradient (a collective), rank 0 records it."""
+        if self.mode != "backward" or not (self._handles or self._gathering):
             return
         for name, module in self._modules.items():
             for pname, p in module.named_parameters(recurse=False):
-                if p.grad is not None:
-                    self._stat(f"param_grad/{name}.{pname}").add(p.grad)
+                grad = p.grad
+                if grad is None:
+                    continue
+                if hasattr(grad, "full_tensor"):
+                    grad = grad.full_tensor()
+                if self._handles:
+                    self._stat(f"param_grad/{name}.{pname}").add(grad)
 
     def on_after_train_epochs(self, trainer, tasks, metrics, epoch_idx):
         """Remove the hooks and write the epoch's statistics."""
@@ -198,6 +206,7 @@ class AnalyzeCallback(Callback):
         return hook
 
     def _remove(self):
+        self._gathering = False
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()

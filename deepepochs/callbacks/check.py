@@ -10,7 +10,6 @@ therefore still gets that epoch's checkpoint. The file format is in `deepepochs.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import re
@@ -179,9 +178,11 @@ class CheckCallback(Callback):
 
     def _save(self, trainer) -> None:
         # Runs in the save_checkpoints action: every monitor has checked this epoch by now, so the
-        # snapshot carries all of their states. Every rank took the same decision; rank 0 writes.
+        # snapshot carries all of their states. Every rank took the same decision and takes the snapshot
+        # (under FSDP gathering the full states is a collective); rank 0 writes.
+        ckpt = checkpoint.snapshot(trainer)
         if trainer._dist.is_main:
-            checkpoint.write_atomic(checkpoint.snapshot(trainer).to_dict(), self.path(trainer))
+            checkpoint.write_atomic(ckpt.to_dict(), self.path(trainer))
 
     def on_before_test_epochs(self, trainer, tasks):
         """The first CheckCallback swaps in the weights of the first monitor that has a file."""
@@ -197,8 +198,8 @@ class CheckCallback(Callback):
             return
         ckpt = checkpoint.read_checkpoint(source)
         # Back up before touching the weights: a failing load_state_dict may have copied some of them.
-        self._test_backup = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
-                                 else copy.deepcopy(v)) for k, v in trainer.raw_model.state_dict().items()}
+        # Every rank loads and backs up (under FSDP both are collectives; rank 0 holds the full states).
+        self._test_backup = checkpoint.copied_to_cpu(trainer._dist.model_state_dict(trainer.raw_model))
         checkpoint.load_model_state(trainer, ckpt.model, source)
         trainer._console.info(f"Testing the weights of {source} (epoch {ckpt.epoch})")
 
@@ -213,4 +214,4 @@ class CheckCallback(Callback):
     def _restore(self, trainer) -> None:
         backup, self._test_backup = self._test_backup, None
         if backup is not None:
-            trainer.raw_model.load_state_dict(backup)
+            checkpoint.load_model_state(trainer, backup, "<the weights before testing>")

@@ -80,5 +80,8 @@ class GradClipCallback(Callback):
         if self.norm_type is None:
             torch.nn.utils.clip_grad_value_(params, self.max_value)
         else:
-            # clip_grad_norm_ scales by min(1, max/norm) on the device: no host sync.
-            self.last_norm = torch.nn.utils.clip_grad_norm_(params, self.max_value, norm_type=self.norm_type)
+            # clip_grad_norm_ scales by min(1, max/norm) on the device: no host sync. Under FSDP the gradients
+            # are sharded DTensors: their norm is the global one (a collective), returned as a replicated
+            # DTensor, kept here as the plain tensor it replicates.
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_value, norm_type=self.norm_type)
+            self.last_norm = norm.to_local() if hasattr(norm, "to_local") else norm

@@ -216,6 +216,13 @@ class LogCallback(Callback):
 
     def _write_graph(self, trainer, inputs):
         self._graph_pending = False
+        if trainer._dist.shards_model:  # FSDP: a traced forward would all-gather on rank 0 alone and hang
+            if trainer.is_main_process:
+                warnings.warn("LogCallback(log_graph=True) does not draw the graph of a model sharded with"
+                              " strategy='fsdp': tracing it would run the parameters' all-gathers on rank 0"
+                              " alone; the graph is skipped (train with strategy='ddp' or in one process to"
+                              " draw it)", DeepEpochsWarning, stacklevel=2)
+            return
         if not trainer.is_main_process:
             return
         if isinstance(inputs, Mapping):

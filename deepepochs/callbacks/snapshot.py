@@ -111,14 +111,16 @@ class SnapshotCallback(Callback):
         return due, self._signal
 
     def write_snapshot(self, trainer, position) -> Path | None:
-        """Write the snapshot (rank 0; `position` None at an epoch's end) and prune old ones; its path."""
+        """Write the snapshot (every rank takes it, a collective under FSDP; rank 0 writes it; `position`
+        None at an epoch's end) and prune old ones; its path (None on other ranks)."""
         self._since, self._last = 0, time.monotonic()
+        ckpt = checkpoint.snapshot(trainer, position)
         if not trainer._dist.is_main:
             return None
         folder = self.ckpt_dir / str(trainer.running_id)
         end = "" if position is not None else f"-epoch{trainer.loop.completed_epochs}"
         path = folder / f"snapshot-u{self.updates:09d}{end}{checkpoint.SUFFIX}"
-        checkpoint.write_atomic(checkpoint.snapshot(trainer, position).to_dict(), path)
+        checkpoint.write_atomic(ckpt.to_dict(), path)
         self._prune(folder)
         return path
 

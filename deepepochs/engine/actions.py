@@ -336,6 +336,7 @@ def discard_window(ctx: Context) -> None:
     parts, loop = ctx.parts, ctx.loop
     ctx.signals.drop()
     parts.opts.zero_grad(parts.opts.all_indices)
+    parts.dist.drop_unsynced_gradients()  # FSDP keeps a no-sync micro-batch's gradients outside `.grad`
     parts.precision.discard_step_state()
     parts.dist.set_grad_sync(True)
     meters = loop.meters
@@ -446,6 +447,7 @@ def window_finite(ctx: Context, grads: list[torch.Tensor]) -> bool:
     if bad:
         return _finite_or_raise(ctx, bad, raise_, dist, "loss")
     if grads:
+        grads = dist.local_shards(grads)  # FSDP: this rank's shards; the flag is agreed over the ranks below
         if flag is None and grads[0].is_cpu:
             bad = not torch_private.grads_finite_on_host(grads)  # no sync on the CPU
         else:

@@ -17,6 +17,7 @@ import functools
 import itertools
 
 from deepepochs.data import batch_splitter, lookahead
+from deepepochs.distributed import PaddingBatch
 from deepepochs.engine import snapshots, steps
 from deepepochs.engine.context import Context
 from deepepochs.fsm.machine import load_spec
@@ -123,7 +124,9 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     """Run a validation or test task's batches (no gradients; the caller holds `torch.no_grad`).
 
     `observed=False` (prediction) runs no batch hooks and prints no batch lines; `split` replaces the
-    default batch splitting (`data.batch_splitter`)."""
+    default batch splitting (`data.batch_splitter`). A `PaddingBatch` the policy adds (FSDP: every rank
+    runs as many forwards as the others) runs the model's forward only: it is no batch of the task, so
+    it fires no trigger, runs no step or hook and counts in no loss, metric or prediction."""
     parts, loop, task, facade = ctx.parts, ctx.loop, ctx.task, ctx.parts.facade
     fire = ctx.machine.fire
     hooks = parts.hooks.by_event
@@ -138,7 +141,11 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     else:
         step_fn = steps.custom_step(ctx, step_fn)
     console, autocast = parts.console, parts.precision.autocast
-    for batch in data:
+    for batch in parts.dist.pad_eval(data):
+        if type(batch) is PaddingBatch:  # FSDP: this rank's shard has ended; its forward meets the others'
+            with autocast():
+                steps.padding_forward(ctx, split(batch.batch)[0])
+            continue
         loop.batch_idx += 1
         batch_x, batch_y, n = split(batch)
         ctx.batch_n, ctx.step_loss = n, None

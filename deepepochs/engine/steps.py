@@ -24,7 +24,8 @@ from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 
 __all__ = [
     "batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss", "custom_step",
-    "default_step", "first_batch_checks", "loss", "no_sync", "optimize", "predict_step", "step_metrics", "user_loss",
+    "default_step", "first_batch_checks", "loss", "no_sync", "optimize", "padding_forward", "predict_step",
+    "step_metrics", "user_loss",
 ]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
@@ -112,6 +113,12 @@ def predict_step(ctx: Context, outputs: list, device: torch.device | None, batch
     """Prediction's step: the forward pass only; its output is kept in `outputs`, detached and moved to
     `device` batch by batch (so predicting a large dataset does not fill the accelerator's memory)."""
     outputs.append(detached(call_model(ctx.model, batch_x), device))
+
+
+def padding_forward(ctx: Context, batch_x) -> None:
+    """The forward of a `PaddingBatch` (FSDP evaluation): the model's all-gathers happen, its output is
+    dropped."""
+    call_model(ctx.model, batch_x)
 
 
 def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
