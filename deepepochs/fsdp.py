@@ -363,10 +363,19 @@ class FSDPPolicy(DDPPolicy):
         """`data`'s batches, then `PaddingBatch`es until every rank has run as many forwards as the rank with
         the most batches (see the module doc). One exchange of the batch counts per task; for data without
         a length on some rank, one small all-reduce per batch instead."""
-        counts = self.all_gather_object(_len_or_minus_one(data))
+        gathered = self.all_gather_object((_len_or_minus_one(data), _first_sample(data) is not None))
+        counts = [count for count, _ in gathered]
+        most = max(counts)
+        stuck = [rank for rank, (count, can) in enumerate(gathered) if count == 0 < most and not can]
+        if stuck:  # decided on every rank: all raise, none waits for a forward that never comes
+            raise DistributedError(
+                f"rank(s) {stuck}: their evaluation data yields no batch while another rank's yields {most};"
+                " under strategy='fsdp' every forward is a collective, so each rank needs a batch to run the"
+                " others' forwards with. Give every rank at least one batch, or pass a DataLoader over a"
+                " map-style dataset (sharded and padded automatically)")
         if -1 in counts:
             return self._pad_agreed(data)
-        return self._pad_counted(data, max(counts))
+        return self._pad_counted(data, most)
 
     def _pad_counted(self, data, most: int):
         last, ran = None, 0
@@ -393,15 +402,24 @@ class FSDPPolicy(DDPPolicy):
                 yield batch
 
     def _some_batch(self, data):
-        """A batch for a rank whose shard is empty (fewer samples than ranks): the dataset's first sample,
-        collated as the DataLoader would."""
-        dataset = getattr(data, "dataset", None)
-        collate = getattr(data, "collate_fn", None)
-        if dataset is None or collate is None or _len_or_minus_one(dataset) < 1:
+        """A batch for a rank whose data yielded none (an empty shard: fewer samples than ranks)."""
+        batch = _first_sample(data)
+        if batch is None:  # data without a length that ended at once (counted data is checked in pad_eval)
             raise DistributedError(
                 f"rank {self.rank}: its evaluation data yielded no batch while another rank's did; under"
                 " strategy='fsdp' every forward is a collective, so this rank needs a batch to run the"
-                " others' forward with. Give every rank at least one batch, or pass a DataLoader over a"
+                " others' forwards with. Give every rank at least one batch, or pass a DataLoader over a"
                 " map-style dataset (sharded and padded automatically)")
-        return collate([dataset[0]])
+        return batch()
+
+
+def _first_sample(data):
+    """For a DataLoader over a non-empty map-style dataset, a function making a batch of its first sample
+    (collated as the DataLoader would); else None."""
+    dataset, collate = getattr(data, "dataset", None), getattr(data, "collate_fn", None)
+    if dataset is None or collate is None or isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    if _len_or_minus_one(dataset) < 1:
+        return None
+    return lambda: collate([dataset[0]])
 
