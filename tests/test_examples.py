@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,6 +75,16 @@ def test_memory_benchmark_runs_quickly(tmp_path):
     text = _run([BENCH / "memory_steady.py", "--epochs", "2", "--batches", "30", "--val-batches", "5",
                  "--every", "10", "--output", out], tmp_path)
     assert "RSS growth" in text and out.exists(), text
+
+
+@pytest.mark.distributed
+def test_fsdp_memory_benchmark_reports_half_the_bytes_per_rank_with_two_processes(tmp_path):
+    """fsdp_memory.py at a small width: each FSDP rank holds half of DDP's parameters + optimizer state."""
+    out = tmp_path / "fsdp.json"
+    text = _run([BENCH / "fsdp_memory.py", "--width", "128", "--layers", "2", "--output", out], tmp_path, timeout=300)
+    result = json.loads(out.read_text())
+    assert {(r["strategy"], r["rank"]) for r in result["results"]} == {(s, r) for s in ("ddp", "fsdp") for r in (0, 1)}
+    assert result["fsdp_over_ddp"] == pytest.approx(0.5, abs=0.01), text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
