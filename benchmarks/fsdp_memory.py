@@ -57,7 +57,8 @@ def measure() -> list:
         states = sum(_local_bytes(v) for group in trainer.opt[0].opt.state.values() for v in group.values()
                      if isinstance(v, torch.Tensor))
         mine = {"rank": trainer._dist.rank, "strategy": strategy, "parameters": layers * (width * width + width),
-                "param_mb": params / MB, "optimizer_state_mb": states / MB, "param_plus_state_mb": (params + states) / MB,
+                "param_mb": params / MB, "optimizer_state_mb": states / MB,
+                "param_plus_state_mb": (params + states) / MB,
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         return trainer._dist.all_gather_object(mine)  # before close(): it ends the process group
     finally:
