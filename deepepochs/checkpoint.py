@@ -24,7 +24,7 @@ yours keeps other objects in its state). Keys:
                     run (`deepepochs.utils.rng_state`), None under DDP. Restored on load in a
                     one-process run, so a resumed run shuffles and drops out exactly as the
                     uninterrupted one would; under DDP each rank keeps its own generators.
-`order_seed`        int or None, the seed of the training order (`deepepochs.distributed.DataOrder`):
+`order_seed`        int or None, the seed of the training order (`deepepochs.sharding.DataOrder`):
                     with it, later epochs of a resumed run see the order the uninterrupted run saw,
                     in any process and at any world size. None in files of older versions.
 `position`          dict or None: where inside epoch `epoch + 1` a mid-epoch snapshot was taken
@@ -500,7 +500,7 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         state = ckpt.monitors.get(monitor.monitor_id)
         if state is not None:
             monitor.load_state_dict(state)
-    if ckpt.order_seed is not None:  # the training order continues as it was (`distributed.DataOrder`)
+    if ckpt.order_seed is not None:  # the training order continues as it was (`sharding.DataOrder`)
         trainer._dist.order_seed = ckpt.order_seed
     if ckpt.rng is not None and trainer.world_size == 1:
         try:

@@ -35,9 +35,7 @@ import contextlib
 import copy
 import datetime
 import inspect
-import itertools
 import os
-import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -45,20 +43,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
     DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    Sampler,
-    SequentialSampler,
 )
 
-from deepepochs.errors import ConfigError, DeepEpochsWarning, DistributedError
+from deepepochs.errors import ConfigError, DistributedError
 from deepepochs.patches import _map_tensors
+from deepepochs.sharding import ShortestShard, len_or_minus_one, shard
 
-__all__ = ["DDPPolicy", "DataOrder", "EvalShardSampler", "PaddingBatch", "ShortestShard", "SingleProcess",
-           "check_ddp_kwargs", "select_policy", "skip_batches"]
+__all__ = ["DDPPolicy", "SingleProcess", "check_ddp_kwargs", "select_policy"]
 
 
 class _PolicyBase:
@@ -112,16 +104,6 @@ class _PolicyBase:
         opt.load_state_dict(state)
 
 
-class PaddingBatch:
-    """A batch a rank runs only so that its forward's collectives meet the other ranks' (FSDP evaluation,
-    `deepepochs.fsdp`): the engine runs the model's forward on `batch` and records nothing of it."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self, batch):
-        self.batch = batch
-
-
 class SingleProcess(_PolicyBase):
     """One process: nothing to synchronise."""
 
@@ -147,7 +129,7 @@ class SingleProcess(_PolicyBase):
             return dataloader
         if self.order_seed is None:
             self.order_seed = torch.initial_seed() % 2**62
-        sharded = _shard(dataloader, stage, 0, 1, False, self)
+        sharded = shard(dataloader, stage, 0, 1, False, self)
         if sharded is None:
             return dataloader
         self._epoch_samplers.add(sharded.sampler)
@@ -295,91 +277,6 @@ def _init_group_from_env(backend: str, timeout: float) -> None:
                             timeout=datetime.timedelta(seconds=timeout))
 
 
-class DataOrder(DistributedSampler):
-    """The training order of a plain DataLoader, in one process and under DDP alike: a function of
-    (seed, epoch) only, whatever the world size, then sharded across the ranks.
-
-    It is `DistributedSampler`'s order: with `shuffle`, `torch.randperm(n, generator=torch.Generator().
-    manual_seed(seed + epoch))`, else `range(n)`; padded by repeating its start to a multiple of the world
-    size; rank r takes every w-th index from r. So w ranks with batch b see, batch by batch, the samples
-    one process with batch w*b sees. The seed is the policy's `order_seed` (rank 0's `torch.
-    initial_seed()` when the first training DataLoader was prepared; restored from checkpoints), read
-    at each epoch; a DataLoader (or its `RandomSampler`) built with its own `generator` is ordered by that
-    generator's seed instead. `skip` (set by `skip_batches`) drops this rank's first samples of the next epoch's
-    iteration, so a resumed epoch never loads the batches it skips.
-    """
-
-    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool, policy, generator=None):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, drop_last=False)
-        self.policy = policy
-        self.skip = 0
-        # A DataLoader given its own generator keeps ordering by it: its seed replaces the policy's.
-        self.own_seed = None if generator is None else generator.initial_seed() % 2**62
-
-    def __iter__(self):
-        if self.own_seed is not None:
-            self.seed = self.own_seed
-        elif self.policy is not None and self.policy.order_seed is not None:
-            self.seed = self.policy.order_seed
-        skip, self.skip = self.skip, 0
-        return itertools.islice(super().__iter__(), skip, None)
-
-
-def skip_batches(data, count: int, samples: int | None = None, world_size: int = 1):
-    """`(data without its first batches, how many batches were skipped)`.
-
-    `count` batches of this rank, or with `samples` (a snapshot of another world size) the samples all
-    ranks consumed: this rank's shard then skips `samples / world_size`. A seeded-order DataLoader skips at
-    the sampler (the skipped samples are never loaded); anything else is iterated past `count` batches,
-    which continues the interrupted order only when the order is fixed: for other data (a user's random
-    sampler, an IterableDataset, a generator) a `DeepEpochsWarning` says the resumed epoch may repeat or
-    miss samples."""
-    sampler = getattr(data, "sampler", None)
-    if isinstance(sampler, DataOrder) and isinstance(data, DataLoader):
-        batch = data.batch_size or 1
-        if samples is None:
-            sampler.skip = count * batch
-            return data, count
-        per_rank, extra = divmod(samples, world_size)
-        count, partial = divmod(per_rank, batch)
-        if extra or partial:
-            warnings.warn(f"resuming a snapshot of another world size: the {samples} samples the epoch consumed are"
-                          f" not a whole number of this run's global batches ({world_size} x {batch}); it"
-                          f" continues after {count * batch * world_size} of them (keep world size x batch size"
-                          " equal to resume exactly)", DeepEpochsWarning, stacklevel=2)
-        sampler.skip = count * batch
-        return data, count
-    fixed = isinstance(data, (list, tuple)) or (
-        isinstance(data, DataLoader) and isinstance(sampler, SequentialSampler)
-        and not isinstance(data.dataset, IterableDataset))
-    if not fixed:
-        warnings.warn(
-            f"resuming inside an epoch: the training data ({type(data).__name__}) is not a plain DataLoader, so its"
-            f" order may differ from the interrupted run's; its first {count} batches are iterated past, and the"
-            " rest of the epoch may repeat or miss samples. A plain DataLoader(dataset, batch_size=...,"
-            " shuffle=...) resumes exactly (README: Exact resume)", DeepEpochsWarning, stacklevel=2)
-    return itertools.islice(data, count, None), count
-
-
-class EvalShardSampler(Sampler[int]):
-    """Rank `rank` of `world_size` gets indices `rank, rank + world_size, ...` of `range(num_samples)`.
-
-    Over all ranks every index appears exactly once: no padding, so shards may differ in length by one.
-    Used for validation and test data, where a padded duplicate would be counted twice in a metric.
-    """
-
-    def __init__(self, num_samples: int, rank: int, world_size: int):
-        self.num_samples = num_samples
-        self.rank = rank
-        self.world_size = world_size
-
-    def __iter__(self):
-        return iter(range(self.rank, self.num_samples, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.num_samples, self.world_size))
-
-
 class DDPPolicy(_PolicyBase):
     """Several processes, one model replica each, gradients all-reduced by `DistributedDataParallel`.
 
@@ -497,12 +394,12 @@ class DDPPolicy(_PolicyBase):
         has no length (an IterableDataset, a generator), the ranks agree before each batch whether all of
         them still have one (`ShortestShard`): the epoch ends for all at the shortest shard.
         """
-        sharded = _shard(dataloader, stage, self.rank, self.world_size, self.split_batches, self)
+        sharded = shard(dataloader, stage, self.rank, self.world_size, self.split_batches, self)
         data = dataloader if sharded is None else sharded
         if stage != "train":
             return data
         sampler = getattr(data, "sampler", None)
-        count = _len_or_minus_one(data)
+        count = len_or_minus_one(data)
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, (count, torch.initial_seed() % 2**62))
         counts = [c for c, _ in gathered]
@@ -650,117 +547,12 @@ class DDPPolicy(_PolicyBase):
             dist.destroy_process_group()
 
 
-class ShortestShard:
-    """Training data without a length under DDP: before each batch every rank says whether it has one, and
-    the epoch ends for all ranks when any has none (the shortest shard). A longer shard's remaining batches
-    are not used that epoch (warned once on that rank). Costs one small all-reduce per batch, for such
-    data only; the alternative, shadowing the missing ranks' collectives (`torch.distributed.algorithms.
-    Join`), would train the longer shards on gradients averaged over fewer ranks.
-
-    Args:
-        data: the rank's iterable (iterated anew each epoch).
-        policy: the `DDPPolicy` whose group agrees.
-    """
-
-    def __init__(self, data, policy: DDPPolicy):
-        self.data = data
-        self.policy = policy
-        self.warned = False
-
-    def __iter__(self):
-        batches = iter(self.data)
-        used = 0
-        while True:
-            try:
-                batch, have = next(batches), True
-            except StopIteration:
-                batch, have = None, False
-            if not self.policy.all_have(have):
-                if have and not self.warned:
-                    self.warned = True
-                    warnings.warn(
-                        f"rank {self.policy.rank}: the training epoch ended after {used} batches, where another"
-                        " rank's data ran out (training data without a length under DDP stops at the shortest"
-                        " shard); this rank's remaining batches were not used. Give every rank the same number"
-                        " of batches, or pass a DataLoader over a map-style dataset (sharded evenly)",
-                        DeepEpochsWarning, stacklevel=2)
-                return
-            used += 1
-            yield batch
-
-
 def _is_sharded(tensor: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor  # noqa: PLC0415 (torch >= 2.4; loaded with FSDP anyway)
     except ImportError:
         return False
     return isinstance(tensor, DTensor)
-
-
-def _len_or_minus_one(data) -> int:
-    try:
-        return len(data)
-    except TypeError:
-        return -1
-
-
-def _is_plain(dataloader) -> bool:
-    """A DataLoader whose sampling the caller left to `DataLoader` itself (`shuffle=` and `batch_size=`)."""
-    if type(dataloader) is not DataLoader or isinstance(dataloader.dataset, IterableDataset):
-        return False
-    sampler = dataloader.sampler
-    if type(sampler) is RandomSampler:
-        if sampler.replacement or sampler._num_samples is not None:
-            return False
-    elif type(sampler) is not SequentialSampler:
-        return False
-    batch_sampler = dataloader.batch_sampler
-    if dataloader.batch_size is None:
-        return batch_sampler is None
-    return type(batch_sampler) is BatchSampler and batch_sampler.sampler is sampler
-
-
-_DATALOADER_PARAMETERS = frozenset(inspect.signature(DataLoader.__init__).parameters)
-# Settings copied from the original DataLoader (those this torch version knows).
-_COPIED = tuple(
-    name
-    for name in (
-        "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-        "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
-    )
-    if name in _DATALOADER_PARAMETERS
-)
-
-
-def _shard(dataloader, stage: str, rank: int, world_size: int, split_batches: bool, policy=None):
-    """The rebuilt, sharded DataLoader, or None when `dataloader` is to be used as given; `policy` holds
-    the training order's seed (`DataOrder`)."""
-    if not _is_plain(dataloader):
-        return None
-    batch_size = dataloader.batch_size
-    if split_batches:
-        if batch_size is None or batch_size % world_size:
-            raise ConfigError(
-                f"split_batches=True divides each DataLoader's batch_size by the world size {world_size}, "
-                f"so batch_size must be a multiple of it (got batch_size={batch_size}); use a batch size "
-                f"divisible by {world_size}, or split_batches=False for a per-process batch size"
-            )
-        batch_size //= world_size
-    dataset = dataloader.dataset
-    if stage == "train":
-        shuffle = isinstance(dataloader.sampler, RandomSampler)
-        # drop_last=False: shards are padded (by repeating samples) to equal length, so every rank runs
-        # the same number of batches; the DataLoader's own drop_last still drops short batches.
-        # The order follows a generator the caller gave the DataLoader or its RandomSampler, if any.
-        generator = dataloader.generator or getattr(dataloader.sampler, "generator", None)
-        sampler = DataOrder(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, policy=policy,
-                            generator=generator)
-        drop_last = dataloader.drop_last
-    else:
-        sampler = EvalShardSampler(len(dataset), rank, world_size)
-        drop_last = False
-    settings = {name: getattr(dataloader, name) for name in _COPIED}
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **settings)
 
 
 def _portable(patch):

@@ -48,8 +48,9 @@ import torch
 from torch import nn
 
 from deepepochs import torch_private
-from deepepochs.distributed import DDPPolicy, PaddingBatch, _len_or_minus_one
+from deepepochs.distributed import DDPPolicy
 from deepepochs.errors import ConfigError, DistributedError
+from deepepochs.sharding import PaddingBatch, len_or_minus_one
 
 __all__ = ["FSDP_KEYS", "FSDPConfig", "FSDPPolicy", "check_strategy_kwargs", "shard_targets"]
 
@@ -363,7 +364,7 @@ class FSDPPolicy(DDPPolicy):
         """`data`'s batches, then `PaddingBatch`es until every rank has run as many forwards as the rank with
         the most batches (see the module doc). One exchange of the batch counts per task; for data without
         a length on some rank, one small all-reduce per batch instead."""
-        gathered = self.all_gather_object((_len_or_minus_one(data), _first_sample(data) is not None))
+        gathered = self.all_gather_object((len_or_minus_one(data), _first_sample(data) is not None))
         counts = [count for count, _ in gathered]
         most = max(counts)
         stuck = [rank for rank, (count, can) in enumerate(gathered) if count == 0 < most and not can]
@@ -419,7 +420,7 @@ def _first_sample(data):
     dataset, collate = getattr(data, "dataset", None), getattr(data, "collate_fn", None)
     if dataset is None or collate is None or isinstance(dataset, torch.utils.data.IterableDataset):
         return None
-    if _len_or_minus_one(dataset) < 1:
+    if len_or_minus_one(dataset) < 1:
         return None
     return lambda: collate([dataset[0]])
 

@@ -17,10 +17,10 @@ import functools
 import itertools
 
 from deepepochs.data import batch_splitter, lookahead
-from deepepochs.distributed import PaddingBatch
 from deepepochs.engine import snapshots, steps
 from deepepochs.engine.context import Context
 from deepepochs.fsm.machine import load_spec
+from deepepochs.sharding import PaddingBatch
 from deepepochs.tasks import BatchMetrics
 
 __all__ = ["FUSED_OBSERVERS", "eval_batches", "fuses", "train_batches"]

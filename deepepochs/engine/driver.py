@@ -17,7 +17,6 @@ import torch
 
 from deepepochs.checkpoint import monitors_in
 from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
-from deepepochs.distributed import skip_batches
 from deepepochs.engine import actions, batches, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
@@ -25,6 +24,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.patches import TensorPatch
+from deepepochs.sharding import skip_batches
 from deepepochs.tasks import EpochTask, TaskMeters, check_metric_names, merge_stage_metrics, merge_values, metric_name
 
 __all__ = ["Driver"]

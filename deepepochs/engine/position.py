@@ -7,7 +7,7 @@ continue from there, besides the training state every checkpoint holds:
 `epoch`             int, the 1-based epoch in progress (the file's `epoch` key counts completed ones).
 `task_index`        int, the training task in progress (0-based).
 `batches_done`      int, that task's batches whose windows were committed (the data position: a
-                    seeded-order DataLoader skips them at the sampler, `distributed.skip_batches`).
+                    seeded-order DataLoader skips them at the sampler, `sharding.skip_batches`).
 `world_size`        int, processes that trained (every rank ran `batches_done` batches of its shard).
 `batch_size`        int or None, the task's per-rank DataLoader batch size (None: not a DataLoader).
 `samples_done`      int or None, samples the task consumed over all ranks (`batches_done` x

@@ -30,8 +30,10 @@ from torch.utils.data import (
 )
 
 from deepepochs import Trainer
-from deepepochs.distributed import EvalShardSampler, SingleProcess, _shard, select_policy
+from deepepochs.distributed import SingleProcess, select_policy
 from deepepochs.errors import ConfigError
+from deepepochs.sharding import EvalShardSampler
+from deepepochs.sharding import shard as _shard
 
 # Spawned children import their targets by module name; they inherit this sys.path entry.
 TARGETS_DIR = Path(__file__).resolve().parent
