@@ -41,7 +41,7 @@ if str(TARGETS_DIR) not in sys.path:
     sys.path.insert(0, str(TARGETS_DIR))
 
 import ddp_targets as T  # noqa: E402  (needs the sys.path entry above)
-from deadline import launch_with_deadline  # noqa: E402  (same sys.path entry)
+from deadline import launch_with_deadline, teardown_abort  # noqa: E402  (same sys.path entry)
 
 REPO = TARGETS_DIR.parents[1]
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -515,8 +515,10 @@ def _result(folder: Path) -> dict:
 
 
 def _succeeded(run: _Background) -> subprocess.CompletedProcess:
+    """The finished run; it exited 0, or (torchrun) ended only by torch's abort at exit: the callers check
+    what it produced either way."""
     done = run.result()
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0 or teardown_abort(done.returncode, done.stderr), done.stdout + done.stderr
     return done
 
 
