@@ -328,3 +328,32 @@ def raise_on_rank_1_during_training() -> None:
     kwargs = trainer_kwargs(epochs=50, metrics=None, callbacks=[_FailOnRank1()])
     with Trainer(model, F.cross_entropy, make_optimizer(model), **kwargs) as trainer:
         trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
+
+
+# ---- checks shared by test_ddp.py and test_fsdp.py (run in the test process) ----------------------------
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max(float((a[key] - b[key]).abs().max()) for key in a)
+
+
+def metrics_on(state: dict, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Loss, accuracy and sample count of the weights `state` on (x, y) at once, in plain PyTorch."""
+    model = make_model()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(x)
+    return {"loss": float(F.cross_entropy(logits, y)), "accuracy": float(accuracy(logits, y)),
+            "sample_count": float(len(y))}
+
+
+def check_val_records(ranks: list, scenario: str, expected: dict, tolerance: float) -> None:
+    """Every rank's validation records of `scenario` count each of the VAL_N samples once per epoch and
+    equal `expected` (one process's records) within `tolerance`."""
+    import pytest  # noqa: PLC0415 (the targets also run in launched processes, which need no pytest)
+
+    for rank in ranks:
+        records = rank[scenario]["records"]["val"]
+        assert records["sample_count"] == [float(VAL_N)] * EPOCHS
+        for name, values in expected.items():
+            assert records[name] == pytest.approx(values, abs=tolerance), name

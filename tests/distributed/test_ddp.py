@@ -113,22 +113,6 @@ def single_process():
     return out
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[key] - b[key]).abs().max()) for key in a)
-
-
-def _metrics_on(state: dict, dataset: TensorDataset) -> dict:
-    """Loss, accuracy and sample count of the weights `state` on the whole dataset at once."""
-    model = T.make_model()
-    model.load_state_dict(state)
-    x, y = dataset.tensors
-    with torch.no_grad():
-        logits = model(x)
-    return {"loss": float(F.cross_entropy(logits, y)), "accuracy": float(T.accuracy(logits, y)),
-            "sample_count": float(len(y))}
-
-
 # ---- DDP-6: the same weights as one process with the whole batch ---------------------------------------
 @pytest.mark.distributed
 @pytest.mark.parametrize(("scenario", "k"), [("equivalence", 1), ("accumulation", 2), ("split_batches", 1)])
@@ -137,9 +121,9 @@ def test_ddp_weights_equal_one_process_with_the_whole_batch(ranks, single_proces
     reference = plain_reference(k)
     for rank in ranks:
         state = rank[scenario]["state"]
-        assert _max_diff(state, reference) < EXACT
-        assert _max_diff(state, single_process[k]["state"]) < EXACT
-    assert _max_diff(ranks[0][scenario]["state"], ranks[1][scenario]["state"]) == 0.0
+        assert T.max_diff(state, reference) < EXACT
+        assert T.max_diff(state, single_process[k]["state"]) < EXACT
+    assert T.max_diff(ranks[0][scenario]["state"], ranks[1][scenario]["state"]) == 0.0
 
 
 @pytest.mark.distributed
@@ -154,12 +138,7 @@ def test_gradients_are_all_reduced_only_on_the_updating_micro_batch(ranks, scena
 @pytest.mark.parametrize(("scenario", "k"), [("equivalence", 1), ("accumulation", 2)])
 def test_validation_metrics_under_ddp_equal_the_single_process_metrics(ranks, single_process, scenario, k):
     """37 validation samples over 2 ranks: each counted once, every epoch's metrics as in one process."""
-    expected = single_process[k]["records"]["val"]
-    for rank in ranks:
-        records = rank[scenario]["records"]["val"]
-        assert records["sample_count"] == [float(T.VAL_N)] * T.EPOCHS
-        for name, values in expected.items():
-            assert records[name] == pytest.approx(values, abs=EXACT), name
+    T.check_val_records(ranks, scenario, single_process[k]["records"]["val"], EXACT)
 
 
 @pytest.mark.distributed
@@ -170,8 +149,8 @@ def test_ddp_kwargs_reach_ddp_and_a_model_with_unused_parameters_trains(ranks, s
     for rank in ranks:
         run = rank["unused_parameters"]
         assert run["find_unused_parameters"] is True
-        assert _max_diff(run["used"], single_process[1]["state"]) < EXACT
-        assert _max_diff(run["unused"], run["unused_before"]) == 0
+        assert T.max_diff(run["used"], single_process[1]["state"]) < EXACT
+        assert T.max_diff(run["unused"], run["unused_before"]) == 0
 
 
 @pytest.mark.distributed
@@ -201,7 +180,7 @@ def test_interprete_callback_keeps_the_global_best_samples_on_every_rank(ranks):
 def test_test_metrics_equal_a_recomputation_on_the_whole_dataset(ranks):
     """trainer.test under DDP = loss/accuracy of the final weights over all 37 samples at once."""
     for rank in ranks:
-        expected = _metrics_on(rank["equivalence"]["state"], T.make_data(T.VAL_N, 2))
+        expected = T.metrics_on(rank["equivalence"]["state"], *T.make_data(T.VAL_N, 2).tensors)
         assert rank["equivalence"]["test"] == pytest.approx(expected, abs=EXACT)
 
 
@@ -216,7 +195,7 @@ def test_every_rank_reports_the_same_global_metrics(ranks):
 @pytest.mark.distributed
 def test_an_empty_evaluation_shard_still_gives_global_metrics(ranks):
     """A one-sample test set leaves rank 1 without any batch; both ranks report that sample's metrics."""
-    expected = _metrics_on(T.make_model().state_dict(), TensorDataset(*T.make_data(T.VAL_N, 2)[:1]))
+    expected = T.metrics_on(T.make_model().state_dict(), *T.make_data(T.VAL_N, 2)[:1])
     for rank in ranks:
         assert rank["tiny_test_set"] == pytest.approx(expected, abs=EXACT)
 

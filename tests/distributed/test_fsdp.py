@@ -87,21 +87,6 @@ def one_process():
     return records
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[key] - b[key]).abs().max()) for key in a)
-
-
-def _metrics_on(state: dict, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """Loss, accuracy and sample count of the weights `state` on (x, y) at once, in plain PyTorch."""
-    model = T.make_model()
-    model.load_state_dict(state)
-    with torch.no_grad():
-        logits = model(x)
-    return {"loss": float(F.cross_entropy(logits, y)), "accuracy": float(T.accuracy(logits, y)),
-            "sample_count": float(len(y))}
-
-
 # ---- equivalence with one process (SCALE-1, DDP-6's FSDP twin) ------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.parametrize(("scenario", "k", "clip"), [("k1", 1, None), ("k3", 3, None), ("clip", 1, S.CLIP)])
@@ -111,15 +96,15 @@ def test_fsdp_weights_equal_one_process_with_the_whole_batch(ranks, scenario, k,
     reference, _ = plain_reference(k, clip=clip)
     for rank in ranks:
         assert rank[scenario]["policy"] == "FSDPPolicy"
-        assert _max_diff(rank[scenario]["state"], reference) < EXACT
-    assert _max_diff(ranks[0][scenario]["state"], ranks[1][scenario]["state"]) == 0.0
+        assert T.max_diff(rank[scenario]["state"], reference) < EXACT
+    assert T.max_diff(ranks[0][scenario]["state"], ranks[1][scenario]["state"]) == 0.0
 
 
 @pytest.mark.distributed
 def test_clipping_changes_the_fsdp_result(ranks):
     """The clipped run differs from the unclipped one: the clip bound is active, so the equality above
     checks the global norm of the sharded gradients, not a no-op."""
-    assert _max_diff(ranks[0]["clip"]["state"], ranks[0]["k1"]["state"]) > 1e-3
+    assert T.max_diff(ranks[0]["clip"]["state"], ranks[0]["k1"]["state"]) > 1e-3
 
 
 @pytest.mark.distributed
@@ -133,7 +118,7 @@ def test_gradients_are_reduce_scattered_only_on_the_updating_micro_batch(ranks, 
         assert run["fsdp_modules"] == 3 and run["param_groups"] == 2  # two Linear layers, then the root
         assert run["reduce_scatters"] == syncs * T.EPOCHS * run["param_groups"]
     reference, _ = plain_reference(3 if scenario.startswith("k3") else 1)
-    assert _max_diff(ranks[0][scenario]["state"], reference) < EXACT
+    assert T.max_diff(ranks[0][scenario]["state"], reference) < EXACT
 
 
 # ---- evaluation: equal forwards on every rank, each sample counted once -----------------------------------
@@ -142,12 +127,7 @@ def test_gradients_are_reduce_scattered_only_on_the_updating_micro_batch(ranks, 
 def test_validation_metrics_under_fsdp_equal_the_single_process_metrics(ranks, one_process, scenario, k):
     """37 validation samples over 2 ranks (4 and 3 batches: rank 1 runs a padding forward, recorded
     nowhere): every epoch's metrics as in one process, each sample counted once."""
-    expected = one_process[k]["val"]
-    for rank in ranks:
-        records = rank[scenario]["records"]["val"]
-        assert records["sample_count"] == [float(T.VAL_N)] * T.EPOCHS
-        for name, values in expected.items():
-            assert records[name] == pytest.approx(values, abs=EXACT), name
+    T.check_val_records(ranks, scenario, one_process[k]["val"], EXACT)
 
 
 @pytest.mark.distributed
@@ -156,7 +136,7 @@ def test_test_and_predict_under_fsdp_see_every_sample_once(ranks):
     sample's output in dataset order on rank 0 and None on rank 1."""
     x, y = T.make_data(T.VAL_N, 2).tensors
     state = ranks[0]["k1"]["state"]
-    expected = _metrics_on(state, x, y)
+    expected = T.metrics_on(state, x, y)
     model = T.make_model()
     model.load_state_dict(state)
     with torch.no_grad():
@@ -176,8 +156,8 @@ def test_uneven_evaluation_data_without_a_length_or_with_an_empty_shard_does_not
     x, y = T.make_data(T.VAL_N, 2).tensors
     state = ranks[0]["uneven_eval"]["state"]
     batches = [b for r in range(2) for b in S.uneven_batches(r)]
-    union = _metrics_on(state, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-    single = _metrics_on(state, x[5:6], y[5:6])
+    union = T.metrics_on(state, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    single = T.metrics_on(state, x[5:6], y[5:6])
     model = T.make_model()
     model.load_state_dict(state)
     with torch.no_grad():
@@ -201,8 +181,8 @@ def test_a_fault_mid_window_rolls_back_exactly_under_fsdp(ranks):
         run = rank["fault"]
         assert run["error"] == "injected fault mid-window"
         assert run["raised"] == [(S.FAULT_EPOCH, 2)]
-        assert _max_diff(run["state"], rank["k3"]["state"]) == 0.0
-        assert _max_diff(run["state"], reference) < EXACT
+        assert T.max_diff(run["state"], rank["k3"]["state"]) == 0.0
+        assert T.max_diff(run["state"], reference) < EXACT
         assert len(run["records"]["train"]["loss"]) == T.EPOCHS - S.FAULT_EPOCH + 1  # epochs 2 and 3
 
 
@@ -222,7 +202,7 @@ def test_a_nan_loss_on_one_rank_skips_that_update_on_both_like_one_process(ranks
                 opt.step()
             opt.zero_grad()
     for rank in ranks:
-        assert _max_diff(rank["skipped"]["fp32"], model.state_dict()) < EXACT
+        assert T.max_diff(rank["skipped"]["fp32"], model.state_dict()) < EXACT
 
 
 @pytest.mark.distributed
@@ -234,8 +214,8 @@ def test_an_fp16_overflow_on_one_rank_skips_on_both_and_halves_both_scales(ranks
         run = rank["skipped"]["fp16"]
         assert run["scale"] == 65536.0 / 2 ** T.EPOCHS
         assert all(math.isfinite(v) for v in run["records"]["train"]["loss"])
-    assert _max_diff(ranks[0]["skipped"]["fp16"]["state"], ranks[1]["skipped"]["fp16"]["state"]) == 0.0
-    assert _max_diff(ranks[0]["skipped"]["fp16"]["state"], T.make_model().state_dict()) > 1e-3  # it trained
+    assert T.max_diff(ranks[0]["skipped"]["fp16"]["state"], ranks[1]["skipped"]["fp16"]["state"]) == 0.0
+    assert T.max_diff(ranks[0]["skipped"]["fp16"]["state"], T.make_model().state_dict()) > 1e-3  # it trained
 
 
 # ---- checkpoints: one plain file, loadable at any world size -----------------------------------------------
@@ -248,10 +228,10 @@ def test_a_two_process_fsdp_checkpoint_is_a_plain_file_of_full_states(ranks, out
     assert ranks[0]["checkpoint"]["last_file"] == str(path)
     saved = torch.load(path, weights_only=True)
     assert saved["epoch"] == 2 and saved["world_size"] == 2
-    assert _max_diff(saved["model"], ranks[0]["checkpoint"]["saved"]) == 0.0
+    assert T.max_diff(saved["model"], ranks[0]["checkpoint"]["saved"]) == 0.0
     weights, opt_state = plain_reference(1, epochs=2)
     assert {k: tuple(v.shape) for k, v in saved["model"].items()} == {k: tuple(v.shape) for k, v in weights.items()}
-    assert _max_diff(saved["model"], weights) < EXACT
+    assert T.max_diff(saved["model"], weights) < EXACT
     (optimizer,) = saved["optimizers"]
     assert sorted(optimizer["state"]) == sorted(opt_state["state"]) == [0, 1, 2, 3]
     assert [g["params"] for g in optimizer["param_groups"]] == [g["params"] for g in opt_state["param_groups"]]
@@ -268,7 +248,7 @@ def test_resuming_a_two_process_checkpoint_with_two_processes_continues_exactly(
     for rank in ranks:
         run = rank["checkpoint"]
         assert len(run["resumed_records"]["train"]["loss"]) == 1
-        assert _max_diff(run["resumed"], reference) < EXACT
+        assert T.max_diff(run["resumed"], reference) < EXACT
 
 
 @pytest.mark.distributed
@@ -287,7 +267,7 @@ def test_resuming_a_two_process_checkpoint_in_one_process_continues_exactly(rank
         state = trainer.raw_model.state_dict()
     assert len(records["train"]["loss"]) == 1
     reference, _ = plain_reference(1)
-    assert _max_diff(state, reference) < EXACT
+    assert T.max_diff(state, reference) < EXACT
 
 
 @pytest.mark.distributed
@@ -296,11 +276,11 @@ def test_test_under_fsdp_uses_the_best_checkpoint_then_restores_the_weights(rank
     rank) and gives the model its final weights back."""
     best = torch.load(ranks[0]["checkpoint"]["best_file"], weights_only=True)
     x, y = T.make_data(T.VAL_N, 2).tensors
-    expected = _metrics_on(best["model"], x, y)
+    expected = T.metrics_on(best["model"], x, y)
     for rank in ranks:
         run = rank["checkpoint"]
         assert run["test"] == pytest.approx(expected, abs=EXACT)
-        assert _max_diff(run["after_test"], run["saved"]) == 0.0
+        assert T.max_diff(run["after_test"], run["saved"]) == 0.0
 
 
 @pytest.mark.distributed
@@ -315,7 +295,7 @@ def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_with_two_processes(ranks):
     for rank in ranks:
         run = rank["snapshot"]
         assert run["error"] == "injected fault after a mid-epoch snapshot"
-        assert _max_diff(run["resumed"], reference) < EXACT
+        assert T.max_diff(run["resumed"], reference) < EXACT
         assert run["records"]["train"]["sample_count"] == [float(T.TRAIN_N)] * 2  # epochs 2 and 3, whole
         assert run["records"]["val"]["loss"] == pytest.approx(expected_val["loss"][1:], abs=EXACT)
 
@@ -337,7 +317,7 @@ def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_in_one_process(ranks, out_dir
             trainer.fit(DataLoader(T.make_data(T.TRAIN_N, 1), batch_size=2 * T.BATCH), S.val_loader())
         state = trainer.raw_model.state_dict()
     reference, _ = plain_reference(1)
-    assert _max_diff(state, reference) < EXACT
+    assert T.max_diff(state, reference) < EXACT
 
 
 # ---- callbacks that read the model ------------------------------------------------------------------------
@@ -380,8 +360,8 @@ def test_bf16_gathers_bf16_parameters_and_trains(ranks):
         assert run["forward_dtypes"] == ["torch.bfloat16"]
         assert all(math.isfinite(v) for v in run["records"]["train"]["loss"] + run["records"]["val"]["loss"])
         assert all(v.dtype == torch.float32 for v in run["state"].values())
-        assert _max_diff(run["state"], run["before"]) > 1e-3
-    assert _max_diff(ranks[0]["bf16"]["state"], ranks[1]["bf16"]["state"]) == 0.0
+        assert T.max_diff(run["state"], run["before"]) > 1e-3
+    assert T.max_diff(ranks[0]["bf16"]["state"], ranks[1]["bf16"]["state"]) == 0.0
 
 
 @pytest.mark.distributed
@@ -390,7 +370,7 @@ def test_find_lr_under_fsdp_restores_the_sharded_weights(ranks):
     assert len(ranks[0]["find_lr"]["losses"]) == 5
     assert ranks[0]["find_lr"]["losses"] == ranks[1]["find_lr"]["losses"]
     for rank in ranks:
-        assert _max_diff(rank["find_lr"]["after"], rank["find_lr"]["before"]) == 0.0
+        assert T.max_diff(rank["find_lr"]["after"], rank["find_lr"]["before"]) == 0.0
 
 
 # ---- torchrun -----------------------------------------------------------------------------------------------
