@@ -10,6 +10,7 @@ from deepepochs.callbacks import (
     LRFindCallback,
     SnapshotCallback,
 )
+from deepepochs.checkpoint import consolidate
 from deepepochs.compat import (
     TensorDict,
     TensorTuple,
@@ -75,6 +76,7 @@ __all__ = [
     "ValuePatch",
     "batches",
     "concat",
+    "consolidate",
     "flatten_dict",
     "launch",
     "plot_confusion",

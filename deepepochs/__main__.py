@@ -1,4 +1,9 @@
-"""`python -m deepepochs graph --format mermaid|dot|png|svg [--output FILE]`: draw the loop machine."""
+"""deepepochs on the command line.
+
+- `python -m deepepochs graph --format mermaid|dot|png|svg [--output FILE]`: draw the loop machine.
+- `python -m deepepochs consolidate SOURCE TARGET`: write a sharded checkpoint folder (saved under
+  `strategy='fsdp'`) as one checkpoint file, which any trainer loads, in one process too.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import argparse
 import shutil
 import sys
 
+from deepepochs.errors import CheckpointError
 from deepepochs.fsm.render import FORMATS, render
 
 __all__ = ["main"]
@@ -18,7 +24,12 @@ def main(argv=None) -> int:
     graph.add_argument("--format", choices=FORMATS, default="mermaid")
     graph.add_argument("--output", "-o", help="file to write (default: stdout; required for png/svg)")
     graph.add_argument("--show-interrupts", action="store_true", help="draw every interrupt edge")
+    merge = sub.add_parser("consolidate", help="write a sharded checkpoint folder as one checkpoint file")
+    merge.add_argument("source", help="the sharded checkpoint folder (e.g. checkpoints/<run>/val-loss.best.ckpt)")
+    merge.add_argument("target", help="the checkpoint file to write (replaced atomically if it exists)")
     args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        return _consolidate(args.source, args.target)
     if args.format in ("png", "svg") and not args.output:
         parser.error(f"--format {args.format} needs --output FILE")
     if args.format in ("png", "svg") and shutil.which("dot") is None:
@@ -33,6 +44,17 @@ def main(argv=None) -> int:
             f.write(out)
     else:
         sys.stdout.write(out)
+    return 0
+
+
+def _consolidate(source: str, target: str) -> int:
+    from deepepochs.checkpoint import consolidate  # noqa: PLC0415 (graph needs none of it)
+    try:
+        path = consolidate(source, target)
+    except CheckpointError as e:  # a bad folder is the caller's to fix: one line, no traceback
+        print(f"deepepochs consolidate: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
     return 0
 
 

@@ -5,9 +5,10 @@ deepepochs (only tensors, numbers, strings, lists, dicts and None are stored, un
 yours keeps other objects in its state). Keys:
 
 ==================  ==========================================================================
-`format_version`    int: 1, or 2 for a mid-epoch snapshot (it has a `position`); a version newer
-                    than this deepepochs reads is refused with a clear error (so an older deepepochs
-                    never takes a mid-epoch snapshot for an epoch's end).
+`format_version`    int: 1, 2 for a mid-epoch snapshot (it has a `position`), 3 for the `checkpoint.pt`
+                    of a sharded checkpoint (it has `shards`); a version newer than this deepepochs
+                    reads is refused with a clear error (so an older deepepochs never takes a
+                    mid-epoch snapshot for an epoch's end, nor a sharded one for an empty model).
 `running_id`        str, the run that wrote the file (informational: the folder name wins on resume,
                     so a renamed run folder keeps working).
 `epoch`             int, completed epochs when saved; a resumed fit continues with `epoch + 1`.
@@ -30,7 +31,17 @@ yours keeps other objects in its state). Keys:
 `position`          dict or None: where inside epoch `epoch + 1` a mid-epoch snapshot was taken
                     (`SnapshotCallback`): the data position, the task meters, every rank's generator
                     states; see `deepepochs.engine.position`. None at an epoch's end.
+`shards`            dict or None: in a sharded checkpoint's `checkpoint.pt`, `{'folder': shard folder
+                    name, 'params': per optimizer, its parameters' names in index order}`; `model` is
+                    then empty and `optimizers` hold no tensors (they are in the shards). None in a
+                    single file.
 ==================  ==========================================================================
+
+Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank
+without gathering anything (`deepepochs.sharded`: `checkpoint.pt` as above, plus the shards in
+Distributed Checkpoint format). It loads at any world size, with any strategy and in one process, and
+`consolidate(folder, file)` (or `python -m deepepochs consolidate FOLDER FILE`) turns it into the single
+file described here.
 
 Files live at `<ckpt_dir>/<running_id>/<monitor file>.ckpt` and contain no absolute paths, so a run
 folder (or a whole `ckpt_dir`) can be moved or renamed. A write goes to a hidden temporary file in the
@@ -54,6 +65,7 @@ import copy
 import os
 import pickle
 import re
+import shutil
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -62,6 +74,8 @@ from pathlib import Path
 import attrs
 import torch
 
+from deepepochs import sharded
+from deepepochs.distributed import is_dtensor
 from deepepochs.engine import position
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 from deepepochs.utils import rng_state, set_rng_state
@@ -72,21 +86,27 @@ __all__ = [
     "SUFFIX",
     "Checkpoint",
     "check_fits",
+    "consolidate",
     "copied_to_cpu",
+    "exists",
     "find_checkpoint",
     "find_checkpoints",
     "load_model_state",
     "load_into",
+    "modified_ns",
     "monitors_in",
     "monitors_of",
     "read_checkpoint",
+    "read_weights",
+    "remove",
     "remove_stale_temps",
     "resume_once",
+    "save",
     "snapshot",
     "write_atomic",
 ]
 
-FORMAT_VERSION = 2  # the newest version this deepepochs reads (and writes, for mid-epoch snapshots)
+FORMAT_VERSION = 3  # the newest version this deepepochs reads (and writes, for sharded checkpoints)
 SUFFIX = ".ckpt"
 _TEMP_SUFFIX = ".tmp"
 # Prefixes a wrapped model adds to parameter names: torch.compile's OptimizedModule and DDP.
@@ -135,6 +155,7 @@ class Checkpoint:
     rng: Mapping | None = None
     order_seed: int | None = None
     position: Mapping | None = None
+    shards: Mapping | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""
@@ -209,26 +230,26 @@ def monitors_of(trainer) -> list:
     return monitors_in(trainer.callbacks)
 
 
-def _full_optimizer_states(trainer) -> dict:
-    """`trainer.opt.state_dict()` with each optimizer's full state (the policy gathers sharded ones)."""
-    dist, model = trainer._dist, trainer.raw_model
-    return trainer.opt.state_dict(lambda opt: dist.optimizer_state_dict(model, opt))
-
-
 def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
-    """The trainer's current training state as a `Checkpoint` (tensors are not copied); `position`: where
-    inside the epoch it was taken (`deepepochs.engine.position.capture`), None at an epoch's end.
+    """The trainer's current training state as a `Checkpoint` for one file (tensors are not copied);
+    `position`: where inside the epoch it was taken (`deepepochs.engine.position.capture`), None at an
+    epoch's end. Under FSDP, where every rank holds shards, `save` writes a sharded checkpoint instead."""
+    if trainer._dist.shards_model:
+        raise CheckpointError("under strategy='fsdp' every rank holds shards of the states, so there is no one-file"
+                              " snapshot; call deepepochs.checkpoint.save(trainer, path) on every rank (a sharded"
+                              " checkpoint folder) and consolidate(path, file) for one file")
+    return _header(trainer, position, trainer.raw_model.state_dict(), trainer.opt.state_dict())
 
-    Every rank must call it: under FSDP the full model and optimizer states are gathered onto rank 0 (a
-    collective), and the other ranks' snapshots hold empty model and optimizer states."""
-    opts = _full_optimizer_states(trainer)
+
+def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) -> Checkpoint:
+    """A `Checkpoint` of the trainer's state with the given model and optimizer states."""
     return Checkpoint(
         format_version=1 if position is None else 2,
         position=position,
         running_id=str(trainer.running_id),
         epoch=trainer.loop.completed_epochs,
         world_size=trainer.world_size,
-        model=trainer._dist.model_state_dict(trainer.raw_model),
+        model=model,
         optimizers=opts["optimizers"],
         schedulers=opts["schedulers"],
         scaler=trainer._precision.state_dict(),
@@ -236,6 +257,77 @@ def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
         rng=rng_state() if trainer.world_size == 1 else None,  # under DDP every rank has its own
         order_seed=trainer._dist.order_seed,
     )
+
+
+def save(trainer, path, position: Mapping | None = None) -> Path | None:
+    """Save the trainer's state to `path`, every rank calling it; returns `path` on rank 0, else None.
+
+    One file written atomically by rank 0 (`snapshot`, `write_atomic`), or under FSDP a sharded checkpoint
+    folder of that name written by every rank (`deepepochs.sharded`). `path` is replaced whichever form it
+    had before. `position` as for `snapshot`.
+    """
+    path, dist = Path(path), trainer._dist
+    if not dist.shards_model:
+        ckpt = snapshot(trainer, position)
+        if not dist.is_main:
+            return None
+        return write_atomic(ckpt.to_dict(), path)
+    flat, params = sharded.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
+    if dist.is_main:
+        if path.is_file():  # a single file of the same name (a run that went on under FSDP)
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        sharded.remove_unnamed(path, _shard_folder(path))  # left by a save killed before its commit
+    folder = dist.broadcast_object(sharded.new_folder_name() if dist.is_main else None)  # after the tidying
+    try:
+        sharded.write(flat, path / folder)
+    except Exception as e:
+        raise CheckpointError(f"writing the shards of checkpoint {path} failed ({e!r}); the previous"
+                              " checkpoint, if any, is unchanged") from e
+    if not dist.is_main:
+        return None
+    opts = trainer.opt.state_dict()
+    opts["optimizers"] = [_without_tensors(state) for state in opts["optimizers"]]
+    ckpt = _header(trainer, position, {}, opts)
+    ckpt.format_version, ckpt.shards = 3, {"folder": folder, "params": params}
+    write_atomic(ckpt.to_dict(), path / sharded.SIDE_CAR)  # the commit
+    sharded.remove_unnamed(path, folder)
+    return path
+
+
+def _without_tensors(state: Mapping) -> dict:
+    """An optimizer's `state_dict()` without its per-parameter tensors (they go into the shards)."""
+    return {**state, "state": {index: {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+                               for index, values in state.get("state", {}).items()}}
+
+
+def _shard_folder(path: Path) -> str | None:
+    """The shard folder the committed `checkpoint.pt` of the folder `path` names, or None."""
+    try:
+        return read_checkpoint(path).shards["folder"]
+    except CheckpointError:
+        return None
+
+
+def exists(path) -> bool:
+    """Whether `path` is a checkpoint: a file, or a committed sharded checkpoint folder."""
+    path = Path(path)
+    return path.is_file() or sharded.is_folder(path)
+
+
+def modified_ns(path) -> int:
+    """When the checkpoint at `path` was last committed (a folder's `checkpoint.pt`'s time)."""
+    path = Path(path)
+    return (path / sharded.SIDE_CAR if path.is_dir() else path).stat().st_mtime_ns
+
+
+def remove(path) -> None:
+    """Delete the checkpoint at `path`, a file or a sharded checkpoint folder."""
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ---- writing ----
@@ -300,6 +392,8 @@ def write_atomic(data: Mapping, path) -> Path:
             torch.save(dict(data), f)
             f.flush()
             os.fsync(f.fileno())  # the data must be on disk before the rename makes it the checkpoint
+        if path.is_dir() and sharded.is_folder(path):  # a sharded checkpoint of that name: the file replaces it
+            shutil.rmtree(path)
         os.replace(temp, path)
     except BaseException as e:
         try:
@@ -316,7 +410,11 @@ def write_atomic(data: Mapping, path) -> Path:
 
 # ---- reading ----
 def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
-    """Read and validate one checkpoint file onto the CPU; `CheckpointError` names the path on failure.
+    """Read and validate one checkpoint onto the CPU; `CheckpointError` names the path on failure.
+
+    A sharded checkpoint (a folder, or the `checkpoint.pt` in it) is read without its tensors: `model`
+    and the optimizers' states hold tensors on the meta device with the stored shapes and dtypes, enough
+    for `check_fits`; `load_into` and `consolidate` read the tensors themselves.
 
     The file is unpickled with `weights_only=True`: only tensors, numbers, strings and containers come
     out, and nothing in the file can run code (SEC-1). A file holding other objects (a checkpoint of a
@@ -325,6 +423,17 @@ def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
     carries; pass it only for a file you made yourself.
     """
     path = Path(path)
+    if path.is_dir():
+        if not (path / sharded.SIDE_CAR).is_file():
+            raise CheckpointError(f"{path} is a folder but not a sharded checkpoint: it holds no {sharded.SIDE_CAR}"
+                                  " (a save into it may have been killed before its first commit)")
+        return _with_shard_specs(_read_file(path / sharded.SIDE_CAR, trusted), path)
+    ckpt = _read_file(path, trusted)
+    # the checkpoint.pt of a sharded checkpoint, named itself: the folder around it is the checkpoint
+    return ckpt if ckpt.shards is None else _with_shard_specs(ckpt, path.parent)
+
+
+def _read_file(path: Path, trusted: bool) -> Checkpoint:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
@@ -341,6 +450,94 @@ def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
         raise CheckpointError(f"cannot read checkpoint {path}: the file is truncated or corrupt"
                               f" ({type(e).__name__}: {first})") from e
     return Checkpoint.from_dict(data, path)
+
+
+def _check_shards(ckpt: Checkpoint, folder: Path) -> None:
+    shards = ckpt.shards
+    ok = (isinstance(shards, Mapping) and isinstance(shards.get("folder"), str)
+          and Path(shards["folder"]).name == shards["folder"] and isinstance(shards.get("params"), list)
+          and len(shards["params"]) == len(ckpt.optimizers)
+          and all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in shards["params"]))
+    if not ok:
+        raise CheckpointError(f"{folder / sharded.SIDE_CAR}: its 'shards' entry is damaged (got {shards!r})")
+
+
+def _with_shard_specs(ckpt: Checkpoint, folder: Path) -> Checkpoint:
+    """The side file of a sharded checkpoint completed with meta tensors of the stored shapes and dtypes."""
+    _check_shards(ckpt, folder)
+    specs = sharded.tensor_specs(folder / ckpt.shards["folder"])
+    return _completed(ckpt, folder, {key: torch.empty(size, dtype=dtype, device="meta")
+                                     for key, (size, dtype) in specs.items()})
+
+
+def _completed(ckpt: Checkpoint, folder: Path, flat: Mapping) -> Checkpoint:
+    """`ckpt` (read from the sharded checkpoint `folder`) with the flat dict's tensors in its model and
+    optimizer states."""
+    try:
+        model, optimizers = sharded.split_tensors(flat, ckpt.shards["params"], ckpt.optimizers)
+    except (KeyError, ValueError, IndexError) as e:
+        raise CheckpointError(f"{folder}: the shards do not match its {sharded.SIDE_CAR} (tensor of an unknown"
+                              f" optimizer or parameter: {e})") from None
+    return attrs.evolve(ckpt, model=model if any(k.startswith("model/") for k in flat) else ckpt.model,
+                        optimizers=optimizers)
+
+
+def _folder_of(path: Path) -> Path:
+    return path if path.is_dir() else path.parent
+
+
+def _read_shards(ckpt: Checkpoint, path, trainer=None, model_only: bool = False) -> Checkpoint:
+    """`ckpt` (read from the sharded checkpoint at `path`) with its tensors read: under FSDP this rank's
+    shards of the trainer's parameters and states, at any world size (every rank calls it: a collective);
+    otherwise (one process, DDP, or no trainer) full tensors on the CPU. `model_only`: the model's."""
+    folder = _folder_of(Path(path))
+    specs = sharded.tensor_specs(folder / ckpt.shards["folder"])
+    if model_only:
+        specs = {key: spec for key, spec in specs.items() if key.startswith("model/")}
+    distributed = trainer is not None and trainer._dist.shards_model
+    likes = {}
+    if distributed:  # a DTensor target of the parameter's placement reads just this rank's shard
+        likes = {f"model/{k}": v for k, v in trainer.raw_model.state_dict().items()}
+        params = dict(trainer.raw_model.named_parameters())
+        likes.update({key: params.get(key.split("/", 2)[2].rsplit("/", 1)[0])
+                      for key in specs if key.startswith("optim/")})
+    targets = {}
+    for key, (size, dtype) in specs.items():
+        like = likes.get(key)
+        sharded_like = like is not None and is_dtensor(like) and like.shape == size
+        targets[key] = torch.empty_like(like, dtype=dtype) if sharded_like else torch.empty(size, dtype=dtype)
+    try:
+        sharded.read_into(targets, folder / ckpt.shards["folder"], distributed)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot read the shards of checkpoint {folder}: ({type(e).__name__}:"
+                              f" {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+    return _completed(ckpt, folder, targets)
+
+
+def read_weights(trainer, path) -> Checkpoint:
+    """The checkpoint at `path` with its model state ready for `load_model_state(trainer, ...)` (every rank
+    calls it; under FSDP each reads its shards of a sharded checkpoint)."""
+    ckpt = read_checkpoint(path)
+    return ckpt if ckpt.shards is None else _read_shards(ckpt, path, trainer, model_only=True)
+
+
+def consolidate(source, target) -> Path:
+    """Write the sharded checkpoint `source` (a folder written under FSDP) as one checkpoint file `target`,
+    which any trainer loads, in one process too; returns `target`. The full states are assembled in this
+    process's memory. `target` may be `source` itself: the file then replaces the folder.
+
+    The command line does the same: `python -m deepepochs consolidate SOURCE TARGET`.
+    """
+    source = Path(source)
+    ckpt = read_checkpoint(source)
+    if ckpt.shards is None:
+        raise CheckpointError(f"consolidate: {source} is a single checkpoint file already (only a sharded"
+                              " checkpoint folder, written under strategy='fsdp', needs consolidating)")
+    full = _read_shards(ckpt, source)
+    full = attrs.evolve(full, format_version=1 if full.position is None else 2, shards=None)
+    return write_atomic(full.to_dict(), target)
 
 
 def _unwrap_keys(state: Mapping, expected: set) -> Mapping:
@@ -373,9 +570,12 @@ def load_model_state(trainer, state: Mapping, path="<memory>") -> None:
 
 def copied_to_cpu(state: Mapping) -> dict:
     """A copy of a state dict with its tensors detached and on the CPU (a backup the live weights cannot
-    change)."""
-    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-            for k, v in state.items()}
+    change); DTensors (FSDP shards) are copied where they are."""
+    def copied(v):
+        if not isinstance(v, torch.Tensor):
+            return copy.deepcopy(v)
+        return v.detach().clone() if is_dtensor(v) else v.detach().to("cpu", copy=True)
+    return {k: copied(v) for k, v in state.items()}
 
 
 def _shape(value):
@@ -452,6 +652,8 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     check_fits(trainer, ckpt, path)  # all or nothing: every mismatch is found before anything changes
     backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
     try:
+        if ckpt.shards is not None:
+            ckpt = _read_shards(ckpt, path, trainer)
         _apply(trainer, ckpt, path)
         if ckpt.position is not None:  # a mid-epoch snapshot: the next fit continues inside its epoch
             position.restore(trainer._ctx, ckpt.position, trainer._dist.rank)
@@ -474,16 +676,11 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
 
 
 def _backup(trainer) -> Checkpoint:
-    """The trainer's state as an independent `Checkpoint` (tensors copied, to the CPU for the weights; under
-    FSDP full states on rank 0, as `snapshot` takes them)."""
-    opts = copy.deepcopy(_full_optimizer_states(trainer))
-    scaler = trainer._precision.state_dict()
-    return Checkpoint(
-        running_id=str(trainer.running_id), epoch=trainer.loop.completed_epochs, world_size=trainer.world_size,
-        model=copied_to_cpu(trainer._dist.model_state_dict(trainer.raw_model)),
-        optimizers=opts["optimizers"], schedulers=opts["schedulers"], scaler=copy.deepcopy(scaler),
-        monitors={m.monitor_id: copy.deepcopy(m.state_dict()) for m in monitors_of(trainer)},
-        rng=rng_state() if trainer.world_size == 1 else None, order_seed=trainer._dist.order_seed)
+    """The trainer's state as an independent `Checkpoint` (tensors copied, the weights to the CPU; under
+    FSDP each rank's shards, copied where they are)."""
+    backup = _header(trainer, None, copied_to_cpu(trainer.raw_model.state_dict()),
+                     copy.deepcopy(trainer.opt.state_dict()))
+    return attrs.evolve(backup, scaler=copy.deepcopy(backup.scaler), monitors=copy.deepcopy(backup.monitors))
 
 
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
@@ -513,7 +710,7 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
 def _checkpoints_in(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
-    return [p for p in folder.iterdir() if p.suffix == SUFFIX and not p.name.startswith(".") and p.is_file()]
+    return [p for p in folder.iterdir() if p.suffix == SUFFIX and not p.name.startswith(".") and exists(p)]
 
 
 def find_checkpoint(ckpt_dirs, running_id: str | None = None) -> Path | None:
@@ -544,7 +741,7 @@ def find_checkpoints(ckpt_dirs, running_id: str | None = None) -> list[Path]:
         raise CheckpointError(f"resume={running_id!r}: no checkpoint of that run was found;"
                               f" searched {searched}")
     # Newest first by mtime; the path breaks ties so the choice is deterministic.
-    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, str(p)), reverse=True)
+    return sorted(found, key=lambda p: (modified_ns(p), str(p)), reverse=True)
 
 
 def resume_once(trainer) -> tuple[Path, int] | None:

@@ -50,7 +50,7 @@ from deepepochs.errors import ConfigError, DistributedError
 from deepepochs.patches import _map_tensors
 from deepepochs.sharding import ShortestShard, len_or_minus_one, shard
 
-__all__ = ["DDPPolicy", "SingleProcess", "check_ddp_kwargs", "select_policy"]
+__all__ = ["DDPPolicy", "SingleProcess", "check_ddp_kwargs", "is_dtensor", "select_policy"]
 
 
 class _PolicyBase:
@@ -86,18 +86,10 @@ class _PolicyBase:
         """The evaluation batches to run: `data` as it is (FSDP adds `PaddingBatch`es)."""
         return data
 
-    # Checkpoint files hold full states; the checkpoint code reads and loads them only through these.
-    def model_state_dict(self, model: torch.nn.Module) -> dict:
-        """The model's full state for a checkpoint (here `model.state_dict()`: the live tensors, not copies)."""
-        return model.state_dict()
-
+    # The checkpoint code loads states only through these (FSDP loads full states into shards).
     def load_model_state_dict(self, model: torch.nn.Module, state: Mapping) -> None:
         """Load a full model state (strict)."""
         model.load_state_dict(state)
-
-    def optimizer_state_dict(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-        """An optimizer's full state for a checkpoint, keyed by parameter index (`opt.state_dict()`)."""
-        return opt.state_dict()
 
     def load_optimizer_state_dict(self, model: torch.nn.Module, opt: torch.optim.Optimizer, state: Mapping) -> None:
         """Load a full optimizer state keyed by parameter index."""
@@ -348,7 +340,7 @@ class DDPPolicy(_PolicyBase):
         so there is nothing to make equal."""
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                if not _is_sharded(tensor):
+                if not is_dtensor(tensor):
                     dist.broadcast(tensor.data, src=0)
 
     def broadcast_object(self, obj):
@@ -547,7 +539,8 @@ class DDPPolicy(_PolicyBase):
             dist.destroy_process_group()
 
 
-def _is_sharded(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor) -> bool:
+    """Whether `tensor` is a DTensor (a shard of a tensor spread over the ranks, as FSDP keeps them)."""
     try:
         from torch.distributed.tensor import DTensor  # noqa: PLC0415 (torch >= 2.4; loaded with FSDP anyway)
     except ImportError:

@@ -13,12 +13,11 @@ seed) with the model-facing methods replaced:
   local and unsharded, and the window's last micro-batch reduce-scatters their sum (ACC-2).
   `drop_unsynced_gradients` (rollback) discards what such micro-batches left inside FSDP, which
   `zero_grad` cannot reach (see `deepepochs.torch_private.fsdp_drop_unsynced_grads`).
-- checkpoints stay one plain file: `model_state_dict` / `optimizer_state_dict` gather full, unsharded
-  states onto rank 0's CPU (`torch.distributed.checkpoint.state_dict`, `full_state_dict=True,
-  cpu_offload=True`; the other ranks get empty dicts), optimizer states keyed by parameter index as
-  `Optimizer.state_dict()` keys them, so a file loads at any world size and with any strategy;
-  `load_model_state_dict` / `load_optimizer_state_dict` broadcast rank 0's full state and each rank keeps
-  its shard (`broadcast_from_rank0=True`). Every rank calls them (they are collectives).
+- checkpoints are sharded: every rank writes its own shards through Distributed Checkpoint, nothing is
+  gathered (`deepepochs.checkpoint.save`, `deepepochs.sharded`). `load_model_state_dict` /
+  `load_optimizer_state_dict` load this rank's shards as they are (DTensor values: a sharded checkpoint
+  read at this world size, or a backup), or a single file's full states: rank 0's are broadcast and each
+  rank keeps its shard (`broadcast_from_rank0=True`). Every rank calls them (they are collectives).
 - evaluation: every forward all-gathers parameters, so every rank must run as many forwards as the others.
   Evaluation shards stay exactly-once (`EvalShardSampler`: shards differ by at most one sample, so by at
   most one batch), and `pad_eval` makes a rank whose shard ended early run the forward of a
@@ -31,8 +30,8 @@ seed) with the model-facing methods replaced:
 Collectives FSDP adds to DDPPolicy's (every rank issues them in the same order): the parameter broadcast
 before sharding; FSDP's all-gathers in every forward (and backward, with `reshard_after_forward`) and its
 reduce-scatters in synchronising backwards; per evaluation task one exchange of the batch counts (per
-batch for data without a length); the gathers and broadcasts of full states when a checkpoint is saved,
-loaded or backed up (`load_into`), and before `test()` swaps in a checkpoint's weights.
+batch for data without a length); DCP's planning exchanges when a sharded checkpoint is saved or read,
+and the broadcasts of a single file's full states when one is loaded.
 
 Why padding forwards, not padded shards: a duplicated sample would have to be masked in every loss and
 metric patch (tensor, mean, confusion, user patches); a forward whose result is dropped needs no mask.
@@ -48,7 +47,7 @@ import torch
 from torch import nn
 
 from deepepochs import torch_private
-from deepepochs.distributed import DDPPolicy
+from deepepochs.distributed import DDPPolicy, is_dtensor
 from deepepochs.errors import ConfigError, DistributedError
 from deepepochs.sharding import PaddingBatch, len_or_minus_one
 
@@ -287,18 +286,14 @@ class FSDPPolicy(DDPPolicy):
         then agreed over the ranks."""
         return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
-    # ---- full states for checkpoint files (collectives: every rank calls them) ----
-    def model_state_dict(self, model: nn.Module) -> dict:
-        """The full model state on rank 0's CPU (an empty dict on the other ranks)."""
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 (heavy import)
-            StateDictOptions,
-            get_model_state_dict,
-        )
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
+    # ---- loading states (collectives: every rank calls them) ----
     def load_model_state_dict(self, model: nn.Module, state: Mapping) -> None:
-        """Load rank 0's full `state` (the other ranks' `state` is not read): broadcast, each rank keeps its
-        shard. Raises like `load_state_dict(strict=True)` on a mismatch."""
+        """Load a model state: this rank's shards (DTensor values: a sharded checkpoint's, or a backup), each
+        rank its own; or rank 0's full `state` (a single file; the other ranks' `state` is not read),
+        broadcast, each rank keeping its shard. Raises like `load_state_dict(strict=True)` on a mismatch."""
+        if any(is_dtensor(value) for value in state.values()):
+            model.load_state_dict(state)
+            return
         from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 (heavy import)
             StateDictOptions,
             set_model_state_dict,
@@ -307,32 +302,12 @@ class FSDPPolicy(DDPPolicy):
         set_model_state_dict(model, dict(state) if self.is_main else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
-    def optimizer_state_dict(self, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
-        """`opt`'s full state on rank 0's CPU, keyed by parameter index like `opt.state_dict()` (an empty dict
-        on the other ranks)."""
-        if not opt.state:
-            # Nothing sharded to gather (a fresh optimizer, or one keeping no state, e.g. plain SGD). DCP would
-            # first create the state by taking a zero step, which runs the optimizer's step hooks.
-            return opt.state_dict()
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 (heavy import)
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not full:
-            return {}
-        # DCP keys by parameter name; Optimizer.state_dict() numbers the parameters group by group, in order.
-        index = {}
-        for group in full["param_groups"]:
-            for name in group["params"]:
-                index.setdefault(name, len(index))
-        return {"state": {index[name]: value for name, value in full["state"].items()},
-                "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                                 for group in full["param_groups"]]}
-
     def load_optimizer_state_dict(self, model: nn.Module, opt: torch.optim.Optimizer, state: Mapping) -> None:
-        """Load rank 0's full `state` (keyed by parameter index, as `opt.state_dict()`; the other ranks'
-        `state` is not read) into the sharded optimizer `opt`."""
+        """Load an optimizer state keyed by parameter index (as `opt.state_dict()`) into the sharded `opt`:
+        this rank's shards (DTensor values), or rank 0's full `state` (the other ranks' is not read)."""
+        if any(is_dtensor(value) for values in state.get("state", {}).values() for value in values.values()):
+            opt.load_state_dict(state)
+            return
         by_name, problem = {}, None
         if self.is_main:  # rank 0's state is the one loaded: key it by parameter name, as DCP wants
             names = {p: name for name, p in model.named_parameters()}

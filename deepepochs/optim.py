@@ -228,13 +228,11 @@ class Optimizers(Sequence):
                 out[key] = float(group["lr"])
         return out
 
-    def state_dict(self, optimizer_state=None) -> dict:
-        """Optimizer and scheduler states, as lists in `optimize_index` order. `optimizer_state(opt)` reads
-        one optimizer's state (default `opt.state_dict()`; checkpoints pass the distributed policy's, which
-        gathers sharded states)."""
-        read = optimizer_state or (lambda opt: opt.state_dict())
+    def state_dict(self) -> dict:
+        """Optimizer and scheduler states, as lists in `optimize_index` order (under FSDP the optimizers'
+        hold this rank's shards)."""
         return {
-            "optimizers": [read(item.opt) for item in self.items],
+            "optimizers": [item.opt.state_dict() for item in self.items],
             "schedulers": [None if item.scheduler is None else item.scheduler.state_dict()
                            for item in self.items],
         }

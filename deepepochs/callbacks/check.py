@@ -40,7 +40,9 @@ class CheckCallback(Callback):
         ckpt_dir: root folder; files go to `<ckpt_dir>/<running_id>/<on_stage>-<monitor>.<best|latest>.ckpt`.
 
     Each file holds the full training state and the state of every `CheckCallback` of the trainer.
-    Under DDP the metric is global, every rank takes the same decisions, and only rank 0 writes.
+    Under DDP the metric is global, every rank takes the same decisions, and only rank 0 writes; under
+    FSDP the file is a sharded checkpoint folder of that name, every rank writing its shards (see
+    `deepepochs.checkpoint`).
     Epochs where the stage did not run (e.g. `val_freq` > 1) are not checks. During `test`, the first
     `CheckCallback` (in declaration order) with a saved file supplies the weights; the model gets its
     pre-test weights back afterwards, also when the test fails.
@@ -178,11 +180,9 @@ class CheckCallback(Callback):
 
     def _save(self, trainer) -> None:
         # Runs in the save_checkpoints action: every monitor has checked this epoch by now, so the
-        # snapshot carries all of their states. Every rank took the same decision and takes the snapshot
-        # (under FSDP gathering the full states is a collective); rank 0 writes.
-        ckpt = checkpoint.snapshot(trainer)
-        if trainer._dist.is_main:
-            checkpoint.write_atomic(ckpt.to_dict(), self.path(trainer))
+        # file carries all of their states. Every rank took the same decision and calls it (rank 0 writes
+        # the file; under FSDP every rank writes its shards).
+        checkpoint.save(trainer, self.path(trainer))
 
     def on_before_test_epochs(self, trainer, tasks):
         """The first CheckCallback swaps in the weights of the first monitor that has a file."""
@@ -193,13 +193,12 @@ class CheckCallback(Callback):
             # Rank 0 may still be writing the last epoch's file: wait for it, so that all ranks see the
             # same files and pick the same monitor (a collective used as a barrier).
             trainer._dist.reduce_sum(torch.zeros(1, device=trainer.device))
-        source = next((m.path(trainer) for m in monitors if m.path(trainer).is_file()), None)
+        source = next((m.path(trainer) for m in monitors if checkpoint.exists(m.path(trainer))), None)
         if source is None:
             return
-        ckpt = checkpoint.read_checkpoint(source)
+        ckpt = checkpoint.read_weights(trainer, source)  # under FSDP every rank reads its shards
         # Back up before touching the weights: a failing load_state_dict may have copied some of them.
-        # Every rank loads and backs up (under FSDP both are collectives; rank 0 holds the full states).
-        self._test_backup = checkpoint.copied_to_cpu(trainer._dist.model_state_dict(trainer.raw_model))
+        self._test_backup = checkpoint.copied_to_cpu(trainer.raw_model.state_dict())
         checkpoint.load_model_state(trainer, ckpt.model, source)
         trainer._console.info(f"Testing the weights of {source} (epoch {ckpt.epoch})")
 

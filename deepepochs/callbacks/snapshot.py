@@ -34,8 +34,9 @@ class SnapshotCallback(Callback):
     A snapshot holds the model, optimizers, schedulers, GradScaler, the checkpoint monitors' states, the
     data position inside the epoch, the task meters (so the epoch's metrics cover the batches before a
     resume) and every rank's random generator states. Files go to
-    `<ckpt_dir>/<running_id>/snapshot-u<updates>[-epoch<n>].ckpt`, written atomically by rank 0; the
-    newest `keep` are kept. A snapshot is also written at every epoch's end.
+    `<ckpt_dir>/<running_id>/snapshot-u<updates>[-epoch<n>].ckpt`, written atomically by rank 0 (under
+    FSDP sharded checkpoint folders of that name, each rank writing its shards); the newest `keep` are
+    kept. A snapshot is also written at every epoch's end.
 
     Args:
         ckpt_dir: root folder (shared with `CheckCallback`: `resume=True` searches both).
@@ -111,17 +112,14 @@ class SnapshotCallback(Callback):
         return due, self._signal
 
     def write_snapshot(self, trainer, position) -> Path | None:
-        """Write the snapshot (every rank takes it, a collective under FSDP; rank 0 writes it; `position`
-        None at an epoch's end) and prune old ones; its path (None on other ranks)."""
+        """Write the snapshot (every rank calls it: rank 0 writes the file, or under FSDP every rank its
+        shards; `position` None at an epoch's end) and prune old ones; its path (None on other ranks)."""
         self._since, self._last = 0, time.monotonic()
-        ckpt = checkpoint.snapshot(trainer, position)
-        if not trainer._dist.is_main:
-            return None
         folder = self.ckpt_dir / str(trainer.running_id)
         end = "" if position is not None else f"-epoch{trainer.loop.completed_epochs}"
-        path = folder / f"snapshot-u{self.updates:09d}{end}{checkpoint.SUFFIX}"
-        checkpoint.write_atomic(ckpt.to_dict(), path)
-        self._prune(folder)
+        path = checkpoint.save(trainer, folder / f"snapshot-u{self.updates:09d}{end}{checkpoint.SUFFIX}", position)
+        if path is not None:
+            self._prune(folder)
         return path
 
     def exit_code(self, signal_name: str) -> int:
@@ -129,11 +127,11 @@ class SnapshotCallback(Callback):
         return self._exit_code if self._exit_code is not None else 128 + signal.Signals[signal_name].value
 
     def _prune(self, folder: Path) -> None:
-        files = [p for p in folder.glob(f"snapshot-u*{checkpoint.SUFFIX}") if p.is_file()]
-        files.sort(key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+        files = [p for p in folder.glob(f"snapshot-u*{checkpoint.SUFFIX}") if checkpoint.exists(p)]
+        files.sort(key=lambda p: (checkpoint.modified_ns(p), p.name), reverse=True)
         for old in files[self.keep:]:
             try:
-                old.unlink()
+                checkpoint.remove(old)
             except OSError:
                 pass
 

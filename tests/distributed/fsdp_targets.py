@@ -27,6 +27,7 @@ from deepepochs import (
     LogCallback,
     SnapshotCallback,
     Trainer,
+    consolidate,
     torch_private,
 )
 from deepepochs.errors import DeepEpochsWarning
@@ -131,7 +132,8 @@ def _fault_mid_window() -> dict:
 
 def _save_then_resume(out: Path) -> dict:
     """Save epoch-end checkpoints with 2 processes (2 of 3 epochs), test with the best one, then resume the
-    copy of the run's folder with 2 processes to epoch 3. The parent resumes the same file in 1 process."""
+    copy of the run's folder with 2 processes to epoch 3, and its consolidated single file likewise. The parent
+    resumes the same folder in 1 process."""
     best_dir, last_dir = out / "best", out / "last"
     best = CheckCallback("loss", on_stage="val", mode="min", ckpt_dir=best_dir)
     last = CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=last_dir)
@@ -143,17 +145,29 @@ def _save_then_resume(out: Path) -> dict:
         if trainer.is_main_process:  # for the two resumes: the files as they are after epoch 2
             shutil.copytree(last_dir, out / "resume-2")
             shutil.copytree(last_dir, out / "resume-1")
+            # what a save killed before its commit leaves: a shard folder the checkpoint.pt does not name
+            stray = out / "resume-2" / RUN_ID / "train-loss.latest.ckpt" / "shards-000000000000"
+            stray.mkdir()
+            (stray / "__0_0.distcp").write_bytes(b"partial")
+            # and as one file (what a one-process or DDP run writes), for a 2-process FSDP resume from a file
+            consolidate(last.path(trainer), out / "from-file" / RUN_ID / last.file_name)
     # Rank 1 builds the next Trainer only once rank 0 does: the group's rendezvous waits for the copies.
     resumed = CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=out / "resume-2")
     with _trainer(epochs=3, callbacks=[resumed], resume=RUN_ID) as trainer:
         records = trainer.fit(_train_loader(), val_loader())
+        resumed_state = _full_state(trainer.raw_model)
+        resumed_folder = sorted(p.name for p in resumed.path(trainer).iterdir())
+    from_file = CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=out / "from-file")
+    with _trainer(epochs=3, callbacks=[from_file], resume=RUN_ID) as trainer:
+        from_file_records = trainer.fit(_train_loader(), val_loader())
         return {"saved": saved, "test": test, "after_test": after_test, "best_file": str(best.path(trainer)),
-                "last_file": str(last.path(trainer)), "resumed": _full_state(trainer.raw_model),
-                "resumed_records": records}
+                "last_file": str(last.path(trainer)), "resumed": resumed_state, "resumed_records": records,
+                "resumed_folder": resumed_folder, "from_file": _full_state(trainer.raw_model),
+                "from_file_records": from_file_records, "from_file_saved_as_folder": from_file.path(trainer).is_dir()}
 
 
 def _snapshot_then_resume(out: Path) -> dict:
-    """Mid-epoch snapshots every 3 updates (every rank gathers, rank 0 writes); both ranks fail at epoch 2
+    """Mid-epoch snapshots every 3 updates (every rank writes its shards); both ranks fail at epoch 2
     batch 4, one update after the snapshot of epoch 2 batch 3; a new 2-process Trainer resumes from it to
     the end. The parent resumes a copy of the same snapshot in 1 process."""
     snapshots = out / "snapshots"
@@ -172,7 +186,8 @@ def _snapshot_then_resume(out: Path) -> dict:
         if trainer.is_main_process:
             shutil.copytree(snapshots, out / "snapshots-1")
         # rank 0 wrote the files: another rank may get here before rank 0 finished writing the last one
-        kept = sorted(p.name for p in (snapshots / SNAPSHOT_RUN_ID).glob("*.ckpt")) if trainer.is_main_process else None
+        kept = (sorted(p.name + "/" * p.is_dir() for p in (snapshots / SNAPSHOT_RUN_ID).glob("*.ckpt"))
+                if trainer.is_main_process else None)
     with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=3, on_signals=())], resume=True,
                   **kwargs) as trainer:
         records = trainer.fit(_train_loader(), val_loader())

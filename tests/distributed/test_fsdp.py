@@ -8,6 +8,7 @@ read back with `torch.load`. The launch has a deadline, after which its processe
 
 import math
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -21,8 +22,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from deepepochs import AnalyzeCallback, CheckCallback, SnapshotCallback, Trainer
-from deepepochs.errors import DeepEpochsWarning
+from deepepochs import AnalyzeCallback, CheckCallback, SnapshotCallback, Trainer, sharded
+from deepepochs.checkpoint import consolidate, read_checkpoint
+from deepepochs.errors import CheckpointError, DeepEpochsWarning
 
 TARGETS_DIR = Path(__file__).resolve().parent
 if str(TARGETS_DIR) not in sys.path:
@@ -218,18 +220,10 @@ def test_an_fp16_overflow_on_one_rank_skips_on_both_and_halves_both_scales(ranks
     assert T.max_diff(ranks[0]["skipped"]["fp16"]["state"], T.make_model().state_dict()) > 1e-3  # it trained
 
 
-# ---- checkpoints: one plain file, loadable at any world size -----------------------------------------------
-@pytest.mark.distributed
-def test_a_two_process_fsdp_checkpoint_is_a_plain_file_of_full_states(ranks, out_dir):
-    """The epoch-2 file holds the whole model (the one-process keys and shapes, the weights the ranks
-    had) and the optimizer's state keyed by parameter index with full momentum buffers, equal to a
-    one-process run's after 2 epochs."""
-    path = out_dir / "checkpoints" / "last" / S.RUN_ID / "train-loss.latest.ckpt"
-    assert ranks[0]["checkpoint"]["last_file"] == str(path)
-    saved = torch.load(path, weights_only=True)
-    assert saved["epoch"] == 2 and saved["world_size"] == 2
-    assert T.max_diff(saved["model"], ranks[0]["checkpoint"]["saved"]) == 0.0
-    weights, opt_state = plain_reference(1, epochs=2)
+# ---- checkpoints: sharded folders, loadable at any world size, consolidated to one file -----------------
+def _check_full_states(saved: dict, weights: dict, opt_state: dict) -> None:
+    """`saved` (a checkpoint file's dict) holds the whole model and the optimizer's state keyed by parameter
+    index with full momentum buffers, equal to the reference's."""
     assert {k: tuple(v.shape) for k, v in saved["model"].items()} == {k: tuple(v.shape) for k, v in weights.items()}
     assert T.max_diff(saved["model"], weights) < EXACT
     (optimizer,) = saved["optimizers"]
@@ -241,14 +235,97 @@ def test_a_two_process_fsdp_checkpoint_is_a_plain_file_of_full_states(ranks, out
 
 
 @pytest.mark.distributed
+def test_a_two_process_fsdp_checkpoint_is_a_folder_of_each_ranks_shards(ranks, out_dir):
+    """The epoch-2 checkpoint is a folder: checkpoint.pt without tensors, and DCP shards where each rank wrote
+    its own part of every parameter (nothing gathered on rank 0)."""
+    path = out_dir / "checkpoints" / "last" / S.RUN_ID / "train-loss.latest.ckpt"
+    assert ranks[0]["checkpoint"]["last_file"] == str(path)
+    side = torch.load(path / "checkpoint.pt", weights_only=True)
+    assert side["format_version"] == 3 and side["epoch"] == 2 and side["world_size"] == 2 and side["model"] == {}
+    assert not [v for state in side["optimizers"][0]["state"].values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+    (folder,) = [p for p in path.iterdir() if p.is_dir()]
+    assert folder.name == side["shards"]["folder"]
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    storage = sharded._reader(folder).read_metadata().storage_data
+    for name in T.make_model().state_dict():
+        files = {info.relative_path for index, info in storage.items() if index.fqn == f"model/{name}"}
+        assert files == {"__0_0.distcp", "__1_0.distcp"}, name  # both ranks wrote a part of it
+
+
+@pytest.mark.distributed
+def test_consolidating_a_two_process_checkpoint_gives_one_file_of_full_states(ranks, out_dir, tmp_path):
+    """consolidate() and `python -m deepepochs consolidate` write the plain one-file format: the whole model
+    (the ranks' weights, the one-process keys and shapes) and full optimizer states keyed by parameter index,
+    equal to a one-process run's after 2 epochs; the file loads with torch.load(weights_only=True)."""
+    path = out_dir / "checkpoints" / "last" / S.RUN_ID / "train-loss.latest.ckpt"
+    target = consolidate(path, tmp_path / "one.ckpt")
+    saved = torch.load(target, weights_only=True)
+    assert saved["format_version"] == 1 and saved["shards"] is None
+    assert saved["epoch"] == 2 and saved["world_size"] == 2
+    assert T.max_diff(saved["model"], ranks[0]["checkpoint"]["saved"]) == 0.0
+    _check_full_states(saved, *plain_reference(1, epochs=2))
+    result = subprocess.run([sys.executable, "-m", "deepepochs", "consolidate", str(path), str(tmp_path / "cli.ckpt")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    by_cli = torch.load(tmp_path / "cli.ckpt", weights_only=True)
+    assert T.max_diff(by_cli["model"], saved["model"]) == 0.0
+    assert by_cli["optimizers"][0]["param_groups"] == saved["optimizers"][0]["param_groups"]
+
+
+@pytest.mark.distributed
+def test_consolidate_refuses_what_is_not_a_sharded_checkpoint(ranks, out_dir, tmp_path):
+    """A single file, a folder without checkpoint.pt, and a missing path: a one-line error, exit status 2."""
+    path = out_dir / "checkpoints" / "last" / S.RUN_ID / "train-loss.latest.ckpt"
+    one = consolidate(path, tmp_path / "one.ckpt")
+    with pytest.raises(CheckpointError, match="single checkpoint file already"):
+        consolidate(one, tmp_path / "again.ckpt")
+    (tmp_path / "empty.ckpt").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint.pt"):
+        consolidate(tmp_path / "empty.ckpt", tmp_path / "x.ckpt")
+    result = subprocess.run([sys.executable, "-m", "deepepochs", "consolidate", str(tmp_path / "missing"),
+                             str(tmp_path / "x.ckpt")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+@pytest.mark.distributed
+def test_shard_metadata_that_would_run_code_is_refused(ranks, out_dir, tmp_path):
+    """SEC-1: DCP unpickles .metadata with pickle.load; deepepochs reads it with an allow-list, so a crafted
+    file naming another global (here os.system) is refused before anything runs."""
+    source = out_dir / "checkpoints" / "last" / S.RUN_ID / "train-loss.latest.ckpt"
+    path = tmp_path / "crafted.ckpt"
+    shutil.copytree(source, path)
+    (folder,) = [p for p in path.iterdir() if p.is_dir()]
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"refers to (posix|nt)\.system"):
+        read_checkpoint(path)
+    assert not marker.exists()
+
+
+@pytest.mark.distributed
 def test_resuming_a_two_process_checkpoint_with_two_processes_continues_exactly(ranks):
-    """resume= with 2 processes from the epoch-2 file trains epoch 3 only and ends as the uninterrupted
-    3-epoch run (model and momentum restored on every shard)."""
+    """resume= with 2 processes from the epoch-2 checkpoint (sharded folder, and consolidated to one file)
+    trains epoch 3 only and ends as the uninterrupted 3-epoch run (model and momentum restored on every
+    shard)."""
     reference, _ = plain_reference(1)
     for rank in ranks:
         run = rank["checkpoint"]
         assert len(run["resumed_records"]["train"]["loss"]) == 1
         assert T.max_diff(run["resumed"], reference) < EXACT
+        assert T.max_diff(run["from_file"], reference) < EXACT  # the consolidated single file, likewise
+        assert len(run["from_file_records"]["train"]["loss"]) == 1
+    assert ranks[0]["checkpoint"]["from_file_saved_as_folder"]  # the epoch-3 save replaced the file by a folder
+    # the epoch-3 save removed the shard folder a killed save had left, and the one it replaced
+    folder = ranks[0]["checkpoint"]["resumed_folder"]
+    assert len(folder) == 2 and folder[0] == "checkpoint.pt" and folder[1].startswith("shards-")
+    assert folder[1] != "shards-000000000000"
 
 
 @pytest.mark.distributed
@@ -271,10 +348,10 @@ def test_resuming_a_two_process_checkpoint_in_one_process_continues_exactly(rank
 
 
 @pytest.mark.distributed
-def test_test_under_fsdp_uses_the_best_checkpoint_then_restores_the_weights(ranks):
-    """CKPT-4 under FSDP: test() evaluates the first monitor's best file (gathered and re-sharded on every
-    rank) and gives the model its final weights back."""
-    best = torch.load(ranks[0]["checkpoint"]["best_file"], weights_only=True)
+def test_test_under_fsdp_uses_the_best_checkpoint_then_restores_the_weights(ranks, tmp_path):
+    """CKPT-4 under FSDP: test() evaluates the first monitor's best checkpoint (each rank reading its shards)
+    and gives the model its final weights back."""
+    best = torch.load(consolidate(ranks[0]["checkpoint"]["best_file"], tmp_path / "best.ckpt"), weights_only=True)
     x, y = T.make_data(T.VAL_N, 2).tensors
     expected = T.metrics_on(best["model"], x, y)
     for rank in ranks:
@@ -285,13 +362,13 @@ def test_test_under_fsdp_uses_the_best_checkpoint_then_restores_the_weights(rank
 
 @pytest.mark.distributed
 def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_with_two_processes(ranks):
-    """SnapshotCallback under FSDP: the snapshot of epoch 2 batch 3 (full states gathered on rank 0) resumes
+    """SnapshotCallback under FSDP: the snapshot of epoch 2 batch 3 (a sharded folder) resumes
     in a new 2-process Trainer, which finishes the run as the uninterrupted one; the epoch's records
     cover the batches before the fault too."""
     reference, _ = plain_reference(1)
     expected_val = ranks[0]["k1"]["records"]["val"]
-    # 5 updates in epoch 1, then 3 in epoch 2; the newest two are kept
-    assert ranks[0]["snapshot"]["kept"] == ["snapshot-u000000005-epoch1.ckpt", "snapshot-u000000008.ckpt"]
+    # 5 updates in epoch 1, then 3 in epoch 2; the newest two are kept, sharded checkpoint folders
+    assert ranks[0]["snapshot"]["kept"] == ["snapshot-u000000005-epoch1.ckpt/", "snapshot-u000000008.ckpt/"]
     for rank in ranks:
         run = rank["snapshot"]
         assert run["error"] == "injected fault after a mid-epoch snapshot"

@@ -1,0 +1,190 @@
+"""Sharded checkpoint storage (issue 18): each rank writes its own shards through Distributed Checkpoint.
+
+Under `strategy='fsdp'` a checkpoint is a folder named like a checkpoint file (`val-loss.best.ckpt/`):
+
+    val-loss.best.ckpt/
+        checkpoint.pt        what a checkpoint file holds except the model's and optimizers' tensors
+                             (`deepepochs.checkpoint`, format_version 3); its `shards` key names:
+        shards-<id>/         the tensors, written by every rank through `torch.distributed.checkpoint`
+                             (DCP): `.metadata` and one `__<rank>_0.distcp` per rank
+
+The tensors are stored as one flat dict: `model/<key>` for each entry of the model's `state_dict()`,
+`optim/<i>/<parameter name>/<state name>` for each tensor of optimizer i's per-parameter state
+(`flat_tensors`). Each rank writes its own shards of the sharded tensors (DTensors) and nothing is
+gathered; DCP writes replicated tensors (buffers, step counts) once.
+
+`checkpoint.pt` is written last, atomically, by rank 0: it is the commit. A save killed midway leaves
+the previous `checkpoint.pt` and the shard folder it names intact; the next save removes shard folders
+that no `checkpoint.pt` names (`remove_unnamed`).
+
+Reading (`read_into`) fills whatever targets it is given: this rank's shards of the trainer's DTensors
+under FSDP, at any world size (DCP reshards), or full tensors in one process and under DDP. DCP's own
+reader unpickles `.metadata` with `pickle.load`, which would run code from a crafted file; this module
+reads it with an unpickler that admits DCP's metadata classes only (SEC-1), and the tensors themselves
+are read with `weights_only=True` by DCP.
+
+This module is storage only; `deepepochs.checkpoint` composes checkpoints from it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from deepepochs.errors import CheckpointError
+
+__all__ = [
+    "SIDE_CAR",
+    "flat_tensors",
+    "is_folder",
+    "new_folder_name",
+    "read_into",
+    "remove_unnamed",
+    "split_tensors",
+    "tensor_specs",
+    "write",
+]
+
+#: The file inside a sharded checkpoint folder holding everything but the tensors; its writing commits.
+SIDE_CAR = "checkpoint.pt"
+_PREFIX = "shards-"
+
+
+def is_folder(path) -> bool:
+    """Whether `path` is a sharded checkpoint: a folder holding a committed `checkpoint.pt`."""
+    path = Path(path)
+    return path.is_dir() and (path / SIDE_CAR).is_file()
+
+
+def new_folder_name() -> str:
+    """A fresh name for the shard folder of one save."""
+    return f"{_PREFIX}{uuid.uuid4().hex[:12]}"
+
+
+def remove_unnamed(path, keep: str | None) -> list[Path]:
+    """Remove the shard folders inside the checkpoint folder `path` other than `keep` (left by earlier saves,
+    or by a save killed before its commit); returns what was removed."""
+    removed = []
+    for entry in Path(path).iterdir() if Path(path).is_dir() else ():
+        if entry.name.startswith(_PREFIX) and entry.name != keep and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+# ---- the flat layout ----
+def flat_tensors(model: torch.nn.Module, optimizers) -> tuple[dict, list[list[str]]]:
+    """The model's and optimizers' tensors as one flat dict (the live tensors, not copies), and per
+    optimizer the names of its parameters in `state_dict()` index order."""
+    names = {p: name for name, p in model.named_parameters()}
+    flat = {f"model/{key}": value for key, value in model.state_dict().items()}
+    params = []
+    for i, opt in enumerate(optimizers):
+        order = [names[p] for group in opt.param_groups for p in group["params"]]
+        params.append(order)
+        for index, state in opt.state_dict()["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    flat[f"optim/{i}/{order[index]}/{key}"] = value
+    return flat, params
+
+
+def split_tensors(flat: Mapping, params: list[list[str]], optimizer_states: list) -> tuple[dict, list]:
+    """The inverse of `flat_tensors`: the model state dict, and `optimizer_states` (index-keyed, as
+    `Optimizer.state_dict()`, holding their non-tensor entries) completed with the flat dict's tensors."""
+    model = {key[len("model/"):]: value for key, value in flat.items() if key.startswith("model/")}
+    index = [{name: i for i, name in enumerate(order)} for order in params]
+    states = [{**state, "state": {k: dict(v) for k, v in state.get("state", {}).items()}}
+              for state in optimizer_states]
+    for key, value in flat.items():
+        if not key.startswith("optim/"):
+            continue
+        i, rest = key[len("optim/"):].split("/", 1)
+        param, name = rest.rsplit("/", 1)
+        slot = index[int(i)][param]
+        states[int(i)]["state"].setdefault(slot, {})[name] = value
+    return model, states
+
+
+# ---- DCP ----
+def write(tensors: Mapping, folder) -> None:
+    """Write this rank's part of `tensors` into `folder` (every rank calls it: a collective)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy import, sharded runs only)
+    dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(folder, overwrite=True))
+
+
+_TORCH_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata records, `torch.Size`, dtypes and paths; refuses every other global."""
+
+    def find_class(self, module, name):
+        admitted = ((module, name) in _TORCH_NAMES
+                    or module == "torch.distributed.checkpoint.metadata"
+                    or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                         (torch.dtype, torch.layout, torch.memory_format))))
+        if not admitted:
+            raise CheckpointError(f"the shard metadata refers to {module}.{name}, which DCP metadata never holds;"
+                                  " it was not loaded, since unpickling it could run code from the file")
+        return super().find_class(module, name)
+
+
+def _reader(folder):
+    """A DCP `FileSystemReader` over `folder` whose metadata is read by `_MetadataUnpickler`."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy import)
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta  # noqa: PLC0415
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(folder)
+
+
+def tensor_specs(folder) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every stored tensor's key, global shape and dtype, from the shard folder's metadata."""
+    folder = Path(folder)
+    if not (folder / ".metadata").is_file():
+        raise CheckpointError(f"shard folder {folder} is missing or incomplete (no .metadata)")
+    try:
+        metadata = _reader(folder).read_metadata()
+    except CheckpointError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    except Exception as e:
+        raise CheckpointError(f"cannot read the shard metadata in {folder}: the file is truncated or corrupt"
+                              f" ({type(e).__name__}: {e})") from e
+    specs = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        size, props = getattr(entry, "size", None), getattr(entry, "properties", None)
+        if size is None or props is None:
+            raise CheckpointError(f"shard folder {folder} holds a non-tensor entry {key!r}; deepepochs stores"
+                                  " tensors only there")
+        specs[key] = (torch.Size(size), props.dtype)
+    return specs
+
+
+def read_into(targets: Mapping, folder, distributed: bool) -> None:
+    """Fill `targets` (flat key -> tensor, DTensors for this rank's shards) from the shard folder, in place.
+
+    `distributed`: every rank of the process group calls it with its own targets (a collective); else
+    this process reads alone (one process, or each DDP rank reading full tensors)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy import)
+    with warnings.catch_warnings():
+        # reading alone is what no_dist asks for; DCP still says it assumes so
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(dict(targets), storage_reader=_reader(folder), no_dist=not distributed)
