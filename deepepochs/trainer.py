@@ -464,8 +464,9 @@ class TrainerBase:
         self.loop.save_requests.append(save)
 
     def load_checkpoint(self, path, trusted: bool = False):
-        """Load one checkpoint file: model, optimizers, schedulers, GradScaler, completed epoch and the
-        monitors' state; the next `fit` continues with the following epoch. Every rank loads (DDP).
+        """Load one checkpoint (a file, or a sharded checkpoint folder saved under FSDP): model, optimizers,
+        schedulers, GradScaler, completed epoch and the monitors' state; the next `fit` continues with the
+        following epoch. Every rank calls it (DDP, FSDP: there each rank reads its own shards).
 
         Overrides a pending `resume=...`; the running id stays as it is. Returns the file's contents as a
         `deepepochs.checkpoint.Checkpoint`. Raises `CheckpointError` naming the path when the file is

@@ -145,6 +145,7 @@ def _save_then_resume(out: Path) -> dict:
         if trainer.is_main_process:  # for the two resumes: the files as they are after epoch 2
             shutil.copytree(last_dir, out / "resume-2")
             shutil.copytree(last_dir, out / "resume-1")
+            shutil.copytree(last_dir, out / "ddp")
             # what a save killed before its commit leaves: a shard folder the checkpoint.pt does not name
             stray = out / "resume-2" / RUN_ID / "train-loss.latest.ckpt" / "shards-000000000000"
             stray.mkdir()
@@ -157,12 +158,19 @@ def _save_then_resume(out: Path) -> dict:
         records = trainer.fit(_train_loader(), val_loader())
         resumed_state = _full_state(trainer.raw_model)
         resumed_folder = sorted(p.name for p in resumed.path(trainer).iterdir())
+    # a DDP trainer (whole replicas) resumes the sharded folder: every rank reads the full tensors
+    ddp_monitor = CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=out / "ddp")
+    with _trainer(epochs=3, strategy="ddp", fsdp_kwargs=None, resume=RUN_ID, callbacks=[ddp_monitor]) as trainer:
+        trainer.fit(_train_loader(), val_loader())
+        ddp_state = {k: v.detach().cpu().clone() for k, v in trainer.raw_model.state_dict().items()}
+        ddp_saved_as_file = ddp_monitor.path(trainer).is_file()  # its epoch-3 save replaced the folder
     from_file = CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=out / "from-file")
     with _trainer(epochs=3, callbacks=[from_file], resume=RUN_ID) as trainer:
         from_file_records = trainer.fit(_train_loader(), val_loader())
         return {"saved": saved, "test": test, "after_test": after_test, "best_file": str(best.path(trainer)),
                 "last_file": str(last.path(trainer)), "resumed": resumed_state, "resumed_records": records,
-                "resumed_folder": resumed_folder, "from_file": _full_state(trainer.raw_model),
+                "resumed_folder": resumed_folder, "ddp_resumed": ddp_state,
+                "ddp_saved_as_file": ddp_saved_as_file, "from_file": _full_state(trainer.raw_model),
                 "from_file_records": from_file_records, "from_file_saved_as_folder": from_file.path(trainer).is_dir()}
 
 

@@ -320,8 +320,10 @@ def test_resuming_a_two_process_checkpoint_with_two_processes_continues_exactly(
         assert len(run["resumed_records"]["train"]["loss"]) == 1
         assert T.max_diff(run["resumed"], reference) < EXACT
         assert T.max_diff(run["from_file"], reference) < EXACT  # the consolidated single file, likewise
+        assert T.max_diff(run["ddp_resumed"], reference) < EXACT  # and the folder, by a 2-process DDP trainer
         assert len(run["from_file_records"]["train"]["loss"]) == 1
     assert ranks[0]["checkpoint"]["from_file_saved_as_folder"]  # the epoch-3 save replaced the file by a folder
+    assert ranks[0]["checkpoint"]["ddp_saved_as_file"]  # and DDP's, the folder by a file
     # the epoch-3 save removed the shard folder a killed save had left, and the one it replaced
     folder = ranks[0]["checkpoint"]["resumed_folder"]
     assert len(folder) == 2 and folder[0] == "checkpoint.pt" and folder[1].startswith("shards-")
