@@ -4,7 +4,9 @@ Two CPU processes (`deepepochs.launch`, gloo) train a ~50M-parameter MLP with Ad
 with `strategy='ddp'` and once with `strategy='fsdp'`. After training every rank reports the bytes of the
 parameters and optimizer state it holds (for FSDP's DTensors, the local shard), and its peak
 RSS. With w processes FSDP should hold about 1/w of DDP's parameter + optimizer-state bytes (gradients are
-dropped after each update, `set_to_none`, so none are held between updates).
+dropped after each update, `set_to_none`, so none are held between updates). Then each rank saves a
+checkpoint (`deepepochs.checkpoint.save`) and reports the bytes it wrote: under DDP rank 0 writes the one
+file of full states; under FSDP every rank writes its own shards (about 1/w each, nothing gathered).
 
     python benchmarks/fsdp_memory.py                 # writes results/fsdp_memory.json
     python benchmarks/fsdp_memory.py --width 256     # smoke test (small model)
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -26,10 +30,11 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from deepepochs import Trainer, launch  # noqa: E402
+from deepepochs import Trainer, checkpoint, launch  # noqa: E402
 
 MB = 1024 * 1024
 WIDTH_ENV, LAYERS_ENV, STRATEGY_ENV = "FSDP_BENCH_WIDTH", "FSDP_BENCH_LAYERS", "FSDP_BENCH_STRATEGY"
+SAVE_ENV = "FSDP_BENCH_SAVE_DIR"
 
 
 def _local_bytes(tensor) -> int:
@@ -60,6 +65,13 @@ def measure() -> list:
                 "param_mb": params / MB, "optimizer_state_mb": states / MB,
                 "param_plus_state_mb": (params + states) / MB,
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        path = Path(os.environ[SAVE_ENV]) / strategy / "bench.ckpt"
+        checkpoint.save(trainer, path)
+        trainer._dist.all_gather_object(None)  # rank 0 has committed: every rank sees the finished save
+        mine["checkpoint_written_mb"] = (
+            sum(f.stat().st_size for f in path.glob(f"shards-*/__{trainer._dist.rank}_*.distcp")) if path.is_dir()
+            else path.stat().st_size if trainer._dist.is_main else 0) / MB
+        mine["peak_rss_after_save_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return trainer._dist.all_gather_object(mine)  # before close(): it ends the process group
     finally:
         trainer.close()
@@ -74,18 +86,24 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ[WIDTH_ENV], os.environ[LAYERS_ENV] = str(args.width), str(args.layers)
     rows = []
-    for strategy in ("ddp", "fsdp"):
-        os.environ[STRATEGY_ENV] = strategy
-        rows += launch(measure, num_processes=args.processes)
+    os.environ[SAVE_ENV] = tempfile.mkdtemp(prefix="fsdp-bench-")
+    try:
+        for strategy in ("ddp", "fsdp"):
+            os.environ[STRATEGY_ENV] = strategy
+            rows += launch(measure, num_processes=args.processes)
+    finally:
+        shutil.rmtree(os.environ[SAVE_ENV], ignore_errors=True)
     by = {s: [r for r in rows if r["strategy"] == s] for s in ("ddp", "fsdp")}
     ratio = (sum(r["param_plus_state_mb"] for r in by["fsdp"]) / len(by["fsdp"])) / (
         sum(r["param_plus_state_mb"] for r in by["ddp"]) / len(by["ddp"]))
     print(f"## Per-rank memory, {rows[0]['parameters'] / 1e6:.1f}M parameters, Adam, {args.processes} CPU processes\n")
-    print("| strategy | rank | parameters MB | optimizer state MB | params + state MB | peak RSS MB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| strategy | rank | parameters MB | optimizer state MB | params + state MB | peak RSS MB |"
+          " checkpoint written MB | peak RSS after save MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['strategy']} | {r['rank']} | {r['param_mb']:.1f} | {r['optimizer_state_mb']:.1f} |"
-              f" {r['param_plus_state_mb']:.1f} | {r['peak_rss_mb']:.0f} |")
+              f" {r['param_plus_state_mb']:.1f} | {r['peak_rss_mb']:.0f} | {r['checkpoint_written_mb']:.1f} |"
+              f" {r['peak_rss_after_save_mb']:.0f} |")
     print(f"\nFSDP / DDP, parameters + optimizer state per rank: {ratio:.3f} (1/w = {1 / args.processes:.3f})")
     if args.output:
         write_json(args.output, {"benchmark": "fsdp_memory", "machine": machine_info(), "settings": vars(args),
