@@ -383,25 +383,40 @@ def _fold_window(loop) -> None:
 
 
 def random_state(ctx: Context) -> tuple:
-    """torch's generator states: the CPU's, and the training GPU's (None elsewhere)."""
+    """torch's generator states: the CPU's, and the training GPU's (None elsewhere), as copies of the
+    generators (`Generator.clone_state`: no state tensor is made; `state_tensor` makes one)."""
     device = ctx.parts.device
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    gpu = None
+    if device.type == "cuda":
+        gpu = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator.clone_state(), None if gpu is None else _gpu_copy(gpu, device)
+
+
+def _gpu_copy(generator, device):
+    try:
+        return generator.clone_state()
+    except (RuntimeError, NotImplementedError):  # a backend whose generators cannot be copied: the tensor
+        return torch.cuda.get_rng_state(device)
+
+
+def state_tensor(state) -> torch.Tensor:
+    """A generator state as `get_rng_state()` gives it: from a copy `random_state` made, or as it is."""
+    return state.get_state() if isinstance(state, torch.Generator) else state
 
 
 def set_random_state(ctx: Context, state: tuple) -> None:
-    """Put back generator states `random_state` returned."""
+    """Put back generator states `random_state` returned (or their `state_tensor`s)."""
     cpu, gpu = state
-    torch.set_rng_state(cpu)
+    torch.set_rng_state(state_tensor(cpu))
     if gpu is not None:
-        torch.cuda.set_rng_state(gpu, ctx.parts.device)
+        torch.cuda.set_rng_state(state_tensor(gpu), ctx.parts.device)
 
 
 def remember_random_state(ctx: Context) -> None:
     """Keep torch's generator states as of this commit point: the fit after a rollback (a refit) starts
     from them, so it draws the random numbers (dropout, augmentation in torch) the uninterrupted run drew.
-    Once per update: ~1 us in isolation, ~7 us inside a real loop on the tiny benchmark model (a cold
-    torch call after the optimizer's step). Python's and NumPy's generators are not kept (10-70x dearer
-    to read)."""
+    Once per update; a copy of each generator is kept rather than its state tensor, which costs a third
+    as much inside a training loop. Python's and NumPy's generators are not kept (10-70x dearer to read)."""
     ctx.random_state = random_state(ctx)
 
 

@@ -157,7 +157,7 @@ def _derived_random_state(ctx: Context, position: dict, rank: int) -> tuple:
 
 
 def _states(state):
-    return None if state is None else list(state)
+    return None if state is None else [None if s is None else actions.state_tensor(s) for s in state]
 
 
 def _tuple(state):
