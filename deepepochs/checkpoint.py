@@ -264,35 +264,61 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
 
     One file written atomically by rank 0 (`snapshot`, `write_atomic`), or under FSDP a sharded checkpoint
     folder of that name written by every rank (`deepepochs.sharded`). `path` is replaced whichever form it
-    had before. `position` as for `snapshot`.
+    had before. `position` as for `snapshot`. When the save fails, every rank raises (see `_agreed`).
     """
     path, dist = Path(path), trainer._dist
     if not dist.shards_model:
         ckpt = snapshot(trainer, position)
-        if not dist.is_main:
-            return None
-        return write_atomic(ckpt.to_dict(), path)
+        _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
+        return path if dist.is_main else None
     flat, params = sharded.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
-    if dist.is_main:
-        if path.is_file():  # a single file of the same name (a run that went on under FSDP)
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        sharded.remove_unnamed(path, _shard_folder(path))  # left by a save killed before its commit
-    folder = dist.broadcast_object(sharded.new_folder_name() if dist.is_main else None)  # after the tidying
+    folder = _agreed(dist, path, lambda: _prepare_folder(path))
     try:
-        sharded.write(flat, path / folder)
+        sharded.write(flat, path / folder)  # DCP raises on every rank when one fails
     except Exception as e:
         raise CheckpointError(f"writing the shards of checkpoint {path} failed ({e!r}); the previous"
                               " checkpoint, if any, is unchanged") from e
-    if not dist.is_main:
-        return None
-    opts = trainer.opt.state_dict()
-    opts["optimizers"] = [_without_tensors(state) for state in opts["optimizers"]]
-    ckpt = _header(trainer, position, {}, opts)
-    ckpt.format_version, ckpt.shards = 3, {"folder": folder, "params": params}
-    write_atomic(ckpt.to_dict(), path / sharded.SIDE_CAR)  # the commit
-    sharded.remove_unnamed(path, folder)
-    return path
+
+    def commit() -> None:
+        opts = trainer.opt.state_dict()
+        opts["optimizers"] = [_without_tensors(state) for state in opts["optimizers"]]
+        ckpt = _header(trainer, position, {}, opts)
+        ckpt.format_version, ckpt.shards = 3, {"folder": folder, "params": params}
+        write_atomic(ckpt.to_dict(), path / sharded.SIDE_CAR)
+        sharded.remove_unnamed(path, folder)
+
+    _agreed(dist, path, commit)
+    return path if dist.is_main else None
+
+
+def _agreed(dist, path: Path, work):
+    """`work()` run by rank 0, its result given to every rank. When it fails, every rank raises: rank 0
+    its own error, the others a `CheckpointError` saying so (one broadcast), so that no rank trains on
+    alone while rank 0 has stopped (it would wait at its next collective until `dist_timeout`)."""
+    result = failure = None
+    if dist.is_main:
+        try:
+            result = work()
+        except Exception as e:
+            failure = e
+    if dist.world_size > 1:
+        ok, result = dist.broadcast_object((True, result) if failure is None
+                                           else (False, f"{type(failure).__name__}: {failure}"))
+        if not ok and failure is None:
+            raise CheckpointError(f"rank 0 could not save checkpoint {path} ({result}); every rank stops")
+    if failure is not None:
+        raise failure
+    return result
+
+
+def _prepare_folder(path: Path) -> str:
+    """Make `path` a folder for a sharded save (replacing a single file of that name: a run that went on
+    under FSDP), remove what a save killed before its commit left there, and name the new shard folder."""
+    if path.is_file():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    sharded.remove_unnamed(path, _shard_folder(path))
+    return sharded.new_folder_name()
 
 
 def _without_tensors(state: Mapping) -> dict:
@@ -383,11 +409,11 @@ def write_atomic(data: Mapping, path) -> Path:
     A failed write removes it and raises `CheckpointError`; the previous file at `path` is untouched.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(path.parent)
     # Hidden, unique per writer, and not ending in SUFFIX: resume never mistakes it for a checkpoint.
     temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(path.parent)
         with open(temp, "wb") as f:
             torch.save(dict(data), f)
             f.flush()

@@ -17,8 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from deepepochs import Callback, InterpreteCallback, Trainer
-from deepepochs.errors import ConfigError, DistributedError
+from deepepochs import Callback, CheckCallback, InterpreteCallback, Trainer
+from deepepochs.errors import CheckpointError, ConfigError, DistributedError
 
 __all__ = [
     "BATCH",
@@ -155,6 +155,27 @@ def _uneven_training_error() -> dict | None:
     model = make_model()
     with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs()) as trainer:
         return _error_of(lambda: trainer.fit(DataLoader(dataset, batch_size=BATCH, sampler=indices)))
+
+
+def _save_failure_on_rank_0(out: Path) -> dict:
+    """Rank 0 cannot write its checkpoint (the ckpt_dir is a file): every rank raises CheckpointError at
+    that epoch's end, none trains on into a collective rank 0 never joins; a later fit of the same trainer
+    with a writable folder works on both."""
+    blocked = out / "blocked"
+    if os.environ["RANK"] == "0":
+        blocked.write_text("a file where the checkpoint folder should go")
+    monitor = CheckCallback("loss", on_stage="train", ckpt_dir=blocked)
+    model = make_model()
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(callbacks=[monitor], epochs=2)) as t:
+        try:
+            t.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        monitor.ckpt_dir = out / "writable"
+        records = t.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
+        return {"error": error, "completed": t.loop.completed_epochs, "records": records,
+                "written": monitor.path(t).is_file()}
 
 
 def _tiny_test_set() -> dict:
@@ -308,6 +329,7 @@ def run_scenarios() -> int:
     results["broadcast_values"] = _broadcast_after_init_callbacks()
     results["main_process_first"] = _main_process_first(out)
     results["user_group"] = _user_group_survives_close(out)
+    results["save_failure"] = _save_failure_on_rank_0(out)
     torch.save(results, out / f"rank{rank}.pt")
     return rank
 
