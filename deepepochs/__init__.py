@@ -28,7 +28,6 @@ from deepepochs.errors import (
     ConfigError,
     DistributedError,
     InvalidTransition,
-    LoopError,
     Preempted,
 )
 from deepepochs.fsm.events import Event
@@ -62,7 +61,6 @@ __all__ = [
     "InvalidTransition",
     "LRFindCallback",
     "LogCallback",
-    "LoopError",
     "MeanPatch",
     "Optimizer",
     "PatchBase",

@@ -6,7 +6,6 @@ __all__ = [
     "DeepEpochsWarning",
     "DistributedError",
     "InvalidTransition",
-    "LoopError",
     "Preempted",
 ]
 
@@ -17,10 +16,6 @@ class ConfigError(ValueError):
 
 class InvalidTransition(RuntimeError):
     """A trigger was fired in a state that has no edge for it (names state, trigger and the allowed triggers)."""
-
-
-class LoopError(RuntimeError):
-    """Training failed inside the loop; wraps the original error and carries the flight record."""
 
 
 class CheckpointError(RuntimeError):
