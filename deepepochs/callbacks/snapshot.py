@@ -127,9 +127,12 @@ class SnapshotCallback(Callback):
         return self._exit_code if self._exit_code is not None else 128 + signal.Signals[signal_name].value
 
     def _prune(self, folder: Path) -> None:
-        files = [p for p in folder.glob(f"snapshot-u*{checkpoint.SUFFIX}") if checkpoint.exists(p)]
+        """Keep the newest `keep` snapshots; also remove sharded snapshot folders never committed (their
+        save was killed: each snapshot has a new name, so no later save would tidy them)."""
+        found = list(folder.glob(f"snapshot-u*{checkpoint.SUFFIX}"))
+        files = [p for p in found if checkpoint.exists(p)]
         files.sort(key=lambda p: (checkpoint.modified_ns(p), p.name), reverse=True)
-        for old in files[self.keep:]:
+        for old in files[self.keep:] + [p for p in found if p.is_dir() and not checkpoint.exists(p)]:
             try:
                 checkpoint.remove(old)
             except OSError:

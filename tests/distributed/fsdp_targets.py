@@ -196,10 +196,15 @@ def _snapshot_then_resume(out: Path) -> dict:
         # rank 0 wrote the files: another rank may get here before rank 0 finished writing the last one
         kept = (sorted(p.name + "/" * p.is_dir() for p in (snapshots / SNAPSHOT_RUN_ID).glob("*.ckpt"))
                 if trainer.is_main_process else None)
+        if trainer.is_main_process:  # what a sharded snapshot killed before its commit leaves
+            (snapshots / SNAPSHOT_RUN_ID / "snapshot-u000000009.ckpt" / "shards-000000000000").mkdir(parents=True)
     with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=3, on_signals=())], resume=True,
                   **kwargs) as trainer:
         records = trainer.fit(_train_loader(), val_loader())
-        return {"error": error, "kept": kept, "resumed": _full_state(trainer.raw_model), "records": records}
+        folder = snapshots / SNAPSHOT_RUN_ID
+        after = sorted(p.name for p in folder.glob("*.ckpt")) if trainer.is_main_process else None
+        return {"error": error, "kept": kept, "resumed": _full_state(trainer.raw_model), "records": records,
+                "after_resume": after}
 
 
 def data_with(value: float, index: int = BAD_SAMPLE):

@@ -371,6 +371,9 @@ def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_with_two_processes(ranks):
     expected_val = ranks[0]["k1"]["records"]["val"]
     # 5 updates in epoch 1, then 3 in epoch 2; the newest two are kept, sharded checkpoint folders
     assert ranks[0]["snapshot"]["kept"] == ["snapshot-u000000005-epoch1.ckpt/", "snapshot-u000000008.ckpt/"]
+    # the resumed run's pruning kept its newest two and removed an uncommitted folder a killed save had left
+    after = ranks[0]["snapshot"]["after_resume"]
+    assert len(after) == 2 and "snapshot-u000000009.ckpt" not in after and after[-1].endswith("-epoch3.ckpt")
     for rank in ranks:
         run = rank["snapshot"]
         assert run["error"] == "injected fault after a mid-epoch snapshot"
