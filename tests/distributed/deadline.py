@@ -1,4 +1,4 @@
-"""`launch_with_deadline`: a two-process `launch` that can never hang a test run (shared by the DDP tests)."""
+"""`launch_with_deadline`: a `launch` that can never hang a test run (shared by the DDP tests)."""
 
 import multiprocessing
 import threading
@@ -10,8 +10,8 @@ from deepepochs.launch import launch
 __all__ = ["launch_with_deadline", "teardown_abort"]
 
 
-def launch_with_deadline(main, seconds: float):
-    """`launch(main, num_processes=2)`, killing its processes (and failing) after `seconds`."""
+def launch_with_deadline(main, seconds: float, num_processes: int = 2):
+    """`launch(main, num_processes=num_processes)`, killing its processes (and failing) after `seconds`."""
     before = set(multiprocessing.active_children())
     expired = threading.Event()
 
@@ -24,7 +24,7 @@ def launch_with_deadline(main, seconds: float):
     timer.daemon = True
     timer.start()
     try:
-        return launch(main, num_processes=2)
+        return launch(main, num_processes=num_processes)
     finally:
         timer.cancel()
         if expired.is_set():

@@ -33,7 +33,7 @@ from deepepochs import (
 from deepepochs.errors import DeepEpochsWarning
 
 __all__ = ["ANALYZE_RUN_ID", "BAD_SAMPLE", "CLIP", "FAULT_EPOCH", "FSDP_KWARGS", "RUN_ID", "SNAPSHOT_RUN_ID",
-           "data_with", "run_scenarios", "uneven_batches", "val_loader"]
+           "data_with", "resume_on_three", "run_scenarios", "uneven_batches", "val_loader"]
 
 FSDP_KWARGS = {"min_params": 20}  # both Linear layers of make_model() get their own fully_shard, then the root
 CLIP = 0.05  # GradClipCallback's max norm: far below the gradients' norms here, so every update is clipped
@@ -172,6 +172,21 @@ def _save_then_resume(out: Path) -> dict:
                 "resumed_folder": resumed_folder, "ddp_resumed": ddp_state,
                 "ddp_saved_as_file": ddp_saved_as_file, "from_file": _full_state(trainer.raw_model),
                 "from_file_records": from_file_records, "from_file_saved_as_folder": from_file.path(trainer).is_dir()}
+
+
+def resume_on_three() -> int:
+    """Three processes load the 2-process run's epoch-2 checkpoint (a copy at `<out>/resume-3`): each rank
+    reads its third of every parameter from shards cut in halves; then they train epoch 3. Rank 0 saves the
+    gathered weights after loading and after training to `<out>/three.pt`."""
+    out = Path(os.environ[T.OUT_ENV])
+    with _trainer(epochs=3) as trainer:
+        trainer.load_checkpoint(out / "resume-3" / RUN_ID / "train-loss.latest.ckpt")
+        loaded = _full_state(trainer.raw_model)
+        records = trainer.fit(_train_loader(), val_loader())
+        state = _full_state(trainer.raw_model)
+        if trainer.is_main_process:
+            torch.save({"loaded": loaded, "state": state, "records": records}, out / "three.pt")
+        return trainer._dist.rank
 
 
 def _snapshot_then_resume(out: Path) -> dict:

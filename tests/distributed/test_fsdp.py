@@ -350,6 +350,31 @@ def test_resuming_a_two_process_checkpoint_in_one_process_continues_exactly(rank
 
 
 @pytest.mark.distributed
+def test_a_two_process_checkpoint_resumes_with_three_fsdp_processes(ranks, out_dir, tmp_path, monkeypatch):
+    """DCP reshards on load: 3 processes (each holding a third of every parameter, cut where the 2-process
+    save did not cut) load the epoch-2 checkpoint to exactly the saved weights, then train epoch 3 with a
+    global batch of 12 as one process does with batch 12 from the consolidated file (momentum included)."""
+    source = out_dir / "checkpoints" / "last"
+    shutil.copytree(source, tmp_path / "resume-3")
+    with monkeypatch.context() as patch:
+        for name in TORCHRUN_VARIABLES:
+            patch.delenv(name, raising=False)
+        patch.setenv(T.OUT_ENV, str(tmp_path))
+        launch_with_deadline(S.resume_on_three, seconds=240, num_processes=3)
+    three = torch.load(tmp_path / "three.pt", weights_only=False)
+    single = consolidate(source / S.RUN_ID / "train-loss.latest.ckpt", tmp_path / "one.ckpt")
+    assert T.max_diff(three["loaded"], torch.load(single, weights_only=True)["model"]) == 0.0
+    model = T.make_model()
+    with Trainer(model, F.cross_entropy, T.make_optimizer(model), **T.trainer_kwargs()) as trainer:
+        trainer.load_checkpoint(single)
+        records = trainer.fit(DataLoader(T.make_data(T.TRAIN_N, 1), batch_size=3 * T.BATCH), S.val_loader())
+        reference = trainer.raw_model.state_dict()
+    assert len(three["records"]["train"]["loss"]) == 1
+    assert T.max_diff(three["state"], reference) < EXACT
+    assert three["records"]["train"]["loss"] == pytest.approx(records["train"]["loss"], abs=EXACT)
+
+
+@pytest.mark.distributed
 def test_test_under_fsdp_uses_the_best_checkpoint_then_restores_the_weights(ranks, tmp_path):
     """CKPT-4 under FSDP: test() evaluates the first monitor's best checkpoint (each rank reading its shards)
     and gives the model its final weights back."""
