@@ -386,16 +386,16 @@ def random_state(ctx: Context) -> tuple:
     """torch's generator states: the CPU's, and the training GPU's (None elsewhere), as copies of the
     generators (`Generator.clone_state`: no state tensor is made; `state_tensor` makes one)."""
     device = ctx.parts.device
-    gpu = None
-    if device.type == "cuda":
-        gpu = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    return torch.default_generator.clone_state(), None if gpu is None else _gpu_copy(gpu, device)
+    return torch.default_generator.clone_state(), _gpu_copy(device) if device.type == "cuda" else None
 
 
-def _gpu_copy(generator, device):
+def _gpu_copy(device: torch.device):
+    """A copy of the CUDA generator of `device`; its state tensor where no copy can be made (CUDA not
+    initialised yet, or generators that cannot be cloned)."""
     try:
-        return generator.clone_state()
-    except (RuntimeError, NotImplementedError):  # a backend whose generators cannot be copied: the tensor
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index].clone_state()
+    except (IndexError, RuntimeError, NotImplementedError):
         return torch.cuda.get_rng_state(device)
 
 
