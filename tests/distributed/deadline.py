@@ -7,7 +7,10 @@ import pytest
 
 from deepepochs.launch import launch
 
-__all__ = ["launch_with_deadline", "teardown_abort"]
+__all__ = ["TORCHRUN_VARIABLES", "launch_scenarios", "launch_with_deadline", "teardown_abort"]
+
+#: What torchrun sets; a test launching its own processes clears them, so `launch` starts a fresh group.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def launch_with_deadline(main, seconds: float, num_processes: int = 2):
@@ -29,6 +32,16 @@ def launch_with_deadline(main, seconds: float, num_processes: int = 2):
         timer.cancel()
         if expired.is_set():
             pytest.fail(f"{main.__name__} did not finish within {seconds} s; its processes were killed")
+
+
+def launch_scenarios(main, out_env: str, out, seconds: float, num_processes: int = 2):
+    """`launch_with_deadline` with the torchrun variables cleared and `out_env` naming the folder `out`,
+    where the processes leave what they recorded."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in TORCHRUN_VARIABLES:
+            patch.delenv(name, raising=False)
+        patch.setenv(out_env, str(out))
+        return launch_with_deadline(main, seconds=seconds, num_processes=num_processes)
 
 
 def teardown_abort(returncode: int, stderr: str) -> bool:

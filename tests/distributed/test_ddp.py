@@ -41,10 +41,9 @@ if str(TARGETS_DIR) not in sys.path:
     sys.path.insert(0, str(TARGETS_DIR))
 
 import ddp_targets as T  # noqa: E402  (needs the sys.path entry above)
-from deadline import launch_with_deadline, teardown_abort  # noqa: E402  (same sys.path entry)
+from deadline import TORCHRUN_VARIABLES, launch_scenarios, teardown_abort  # noqa: E402  (same sys.path entry)
 
 REPO = TARGETS_DIR.parents[1]
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 EXACT = 1e-5  # DDP-6: fp32 weights within float tolerance of the one-process run
 
 
@@ -69,11 +68,7 @@ def _torchrun(*args) -> list:
 def ranks(tmp_path_factory, scripts):
     """What rank 0 and rank 1 recorded in `ddp_targets.run_scenarios` (the background runs go on meanwhile)."""
     out = tmp_path_factory.mktemp("ddp")
-    with pytest.MonkeyPatch.context() as patch:
-        for name in TORCHRUN_VARIABLES:
-            patch.delenv(name, raising=False)
-        patch.setenv(T.OUT_ENV, str(out))
-        launch_with_deadline(T.run_scenarios, seconds=240)
+    launch_scenarios(T.run_scenarios, T.OUT_ENV, out, seconds=240)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

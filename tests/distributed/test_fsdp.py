@@ -35,10 +35,9 @@ if not hasattr(torch.distributed.fsdp, "fully_shard"):
 
 import ddp_targets as T  # noqa: E402  (needs the sys.path entry above)
 import fsdp_targets as S  # noqa: E402
-from deadline import launch_with_deadline, teardown_abort  # noqa: E402
+from deadline import TORCHRUN_VARIABLES, launch_scenarios, teardown_abort  # noqa: E402
 
 REPO = TARGETS_DIR.parents[1]
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 EXACT = 1e-5  # fp32 weights within float tolerance of the one-process run with the whole batch
 
 
@@ -50,11 +49,7 @@ def out_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(out_dir):
     """What rank 0 and rank 1 recorded in `fsdp_targets.run_scenarios`."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name in TORCHRUN_VARIABLES:
-            patch.delenv(name, raising=False)
-        patch.setenv(T.OUT_ENV, str(out_dir))
-        launch_with_deadline(S.run_scenarios, seconds=240)
+    launch_scenarios(S.run_scenarios, T.OUT_ENV, out_dir, seconds=240)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -350,17 +345,13 @@ def test_resuming_a_two_process_checkpoint_in_one_process_continues_exactly(rank
 
 
 @pytest.mark.distributed
-def test_a_two_process_checkpoint_resumes_with_three_fsdp_processes(ranks, out_dir, tmp_path, monkeypatch):
+def test_a_two_process_checkpoint_resumes_with_three_fsdp_processes(ranks, out_dir, tmp_path):
     """DCP reshards on load: 3 processes (each holding a third of every parameter, cut where the 2-process
     save did not cut) load the epoch-2 checkpoint to exactly the saved weights, then train epoch 3 with a
     global batch of 12 as one process does with batch 12 from the consolidated file (momentum included)."""
     source = out_dir / "checkpoints" / "last"
     shutil.copytree(source, tmp_path / "resume-3")
-    with monkeypatch.context() as patch:
-        for name in TORCHRUN_VARIABLES:
-            patch.delenv(name, raising=False)
-        patch.setenv(T.OUT_ENV, str(tmp_path))
-        launch_with_deadline(S.resume_on_three, seconds=240, num_processes=3)
+    launch_scenarios(S.resume_on_three, T.OUT_ENV, tmp_path, seconds=240, num_processes=3)
     three = torch.load(tmp_path / "three.pt", weights_only=False)
     single = consolidate(source / S.RUN_ID / "train-loss.latest.ckpt", tmp_path / "one.ckpt")
     assert T.max_diff(three["loaded"], torch.load(single, weights_only=True)["model"]) == 0.0

@@ -5,32 +5,23 @@ interrupted."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Optimizer, Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the CPU twin's fault
+from test_exact_order import FailingLoss  # noqa: E402  (a loss raising once, after the forward drew dropout)
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-class FailingLoss:
-    """cross_entropy, raising once on call `fail_at` (after that batch's forward drew its dropout mask)."""
-
-    def __init__(self, fail_at=None):
-        self.fail_at, self.calls = fail_at, 0
-
-    def __call__(self, out, y):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("injected fault")
-        return F.cross_entropy(out, y)
 
 
 def _run(fail_at=None, k=2):
