@@ -33,7 +33,8 @@ from deepepochs import (
 from deepepochs.errors import DeepEpochsWarning
 
 __all__ = ["ANALYZE_RUN_ID", "BAD_SAMPLE", "CLIP", "FAULT_EPOCH", "FSDP_KWARGS", "RUN_ID", "SNAPSHOT_RUN_ID",
-           "data_with", "resume_on_three", "run_scenarios", "uneven_batches", "val_loader"]
+           "TWO_OPTIMIZERS_RUN_ID", "data_with", "resume_on_three", "run_scenarios", "two_optimizers", "uneven_batches",
+           "val_loader"]
 
 FSDP_KWARGS = {"min_params": 20}  # both Linear layers of make_model() get their own fully_shard, then the root
 CLIP = 0.05  # GradClipCallback's max norm: far below the gradients' norms here, so every update is clipped
@@ -41,6 +42,7 @@ FAULT_EPOCH = 2
 BAD_SAMPLE = 5  # a sample of rank 1's first batch (DataOrder without shuffling: rank r takes r, r + 2, ...)
 RUN_ID = "fsdp-save"
 SNAPSHOT_RUN_ID = "fsdp-snapshot"
+TWO_OPTIMIZERS_RUN_ID = "fsdp-two-optimizers"
 ANALYZE_RUN_ID = "fsdp-analyze"
 
 
@@ -172,6 +174,23 @@ def _save_then_resume(out: Path) -> dict:
                 "resumed_folder": resumed_folder, "ddp_resumed": ddp_state,
                 "ddp_saved_as_file": ddp_saved_as_file, "from_file": _full_state(trainer.raw_model),
                 "from_file_records": from_file_records, "from_file_saved_as_folder": from_file.path(trainer).is_dir()}
+
+
+def two_optimizers(model) -> list:
+    """SGD with momentum on the first layer, Adam on the last: two optimizers of different state layouts."""
+    return [torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9),
+            torch.optim.Adam(model[2].parameters(), lr=0.01)]
+
+
+def _two_optimizers(out: Path) -> dict:
+    """Two optimizers under FSDP for 2 epochs; a sharded checkpoint of both at each epoch's end."""
+    model = T.make_model()
+    monitor = CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=out / "two-optimizers")
+    kwargs = T.trainer_kwargs(strategy="fsdp", fsdp_kwargs=FSDP_KWARGS, epochs=2, callbacks=[monitor],
+                              running_id=TWO_OPTIMIZERS_RUN_ID)
+    with Trainer(model, F.cross_entropy, two_optimizers(model), **kwargs) as trainer:
+        trainer.fit(_train_loader())
+        return {"state": _full_state(trainer.raw_model), "file": str(monitor.path(trainer))}
 
 
 def resume_on_three() -> int:
@@ -316,7 +335,7 @@ def run_scenarios() -> int:
                "k3_fallback": _train_without_private_drop(), "fault": _fault_mid_window(),
                "checkpoint": _save_then_resume(out / "checkpoints"), "snapshot": _snapshot_then_resume(out),
                "skipped": _skipped_updates(), "callbacks": _analysis_and_graph(out), "bf16": _mixed_precision(),
-               "find_lr": _find_lr(), "uneven_eval": _uneven_evaluation()}
+               "find_lr": _find_lr(), "uneven_eval": _uneven_evaluation(), "two_optimizers": _two_optimizers(out)}
     rank = int(os.environ["RANK"])
     torch.save(results, out / f"rank{rank}.pt")
     return rank

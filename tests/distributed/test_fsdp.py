@@ -365,6 +365,36 @@ def test_a_two_process_checkpoint_resumes_with_three_fsdp_processes(ranks, out_d
     assert three["records"]["train"]["loss"] == pytest.approx(records["train"]["loss"], abs=EXACT)
 
 
+def _two_optimizer_reference(epochs: int, resume_from=None) -> tuple[dict, list]:
+    """One process, the same two optimizers, the global batch; optionally loading a checkpoint first."""
+    model = T.make_model()
+    with Trainer(model, F.cross_entropy, S.two_optimizers(model), **T.trainer_kwargs(epochs=epochs)) as trainer:
+        if resume_from is not None:
+            trainer.load_checkpoint(resume_from)
+        trainer.fit(DataLoader(T.make_data(T.TRAIN_N, 1), batch_size=2 * T.BATCH))
+        return trainer.raw_model.state_dict(), [item.opt.state_dict() for item in trainer.opt.items]
+
+
+@pytest.mark.distributed
+def test_two_optimizers_under_fsdp_train_save_and_resume_like_one_process(ranks, tmp_path):
+    """SGD on one layer and Adam on the other under FSDP: equal to one process with the global batch; the
+    sharded checkpoint holds both optimizers' states (consolidated: SGD's momentum and Adam's moments
+    equal to the one-process run's, keyed by each optimizer's own parameter index), and resuming it in
+    one process for a third epoch ends as the uninterrupted 3-epoch run."""
+    weights, opt_states = _two_optimizer_reference(epochs=2)
+    for rank in ranks:
+        assert T.max_diff(rank["two_optimizers"]["state"], weights) < EXACT
+    saved = torch.load(consolidate(ranks[0]["two_optimizers"]["file"], tmp_path / "two.ckpt"), weights_only=True)
+    assert len(saved["optimizers"]) == 2
+    for got, want in zip(saved["optimizers"], opt_states):
+        assert sorted(got["state"]) == sorted(want["state"]) == [0, 1]
+        for index, state in want["state"].items():
+            for name, value in state.items():
+                assert float((got["state"][index][name] - value).abs().max()) < EXACT, (index, name)
+    resumed, _ = _two_optimizer_reference(epochs=3, resume_from=ranks[0]["two_optimizers"]["file"])
+    assert T.max_diff(resumed, _two_optimizer_reference(epochs=3)[0]) < EXACT
+
+
 @pytest.mark.distributed
 def test_test_under_fsdp_uses_the_best_checkpoint_then_restores_the_weights(ranks, tmp_path):
     """CKPT-4 under FSDP: test() evaluates the first monitor's best checkpoint (each rank reading its shards)
