@@ -328,11 +328,13 @@ def _without_tensors(state: Mapping) -> dict:
 
 
 def _shard_folder(path: Path) -> str | None:
-    """The shard folder the committed `checkpoint.pt` of the folder `path` names, or None."""
+    """The shard folder the committed `checkpoint.pt` of the folder `path` names, or None (read alone: the
+    shards' metadata is not needed for the name)."""
     try:
-        return read_checkpoint(path).shards["folder"]
+        shards = _read_file(path / sharded.SIDE_CAR, False).shards
     except CheckpointError:
         return None
+    return shards.get("folder") if isinstance(shards, Mapping) else None
 
 
 def exists(path) -> bool:
@@ -418,7 +420,7 @@ def write_atomic(data: Mapping, path) -> Path:
             torch.save(dict(data), f)
             f.flush()
             os.fsync(f.fileno())  # the data must be on disk before the rename makes it the checkpoint
-        if path.is_dir() and sharded.is_folder(path):  # a sharded checkpoint of that name: the file replaces it
+        if sharded.is_folder(path):  # a sharded checkpoint of that name: the file replaces it
             shutil.rmtree(path)
         os.replace(temp, path)
     except BaseException as e:
