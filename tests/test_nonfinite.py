@@ -171,3 +171,75 @@ def test_fp16_nan_loss_skipped_by_the_scaler_stays_out_of_the_epoch_loss():
     applied = [v for i, v in enumerate(losses, 1) if i not in skipped]
     assert 3 in skipped and 0 < len(applied) < N_BATCHES
     assert records["train"]["loss"][0] == pytest.approx(sum(applied) / len(applied), rel=1e-6)
+
+
+class ComplexNet(nn.Module):
+    """A complex-weighted regressor (|x W|): its gradients are complex, which the fused check cannot read."""
+
+    def __init__(self, bad_calls=()):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 1, dtype=torch.complex64, generator=torch.Generator().manual_seed(1)))
+        self.bad_calls, self.calls = set(bad_calls), 0
+
+    def forward(self, x):
+        out = x.to(torch.complex64) @ self.w
+        if self.training:
+            self.calls += 1
+            if self.calls in self.bad_calls:
+                out = NanGradient.apply(out)
+        return out.abs()
+
+
+def test_complex_parameters_train_like_a_plain_loop_and_their_nan_gradients_are_caught():
+    """Complex gradients take the finite check's exact path: a fit equals the plain loop's weights and
+    loss, and a NaN complex gradient behind a finite loss raises before it reaches the weights."""
+    model, expected = ComplexNet(), ComplexNet()
+    _, ref_loss, _ = _reference(expected, _data())
+    trainer = _trainer(model, log_batch=False)
+    records = trainer.fit(_data())
+    trainer.close()
+    assert torch.equal(model.w, expected.w)
+    assert records["train"]["loss"][0] == pytest.approx(ref_loss, rel=1e-6)
+    model, expected = ComplexNet(bad_calls={2}), ComplexNet()
+    _reference(expected, _data()[:1])
+    trainer = _trainer(model, log_batch=False)
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient \(the loss is finite\).*batch 2"):
+        trainer.fit(_data())
+    assert torch.equal(model.w, expected.w)
+    trainer.close()
+
+
+class WideNet(Net):
+    """Net with a 256x256 layer in front: its gradients average over SUM_CHECK_MEAN_NUMEL elements, so the
+    finite check sums them (the read-only path) instead of running the fused check."""
+
+    def __init__(self, bad_calls=()):
+        super().__init__(bad_calls)
+        self.wide = nn.Linear(3, 65536 // 3 + 1, bias=False)
+        self.lin = nn.Linear(65536 // 3 + 1, 1, bias=False)
+
+    def forward(self, x):
+        return super().forward(self.wide(x))
+
+
+def test_large_gradients_are_checked_by_their_sums_and_a_nan_one_still_raises(monkeypatch):
+    """With large gradients (the summed path, spied on), a NaN gradient behind a finite loss raises before
+    it reaches the weights, which equal a plain loop's two updates before it."""
+    from deepepochs import torch_private
+
+    numel = sum(p.numel() for p in WideNet().parameters())
+    assert numel >= torch_private.SUM_CHECK_MEAN_NUMEL * 2
+    fused = []
+    real = torch_private._check_into
+    monkeypatch.setattr(torch_private, "_check_into", lambda *a: fused.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = WideNet(bad_calls={3})
+    expected = copy.deepcopy(model)
+    _reference(expected, _data()[:2])
+    trainer = _trainer(model, log_batch=False)
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient \(the loss is finite\).*batch 3"):
+        trainer.fit(_data())
+    trainer.close()
+    assert len(fused) == 1  # only batch 3's non-finite total was confirmed by the exact check
+    for got, want in zip(model.parameters(), expected.parameters()):
+        assert torch.equal(got, want)
