@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from deepepochs import torch_private
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 
@@ -87,6 +88,9 @@ class Optimizers(Sequence):
                     )
         self.items: list[Optimizer] = items
         self.all_indices = tuple(range(len(items)))
+        #: the CPU finite check sums these optimizers' gradients (`torch_private.sums_pay_off`)
+        self.sum_check = torch_private.sums_pay_off(
+            [p for item in items for group in item.opt.param_groups for p in group["params"]])
         self._marks: list = []  # the hook handles of bind_updates, one per optimizer
 
     def check_covers(self, model: torch.nn.Module) -> None:
@@ -135,7 +139,7 @@ class Optimizers(Sequence):
 
     def grads(self, index: int) -> list[torch.Tensor]:
         """The existing gradients of one optimizer's parameters."""
-        return [p.grad for g in self.items[index].opt.param_groups for p in g["params"] if p.grad is not None]
+        return [g for group in self.items[index].opt.param_groups for p in group["params"] if (g := p.grad) is not None]
 
     def bind_updates(self, loop) -> None:
         """Make an applied update and its step-wise scheduler step one unit, marked on `loop`.

@@ -63,6 +63,7 @@ __all__ = [
     "scaler_records_private",
     "scaler_unscale",
     "scaler_update_with",
+    "sums_pay_off",
 ]
 
 _PLACEHOLDER = "deepepochs"  # first item of the keys under which set-aside records go back to the scaler
@@ -244,20 +245,27 @@ def grads_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
 _HOST_FLAGS: list = []  # [found flag, its NumPy view, scale 1]: the CPU tensors `grads_finite_on_host` reuses
 
 SUM_CHECK_MEAN_NUMEL = 32768
-"""`grads_finite_on_host` sums the gradients (public, read-only) when they hold at least this many elements
-on average; smaller ones take the fused check, whose one call costs less than a sum per gradient."""
+"""`grads_finite_on_host` sums gradients holding at least this many elements on average (`sums_pay_off`);
+smaller ones take the fused check, whose one call costs less than a sum per gradient."""
 
 
-def grads_finite_on_host(grads: list[torch.Tensor]) -> bool:
+def sums_pay_off(tensors: list[torch.Tensor]) -> bool:
+    """Whether gradients shaped like `tensors` (e.g. an optimizer's parameters) are checked faster by their
+    sums than by the fused check: decided once, not per update, where counting costs a few µs."""
+    return bool(tensors) and sum(t.numel() for t in tensors) >= SUM_CHECK_MEAN_NUMEL * len(tensors)
+
+
+def grads_finite_on_host(grads: list[torch.Tensor], summed: bool = False) -> bool:
     """`not grads_nonfinite(grads)` for CPU gradients, read at once (no sync on the CPU); it runs on every
     update.
 
-    Large gradients are summed one by one and the sums added on the host: an inf or NaN anywhere makes the
-    total non-finite. The fused check also writes every gradient back (times 1), so on large gradients it
-    takes ~1.6x as long as the sums' read-only pass. A non-finite total is confirmed by the exact check,
-    because finite values can add up past the dtype's range (fp16 already at 65504). Small gradients take
-    the fused check directly, into a flag kept between calls (a fresh flag read with `.item()` costs ~2x)."""
-    if sum(g.numel() for g in grads) >= SUM_CHECK_MEAN_NUMEL * len(grads):
+    `summed` (for large gradients, see `sums_pay_off`): each gradient is summed and the sums added on the
+    host; an inf or NaN anywhere makes the total non-finite. The fused check also writes every gradient
+    back (times 1), so on large gradients it takes ~1.6x as long as the sums' read-only pass. A non-finite
+    total is confirmed by the exact check, because finite values can add up past the dtype's range (fp16
+    already at 65504). Otherwise the fused check runs directly, into a flag kept between calls (a fresh
+    flag read with `.item()` costs ~2x)."""
+    if summed:
         total = sum([g.sum().item() for g in grads])
         if type(total) is float and math.isfinite(total):  # complex gradients: the exact check
             return True

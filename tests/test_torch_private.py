@@ -329,44 +329,37 @@ def test_grads_nonfinite_flags_exactly_when_some_gradient_is_not_finite(monkeypa
     flag = tp.grads_nonfinite(grads)
     assert flag.dtype == torch.float32 and flag.numel() == 1
     assert (float(flag) != 0.0) == expected == (where is not None)
-    for mean_numel in (tp.SUM_CHECK_MEAN_NUMEL, 0):  # the fused check, then the sums of large gradients
-        monkeypatch.setattr(tp, "SUM_CHECK_MEAN_NUMEL", mean_numel)
-        assert tp.grads_finite_on_host(grads) is (not expected)
-        assert tp.grads_finite_on_host([torch.ones(2)])  # the reused flag starts over
+    for summed in (False, True):  # the fused check, then the sums of large gradients
+        assert tp.grads_finite_on_host(grads, summed) is (not expected)
+        assert tp.grads_finite_on_host([torch.ones(2)], summed)  # the reused flag starts over
     for g, b in zip(grads, before):
         assert torch.equal(g.to_dense().nan_to_num(posinf=9.0), b.to_dense().nan_to_num(posinf=9.0))
 
 
-def test_summed_gradients_that_overflow_or_cancel_are_checked_exactly(monkeypatch):
+def test_summed_gradients_that_overflow_or_cancel_are_checked_exactly():
     """The read-only path for large gradients adds their sums: finite values past the dtype's range (a
     non-finite total) are still finite gradients, +inf and -inf (a NaN total) are not, and complex
-    gradients (a complex total) are checked exactly."""
-    monkeypatch.setattr(tp, "SUM_CHECK_MEAN_NUMEL", 0)
+    gradients (a complex total) are checked exactly, as the fused check's fallback checks them."""
     big = torch.full((8,), 60000.0, dtype=torch.float16)
-    assert not math.isfinite(big.sum().item()) and tp.grads_finite_on_host([big, torch.ones(3)])
-    assert not tp.grads_finite_on_host([torch.tensor([math.inf, 1.0]), torch.tensor([-math.inf])])
-    assert tp.grads_finite_on_host([torch.ones(2, dtype=torch.complex64), torch.ones(2)])
-    assert not tp.grads_finite_on_host([torch.tensor([1 + 1j, complex(math.nan, 0)], dtype=torch.complex64)])
-    monkeypatch.setattr(tp, "SUM_CHECK_MEAN_NUMEL", 1 << 30)  # the fused check sends complex ones to isfinite
-    assert tp.grads_finite_on_host([torch.ones(2, dtype=torch.complex64), torch.ones(2)])
-    assert not tp.grads_finite_on_host([torch.ones(2), torch.tensor([complex(0, math.inf)], dtype=torch.complex64)])
+    assert not math.isfinite(big.sum().item()) and tp.grads_finite_on_host([big, torch.ones(3)], summed=True)
+    assert not tp.grads_finite_on_host([torch.tensor([math.inf, 1.0]), torch.tensor([-math.inf])], summed=True)
+    for summed in (True, False):
+        assert tp.grads_finite_on_host([torch.ones(2, dtype=torch.complex64), torch.ones(2)], summed)
+        assert not tp.grads_finite_on_host([torch.ones(2), torch.tensor([complex(0, math.inf)])], summed)
+        assert not tp.grads_finite_on_host([torch.tensor([1 + 1j, complex(math.nan, 0)])], summed)
 
 
-def test_gradients_are_summed_when_large_on_average(monkeypatch):
-    """Which path a check takes: the mean gradient size against SUM_CHECK_MEAN_NUMEL (the sums' cost grows
-    with the number of gradients, the fused check's with their size)."""
-    summed = []
-    real_sum = torch.Tensor.sum
-
-    def counted_sum(self, *args, **kwargs):
-        summed.append(self.numel())
-        return real_sum(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "sum", counted_sum)
+def test_sums_pay_off_for_gradients_large_on_average():
+    """The check sums gradients averaging SUM_CHECK_MEAN_NUMEL elements or more (the sums' cost grows with
+    the number of gradients, the fused check's with their size); the trainer's optimizers decide once."""
     n = tp.SUM_CHECK_MEAN_NUMEL
-    assert tp.grads_finite_on_host([torch.ones(n), torch.ones(n)]) and summed == [n, n]
-    summed.clear()
-    assert tp.grads_finite_on_host([torch.ones(2 * n - 2), torch.ones(1)]) and summed == []
+    assert tp.sums_pay_off([torch.ones(n), torch.ones(n)]) and tp.sums_pay_off([torch.ones(2 * n - 1), torch.ones(1)])
+    assert not tp.sums_pay_off([torch.ones(2 * n - 2), torch.ones(1)]) and not tp.sums_pay_off([])
+    from deepepochs.optim import Optimizers
+
+    wide, narrow = torch.nn.Linear(256, 256), torch.nn.Linear(16, 2)
+    assert Optimizers(torch.optim.SGD(wide.parameters(), lr=0.1), wide).sum_check
+    assert not Optimizers(torch.optim.SGD(narrow.parameters(), lr=0.1), narrow).sum_check
 
 
 # ---- FSDP2's unsynced gradients ----

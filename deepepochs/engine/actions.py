@@ -464,7 +464,7 @@ def window_finite(ctx: Context, grads: list[torch.Tensor]) -> bool:
     if grads:
         grads = dist.local_shards(grads)  # FSDP: this rank's shards; the flag is agreed over the ranks below
         if flag is None and grads[0].is_cpu:
-            bad = not torch_private.grads_finite_on_host(grads)  # no sync on the CPU
+            bad = not torch_private.grads_finite_on_host(grads, parts.opts.sum_check)  # no sync on the CPU
         else:
             found = torch_private.grads_nonfinite(grads).reshape(()) != 0.0
             flag = found if flag is None else flag | found.to(flag.device)
