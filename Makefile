@@ -41,6 +41,7 @@ graph: install
 
 bench: install
 	$(PYTHON) benchmarks/loop_overhead.py
+	$(PYTHON) benchmarks/batch_segments.py
 
 .PHONY: bench-memory
 bench-memory: install

@@ -69,6 +69,21 @@ def test_profile_script_runs_quickly(tmp_path):
     assert "| every edge (fuse_steps=False) |" in text and "one fit() call costs" in text, text
 
 
+def test_batch_segments_script_times_every_segment_of_both_loops(tmp_path):
+    """batch_segments.py finds the calls it times in both loops (a renamed internal would leave a row of
+    deepepochs empty) and writes JSON."""
+    import json
+
+    out = tmp_path / "segments.json"
+    _run([BENCH / "batch_segments.py", "--rounds", "2", "--batches", "12", "--output", out], tmp_path)
+    table = json.loads(out.read_text())["median_us"]
+    for shared in ("forward", "loss function", "backward", "optimizer step", "zero_grad"):
+        assert table[shared]["raw"] > 0 and table[shared]["deepepochs"] > 0, shared
+    for own in ("finite check (optimize)", "generator copy (finish_update)", "hop begin_batch", "hop optimize",
+                "hop apply_update", "hop finish_update", "hop end_batch", "fused edge: start_walk + land"):
+        assert table[own]["raw"] is None and table[own]["deepepochs"] > 0, own
+
+
 def test_memory_benchmark_runs_quickly(tmp_path):
     """memory_steady.py reports RSS at each epoch end and writes JSON."""
     out = tmp_path / "mem.json"
