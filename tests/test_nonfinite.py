@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepepochs import Callback, Trainer, console
+from deepepochs import Callback, Trainer, console, torch_private
 
 BATCH, N_BATCHES = 4, 6
 
@@ -87,11 +87,31 @@ def _trainer(model, **kw):
                    device="cpu", show_info=False, metrics=[mse_metric], **kw)
 
 
-def test_a_nan_gradient_behind_a_finite_loss_raises_before_it_reaches_the_weights():
+class WideNet(Net):
+    """Net with a wide hidden layer (3 -> 21846 -> 1, no biases): its two gradients average 65,538 elements,
+    over SUM_CHECK_MEAN_NUMEL, so the finite check sums them (the read-only path)."""
+
+    def __init__(self, bad_calls=()):
+        super().__init__(bad_calls)
+        self.wide = nn.Linear(3, 65536 // 3 + 1, bias=False)
+        self.lin = nn.Linear(65536 // 3 + 1, 1, bias=False)
+
+    def forward(self, x):
+        return super().forward(self.wide(x))
+
+
+@pytest.mark.parametrize("net", [Net, WideNet])
+def test_a_nan_gradient_behind_a_finite_loss_raises_before_it_reaches_the_weights(net, monkeypatch):
     """nonfinite='raise': batch 3's loss is finite, its gradients NaN. fit raises naming the gradient;
-    the weights are those of the two updates before (a plain loop's), with no NaN in them."""
+    the weights are those of the two updates before (a plain loop's), with no NaN in them. Net's small
+    gradients take the fused check at every update; WideNet's large ones are summed (the read-only path),
+    and only batch 3's non-finite total reaches the exact check."""
+    exact = []
+    real = torch_private._check_into
+    monkeypatch.setattr(torch_private, "_check_into", lambda *args: exact.append(args) or real(*args))
     torch.manual_seed(0)
-    model = Net(bad_calls={3})
+    model = net(bad_calls={3})
+    assert torch_private.sums_pay_off(list(model.parameters())) is (net is WideNet)
     expected = copy.deepcopy(model)
     _reference(expected, _data()[:2])
     trainer = _trainer(model, log_batch=False)
@@ -100,6 +120,7 @@ def test_a_nan_gradient_behind_a_finite_loss_raises_before_it_reaches_the_weight
     assert all(torch.isfinite(p).all() for p in model.parameters())
     for got, want in zip(model.parameters(), expected.parameters()):
         assert torch.equal(got, want)
+    assert len(exact) == (1 if net is WideNet else 3)
     trainer.close()
 
 
@@ -207,39 +228,3 @@ def test_complex_parameters_train_like_a_plain_loop_and_their_nan_gradients_are_
         trainer.fit(_data())
     assert torch.equal(model.w, expected.w)
     trainer.close()
-
-
-class WideNet(Net):
-    """Net with a 256x256 layer in front: its gradients average over SUM_CHECK_MEAN_NUMEL elements, so the
-    finite check sums them (the read-only path) instead of running the fused check."""
-
-    def __init__(self, bad_calls=()):
-        super().__init__(bad_calls)
-        self.wide = nn.Linear(3, 65536 // 3 + 1, bias=False)
-        self.lin = nn.Linear(65536 // 3 + 1, 1, bias=False)
-
-    def forward(self, x):
-        return super().forward(self.wide(x))
-
-
-def test_large_gradients_are_checked_by_their_sums_and_a_nan_one_still_raises(monkeypatch):
-    """With large gradients (the summed path, spied on), a NaN gradient behind a finite loss raises before
-    it reaches the weights, which equal a plain loop's two updates before it."""
-    from deepepochs import torch_private
-
-    numel = sum(p.numel() for p in WideNet().parameters())
-    assert numel >= torch_private.SUM_CHECK_MEAN_NUMEL * 2
-    fused = []
-    real = torch_private._check_into
-    monkeypatch.setattr(torch_private, "_check_into", lambda *a: fused.append(1) or real(*a))
-    torch.manual_seed(0)
-    model = WideNet(bad_calls={3})
-    expected = copy.deepcopy(model)
-    _reference(expected, _data()[:2])
-    trainer = _trainer(model, log_batch=False)
-    with pytest.raises(FloatingPointError, match=r"non-finite gradient \(the loss is finite\).*batch 3"):
-        trainer.fit(_data())
-    trainer.close()
-    assert len(fused) == 1  # only batch 3's non-finite total was confirmed by the exact check
-    for got, want in zip(model.parameters(), expected.parameters()):
-        assert torch.equal(got, want)
