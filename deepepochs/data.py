@@ -157,18 +157,28 @@ def stateful(data) -> bool:
             and callable(getattr(data, "load_state_dict", None)))
 
 
-def lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:
-    """Yield `(item, is_last)`: one item is read ahead so the last batch is known before it runs, which
-    the window guards need (the last micro-batch of a task closes its window and syncs gradients)."""
+_END = object()  # `lookahead`'s end-of-data sentinel (None can be an item)
+
+
+def lookahead(iterable: Iterable, window: int) -> Iterator[tuple[object, bool]]:
+    """Yield `(item, is_last)` for data of unknown length, whose last batch the window guards need to know
+    before it runs (it closes its window and syncs gradients early): the next item is read ahead.
+
+    Except at a window's end: every `window`-th item closes its window by count anyway, so it is yielded
+    with `is_last=False` without reading the next one. At a commit point no batch of the next window has
+    been read, so a stateful loader's position and torch's generators (augmentation in the main process)
+    are as the window left them, and a refit or a snapshot continues exactly from there."""
     it = iter(iterable)
-    try:
-        item = next(it)
-    except StopIteration:
-        return
-    for nxt in it:
-        yield item, False
-        item = nxt
-    yield item, True
+    item, count = next(it, _END), 0
+    while item is not _END:
+        count += 1
+        if count % window == 0:
+            yield item, False
+            item = next(it, _END)
+        else:
+            following = next(it, _END)
+            yield item, following is _END
+            item = following
 
 
 def batch_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None,

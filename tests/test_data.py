@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepepochs.data import batch_splitter, prepare_batch
+from deepepochs.data import batch_splitter, lookahead, prepare_batch
 
 X, Y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
 BATCHES = {
@@ -54,3 +54,23 @@ def test_the_splitter_moves_pairs_that_are_not_on_the_device():
     meta = (torch.empty(4, 3, device="meta"), torch.empty(4, dtype=torch.long, device="meta"))
     with pytest.raises(NotImplementedError):
         batch_splitter(True, torch.device("cpu"), False)(meta)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7])
+def test_lookahead_reads_ahead_except_at_a_windows_end(n):
+    """For data of unknown length with windows of 3: every item but each 3rd is yielded with the next one
+    read (so the data's last is known before it runs); each 3rd is yielded without it, so at a window's
+    end nothing of the next window has been read."""
+    read = []
+
+    def data():
+        for i in range(n):
+            read.append(i)
+            yield i
+
+    got = [(item, is_last, len(read)) for item, is_last in lookahead(data(), 3)]
+    want = []
+    for i in range(n):
+        closes_by_count = (i + 1) % 3 == 0
+        want.append((i, not closes_by_count and i == n - 1, i + 1 if closes_by_count else min(i + 2, n)))
+    assert got == want

@@ -403,12 +403,28 @@ def test_two_training_tasks_resume_from_snapshots_in_either_task_bit_identical(t
         assert _last(got_records) == _last(records), name
 
 
-def _stateful_loader():
+class AugmentedStream(torch.utils.data.IterableDataset):
+    """70 samples of unknown length, with torch noise added as each is read (in the main process)."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(70, 4, generator=g), torch.randint(0, 3, (70,), generator=g)
+
+    def __iter__(self):
+        for x, y in zip(self.x, self.y):
+            yield x + 0.1 * torch.randn(4), y
+
+
+def _stateful_loader(length_less=False):
+    """torchdata's StatefulDataLoader over 70 samples: shuffled by itself, or (`length_less`) streamed from
+    an AugmentedStream, which with accumulation is read ahead to find its last batch."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(70, 4, generator=g), torch.randint(0, 3, (70,), generator=g)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torchdata 0.11 calls a deprecated torch function
+        if length_less:
+            return stateful.StatefulDataLoader(AugmentedStream(), batch_size=4)
         return stateful.StatefulDataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
 
 
@@ -425,16 +441,20 @@ class FailOnce(Callback):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_stateful_dataloader_continues_from_its_own_state_after_a_fault_and_from_a_snapshot(tmp_path):
+@pytest.mark.parametrize("length_less", [False, True])
+def test_a_stateful_dataloader_continues_from_its_own_state_after_a_fault_and_from_a_snapshot(tmp_path,
+                                                                                              length_less):
     """torchdata's StatefulDataLoader (its own shuffling, not deepepochs'): its position is kept at every
     commit point (`state_dict()`), so a refit after a fault and a resume from a snapshot continue its
-    order exactly, without the unknown-order warning."""
+    order exactly, without the unknown-order warning. Of unknown length (read ahead to find the last batch,
+    k=3), no batch of the next window is read before a commit point: its position and the augmentation's
+    draws are the window's (before, a refit skipped the batch read ahead)."""
     trainer, model = _trainer(None)
-    trainer.fit(_stateful_loader())
+    trainer.fit(_stateful_loader(length_less))
     want = _state(trainer, model)
 
     trainer, model = _trainer(tmp_path / "a", callbacks=[FailOnce(2, 7)], every_n_updates=1, keep=100)
-    loader = _stateful_loader()
+    loader = _stateful_loader(length_less)
     with pytest.raises(RuntimeError, match="injected"):
         trainer.fit(loader)
     with warnings.catch_warnings():
@@ -449,7 +469,7 @@ def test_a_stateful_dataloader_continues_from_its_own_state_after_a_fault_and_fr
     resumed, model = _trainer(tmp_path / "b", resume=True, every_n_updates=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeepEpochsWarning)
-        resumed.fit(_stateful_loader())
+        resumed.fit(_stateful_loader(length_less))
     assert _equal(_state(resumed, model), want)
 
 

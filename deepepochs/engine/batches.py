@@ -50,7 +50,8 @@ def fuses(ctx: Context) -> bool:
 def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     """Run a training task's micro-batches (the window and step layers of the machine). `total`: the
     task's batch count when it is exact (`data.exact_length`): the last batch is then known by counting;
-    else, with accumulation, one batch is read ahead to know it (`data.lookahead`)."""
+    else, with accumulation, one batch is read ahead to know it, except at a window's end
+    (`data.lookahead`)."""
     parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
     task, facade = ctx.task, parts.facade
     hooks = parts.hooks.by_event
@@ -75,7 +76,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     if k == 1:  # every batch closes its window
         batches = zip(data, itertools.repeat(True))
     elif total is None:
-        batches = lookahead(data)
+        batches = lookahead(data, k)
     else:  # counted: a batch beyond `total` (a length that lied) still runs, closing its own window
         batches = zip(data, itertools.chain(itertools.repeat(False, max(total - loop.batch_idx - 1, 0)),
                                             itertools.repeat(True)))
