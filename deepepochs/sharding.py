@@ -1,7 +1,8 @@
 """Where data goes in a run of several processes (and, for the training order, in one process too).
 
 - `DataOrder`: the training order of a plain DataLoader as a function of (seed, epoch), sharded by rank.
-- `skip_batches`: continuing an epoch past its committed batches (at the sampler when the order is ours).
+- `skip_batches`, `iterate_past`: continuing an epoch past its committed batches (at the sampler when the order
+  is ours).
 - `EvalShardSampler`: evaluation shards holding each sample exactly once.
 - `ShortestShard`: training data without a length, ended on every rank at the shortest shard.
 - `PaddingBatch`: a forward a rank runs only to meet the other ranks' collectives (FSDP evaluation).
@@ -12,6 +13,7 @@ The policies (`deepepochs.distributed`, `deepepochs.fsdp`) decide when to use th
 
 from __future__ import annotations
 
+import collections
 import inspect
 import itertools
 import warnings
@@ -28,8 +30,8 @@ from torch.utils.data import (
 
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 
-__all__ = ["DataOrder", "EvalShardSampler", "PaddingBatch", "ShortestShard", "is_plain", "len_or_minus_one",
-           "shard", "skip_batches"]
+__all__ = ["DataOrder", "EvalShardSampler", "PaddingBatch", "ShortestShard", "is_plain", "iterate_past",
+           "len_or_minus_one", "shard", "skip_batches"]
 
 
 class PaddingBatch:
@@ -73,20 +75,20 @@ class DataOrder(DistributedSampler):
 
 
 def skip_batches(data, count: int, samples: int | None = None, world_size: int = 1):
-    """`(data without its first batches, how many batches were skipped)`.
+    """`(data, how many batches are skipped, how many of them the caller iterates past)`.
 
     `count` batches of this rank, or with `samples` (a snapshot of another world size) the samples all
     ranks consumed: this rank's shard then skips `samples / world_size`. A seeded-order DataLoader skips at
-    the sampler (the skipped samples are never loaded); anything else is iterated past `count` batches,
-    which continues the interrupted order only when the order is fixed: for other data (a user's random
-    sampler, an IterableDataset, a generator) a `DeepEpochsWarning` says the resumed epoch may repeat or
-    miss samples."""
+    the sampler (the skipped samples are never loaded: none to iterate past); anything else is iterated past
+    `count` batches by the caller (`iterate_past`), which continues the interrupted order only when the
+    order is fixed: for other data (a user's random sampler, an IterableDataset, a generator) a
+    `DeepEpochsWarning` says the resumed epoch may repeat or miss samples."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, DataOrder) and isinstance(data, DataLoader):
         batch = data.batch_size or 1
         if samples is None:
             sampler.skip = count * batch
-            return data, count
+            return data, count, 0
         per_rank, extra = divmod(samples, world_size)
         count, partial = divmod(per_rank, batch)
         if extra or partial:
@@ -95,7 +97,7 @@ def skip_batches(data, count: int, samples: int | None = None, world_size: int =
                           f" continues after {count * batch * world_size} of them (keep world size x batch size"
                           " equal to resume exactly)", DeepEpochsWarning, stacklevel=2)
         sampler.skip = count * batch
-        return data, count
+        return data, count, 0
     fixed = isinstance(data, (list, tuple)) or (
         isinstance(data, DataLoader) and isinstance(sampler, SequentialSampler)
         and not isinstance(data.dataset, IterableDataset))
@@ -105,7 +107,13 @@ def skip_batches(data, count: int, samples: int | None = None, world_size: int =
             f" order may differ from the interrupted run's; its first {count} batches are iterated past, and the"
             " rest of the epoch may repeat or miss samples. A plain DataLoader(dataset, batch_size=...,"
             " shuffle=...) resumes exactly (README: Exact resume)", DeepEpochsWarning, stacklevel=2)
-    return itertools.islice(data, count, None), count
+    return data, count, count
+
+
+def iterate_past(iterator, count: int):
+    """`iterator` after reading (and dropping) its next `count` items, now rather than at its first use."""
+    collections.deque(itertools.islice(iterator, count), maxlen=0)
+    return iterator
 
 
 class EvalShardSampler(Sampler[int]):

@@ -501,6 +501,33 @@ def test_augmentation_in_the_main_process_resumes_exactly_with_accumulation(tmp_
         assert _equal(_state(resumed, model), want), name
 
 
+@pytest.mark.filterwarnings("ignore:resuming inside an epoch:deepepochs.errors.DeepEpochsWarning")
+@pytest.mark.parametrize("fault", [(1, 4), (2, 2), (2, 9), (2, 16)])
+def test_an_augmented_stream_continues_exactly_after_a_fault_and_from_a_snapshot(tmp_path, fault):
+    """A plain DataLoader over an IterableDataset of fixed order whose samples get torch noise as they are
+    read (main process), k=3, dropout: a refit (or a resume) iterates past the committed batches, and their
+    noise is drawn before the commit point's generator state comes back (before, those draws moved the
+    generators after it). Weights, Adam and the scheduler equal the uninterrupted run's."""
+    def loader():
+        return DataLoader(AugmentedStream(), batch_size=4)
+
+    trainer, model = _trainer(tmp_path / "a", every_n_updates=1, keep=100)
+    trainer.fit(loader())
+    want = _state(trainer, model)
+    trainer, model = _trainer(None, callbacks=[FailOnce(*fault)])
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.fit(loader())
+    trainer.fit(loader())
+    assert _equal(_state(trainer, model), want)
+    if fault == (2, 9):  # a resume from a snapshot too: update 9 of 18, epoch 2 after its 9th batch
+        name = "snapshot-u000000009.ckpt"
+        (tmp_path / "b" / "run").mkdir(parents=True)
+        shutil.copy(tmp_path / "a" / "run" / name, tmp_path / "b" / "run")
+        resumed, model = _trainer(tmp_path / "b", resume=True, every_n_updates=1)
+        resumed.fit(loader())
+        assert _equal(_state(resumed, model), want)
+
+
 class HostRandom(Callback):
     """Draws from Python's and NumPy's generators at every training batch and records the draws."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import itertools
 
 import torch
 
@@ -24,7 +23,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.patches import TensorPatch
-from deepepochs.sharding import skip_batches
+from deepepochs.sharding import iterate_past, skip_batches
 from deepepochs.tasks import EpochTask, TaskMeters, check_metric_names, merge_stage_metrics, merge_values, metric_name
 
 __all__ = ["Driver"]
@@ -329,13 +328,12 @@ class Driver:
         total = _len_or_none(data)
         exact = exact_length(data) if stage == "train" else None
         source = data if stage == "train" and stateful(data) else None
-        saved = ctx.data_state
+        saved, past = ctx.data_state, 0  # `past`: skipped batches read and dropped (not skipped at a sampler)
         if skip and source is not None and saved is not None and saved[:2] == (epoch, ctx.task_index):
             source.load_state_dict(saved[3])  # continues after the batches committed when it was read
-            if skip > saved[2]:  # an update applied after it, whose commit a fault cut short: in order, past it
-                data = itertools.islice(source, skip - saved[2], None)
+            past = skip - saved[2]  # an update applied after it, whose commit a fault cut short: in order, past it
         elif skip:
-            data, skip = skip_batches(data, skip, samples, parts.dist.world_size)
+            data, skip, past = skip_batches(data, skip, samples, parts.dist.world_size)
             loop.resume.batches_done = skip  # in this run's batches
         ctx.data_source = source
         loop.batch_idx = skip
@@ -344,14 +342,15 @@ class Driver:
             replay, ctx.random_replay = ctx.random_replay, None
             if skip and replay is not None and replay[0] is not None:
                 # A refit resuming mid-task: the data iterator draws what it drew when the task first began
-                # (DataLoader worker seeds), then the batches continue from the last commit point's state.
+                # (DataLoader worker seeds) and reads the batches it iterates past (whose augmentation in
+                # the main process draws too), then the batches continue from the last commit point's state.
                 ctx.task_random_state = replay[0]
                 actions.set_random_state(ctx, replay[0])
-                data = iter(data)
+                data = iterate_past(iter(data), past)
                 actions.set_random_state(ctx, replay[1])
             else:
                 ctx.task_random_state = actions.random_state(ctx)
-                data = iter(data)
+                data = iterate_past(iter(data), past)
             batches.train_batches(ctx, data, meters, exact)
             if not skip and loop.batch_idx == 0:
                 raise ConfigError(
