@@ -20,8 +20,8 @@ that no `checkpoint.pt` names (`remove_unnamed`).
 Reading (`read_into`) fills whatever targets it is given: this rank's shards of the trainer's DTensors
 under FSDP, at any world size (DCP reshards), or full tensors in one process and under DDP. DCP's own
 reader unpickles `.metadata` with `pickle.load`, which would run code from a crafted file; this module
-reads it with an unpickler that admits DCP's metadata classes only (SEC-1), and the tensors themselves
-are read with `weights_only=True` by DCP.
+reads it with an unpickler that admits DCP's metadata classes by exact name only (SEC-1, SEC-4), and the
+tensors themselves are read with `weights_only=True` by DCP.
 
 This module is storage only; `deepepochs.checkpoint` composes checkpoints from it.
 """
@@ -119,21 +119,38 @@ def write(tensors: Mapping, folder) -> None:
     dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(folder, overwrite=True))
 
 
-_TORCH_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+# Every global DCP's `.metadata` pickle may name, as exact (module, name) pairs: DCP's metadata records, the
+# storage record of its file-system writer, `torch.Size`, the helper that rebuilds a layout from its name,
+# and paths. Nothing is admitted by module: `torch.distributed.checkpoint.metadata` imports `os`, and pickle
+# protocol 4 resolves a dotted name ('os.system') from there, so a module-wide rule would admit any callable
+# reachable from that module.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ADMITTED = frozenset({
+    *((_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata",
+                                          "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
+                                          "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+})
+
+
+def _admitted(module: str, name: str) -> bool:
+    """Whether the metadata unpickler may resolve `module`.`name`: an exact pair of `_ADMITTED`, or a dtype,
+    layout or memory format of `torch` (values, not callables). Dotted names are never admitted."""
+    if "." in name:
+        return False
+    if (module, name) in _ADMITTED:
+        return True
+    return module == "torch" and isinstance(vars(torch).get(name), (torch.dtype, torch.layout, torch.memory_format))
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata records, `torch.Size`, dtypes and paths; refuses every other global."""
+    """Admits DCP's metadata records, `torch.Size`, dtypes and paths by exact name; refuses every other
+    global (SEC-4)."""
 
     def find_class(self, module, name):
-        admitted = ((module, name) in _TORCH_NAMES
-                    or module == "torch.distributed.checkpoint.metadata"
-                    or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                         (torch.dtype, torch.layout, torch.memory_format))))
-        if not admitted:
+        if not _admitted(module, name):
             raise CheckpointError(f"the shard metadata refers to {module}.{name}, which DCP metadata never holds;"
                                   " it was not loaded, since unpickling it could run code from the file")
         return super().find_class(module, name)
