@@ -276,7 +276,8 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
     try:
         sharded.write(flat, path / folder)  # DCP raises on every rank when one fails
     except Exception as e:
-        raise CheckpointError(f"writing the shards of checkpoint {path} failed ({e!r}); the previous"
+        raise CheckpointError(f"writing the shards of checkpoint {path} failed"
+                              f" ({e if isinstance(e, CheckpointError) else repr(e)}); the previous"
                               " checkpoint, if any, is unchanged") from e
 
     def commit() -> None:
@@ -316,9 +317,33 @@ def _prepare_folder(path: Path) -> str:
     under FSDP), remove what a save killed before its commit left there, and name the new shard folder."""
     if path.is_file():
         path.unlink()
+    elif path.is_dir():
+        _check_replaceable(path, committed=False)
     path.mkdir(parents=True, exist_ok=True)
     sharded.remove_unnamed(path, _shard_folder(path))
     return sharded.new_folder_name()
+
+
+def _check_replaceable(path: Path, committed: bool) -> None:
+    """`CheckpointError` unless a save may replace (or, `committed=False`, write into) the existing folder
+    `path`: it holds nothing but what sharded saves write there, and with `committed` it is a complete
+    sharded checkpoint (a `checkpoint.pt` naming a shard folder that is there). A user's folder is never
+    removed or written into because a checkpoint has its name."""
+    foreign = sharded.foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise CheckpointError(f"cannot save checkpoint {path}: that folder exists and holds what no deepepochs"
+                              f" save wrote there ({shown}); it was left as it is. Move those files, or save"
+                              " to another path")
+    name = _shard_folder(path) if committed else None
+    try:
+        complete = name is not None and sharded.check_name(name, path).is_dir()
+    except CheckpointError:
+        complete = False
+    if committed and not complete:
+        raise CheckpointError(f"cannot save checkpoint {path}: that folder exists but is not a complete sharded"
+                              f" checkpoint (no readable {sharded.SIDE_CAR} naming a shard folder in it); it was"
+                              " left as it is. Remove it yourself if it is no longer needed, or save to another path")
 
 
 def _without_tensors(state: Mapping) -> dict:
@@ -413,6 +438,8 @@ def write_atomic(data: Mapping, path) -> Path:
     path = Path(path)
     # Hidden, unique per writer, and not ending in SUFFIX: resume never mistakes it for a checkpoint.
     temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}")
+    if path.is_dir():  # only a complete sharded checkpoint holding nothing else is replaced by the file
+        _check_replaceable(path, committed=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(path.parent)
@@ -420,7 +447,7 @@ def write_atomic(data: Mapping, path) -> Path:
             torch.save(dict(data), f)
             f.flush()
             os.fsync(f.fileno())  # the data must be on disk before the rename makes it the checkpoint
-        if sharded.is_folder(path):  # a sharded checkpoint of that name: the file replaces it
+        if path.is_dir():  # a sharded checkpoint of that name (checked above): the file replaces it
             shutil.rmtree(path)
         os.replace(temp, path)
     except BaseException as e:
@@ -483,17 +510,18 @@ def _read_file(path: Path, trusted: bool) -> Checkpoint:
 def _check_shards(ckpt: Checkpoint, folder: Path) -> None:
     shards = ckpt.shards
     ok = (isinstance(shards, Mapping) and isinstance(shards.get("folder"), str)
-          and Path(shards["folder"]).name == shards["folder"] and isinstance(shards.get("params"), list)
+          and isinstance(shards.get("params"), list)
           and len(shards["params"]) == len(ckpt.optimizers)
           and all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in shards["params"]))
     if not ok:
         raise CheckpointError(f"{folder / sharded.SIDE_CAR}: its 'shards' entry is damaged (got {shards!r})")
+    sharded.check_name(shards["folder"], folder)  # tensors are read from inside the checkpoint folder only
 
 
 def _with_shard_specs(ckpt: Checkpoint, folder: Path) -> Checkpoint:
     """The side file of a sharded checkpoint completed with meta tensors of the stored shapes and dtypes."""
     _check_shards(ckpt, folder)
-    specs = sharded.tensor_specs(folder / ckpt.shards["folder"])
+    specs = sharded.tensor_specs(sharded.check_name(ckpt.shards["folder"], folder))
     return _completed(ckpt, folder, {key: torch.empty(size, dtype=dtype, device="meta")
                                      for key, (size, dtype) in specs.items()})
 
@@ -519,7 +547,8 @@ def _read_shards(ckpt: Checkpoint, path, trainer=None, model_only: bool = False)
     shards of the trainer's parameters and states, at any world size (every rank calls it: a collective);
     otherwise (one process, DDP, or no trainer) full tensors on the CPU. `model_only`: the model's."""
     folder = _folder_of(Path(path))
-    specs = sharded.tensor_specs(folder / ckpt.shards["folder"])
+    shards = sharded.check_name(ckpt.shards["folder"], folder)
+    specs = sharded.tensor_specs(shards)
     if model_only:
         specs = {key: spec for key, spec in specs.items() if key.startswith("model/")}
     distributed = trainer is not None and trainer._dist.shards_model
@@ -535,7 +564,7 @@ def _read_shards(ckpt: Checkpoint, path, trainer=None, model_only: bool = False)
         sharded_like = like is not None and is_dtensor(like) and like.shape == size
         targets[key] = torch.empty_like(like, dtype=dtype) if sharded_like else torch.empty(size, dtype=dtype)
     try:
-        sharded.read_into(targets, folder / ckpt.shards["folder"], distributed)
+        sharded.read_into(targets, shards, distributed)
     except CheckpointError:
         raise
     except Exception as e:
@@ -778,11 +807,11 @@ def resume_once(trainer) -> tuple[Path, int] | None:
 
     `resume=True` loads the newest checkpoint across the monitors' `ckpt_dir`s that this trainer can load
     and starts fresh when there is none: a file it cannot use (unreadable, not a checkpoint, one of
-    another model or optimizer) is skipped with a `DeepEpochsWarning` naming it and why, so an old or
-    foreign file in the folder never stops `fit()`. `resume='<running id>'` loads that run's newest
-    checkpoint or raises. The run folder's name becomes `trainer.running_id`, so new checkpoints go on
-    into the same (possibly renamed) folder. A failed resume stays pending, so fixing the files and
-    calling fit again retries it.
+    another model or optimizer, a sharded folder with a missing or damaged shard) is skipped with a
+    `DeepEpochsWarning` naming it and why, so an old or foreign file in the folder never stops `fit()`.
+    `resume='<running id>'` loads that run's newest checkpoint or raises. The run folder's name becomes
+    `trainer.running_id`, so new checkpoints go on into the same (possibly renamed) folder. A failed
+    resume stays pending, so fixing the files and calling fit again retries it.
     """
     if not trainer.loop.resume_pending:
         return None
@@ -792,28 +821,35 @@ def resume_once(trainer) -> tuple[Path, int] | None:
     candidates = find_checkpoints(dirs, run)
     if run is not None:
         candidates = candidates[:1]  # the run was named: its newest file loads, or the error says why
-    path = ckpt = None
-    for candidate in candidates:
-        try:
-            ckpt = read_checkpoint(candidate)
-            check_fits(trainer, ckpt, candidate)
-        except CheckpointError as e:
-            if run is not None:
-                raise
-            warnings.warn(f"resume=True skipped {candidate}: {e}", DeepEpochsWarning, stacklevel=2)
-            continue
-        path = candidate
-        break
+    path, ckpt = _load_newest_usable(trainer, candidates, strict=run is not None)
     if path is None:
         searched = ", ".join(str(d) for d in dict.fromkeys(dirs)) or "nowhere: no CheckCallback"
         found = f"no checkpoint this trainer can load among {len(candidates)}" if candidates else "no checkpoint"
         trainer._console.info(f"resume=True: {found} found (searched {searched}); starting fresh")
     else:
-        remove_stale_temps(path.parent)
-        ckpt = load_into(trainer, path, ckpt)
         trainer.running_id = path.parent.name
         trainer._console.info(f"Resumed from {path}: {ckpt.epoch} epoch(s) completed,"
                               f" running id {trainer.running_id}")
         loaded = (path, ckpt.epoch)
     trainer.loop.resume_pending = False
     return loaded
+
+
+def _load_newest_usable(trainer, candidates: list[Path], strict: bool) -> tuple[Path | None,
+                                                                                Checkpoint | None]:
+    """Load the first of `candidates` (newest first) that this trainer can use, into it; returns its path and
+    contents, or (None, None). A candidate that cannot be used is skipped with a `DeepEpochsWarning` naming
+    it and why, whatever fails: reading it, checking it against the trainer, or reading its tensors (a
+    sharded folder with a damaged shard). Loading is all or nothing, so a skipped candidate changed nothing.
+    `strict` (a named run): the first candidate loads or its `CheckpointError` is raised."""
+    for candidate in candidates:
+        try:
+            ckpt = read_checkpoint(candidate)
+            check_fits(trainer, ckpt, candidate)
+            remove_stale_temps(candidate.parent)
+            return candidate, load_into(trainer, candidate, ckpt)
+        except CheckpointError as e:
+            if strict:
+                raise
+            warnings.warn(f"resume=True skipped {candidate}: {e}", DeepEpochsWarning, stacklevel=3)
+    return None, None

@@ -28,7 +28,9 @@ This module is storage only; `deepepochs.checkpoint` composes checkpoints from i
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 import shutil
 import uuid
 import warnings
@@ -41,7 +43,9 @@ from deepepochs.errors import CheckpointError
 
 __all__ = [
     "SIDE_CAR",
+    "check_name",
     "flat_tensors",
+    "foreign_entries",
     "is_folder",
     "new_folder_name",
     "read_into",
@@ -60,6 +64,44 @@ def is_folder(path) -> bool:
     """Whether `path` is a sharded checkpoint: a folder holding a committed `checkpoint.pt`."""
     path = Path(path)
     return path.is_dir() and (path / SIDE_CAR).is_file()
+
+
+def check_name(name, folder) -> Path:
+    """The shard folder `name` inside the checkpoint folder `folder`, or `CheckpointError` when `name` could
+    lead elsewhere: it must be one plain name (no separator, not `.` or `..`) whose resolved path (links
+    followed) lies directly inside `folder`, so a crafted `checkpoint.pt` never has tensors read from outside."""
+    folder = Path(folder)
+    plain = (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+             and os.sep not in name and "\0" not in name)
+    if plain and (folder / name).resolve().parent == folder.resolve():
+        return folder / name
+    raise CheckpointError(f"{folder / SIDE_CAR}: its shard folder name {name!r} does not name a folder inside"
+                          f" {folder} (one plain name, no path separators, not '.' or '..', no link leading"
+                          " out of it); nothing was read from it")
+
+
+# What a sharded save ever puts in a checkpoint folder: its `checkpoint.pt` (and that file's temporary
+# files while it is written, `checkpoint.write_atomic`), and shard folders holding DCP's files.
+_OWN_TEMP = re.compile(r"^\." + re.escape(SIDE_CAR) + r"\.\d+-[0-9a-f]{8}\.tmp$")
+_DCP_FILE = re.compile(r"^(__\d+)?\.metadata(\.tmp)?$|^__\d+_\d+\.distcp$")
+
+
+def foreign_entries(path) -> list[str]:
+    """What the folder `path` holds besides what a sharded save writes there (see above), as paths relative
+    to it, sorted; empty when a save may replace or write into it. Links are foreign."""
+    foreign = []
+    for entry in sorted(Path(path).iterdir()):
+        if entry.is_symlink():
+            foreign.append(entry.name)
+        elif entry.name == SIDE_CAR or _OWN_TEMP.match(entry.name):
+            if not entry.is_file():
+                foreign.append(entry.name)
+        elif entry.name.startswith(_PREFIX) and entry.is_dir():
+            foreign += [f"{entry.name}/{inner.name}" for inner in sorted(entry.iterdir())
+                        if inner.is_symlink() or not inner.is_file() or not _DCP_FILE.match(inner.name)]
+        else:
+            foreign.append(entry.name)
+    return foreign
 
 
 def new_folder_name() -> str:
@@ -113,10 +155,29 @@ def split_tensors(flat: Mapping, params: list[list[str]], optimizer_states: list
 
 
 # ---- DCP ----
+def _failures(e: BaseException) -> str:
+    """What failed inside DCP, one line per rank: its `CheckpointException` derives from `BaseException`
+    (so `except Exception` misses it) and its text is a list of tracebacks."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, Mapping):
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{type(e).__name__}: {first}"
+    lines = []
+    for rank, (exc, _trace) in sorted(failures.items()):
+        first = (str(exc).strip().splitlines() or [""])[0]
+        lines.append(f"rank {rank}: {type(exc).__name__}: {first}")
+    return "; ".join(lines)
+
+
 def write(tensors: Mapping, folder) -> None:
-    """Write this rank's part of `tensors` into `folder` (every rank calls it: a collective)."""
+    """Write this rank's part of `tensors` into `folder` (every rank calls it: a collective); a failure on
+    any rank is a `CheckpointError` on every rank, saying what failed where."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy import, sharded runs only)
-    dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(folder, overwrite=True))
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415
+    try:
+        dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(folder, overwrite=True))
+    except CheckpointException as e:
+        raise CheckpointError(f"writing the shards into {folder} failed ({_failures(e)})") from e
 
 
 # Every global DCP's `.metadata` pickle may name, as exact (module, name) pairs: DCP's metadata records, the
@@ -185,6 +246,7 @@ def tensor_specs(folder) -> dict[str, tuple[torch.Size, torch.dtype]]:
     except Exception as e:
         raise CheckpointError(f"cannot read the shard metadata in {folder}: the file is truncated or corrupt"
                               f" ({type(e).__name__}: {e})") from e
+    _check_files(folder, metadata)
     specs = {}
     for key, entry in metadata.state_dict_metadata.items():
         size, props = getattr(entry, "size", None), getattr(entry, "properties", None)
@@ -195,13 +257,42 @@ def tensor_specs(folder) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return specs
 
 
+def _check_files(folder: Path, metadata) -> None:
+    """`CheckpointError` unless every shard file the metadata names is a plain file inside `folder`, holding
+    at least the bytes recorded for it (a missing or truncated shard is found before any tensor is read)."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _DCP_FILE.match(name) or name.endswith((".metadata", ".tmp")):
+            raise CheckpointError(f"shard folder {folder}: its metadata names the shard file {name!r}; shard files"
+                                  " are named __<rank>_<n>.distcp inside the folder; nothing was read")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"shard folder {folder}: {name} is stored with transforms"
+                                  f" {info.transform_descriptors!r}, which deepepochs never writes; nothing was read")
+        end = int(info.offset) + int(info.length)
+        needed[name] = max(needed.get(name, 0), end)
+    for name, end in sorted(needed.items()):
+        file = folder / name
+        if file.is_symlink() or not file.is_file():
+            raise CheckpointError(f"shard folder {folder} is incomplete: its shard file {name} is missing")
+        size = file.stat().st_size
+        if size < end:
+            raise CheckpointError(f"shard folder {folder} is damaged: its shard file {name} holds {size} bytes,"
+                                  f" its metadata records data up to byte {end} (a truncated file)")
+
+
 def read_into(targets: Mapping, folder, distributed: bool) -> None:
     """Fill `targets` (flat key -> tensor, DTensors for this rank's shards) from the shard folder, in place.
 
     `distributed`: every rank of the process group calls it with its own targets (a collective); else
     this process reads alone (one process, or each DDP rank reading full tensors)."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy import)
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415
     with warnings.catch_warnings():
         # reading alone is what no_dist asks for; DCP still says it assumes so
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(dict(targets), storage_reader=_reader(folder), no_dist=not distributed)
+        try:
+            dcp.load(dict(targets), storage_reader=_reader(folder), no_dist=not distributed)
+        except CheckpointException as e:
+            raise CheckpointError(f"cannot read the shards in {folder}: a shard file is damaged"
+                                  f" ({_failures(e)})") from e
