@@ -26,8 +26,10 @@ since the last commit, never anything before it. A commit action is the last act
 Snapshots: with a `SnapshotCallback` attached, every commit point (after a committed window, in `task_train`;
 after an epoch's commit, in `fit_running`) fires the hot trigger `snapshot`: `save_snapshot` runs when
 `snapshot_due`, and `stop_signalled` (a listed signal arrived, on any rank) leads to `preempted`, whose
-`stop_on_signal` raises `Preempted`; the interrupt edge then rolls back nothing. Without the callback the
-trigger is never fired.
+`stop_on_signal` raises `Preempted`; the interrupt edge then rolls back nothing. A signal that arrives
+after the fit's last commit point (while its snapshot is written, in `on_after_fit`) fires `snapshot` once
+more, from `fit_done`, where `stop_signalled` alone decides: the fit stops without another snapshot. Without the
+callback the trigger is never fired.
 """
 
 from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
@@ -225,6 +227,11 @@ TRANSITIONS = [
         E("snapshot", state, "preempted", "A listed signal arrived: a last snapshot is written, then the fit"
           " stops.", conditions=["snapshot_due", "stop_signalled"], actions=["save_snapshot", "stop_on_signal"]),
     )),
+    E("snapshot", "fit_done", "preempted", "A listed signal arrived after the fit's last commit point (while its"
+      " snapshot was written, in the fit's end hooks): the fit stops; the snapshot written there holds everything.",
+      conditions=["stop_signalled"], actions=["stop_on_signal"]),
+    E("snapshot", "fit_done", "fit_done", "No listed signal arrived after the fit's last commit point.",
+      unless=["stop_signalled"]),
     E("begin_task", "stage_test", "task_test", "A test task starts."),
     E("begin_batch", "task_test", "test_batch", "A test batch is evaluated."),
     E("end_batch", "test_batch", "task_test", "The test batch is done."),

@@ -330,6 +330,10 @@ def test_an_older_deepepochs_version_number_is_written_only_for_epoch_ends(every
     ({"on_signals": ["SIGINT"]}, "cannot hold SIGINT: Ctrl-C already rolls the fit back"),
     ({"on_signals": "SIGKILL"}, "cannot hold SIGKILL: it cannot be caught"),
     ({"on_signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal of this platform; accepted: .*SIGTERM"),
+    *(({"on_signals": (name,)}, f"cannot hold {name}: it is sent for a fault of the process itself.*accepted: .*"
+       "SIGTERM") for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT") if hasattr(signal, name)),
+    *(({"on_signals": ("SIGCHLD",)}, "cannot hold SIGCHLD: it is a child process's exit.*accepted: .*SIGUSR1"),)
+    * hasattr(signal, "SIGCHLD"),
 ])
 def test_bad_arguments_name_the_argument_the_accepted_values_and_what_was_given(kwargs, message):
     with pytest.raises(ConfigError, match=message if "accepted: ." in message else re.escape(message)):
@@ -600,3 +604,86 @@ def test_a_refit_after_a_fault_between_an_update_and_its_commit_is_exact(make_lo
     want = run(None)
     for fail_at in (3, 8):  # epoch 1's third update; epoch 2's second
         assert _equal(run(fail_at), want), fail_at
+
+
+@pytest.mark.parametrize("name", ["SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGCHLD"])
+def test_the_accepted_signals_listed_in_the_refusal_hold_none_a_fault_or_a_child_sends(name):
+    if not hasattr(signal, name):
+        pytest.skip(f"{name} does not exist on this platform")
+    with pytest.raises(ConfigError) as info:
+        SnapshotCallback(on_signals=[name])
+    accepted = str(info.value).split("accepted: ")[1].split(", ")
+    assert "SIGTERM" in accepted and not {"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGCHLD"} & set(accepted)
+
+
+# ---- a signal after the fit's last commit point is never dropped ---------------------------------------------
+class SendLate(Callback):
+    """Sends SIGTERM to this process once, at `moment` of the last epoch (3 of 3)."""
+
+    def __init__(self, moment):
+        super().__init__()
+        self.moment = moment
+
+    def _send(self, moment, trainer):
+        if self.moment == moment and trainer.loop.epoch == 3:
+            self.moment = None
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_after_val_batch(self, trainer, metrics, batch_idx):
+        self._send("last validation", trainer)
+
+    def on_after_epoch(self, trainer, *args):
+        self._send("last on_after_epoch", trainer)
+
+    def on_after_fit(self, trainer):
+        self._send("on_after_fit", trainer)
+
+
+@needs_sigterm
+@pytest.mark.parametrize("moment", ["last validation", "last on_after_epoch", "last snapshot write", "on_after_fit"])
+def test_a_sigterm_after_the_last_commit_point_still_ends_the_fit_with_preempted(tmp_path, uninterrupted,
+                                                                                   monkeypatch, moment):
+    """Whenever SIGTERM arrives in the last epoch after its training (validation, on_after_epoch, while the
+    epoch-end snapshot is written, on_after_fit): fit raises Preempted, the handler is given back, and the
+    last snapshot holds the whole run (a resume trains nothing and has the uninterrupted weights)."""
+    before = signal.getsignal(signal.SIGTERM)
+    write = SnapshotCallback.write_snapshot
+
+    def write_and_signal(self, trainer, position):
+        path = write(self, trainer, position)
+        if moment == "last snapshot write" and position is None and trainer.loop.completed_epochs == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the write is done: the decision at this point was taken
+        return path
+
+    monkeypatch.setattr(SnapshotCallback, "write_snapshot", write_and_signal)
+    trainer, model = _trainer(tmp_path, callbacks=[SendLate(moment)], on_signals=("SIGTERM",))
+    with pytest.raises(Preempted) as info:
+        _fit(trainer)
+    stop = info.value
+    assert stop.code == 143 and stop.signal_name == "SIGTERM"
+    assert stop.path == tmp_path / "run" / "snapshot-u000000018-epoch3.ckpt"
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert _equal(_state(trainer, model), uninterrupted[0])
+    saved = read_checkpoint(stop.path)
+    assert saved.epoch == 3 and saved.position is None
+    assert all(_equal(saved.model[k], v) for k, v in uninterrupted[0][0].items())
+
+
+@needs_sigterm
+def test_a_sigterm_between_disarming_and_returning_goes_to_the_previous_handler(tmp_path, monkeypatch):
+    """Once fit has given the handler back, a signal is the previous handler's: it is called, not dropped."""
+    received = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    disarm = SnapshotCallback._disarm
+
+    def disarm_then_signal(self):
+        disarm(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(SnapshotCallback, "_disarm", disarm_then_signal)
+    try:
+        trainer, _ = _trainer(tmp_path, on_signals=("SIGTERM",), epochs=1)
+        _fit(trainer)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert received == [signal.SIGTERM]

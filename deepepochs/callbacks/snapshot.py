@@ -26,6 +26,11 @@ __all__ = ["SnapshotCallback"]
 
 _DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+# Signals a process receives for what it did itself (a fault in native code, abort()) or for its children:
+# a Python handler only runs between bytecodes, so after a native fault the process would retry the
+# faulting instruction forever instead of dying; a child's exit is no preemption.
+_SYNCHRONOUS = {"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS", "SIGEMT", "SIGIOT"}
+_CHILD = {"SIGCHLD", "SIGCLD"}
 
 
 class SnapshotCallback(Callback):
@@ -49,8 +54,12 @@ class SnapshotCallback(Callback):
             `exit_code`). Under DDP a signal reaching any rank stops every rank at the same commit point
             (one small all-reduce per commit point while signals are armed). SIGINT (Ctrl-C) is not
             accepted here: it already rolls back to the last commit point. Signals are armed during `fit`
-            only, in the main thread; the previous handlers are put back when `fit` ends. The defaults
-            absent on this platform (SIGUSR1 on Windows) are left out.
+            only, in the main thread; the previous handlers are put back when `fit` ends, after its end
+            hooks: a signal arriving after the last commit point (while the last snapshot is written, in
+            `on_after_fit`) still ends `fit` with `Preempted` (the last snapshot holds everything), and one
+            arriving later goes to the previous handler. Signals sent for the process's own faults
+            (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, ...) and SIGCHLD are refused. The defaults absent on
+            this platform (SIGUSR1 on Windows) are left out.
         keep: how many snapshot files to keep (the newest, by modification time).
         exit_code: the exit status of `Preempted`; None: 128 + the signal's number (143 for SIGTERM), what
             a shell reports for a process ended by that signal.
@@ -111,6 +120,13 @@ class SnapshotCallback(Callback):
                or (self.every_n_minutes is not None and time.monotonic() - self._last >= 60 * self.every_n_minutes))
         return due, self._signal
 
+    def late_signal(self) -> str | None:
+        """After the fit's end hooks: disarm (a signal from now on goes to the handler it replaced), then the
+        signal that arrived after the last commit point's poll, or None; the engine stops the fit on it."""
+        self._disarm()
+        signal, self._signal = self._signal, None
+        return signal
+
     def write_snapshot(self, trainer, position) -> Path | None:
         """Write the snapshot (every rank calls it: rank 0 writes the file, or under FSDP every rank its
         shards; `position` None at an epoch's end) and prune old ones; its path (None on other ranks)."""
@@ -155,9 +171,6 @@ class SnapshotCallback(Callback):
         self._since, self._last, self._signal = 0, time.monotonic(), None
         self._arm()
 
-    def on_after_fit(self, trainer):
-        self._disarm()
-
     def on_interrupted(self, trainer, exception):
         self._disarm()
 
@@ -187,7 +200,7 @@ def _signal_names(on_signals, default: bool) -> tuple[str, ...]:
     """Validated signal names; the defaults missing on this platform are dropped."""
     items = (on_signals,) if isinstance(on_signals, (str, int)) else tuple(on_signals or ())
     names = []
-    valid = sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE | {"SIGINT"})
+    valid = sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE | _SYNCHRONOUS | _CHILD | {"SIGINT"})
     for item in items:
         try:
             name = signal.Signals(item).name if isinstance(item, int) else signal.Signals[str(item).upper()].name
@@ -201,6 +214,12 @@ def _signal_names(on_signals, default: bool) -> tuple[str, ...]:
                               " its last commit point (KeyboardInterrupt); list SIGTERM or SIGUSR1 for preemption")
         if name in _UNCATCHABLE:
             raise ConfigError(f"SnapshotCallback on_signals cannot hold {name}: it cannot be caught; accepted:"
+                              f" {', '.join(valid)}")
+        if name in _SYNCHRONOUS | _CHILD:
+            why = ("a child process's exit, not a request to stop" if name in _CHILD else
+                   "sent for a fault of the process itself (native code), which must end it at once; caught,"
+                   " the faulting instruction would run again forever")
+            raise ConfigError(f"SnapshotCallback on_signals cannot hold {name}: it is {why}; accepted:"
                               f" {', '.join(valid)}")
         if name not in names:
             names.append(name)

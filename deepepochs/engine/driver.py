@@ -179,6 +179,8 @@ class Driver:
                 snapshots.commit_point(ctx, epoch_end=True)
         loop.stage = None
         self._run_hooks("on_after_fit")
+        if ctx.snapshots is not None:
+            snapshots.after_fit(ctx)
         fire("finish")
         return ctx.fit_records
 

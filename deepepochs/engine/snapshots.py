@@ -17,7 +17,7 @@ import torch
 
 from deepepochs.engine.context import Context
 
-__all__ = ["commit_point", "find_writer"]
+__all__ = ["after_fit", "commit_point", "find_writer"]
 
 
 def find_writer(callbacks):
@@ -27,8 +27,20 @@ def find_writer(callbacks):
 
 def commit_point(ctx: Context, epoch_end: bool) -> None:
     """At a commit point with a writer attached: decide (agreed over the ranks) and fire `snapshot`."""
+    due, signal = ctx.snapshots.poll_snapshot(epoch_end)
+    _fire(ctx, due, signal)
+
+
+def after_fit(ctx: Context) -> None:
+    """Once the fit's end hooks ran (the writer has disarmed: a signal from now on goes to the handler it
+    replaced): a signal that arrived after the last commit point's decision (while its snapshot was written,
+    or in `on_after_fit`) still ends the fit with `Preempted`, without another snapshot (the one at the last
+    epoch's end holds everything). Fires `snapshot` only when a signal arrived (on any rank)."""
+    _fire(ctx, False, ctx.snapshots.late_signal(), only_signal=True)
+
+
+def _fire(ctx: Context, due: bool, signal: str | None, only_signal: bool = False) -> None:
     writer, loop, dist = ctx.snapshots, ctx.loop, ctx.parts.dist
-    due, signal = writer.poll_snapshot(epoch_end)
     if dist.world_size > 1 and writer.must_agree:
         names = writer.signals
         flags = torch.zeros(1 + len(names), device=ctx.parts.device)
@@ -39,6 +51,8 @@ def commit_point(ctx: Context, epoch_end: bool) -> None:
         due = flags[0] > 0
         if signal is None:
             signal = next((name for name, n in zip(names, flags[1:]) if n > 0), None)
-    loop.snapshot_due = due or signal is not None
+    if only_signal and signal is None:
+        return
+    loop.snapshot_due = not only_signal and (due or signal is not None)
     loop.stop_signal = signal
     ctx.machine.fire("snapshot")
