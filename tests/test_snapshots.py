@@ -687,3 +687,32 @@ def test_a_sigterm_between_disarming_and_returning_goes_to_the_previous_handler(
     finally:
         signal.signal(signal.SIGTERM, before)
     assert received == [signal.SIGTERM]
+
+
+def test_a_ctrl_c_held_inside_an_update_keeps_the_snapshot_update_count_and_cadence(tmp_path, uninterrupted):
+    """SIGINT inside the 5th optimizer.step() is held until the update completes, then raised; after the
+    refit the snapshot files (named by the update count, every 2 updates) and the stored count are the
+    uninterrupted run's, and so are the weights."""
+    reference, _ = _trainer(tmp_path / "reference", every_n_updates=2, keep=1000)
+    _fit(reference)
+    trainer, model = _trainer(tmp_path / "interrupted", every_n_updates=2, keep=1000)
+    steps = []
+
+    def sigint_in_fifth_step(optimizer, args, kwargs):
+        steps.append(1)
+        if len(steps) == 5:
+            os.kill(os.getpid(), signal.SIGINT)  # inside step(): held until the update is complete
+
+    trainer.opt.items[0].opt.register_step_pre_hook(sigint_in_fifth_step)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _fit(trainer)
+        _fit(trainer)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    names = sorted(p.name for p in (tmp_path / "interrupted" / "run").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "reference" / "run").iterdir())
+    assert "snapshot-u000000006-epoch1.ckpt" in names and "snapshot-u000000018-epoch3.ckpt" in names
+    assert read_checkpoint(tmp_path / "interrupted" / "run" / names[-1]).monitors["snapshot"] == {"updates": 18}
+    assert _equal(_state(trainer, model), uninterrupted[0])

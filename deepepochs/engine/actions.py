@@ -287,6 +287,10 @@ def commit_update(ctx: Context) -> None:
     """The window's update is committed: the task's position moves past the window. On `finish_update`
     (the update's end) the SIGINT critical section ends and a held Ctrl-C is raised."""
     loop = ctx.loop
+    if not loop.window_committed and ctx.snapshots is not None:
+        # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
+        # below, before it, and the window is committed all the same
+        ctx.snapshots.count_update()
     loop.window_committed = True
     point = loop.resume
     point.batches_done = loop.batch_idx  # the driver set it to (epoch, task) when the task began
