@@ -1,8 +1,9 @@
 """Snapshots at commit points (issue 17): when the `snapshot` trigger fires, and how ranks agree.
 
 With a snapshot writer attached (a callback with `count_update`, `poll_snapshot`, `write_snapshot`,
-`late_signal` and `signals`: see `deepepochs.callbacks.SnapshotCallback`), every commit point fires the spec's `snapshot` trigger: after
-each committed window of a training task (`task_train`) and after each epoch's commit (`fit_running`).
+`late_signal` and `signals`: see `deepepochs.callbacks.SnapshotCallback`), every commit point fires the
+spec's `snapshot` trigger: after each committed window of a training task (`task_train`) and after each
+epoch's commit (`fit_running`).
 Its guards read what `commit_point` decided: `snapshot_due` (the writer wants one here) and
 `stop_signalled` (a signal it listens for arrived). Without a writer nothing is fired and nothing is
 paid.
