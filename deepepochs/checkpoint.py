@@ -835,17 +835,29 @@ def resume_once(trainer) -> tuple[Path, int] | None:
     return loaded
 
 
+def _fit_train_tasks(trainer) -> list | None:
+    """The training tasks of the fit that is resuming (None when a test or predict resumes): what a
+    snapshot's mid-epoch position is checked against."""
+    if trainer._driver.running != "fit" or trainer._ctx.monitor_check is None:
+        return None
+    return trainer._ctx.monitor_check[0]
+
+
 def _load_newest_usable(trainer, candidates: list[Path], strict: bool) -> tuple[Path | None,
                                                                                 Checkpoint | None]:
     """Load the first of `candidates` (newest first) that this trainer can use, into it; returns its path and
     contents, or (None, None). A candidate that cannot be used is skipped with a `DeepEpochsWarning` naming
-    it and why, whatever fails: reading it, checking it against the trainer, or reading its tensors (a
-    sharded folder with a damaged shard). Loading is all or nothing, so a skipped candidate changed nothing.
+    it and why, whatever fails: reading it, checking it against the trainer (and a mid-epoch snapshot's
+    position against the fit's training data), or reading its tensors (a sharded folder with a damaged
+    shard). Loading is all or nothing, so a skipped candidate changed nothing.
     `strict` (a named run): the first candidate loads or its `CheckpointError` is raised."""
     for candidate in candidates:
         try:
             ckpt = read_checkpoint(candidate)
             check_fits(trainer, ckpt, candidate)
+            train = _fit_train_tasks(trainer)
+            if ckpt.position is not None and train:  # a mid-epoch position must lie inside this fit's data
+                position.check_data(ckpt.position, train, trainer.world_size, candidate)
             remove_stale_temps(candidate.parent)
             return candidate, load_into(trainer, candidate, ckpt)
         except CheckpointError as e:

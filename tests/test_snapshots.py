@@ -716,3 +716,54 @@ def test_a_ctrl_c_held_inside_an_update_keeps_the_snapshot_update_count_and_cade
     assert "snapshot-u000000006-epoch1.ckpt" in names and "snapshot-u000000018-epoch3.ckpt" in names
     assert read_checkpoint(tmp_path / "interrupted" / "run" / names[-1]).monitors["snapshot"] == {"updates": 18}
     assert _equal(_state(trainer, model), uninterrupted[0])
+
+
+# ---- a snapshot position that does not fit the data ------------------------------------------------------------
+def _crafted(every_update, tmp_path, name="snapshot-u000000004.ckpt", **position):
+    """A copy of a real mid-epoch snapshot (4 windows of 3 batches into epoch 1) in `tmp_path/run`, with
+    its position's entries replaced by `position`."""
+    data = torch.load(every_update[0] / name, weights_only=True)
+    data["position"] = {**data["position"], **position}
+    (tmp_path / "run").mkdir(exist_ok=True)
+    torch.save(data, tmp_path / "run" / name)
+    return tmp_path / "run" / name
+
+
+@pytest.mark.parametrize("batches_done", [10**6, -3])
+def test_resume_true_skips_a_snapshot_whose_position_lies_outside_the_data_and_starts_fresh(
+        tmp_path, every_update, uninterrupted, batches_done):
+    """batches_done past the data (18 batches an epoch) or negative: a warning naming the file, then a fresh
+    run equal to the uninterrupted one (nothing of the epoch is silently skipped)."""
+    path = _crafted(every_update, tmp_path, batches_done=batches_done)
+    trainer, model = _trainer(tmp_path, resume=True)
+    with pytest.warns(DeepEpochsWarning, match=rf"skipped {re.escape(str(path))}: .*(after 1000000 batches of"
+                                               r" training task 0, which has 18 batches here|batches_done=-3)"):
+        _fit(trainer)
+    assert _equal(_state(trainer, model), uninterrupted[0])
+
+
+def test_resume_true_skips_a_mid_epoch_snapshot_of_a_larger_dataset_for_an_older_checkpoint(tmp_path, every_update):
+    """The snapshot is 5 windows (15 batches) into epoch 2; the data now has 10 batches an epoch: the
+    snapshot is skipped with a warning and the epoch-1 snapshot loads (training starts at epoch 2)."""
+    shutil.copy(every_update[0] / "snapshot-u000000006-epoch1.ckpt", tmp_path / "run.tmp")
+    (tmp_path / "run").mkdir()
+    shutil.move(tmp_path / "run.tmp", tmp_path / "run" / "snapshot-u000000006-epoch1.ckpt")
+    path = _crafted(every_update, tmp_path, name="snapshot-u000000011.ckpt")
+    assert read_checkpoint(path).position["batches_done"] == 15
+    os.utime(tmp_path / "run" / "snapshot-u000000006-epoch1.ckpt", ns=(10**18, 10**18))
+    trainer, _ = _trainer(tmp_path, resume=True)
+    train, val = _data()
+    smaller = DataLoader(torch.utils.data.Subset(train.dataset, range(40)), batch_size=4, shuffle=True)
+    with pytest.warns(DeepEpochsWarning, match=r"after 15 batches of training task 0, which has 10 batches here"):
+        records = trainer.fit(smaller, val)
+    assert trainer.loop.completed_epochs == 3 and len(records["train"]["loss"]) == 2  # epochs 2 and 3 only
+
+
+def test_an_explicitly_loaded_snapshot_whose_position_lies_outside_the_data_is_an_error(tmp_path, every_update):
+    """load_checkpoint: a negative position is refused at once; one past the data when fit meets the data."""
+    trainer, _ = _trainer(None)
+    with pytest.raises(CheckpointError, match=r"position is damaged \(batches_done=-3"):
+        trainer.load_checkpoint(_crafted(every_update, tmp_path, batches_done=-3))
+    trainer.load_checkpoint(_crafted(every_update, tmp_path, batches_done=10**6))
+    with pytest.raises(CheckpointError, match="after 1000000 batches of training task 0, which has 18 batches here"):
+        _fit(trainer)

@@ -16,7 +16,7 @@ import torch
 
 from deepepochs.checkpoint import monitors_in
 from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
-from deepepochs.engine import actions, batches, snapshots, steps
+from deepepochs.engine import actions, batches, position, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
@@ -204,6 +204,8 @@ class Driver:
         ctx = self.ctx
         parts, loop = ctx.parts, ctx.loop
         resume = loop.resume if loop.resume is not None and loop.resume.epoch == epoch else None
+        if resume is not None and resume.task_index >= 0:  # a snapshot's position must lie inside this data
+            position.check_point(resume, tasks, parts.dist.world_size)
         saved = ctx.train_meters if resume is not None else None
         loop.stage = "train"
         ctx.model = parts.train_model

@@ -43,7 +43,7 @@ from deepepochs.patches import PatchBase
 from deepepochs.tasks import TaskMeters
 from deepepochs.utils import rng_state, set_rng_state
 
-__all__ = ["capture", "check", "decode_meters", "encode_meters", "restore"]
+__all__ = ["capture", "check", "check_data", "check_point", "decode_meters", "encode_meters", "restore"]
 
 
 class _Unstorable(TypeError):
@@ -78,6 +78,15 @@ def check(position, world_size: int, path) -> None:
     keys = {"epoch", "task_index", "batches_done", "world_size", "ranks"}
     if not isinstance(position, dict) or not keys <= set(position):
         raise CheckpointError(f"{path}: the snapshot's position is damaged (got {type(position).__name__})")
+    bad = [f"{key}={position[key]!r}" for key, least in (("epoch", 1), ("task_index", 0), ("batches_done", 0),
+                                                         ("world_size", 1))
+           if isinstance(position[key], bool) or not isinstance(position[key], int) or position[key] < least]
+    samples = position.get("samples_done")
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 0):
+        bad.append(f"samples_done={samples!r}")
+    if bad or not isinstance(position["ranks"], list):
+        raise CheckpointError(f"{path}: the snapshot's position is damaged ({', '.join(bad) or 'ranks'}: epoch and"
+                              " world_size must be ints >= 1, task_index, batches_done and samples_done ints >= 0)")
     saved = position["world_size"]
     if saved != world_size and any(r.get("data") is not None for r in position["ranks"]):
         raise CheckpointError(
@@ -89,6 +98,37 @@ def check(position, world_size: int, path) -> None:
             f"{path} is a mid-epoch snapshot of {saved} process(es) whose training data has no batch size (not"
             f" a DataLoader), so its position cannot be carried to {world_size}; resume it with {saved}"
             " process(es), or from an epoch-end checkpoint")
+
+
+def check_data(position: dict, tasks, world_size: int, path) -> None:
+    """Raise `CheckpointError` (naming `path`) when the stored position (checked by `check`) lies outside
+    this fit's training data: a task it does not have, or more batches than its task has here (a smaller
+    dataset, a larger batch size); continuing would silently skip the rest of that epoch."""
+    samples = position.get("samples_done") if position["world_size"] != world_size else None
+    point = ResumePoint(position["epoch"], position["task_index"], position["batches_done"], samples)
+    check_point(point, tasks, world_size, f"{path} is a mid-epoch snapshot whose position")
+
+
+def check_point(point: ResumePoint, tasks, world_size: int, what: str = "the mid-epoch position loaded") -> None:
+    """Raise `CheckpointError` when the resume point `point` (a task in progress) lies outside `tasks`."""
+    if point.task_index >= len(tasks):
+        raise CheckpointError(f"{what} is in training task {point.task_index}, but this fit has {len(tasks)}"
+                              " training task(s); resume with the data the snapshot was taken with, or from an"
+                              " epoch-end checkpoint")
+    data = tasks[point.task_index].data
+    try:
+        length = len(data)
+    except TypeError:  # no length (an IterableDataset, a generator): the data says when it ends
+        return
+    done, unit = point.batches_done, "batches"
+    if point.samples is not None:  # another world size: the global sample count, in this rank's batches
+        batch_size = getattr(data, "batch_size", None) or 1
+        done, unit = point.samples // (batch_size * world_size), "batches (from its sample count)"
+    if done > length:
+        raise CheckpointError(f"{what} is after {done} {unit} of training task {point.task_index}, which has"
+                              f" {length} batches here (a smaller dataset or a larger batch size?); continuing"
+                              " would skip the rest of that epoch. Resume with the data the snapshot was taken"
+                              " with, or from an epoch-end checkpoint")
 
 
 def restore(ctx: Context, position: dict, rank: int) -> None:
