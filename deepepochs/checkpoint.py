@@ -62,6 +62,7 @@ a `ckpt_dir`, `state_dict()` and `load_state_dict(state)` (see `deepepochs.callb
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import pickle
 import re
@@ -456,11 +457,29 @@ def write_atomic(data: Mapping, path) -> Path:
         except OSError:
             pass
         if isinstance(e, Exception):
-            raise CheckpointError(f"writing checkpoint {path} failed ({e!r}); the previous file, if any,"
-                                  " is unchanged") from e
+            raise CheckpointError(f"writing checkpoint {path} failed ({_write_failure(e)}); the previous file,"
+                                  " if any, is unchanged") from e
         raise
     _fsync_dir(path.parent)
     return path
+
+
+# What a full disk, a quota or a file size limit make a write fail with (torch reports such a failed
+# write of its own as "[enforce fail at inline_container.cc] unexpected pos ...", the OSError in its context).
+_SPACE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "the file is too large (a file size"
+                 " limit of the file system or the process)", getattr(errno, "EDQUOT", -1): "the disk quota is"
+                 " exceeded"}
+
+
+def _write_failure(e: BaseException) -> str:
+    """Why a write failed, in words: the space error somewhere in `e`'s chain, else `e` itself."""
+    seen, cause = set(), e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _SPACE_ERRORS:
+            return f"{_SPACE_ERRORS[cause.errno]} ({errno.errorcode.get(cause.errno)})"
+        cause = cause.__cause__ or cause.__context__
+    return repr(e)
 
 
 # ---- reading ----

@@ -7,6 +7,7 @@ the machine generated from `spec/loop.py`; the engine never calls back into this
 from __future__ import annotations
 
 import datetime
+import threading
 
 import attrs
 import torch
@@ -379,7 +380,7 @@ class TrainerBase:
         if dataloader is None:
             raise ConfigError("predict() needs data: pass a DataLoader or another iterable of batches")
         driver = self._driver
-        task, = driver.make_tasks("test", dataloader, None, [], False, batch_size)
+        task, = driver.make_tasks("test", dataloader, None, [], False, batch_size, call="predict")
         return driver.guarded("predict", lambda: driver.run_predict(task, device))
 
     def find_lr(self, train_dl, min_lr: float = 1e-7, max_lr: float = 10.0, num_steps: int = 100,
@@ -546,7 +547,11 @@ class TrainerBase:
     def _check_open(self, call: str):
         if self._closed:
             raise RuntimeError("this Trainer was closed; create a new one")
-        running = self._driver.running
+        running, thread = self._driver.running, self._driver.running_thread
+        if running is not None and thread is not threading.current_thread():
+            raise RuntimeError(f"{call}() was called from thread {threading.current_thread().name!r} while {running}()"
+                               f" runs in thread {getattr(thread, 'name', '?')!r}; a Trainer runs one call at a time:"
+                               f" wait for {running}() to return, or give each thread its own Trainer and model")
         if running is not None:
             raise RuntimeError(f"{call}() was called from inside a callback while {running}() runs; a callback"
                                " can ask for a stop (trainer.request_stop) or a save (trainer.request_save)")

@@ -192,3 +192,40 @@ def test_a_test_metric_returning_a_non_number_fails_at_the_first_test_batch():
         trainer.test(Counting(), metrics=[rename(lambda p, y: None, "mood")])
     assert len(seen) == 1
     trainer.close()
+
+
+def test_fit_from_a_second_thread_while_fit_runs_says_so_and_the_running_fit_completes():
+    """Not 'from inside a callback': the message names both threads and what to do instead."""
+    import threading  # noqa: PLC0415
+
+    data, errors = _data(), []
+
+    class SecondThread(Callback):
+        def on_after_train_batch(self, trainer, metrics, batch_idx):
+            if batch_idx == 0 and not errors:
+                def call():
+                    try:
+                        trainer.fit(data)
+                    except RuntimeError as e:
+                        errors.append(e)
+                worker = threading.Thread(target=call, name="worker")
+                worker.start()
+                worker.join()
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1,
+                callbacks=[SecondThread()], **QUIET)
+    t.fit(data)
+    assert t.loop.completed_epochs == 1
+    (error,) = errors
+    assert "fit() was called from thread 'worker' while fit() runs in thread 'MainThread'" in str(error)
+    assert "inside a callback" not in str(error) and "its own Trainer" in str(error)
+
+
+def test_predict_with_an_empty_loader_names_predict_not_a_test_task():
+    model = nn.Linear(4, 2)
+    t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1, **QUIET)
+    empty = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 4)), batch_size=4)
+    with pytest.raises(ConfigError, match=r"the data given to predict\(\) is empty \(len 0\)"):
+        t.predict(empty)

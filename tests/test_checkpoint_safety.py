@@ -2,6 +2,8 @@
 unless the caller says it trusts the file; a truncated file says so; loading is all or nothing; names that
 become paths are validated; temporary files of killed saves are cleaned up at the next save or resume."""
 
+import errno
+import io
 import os
 import subprocess
 import sys
@@ -256,3 +258,51 @@ def test_a_damaged_monitor_or_scaler_state_leaves_everything_as_it_was(tmp_path,
     if monitor is not None:
         assert monitor.state_dict() == monitor_before
     t.close()
+
+
+class _FullDisk(io.RawIOBase):
+    """A file on a disk that fills up after `room` bytes: writes beyond fail with ENOSPC, as the OS does."""
+
+    def __init__(self, room):
+        self.room = room
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return len(data)
+
+
+def test_a_save_on_a_full_disk_says_no_space_is_left_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    """torch reports the failed write as an 'enforce fail ... unexpected pos'; the error names the cause."""
+    path, before = _saved_checkpoint(tmp_path)
+    monkeypatch.setattr(ckpt_mod, "open", lambda file, mode: io.BufferedWriter(_FullDisk(64), 64), raising=False)
+    with pytest.raises(CheckpointError) as info:
+        ckpt_mod.write_atomic({"model": {"w": torch.zeros(10_000)}}, path)
+    message = str(info.value)
+    assert f"writing checkpoint {path} failed (no space left on the device (ENOSPC))" in message
+    assert "enforce fail" not in message
+    assert torch.load(path, weights_only=True)["epoch"] == before["epoch"]
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX file size limits")
+def test_a_save_beyond_the_file_size_limit_says_the_file_is_too_large(tmp_path):
+    """A real limit (RLIMIT_FSIZE, EFBIG) in a child process: the error says so, with the path."""
+    code = (
+        "import resource, signal, torch\n"
+        "from deepepochs import checkpoint\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "try:\n"
+        f"    checkpoint.write_atomic({{'w': torch.zeros(100_000)}}, {str(tmp_path / 'big.ckpt')!r})\n"
+        "except checkpoint.CheckpointError as e:\n"
+        "    print(e)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert f"writing checkpoint {tmp_path / 'big.ckpt'} failed (the file is too large" in out.stdout, out.stderr
+    assert not (tmp_path / "big.ckpt").exists() and not list(tmp_path.iterdir())

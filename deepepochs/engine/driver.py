@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import threading
 
 import torch
 
@@ -46,10 +47,12 @@ class Driver:
         self._started = False
         self._header_done = False
         self.running: str | None = None  # 'fit' or 'test' while one runs (the facade refuses re-entry)
+        self.running_thread: threading.Thread | None = None  # the thread it runs in
 
     # ---- setup ----
-    def make_tasks(self, stage, dataloader, tasks, metrics, do_loss, batch_size) -> list[EpochTask]:
-        """EpochTasks of a stage from a DataLoader and/or a task list (they combine, DataLoader first)."""
+    def make_tasks(self, stage, dataloader, tasks, metrics, do_loss, batch_size, call=None) -> list[EpochTask]:
+        """EpochTasks of a stage from a DataLoader and/or a task list (they combine, DataLoader first).
+        `call`: the public call the data was given to, when it is not the stage's own (`predict`)."""
         parts = self.ctx.parts
         check_batch_size(batch_size)
         out = []
@@ -62,8 +65,9 @@ class Driver:
                 out.append(task)
         for i, task in enumerate(out):
             if _len_or_none(task.dataloader) == 0:
+                what = f"the {stage} data of task {i}" if call is None else f"the data given to {call}()"
                 raise ConfigError(
-                    f"the {stage} data of task {i} is empty (len 0): check the dataset size, batch_size and"
+                    f"{what} is empty (len 0): check the dataset size, batch_size and"
                     " drop_last; a DataLoader must yield at least one batch"
                 )
             task.trainer = parts.facade
@@ -82,7 +86,7 @@ class Driver:
         re-raise it with the flight record attached."""
         ctx = self.ctx
         ctx.signals.install()
-        self.running = name
+        self.running, self.running_thread = name, threading.current_thread()
         try:
             return run()
         except BaseException as exc:
@@ -105,7 +109,7 @@ class Driver:
                 raise timeout from exc
             raise
         finally:
-            self.running = None
+            self.running = self.running_thread = None
             ctx.signals.uninstall()
 
     def _rollback(self, exc):
