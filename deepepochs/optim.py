@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 
@@ -64,6 +65,24 @@ class Optimizer:
                               f" another {type(owner).__name__}); pass Optimizer(opt, scheduler_of_opt)")
 
 
+class _MarkUpdate:
+    """The step post-hook of `Optimizers.bind_updates`. An object rather than a closure: `copy.deepcopy` of
+    a trainer copies it with the optimizer, bound to the copy's loop and scheduler (a closure would be
+    shared, and keep stepping the original's scheduler)."""
+
+    __slots__ = ("loop", "scheduler")
+
+    def __init__(self, loop, scheduler):
+        self.loop, self.scheduler = loop, scheduler
+
+    def __call__(self, _optimizer, _args, _kwargs):
+        if self.loop.stage != "train":
+            return
+        self.loop.window_updated = True
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+
 class Optimizers(Sequence):
     """The trainer's optimizers, in `optimize_index` order."""
 
@@ -92,6 +111,7 @@ class Optimizers(Sequence):
         self.sum_check = torch_private.sums_pay_off(
             [p for item in items for group in item.opt.param_groups for p in group["params"]])
         self._marks: list = []  # the hook handles of bind_updates, one per optimizer
+        self._loop = None  # the loop state bind_updates marks
 
     def check_covers(self, model: torch.nn.Module) -> None:
         """Refuse optimizers that train none of `model`'s trainable parameters (ConfigError), and warn
@@ -154,19 +174,22 @@ class Optimizers(Sequence):
         not closed, does not advance this trainer's scheduler. `unbind_updates` removes the hooks.
         """
 
-        def hook_for(index):
-            scheduler = self.step_scheduler(index)
+        self._loop = loop
+        self._marks = [item.opt.register_step_post_hook(_MarkUpdate(loop, self.step_scheduler(i)))
+                       for i, item in enumerate(self.items)]
 
-            def updated(_optimizer, _args, _kwargs):
-                if loop.stage != "train":
-                    return
-                loop.window_updated = True
-                if scheduler is not None:
-                    scheduler.step()
-
-            return updated
-
-        self._marks = [item.opt.register_step_post_hook(hook_for(i)) for i, item in enumerate(self.items)]
+    def __deepcopy__(self, memo):
+        """A copy whose optimizers carry the hooks of `bind_updates`, bound to the copied loop (torch's
+        `Optimizer` drops its hooks when copied, so the copy's scheduler would never step)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            if name != "_marks":  # handles of the original's hooks
+                setattr(copied, name, copy.deepcopy(value, memo))
+        copied._marks = []
+        if self._marks:
+            copied.bind_updates(copied._loop)
+        return copied
 
     def unbind_updates(self) -> None:
         """Remove the hooks of `bind_updates`."""

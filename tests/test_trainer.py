@@ -366,3 +366,32 @@ def test_graph_command_line_writes_mermaid_and_dot(tmp_path):
                    check=True)
     assert (tmp_path / "g.dot").read_text().startswith("digraph deepepochs_loop")
 
+
+
+def test_a_deepcopy_of_a_trainer_trains_like_the_original_and_leaves_the_original_alone():
+    """The copy's step-wise scheduler advances once per update (8 here, as a plain loop's would), its
+    weights equal the original's trained afterwards from the same state and seed, and training the copy
+    changes nothing of the original."""
+    import copy  # noqa: PLC0415
+
+    from deepepochs import Optimizer  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    original = Trainer(model, torch.nn.functional.mse_loss, Optimizer(opt, sched, sched_on="step"), epochs=2,
+                       device="cpu", log_batch=False, show_info=False)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    data = [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 32, 8)]
+    twin = copy.deepcopy(original)
+    torch.manual_seed(2)
+    twin.fit(data)
+    assert twin.opt.items[0].scheduler.last_epoch == 8 and twin.opt.items[0].opt.param_groups[0]["lr"] == 0.1 * 0.5**2
+    assert original.opt.items[0].scheduler.last_epoch == 0 and original.loop.completed_epochs == 0
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in initial.items())
+    torch.manual_seed(2)
+    original.fit(data)
+    for key, value in original.raw_model.state_dict().items():
+        assert torch.equal(twin.raw_model.state_dict()[key], value), key
