@@ -388,3 +388,52 @@ def test_a_custom_sigint_handler_is_still_installed_after_a_normal_fit():
         assert signal.getsignal(signal.SIGINT) is raise_keyboard_interrupt
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# ---- an exception inside optimizer.step(): what it leaves, and how to continue exactly ------------------------
+class FailingAdam(torch.optim.Adam):
+    """Adam (single-tensor) that raises after updating its first parameter, on its `fail_at`-th step."""
+
+    def __init__(self, params, fail_at):
+        super().__init__(params, lr=0.05, foreach=False)
+        self.calls, self.fail_at = 0, fail_at
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls != self.fail_at:
+            return super().step(closure)
+        group = self.param_groups[0]
+        saved = group["params"]
+        group["params"] = saved[:1]  # the first parameter is updated, then the optimizer fails
+        try:
+            super().step(closure)
+        finally:
+            group["params"] = saved
+        raise RuntimeError("optimizer failed part-way")
+
+
+def test_an_exception_inside_step_leaves_the_first_parameters_updated_and_a_checkpoint_reload_continues_exactly(
+        tmp_path):
+    """The documented limit: the parameters updated before the failure keep their update (Adam's step count
+    too), the others do not; fit() after loading the last checkpoint ends as the uninterrupted run."""
+    from deepepochs import CheckCallback  # noqa: PLC0415
+
+    def trainer(fail_at, folder):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        return Trainer(model, F.cross_entropy, FailingAdam(model.parameters(), fail_at), epochs=EPOCHS,
+                       callbacks=[CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=folder)],
+                       running_id="run", **QUIET)
+
+    reference = trainer(0, tmp_path / "reference")
+    reference.fit(TRAIN)
+    failing = trainer(14, tmp_path / "failing")  # the 4th update of epoch 2
+    with pytest.raises(RuntimeError, match="optimizer failed part-way"):
+        failing.fit(TRAIN)
+    opt = failing.opt.items[0].opt
+    steps = [int(opt.state[p]["step"]) for p in failing.raw_model.parameters()]
+    assert steps == [14, 13, 13, 13]  # the first parameter's update of step 14 was applied, the rest not
+    failing.load_checkpoint(tmp_path / "failing" / "run" / "train-loss.latest.ckpt")
+    failing.fit(TRAIN)
+    for key, value in reference.raw_model.state_dict().items():
+        assert torch.equal(failing.raw_model.state_dict()[key], value), key
