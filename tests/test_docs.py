@@ -102,7 +102,7 @@ def test_user_pages_carry_no_requirement_ids_or_issue_numbers(page):
 def test_the_api_reference_documents_every_public_name():
     """docs/api.md has an autodoc entry for every name of `deepepochs.__all__`, and each has a docstring."""
     text = (DOCS / "api.md").read_text()
-    documented = set(re.findall(r"^```\{auto(?:class|function)\} deepepochs\.(\w+)\s*$", text, re.M))
+    documented = set(re.findall(r"^\.\. auto(?:class|function):: deepepochs\.(\w+)\s*$", text, re.M))
     assert documented == set(deepepochs.__all__), set(deepepochs.__all__) ^ documented
     assert not [name for name in deepepochs.__all__ if not (getattr(deepepochs, name).__doc__ or "").strip()]
 
