@@ -1,51 +1,93 @@
-# Targets match what CI runs (.ci/run). torch is pinned and installed first, on its own, so that pip
-# never resolves a newer (multi-GB CUDA) build while installing the other dependencies.
-PYTHON ?= python3
+# Targets match what CI runs (.ci/run). Every target works on a fresh machine with nothing done before it:
+# it creates a virtual environment of its own ($(VENV)) and installs into it. torch is pinned and installed
+# first, on its own, so that pip never resolves another (multi-GB CUDA) build while installing the rest.
+#
+#   make demo                  runtime dependencies only, then the quick start
+#   make test                  the dev extra too, then the whole suite (PYTEST_ARGS="-k docs" for a part)
+#   make docs                  the docs extra, then the site into docs/_build/html, warnings as errors
+#   VENV=path                  another environment folder (default .venv)
+#   TORCH_SPEC=torch==2.6.0    another torch; TORCH_INDEX= (empty) takes it from the default index, which
+#                              on Linux is the CUDA build; the default on Linux is PyTorch's CPU index
+BASE_PYTHON ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
-STAMP := .install.stamp
+ifeq ($(shell uname -s),Linux)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+else
+TORCH_INDEX ?=
+endif
+PYTEST_ARGS ?=
+DOCS_OUT ?= docs/_build/html
 
-.PHONY: install demo test test-fast lint gen check-gen graph bench clean
+.PHONY: venv install install-runtime install-docs demo test test-fast lint gen check-gen graph bench \
+	bench-memory docs clean
 
-$(STAMP): pyproject.toml
-	$(PIP) install -q "$(TORCH_SPEC)"
+# ---- environments: one stamp per install level, redone when pyproject.toml changes ----
+$(PYTHON):
+	$(BASE_PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch.stamp: | $(PYTHON)
+	$(PIP) install -q "$(TORCH_SPEC)" $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX))
+	touch $@
+
+$(VENV)/.runtime.stamp: pyproject.toml $(VENV)/.torch.stamp
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.dev.stamp: pyproject.toml $(VENV)/.runtime.stamp
 	$(PIP) install -q -e ".[dev]"
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+$(VENV)/.docs.stamp: pyproject.toml $(VENV)/.runtime.stamp
+	$(PIP) install -q -e ".[docs]"
+	touch $@
 
-demo: install
+venv: $(PYTHON)
+install-runtime: $(VENV)/.runtime.stamp
+install: $(VENV)/.dev.stamp
+install-docs: $(VENV)/.docs.stamp
+
+# ---- the two README commands ----
+demo: install-runtime
 	$(PYTHON) examples/01-basic.py
 
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
+# ---- everything else ----
 test-fast: install
-	$(PYTHON) -m pytest -q -m "not distributed and not slow"
+	$(PYTHON) -m pytest -q -m "not distributed and not slow" $(PYTEST_ARGS)
 
 # ruff, then the import contracts of pyproject.toml ([tool.importlinter]); --no-cache: nothing left in the tree
 lint: install
 	$(PYTHON) -m ruff check deepepochs spec tests examples benchmarks
-	lint-imports --no-cache --no-logo
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
-gen: install
+gen: install-runtime
 	$(PYTHON) -m spec
 
-check-gen: install
+check-gen: install-runtime
 	$(PYTHON) -m spec --check
 
-graph: install
+# The documentation site; -W: a warning fails the build, as in CI. -E: no stale pages from an older build.
+docs: install-docs
+	$(PYTHON) -m sphinx -W --keep-going -E -q -b html docs $(DOCS_OUT)
+	@echo "open $(DOCS_OUT)/index.html"
+
+graph: install-runtime
 	$(PYTHON) -m deepepochs graph --format mermaid --output docs/state-graph.mmd
 	$(PYTHON) -m deepepochs graph --format dot --output docs/state-graph.dot
 	-$(PYTHON) -m deepepochs graph --format svg --output docs/state-graph.svg
 
 bench: install
+	$(PIP) install -q -e ".[bench]"
 	$(PYTHON) benchmarks/loop_overhead.py
 	$(PYTHON) benchmarks/batch_segments.py
 
-.PHONY: bench-memory
-bench-memory: install
+bench-memory: install-runtime
 	$(PYTHON) benchmarks/memory_steady.py
 
 clean:
-	rm -rf build dist *.egg-info $(STAMP) .pytest_cache .ruff_cache
+	rm -rf build dist *.egg-info .install.stamp .pytest_cache .ruff_cache docs/_build

@@ -177,8 +177,8 @@ def batches(data, batch_size: int):
     may be shorter), e.g. to accumulate gradients by hand in a custom step.
 
     Args:
-        data: a tensor, or a tuple/list (yielding `TensorTuple`s) or dict (yielding `TensorDict`s) of
-            tensors with the same number of rows.
+        data: a tensor, or a tuple/list (yielding `TensorTuple` objects) or dict (yielding `TensorDict`
+            objects) of tensors with the same number of rows.
         batch_size: the largest sub-batch, a positive int.
 
     Example:

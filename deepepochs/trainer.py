@@ -151,8 +151,14 @@ class TrainerBase:
         dist_timeout: under DDP, seconds a collective waits for the other ranks before the run fails with
             `DistributedError` (a hung or far slower rank); default 600. Applies when the Trainer creates
             the process group (launch/torchrun); a group you created keeps its own timeout.
-        resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
-        log_long, log_batch, log_tqdm, show_info: console output.
+        resume: True resumes from the newest checkpoint or snapshot of the monitors' folders, a run id
+            from that run's; False starts afresh.
+        running_id: the run's name, the folder of its checkpoints and logs (default: the start time).
+        hyper_params: a dict written to TensorBoard with each test's results.
+        log_long: print 7 digits instead of 4.
+        log_batch: update the console line with running values during an epoch.
+        log_tqdm: show progress bars (in a terminal) instead.
+        show_info: print the run's header line (device, run id, parameter count, precision).
         compile_model: wrap the model in `torch.compile`.
         targets: where the metrics' targets come from when batches carry no label (dict batches,
             loss=None models): '<key>' takes the field `key` of dict batches (with a loss function it is
@@ -582,6 +588,6 @@ class TrainerBase:
 
 
 class Trainer(TrainerBase):
-    """The ready-to-use trainer; see `TrainerBase` for arguments and customisation."""
+    """The ready-to-use trainer: `TrainerBase` as it is; subclass `TrainerBase` for your own steps."""
 
 

@@ -1,0 +1,130 @@
+"""The documentation runs: every Python code block of the README and the user-facing pages executes (UX-2).
+
+Each page runs in a fresh namespace and in a scratch folder (files its code writes land there), its blocks
+in order, so a later block may use what an earlier one defined. A block is not run when it is not marked
+plain `python` (e.g. a MyST ```{code-block} python directive) or when the line before its fence is
+`<!-- norun: <reason> -->`; use either sparingly, for code that needs what a test cannot have (several
+machines, a GPU). Pages other than these (the architecture and contributor pages) may show fragments.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import deepepochs
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+# User-facing pages: their code runs, and they speak the user's words.
+USER_PAGES = sorted({ROOT / "README.md", *DOCS.glob("*.md"), *DOCS.glob("guide/*.md")}
+                    - {DOCS / "ARCHITECTURE.md", DOCS / "contributing.md", DOCS / "micro-batch.md"})
+
+FENCE = re.compile(r"^(?P<fence>```+|~~~+)\s*(?P<info>[^\n`]*)$")
+NORUN = re.compile(r"^<!--\s*norun:\s*\S.*-->\s*$")
+
+
+def code_blocks(text: str) -> list[tuple[int, str, str, bool]]:
+    """(1-based line of the opening fence, info string, code, runnable) of each fenced block of `text`."""
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i].strip())
+        if not m:
+            i += 1
+            continue
+        fence, info, start = m["fence"], m["info"].strip(), i
+        i += 1
+        body = []
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i])
+            i += 1
+        i += 1  # the closing fence
+        norun = start > 0 and bool(NORUN.match(lines[start - 1].strip()))
+        blocks.append((start + 1, info, "\n".join(body) + "\n", info in ("python", "py") and not norun))
+    return blocks
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_the_block_reader_finds_runnable_blocks_and_honours_markers():
+    """Plain ```python blocks run; ```{code-block} python, ```text and a norun marker do not."""
+    text = ("intro\n```python\nx = 1\n```\n```text\nout\n```\n<!-- norun: needs 2 machines -->\n```python\n"
+            "y = 2\n```\n```{code-block} python\nz = 3\n```\n````markdown\n```python\nw = 4\n```\n````\n")
+    assert [(line, runs) for line, _, _, runs in code_blocks(text)] == [(2, True), (5, False), (9, False),
+                                                                       (12, False), (15, False)]
+    assert code_blocks(text)[0][2] == "x = 1\n"
+
+
+PAGES_WITH_CODE = [p for p in USER_PAGES if any(runs for *_, runs in code_blocks(p.read_text()))]
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_rel)
+def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch, capsys):
+    """The page's ```python blocks run in order in one namespace, in a scratch folder, without error."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    namespace = {"__name__": "docs_page"}  # not __main__: a `launch(main)` guard shows code, runs none
+    for line, _, code, runs in code_blocks(page.read_text()):
+        if runs:
+            exec(compile(code, f"{_rel(page)}:{line}", "exec"), namespace)  # noqa: S102
+    capsys.readouterr()
+
+
+def test_the_readme_is_a_front_door():
+    """The README stays short (at most ~200 lines) and points to the documentation pages that exist."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    links = re.findall(r"\]\(((?:docs/)[^)#]+)", text)
+    assert links and all((ROOT / link).exists() for link in links if link != "docs/img/state-graph-fit.svg"), \
+        [link for link in links if not (ROOT / link).exists()]
+
+
+REQUIREMENT_ID = re.compile(r"\b(?:FSM|DDP|MET|UX|PERF|DATA|CORE|CKPT|ACC|SEC|REL|CUST|COMPAT|SCALE|RES|LOG|AMP|"
+                            r"PKG|GRAPH|EX|DEV|BENCH)-\d+\b")
+ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.I)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=_rel)
+def test_user_pages_carry_no_requirement_ids_or_issue_numbers(page):
+    """Requirement ids and issue numbers belong in the CHANGELOG and contributor pages, not the user's."""
+    text = page.read_text()
+    assert not REQUIREMENT_ID.findall(text) and not ISSUE_NUMBER.findall(text), \
+        (REQUIREMENT_ID.findall(text), ISSUE_NUMBER.findall(text))
+
+
+def test_the_api_reference_documents_every_public_name():
+    """docs/api.md has an autodoc entry for every name of `deepepochs.__all__`, and each has a docstring."""
+    text = (DOCS / "api.md").read_text()
+    documented = set(re.findall(r"^\.\. auto(?:class|function):: deepepochs\.(\w+)\s*$", text, re.M))
+    assert documented == set(deepepochs.__all__), set(deepepochs.__all__) ^ documented
+    assert not [name for name in deepepochs.__all__ if not (getattr(deepepochs, name).__doc__ or "").strip()]
+
+
+def test_the_examples_page_lists_and_includes_every_numbered_example():
+    """docs/examples.md links each examples/NN-*.py and includes its source, so the site shows them all."""
+    text = (DOCS / "examples.md").read_text()
+    names = sorted(p.name for p in (ROOT / "examples").glob("[0-9][0-9]-*.py"))
+    included = re.findall(r"^```\{literalinclude\} \.\./examples/(\S+)\s*$", text, re.M)
+    assert included == names
+    for name in names:
+        first = (ast.get_docstring(ast.parse((ROOT / "examples" / name).read_text())) or "").split("\n\n")[0]
+        assert " ".join(first.split()).replace("|", "\\|") in text, f"{name}: its summary is not listed"
+
+
+def test_every_page_of_the_site_is_in_its_table_of_contents():
+    """Each Markdown page under docs/ (but the included micro-batch table) is reachable from the index."""
+    index = (DOCS / "index.md").read_text()
+    entries = set(re.findall(r"^([\w/.-]+)\s*$", index, re.M))
+    pages = {p.relative_to(DOCS).with_suffix("").as_posix() for p in [*DOCS.glob("*.md"), *DOCS.glob("guide/*.md")]}
+    assert pages - {"index", "micro-batch"} <= entries, sorted(pages - {"index", "micro-batch"} - entries)
+
+
+if __name__ == "__main__":  # pragma: no cover - run one page by hand: python tests/test_docs.py docs/x.md
+    sys.exit(pytest.main([__file__, "-q", "-k", os.path.basename(sys.argv[1]) if len(sys.argv) > 1 else ""]))
