@@ -34,10 +34,15 @@ gen: install
 check-gen: install
 	$(PYTHON) -m spec --check
 
+# docs/state-graph.*: every state; docs/img/state-graph-<level>.svg: one picture per level (needs Graphviz)
+GRAPH_LEVELS := fit epoch task batch full
 graph: install
-	$(PYTHON) -m deepepochs graph --format mermaid --output docs/state-graph.mmd
-	$(PYTHON) -m deepepochs graph --format dot --output docs/state-graph.dot
-	-$(PYTHON) -m deepepochs graph --format svg --output docs/state-graph.svg
+	$(PYTHON) -m deepepochs graph --level full --format mermaid --output docs/state-graph.mmd
+	$(PYTHON) -m deepepochs graph --level full --format dot --output docs/state-graph.dot
+	-$(PYTHON) -m deepepochs graph --level full --format svg --output docs/state-graph.svg
+	-for level in $(GRAPH_LEVELS); do \
+	  $(PYTHON) -m deepepochs graph --level $$level --format svg --output docs/img/state-graph-$$level.svg || exit 1; \
+	done
 
 bench: install
 	$(PYTHON) benchmarks/loop_overhead.py

@@ -244,7 +244,7 @@ def _number(spec: Spec, drawing: Drawing, node_of: dict[str, str], steps: list[t
     for (n, *_, dest), (_m, _e, _b, source, trigger, _d) in zip(steps, steps[1:]):
         if dest != source and node_of[dest] != node_of[source]:
             drawing.groups.append(Group(node_of[dest], node_of[source], synthetic="gap",
-                                        note=f"after {n}: hops of a fused micro-batch (not recorded)"))
+                                        note=f"after {n}: the hops of a fused micro-batch, not recorded"))
     commits = {(t.source, t.trigger, t.dest) for t in spec.commit_edges()}
     if any(t == spec.interrupt for *_, t, _d in steps):
         last = [(n, e, b, d) for n, e, b, s, t, d in steps if (s, t, d) in commits]

@@ -143,7 +143,7 @@ def to_mermaid(d: Drawing) -> str:
             lines.append(f'    state "{node.label.replace(chr(10), " ")}" as {node.id}')
     for group in d.groups:
         if group.synthetic:
-            lines.append(f"    {group.source} --> {group.dest} : ({group.note})")
+            lines.append(f"    {group.source} --> {group.dest} : {group.note}")
             continue
         for line in group.lines:
             tags = [tag for tag, on in (("fused", line.fused), ("commit", line.commit)) if on]
