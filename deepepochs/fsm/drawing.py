@@ -192,7 +192,7 @@ def build_drawing(spec: Spec, edges: Sequence[tuple], level: str = "full", *, cu
             group.lines.append(line)
         return line
 
-    for source, trigger, dest, conds, unless, actions, error in edges:
+    for source, trigger, dest, conds, unless, actions, _error in edges:
         if trigger == spec.interrupt and not show_interrupts and (source, trigger, dest) not in taken:
             continue
         src = node_of[source]
@@ -241,7 +241,7 @@ def _number(spec: Spec, drawing: Drawing, node_of: dict[str, str], steps: list[t
             drawing.hidden_steps.append(n)
         else:
             line.steps.append(n)
-    for (n, *_, dest), (_m, _e, _b, source, trigger, _d) in zip(steps, steps[1:]):
+    for (n, *_, dest), (_m, _e, _b, source, _t, _d) in zip(steps, steps[1:]):
         if dest != source and node_of[dest] != node_of[source]:
             drawing.groups.append(Group(node_of[dest], node_of[source], synthetic="gap",
                                         note=f"after {n}: the hops of a fused micro-batch, not recorded"))

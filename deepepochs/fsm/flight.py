@@ -88,6 +88,6 @@ def read_flight_record(path) -> list[Record]:
     records = [Record(int(e), int(b), s, t, d) for e, b, s, t, d in _LINE.findall(block)]
     if not records:
         raise ConfigError(f"flight record {str(path)!r} holds no transitions: expected the JSON written by"
-                          " deepepochs.fsm.flight.save_flight_record or a log with lines like 'epoch 2 batch 3: window_open"
-                          " --update_step--> task_train'")
+                          " deepepochs.fsm.flight.save_flight_record or a log with lines like 'epoch 2 batch 3:"
+                          " window_open --update_step--> task_train'")
     return _check(records, f"flight record {str(path)!r}")
