@@ -1,6 +1,6 @@
 """What one picture of the loop machine shows: a level's states, its edges grouped by label, and a path.
 
-A *level* shows a few adjacent layers of the spec (`LEVELS`, read from `schema.LAYERS`, never from state
+A *level* shows a few adjacent layers of the spec (`LEVELS`: names from `schema.LAYERS`, never state names);
 names); the states of the other layers are folded: each connected group of them (connected by edges
 between hidden states, interrupts aside) becomes one summary node standing for the whole group, and the
 edges between shown states and the group are drawn to the summary node. The rollback layer is always
@@ -27,10 +27,10 @@ __all__ = ["LEVELS", "Drawing", "Group", "Line", "Node", "auto_level", "build_dr
 
 #: level -> the spec layers it shows in detail (the rollback layer is always shown), coarsest first.
 LEVELS: dict[str, tuple[str, ...]] = {
-    "fit": LAYERS[0:2],      # fit, epoch: a fit as a cycle of epochs
-    "epoch": LAYERS[1:4],    # epoch, stage, task: inside an epoch
-    "task": LAYERS[2:5],     # stage, task, window: a task as windows of micro-batches
-    "batch": LAYERS[4:7],    # window, step, optimize: one micro-batch, accumulation and precision
+    "fit": ("fit", "epoch"),                  # a fit as a cycle of epochs
+    "epoch": ("epoch", "stage", "task"),      # inside an epoch: stages and their tasks
+    "task": ("stage", "task", "window"),      # a task as windows of micro-batches
+    "batch": ("window", "step", "optimize"),  # one micro-batch: accumulation, precision, the update
     "full": LAYERS,
 }
 ALWAYS = ("rollback",)
@@ -97,10 +97,6 @@ class Drawing:
     failed: str | None = None                 # node id of the state that failed
     hidden_steps: list[int] = attrs.Factory(list)
     legend: list[str] = attrs.Factory(list)
-
-    def node_of(self, state: str) -> Node:
-        """The drawn node standing for `state`."""
-        return next(n for n in self.nodes if state in n.states)
 
 
 def _check_level(level: str) -> None:

@@ -147,3 +147,13 @@ def test_a_flight_file_without_transitions_is_refused_with_a_clear_error(tmp_pat
     other.write_text("  epoch 1 batch 2: window_open --warp_step--> task_train\n")
     with pytest.raises(ConfigError, match=r"names \['warp_step'\], which this version's loop does not have"):
         read_flight_record(other)
+
+
+def test_a_bad_path_length_or_level_is_refused_by_state_graph(crashed):
+    """`last` must be a non-negative int and `level` one of the levels; the errors say what was received."""
+    t, _ = crashed
+    with pytest.raises(ConfigError, match=r"last must be an int >= 0 \(got -1\)"):
+        t.state_graph("dot", last=-1)
+    with pytest.raises(ConfigError, match=r"level must be one of 'fit', .* \(got 'optimize'\)"):
+        t.state_graph("dot", level="optimize")
+    assert "blue numbers" not in t.state_graph("dot", last=0)  # no path: the plain graph, failed state unknown
