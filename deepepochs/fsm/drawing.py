@@ -1,6 +1,6 @@
 """What one picture of the loop machine shows: a level's states, its edges grouped by label, and a path.
 
-A *level* shows a few adjacent layers of the spec (`LEVELS`: names from `schema.LAYERS`, never state names);
+A *level* shows a few adjacent layers of the spec (`LEVELS`: names from `schema.LAYERS`, never state
 names); the states of the other layers are folded: each connected group of them (connected by edges
 between hidden states, interrupts aside) becomes one summary node standing for the whole group, and the
 edges between shown states and the group are drawn to the summary node. The rollback layer is always
