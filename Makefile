@@ -76,10 +76,15 @@ docs: install-docs
 	$(PYTHON) -m sphinx -W --keep-going -E -q -b html docs $(DOCS_OUT)
 	@echo "open $(DOCS_OUT)/index.html"
 
+# docs/state-graph.*: every state; docs/img/state-graph-<level>.svg: one picture per level (needs Graphviz)
+GRAPH_LEVELS := fit epoch task batch full
 graph: install-runtime
-	$(PYTHON) -m deepepochs graph --format mermaid --output docs/state-graph.mmd
-	$(PYTHON) -m deepepochs graph --format dot --output docs/state-graph.dot
-	-$(PYTHON) -m deepepochs graph --format svg --output docs/state-graph.svg
+	$(PYTHON) -m deepepochs graph --level full --format mermaid --output docs/state-graph.mmd
+	$(PYTHON) -m deepepochs graph --level full --format dot --output docs/state-graph.dot
+	-$(PYTHON) -m deepepochs graph --level full --format svg --output docs/state-graph.svg
+	-for level in $(GRAPH_LEVELS); do \
+	  $(PYTHON) -m deepepochs graph --level $$level --format svg --output docs/img/state-graph-$$level.svg || exit 1; \
+	done
 
 bench: install
 	$(PIP) install -q -e ".[bench]"

@@ -1,6 +1,8 @@
 """deepepochs on the command line.
 
-- `python -m deepepochs graph --format mermaid|dot|png|svg [--output FILE]`: draw the loop machine.
+- `python -m deepepochs graph --format mermaid|dot|png|svg [--level fit|epoch|task|batch|full] [--output FILE]`:
+  draw the loop machine, one level at a time; `--flight FILE` draws a saved flight record's last
+  transitions as a numbered path (a log holding the error's note, or JSON from `save_flight_record`).
 - `python -m deepepochs consolidate SOURCE TARGET`: write a sharded checkpoint folder (saved under
   `strategy='fsdp'`) as one checkpoint file, which any trainer loads, in one process too.
 """
@@ -11,8 +13,9 @@ import argparse
 import shutil
 import sys
 
-from deepepochs.errors import CheckpointError
-from deepepochs.fsm.render import FORMATS, render
+from deepepochs.errors import CheckpointError, ConfigError
+from deepepochs.fsm.machine import load_spec
+from deepepochs.fsm.render import FORMATS, LEVELS, auto_level, render
 
 __all__ = ["main"]
 
@@ -24,6 +27,13 @@ def main(argv=None) -> int:
     graph.add_argument("--format", choices=FORMATS, default="mermaid")
     graph.add_argument("--output", "-o", help="file to write (default: stdout; required for png/svg)")
     graph.add_argument("--show-interrupts", action="store_true", help="draw every interrupt edge")
+    graph.add_argument("--level", choices=LEVELS, default=None,
+                       help="fit (default: a fit as epochs), epoch (stages, tasks), task (windows), batch (one"
+                            " micro-batch), full (every state); with --flight: the level of the failed state")
+    graph.add_argument("--flight", metavar="FILE", help="draw the last transitions of a saved flight record"
+                       " (the log of a failed run, or JSON from deepepochs.fsm.flight.save_flight_record)")
+    graph.add_argument("--last", type=int, default=12, metavar="N", help="with --flight: how many of the last"
+                       " transitions to number (default 12)")
     merge = sub.add_parser("consolidate", help="write a sharded checkpoint folder as one checkpoint file")
     merge.add_argument("source", help="the sharded checkpoint folder (e.g. checkpoints/<run>/val-loss.best.ckpt)")
     merge.add_argument("target", help="the checkpoint file to write (replaced atomically if it exists)")
@@ -38,7 +48,20 @@ def main(argv=None) -> int:
               " install Graphviz (e.g. `apt-get install graphviz`, `brew install graphviz` or"
               " `conda install graphviz`), or use --format dot or --format mermaid", file=sys.stderr)
         return 2
-    out = render(args.format, show_interrupts=args.show_interrupts)
+    if args.last < 1:
+        parser.error(f"--last must be at least 1 (got {args.last})")
+    records, level = [], args.level or "fit"
+    if args.flight:
+        from deepepochs.fsm.flight import read_flight_record  # noqa: PLC0415 (only --flight reads one)
+        try:
+            records = read_flight_record(args.flight)[-args.last:]
+        except ConfigError as e:  # a bad file is the caller's to fix: one line, no traceback
+            print(f"deepepochs graph: {e}", file=sys.stderr)
+            return 2
+        failed = [r.source for r in records if r.trigger == load_spec().interrupt]
+        if args.level is None:
+            level = auto_level(load_spec(), failed[-1] if failed else records[-1].dest)
+    out = render(args.format, path=records, show_interrupts=args.show_interrupts, level=level)
     if args.output:
         with open(args.output, "wb" if isinstance(out, bytes) else "w") as f:
             f.write(out)

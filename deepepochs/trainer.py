@@ -24,7 +24,7 @@ from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
 from deepepochs.finished import apply_finished
 from deepepochs.fsdp import check_strategy_kwargs
-from deepepochs.fsm.render import render
+from deepepochs.fsm.render import auto_level, render
 from deepepochs.lr_find import LRFindResult, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
@@ -489,15 +489,31 @@ class TrainerBase:
         self.loop.resume_pending = False
         return ckpt
 
-    def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False):
+    def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False, level: str | None = None,
+                    last: int = 12):
         """The loop's state graph as Mermaid/DOT text or PNG/SVG bytes (these need Graphviz `dot`).
 
-        On a live trainer the current state is highlighted; after a crash, the state that failed. The
-        last transitions are highlighted too. With `path`, the result is also written there.
+        Args:
+            fmt: 'mermaid', 'dot', 'png' or 'svg'.
+            path: also write the result to this file.
+            show_interrupts: draw every running state's interrupt edge (else one legend line).
+            level: 'fit' (a fit as epochs), 'epoch' (stages and tasks), 'task' (windows of micro-batches),
+                'batch' (one micro-batch: accumulation, precision, the update) or 'full' (every state).
+                None: the coarsest level showing the state that failed (after a crash) or the current one.
+            last: how many of the last transitions to number along the drawn path (1 = oldest).
+
+        After a crash the state that failed is red, the last transitions are numbered on the edges they
+        took (as in the error's flight record) and a green edge leads from rollback to the last commit
+        point (the work a refit keeps). On a live trainer the current state is highlighted.
         """
-        current = self.loop.last_error_state or self.machine.state
-        recent = [(r.source, r.trigger, r.dest) for r in self.machine.records()[-6:]]
-        out = render(fmt, current=current, recent=recent, show_interrupts=show_interrupts)
+        if not isinstance(last, int) or isinstance(last, bool) or last < 0:
+            raise ConfigError(f"last must be an int >= 0 (got {last!r})")
+        records = self.machine.records()[-last:] if last else []
+        failed = [r.source for r in records if r.trigger == self.machine.spec.interrupt]
+        current = self.machine.state
+        if level is None:
+            level = auto_level(self.machine.spec, failed[-1] if failed else current)
+        out = render(fmt, current=current, path=records, show_interrupts=show_interrupts, level=level)
         if path is not None:
             mode = "wb" if isinstance(out, bytes) else "w"
             with open(path, mode) as f:

@@ -337,16 +337,16 @@ def test_public_names_resolve_and_all_is_sorted():
 
 
 def test_state_graph_marks_the_failed_state_of_a_crashed_trainer():
-    """FSM-6: Mermaid and DOT from a crashed trainer highlight where it failed and the last edges."""
+    """FSM-6: Mermaid and DOT from a crashed trainer mark where it failed and number the last edges."""
     x, y = _binary(32, 4)
     t = quiet(nn.Linear(4, 2), epochs=1, callbacks=[Boom()])
     with pytest.raises(ValueError):
         t.fit([(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)])
-    mermaid = t.state_graph("mermaid")
-    assert "class task_train current" in mermaid and "(last)" in mermaid
-    dot = t.state_graph("dot")
-    assert re.search(r"task_train \[[^\]]*fillcolor=salmon", dot)
-    assert "step_backward -> optimize_unscaled [label=\"optimize [window_boundary]\"" in dot
+    mermaid = t.state_graph("mermaid", level="full")
+    assert "class task_train failed" in mermaid
+    assert re.search(r"^    task_train --> rollback : 11: interrupt$", mermaid, re.M)
+    dot = t.state_graph("dot")  # the coarsest level showing the failed state: epoch (epoch, stage, task)
+    assert "level epoch" in dot and re.search(r'task_train \[[^\]]*fillcolor="#ff8080"', dot)
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' binary not installed")
@@ -360,7 +360,8 @@ def test_state_graph_renders_png_and_svg(tmp_path):
 
 def test_graph_command_line_writes_mermaid_and_dot(tmp_path):
     """`python -m deepepochs graph` prints Mermaid and writes DOT to a file."""
-    out = subprocess.run([sys.executable, "-m", "deepepochs", "graph"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "deepepochs", "graph", "--level", "batch"], capture_output=True,
+                         text=True, check=True)
     assert out.stdout.startswith("stateDiagram-v2") and "window_open --> step_forward" in out.stdout
     subprocess.run([sys.executable, "-m", "deepepochs", "graph", "--format", "dot", "-o", str(tmp_path / "g.dot")],
                    check=True)
