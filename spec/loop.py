@@ -9,9 +9,10 @@ Reading guide: a micro-batch of training goes
 (`optimize_unscaled --clip--> optimize_clipped --apply_update (step|skip per optimizer)--> ...
 --finish_update--> step_optimized`), then `--end_batch-->` the next micro-batch or the closed window.
 
-Fused edges: with the default step, one optimizer, no clipper, no per-batch callback and one process,
-nothing can observe a micro-batch's inner states, so the runner takes one edge per micro-batch instead of
-four to eight: `window_open --accumulate_step--> window_open` for an inner micro-batch,
+Fused edges: with the default step, one optimizer and no callback hook inside a micro-batch, nothing can
+observe a micro-batch's inner states, so the batch loop runs code compiled from the fused paths for the
+trainer's configuration (`deepepochs.engine.compiled`) and records one edge per micro-batch instead of four
+to eight: `window_open --accumulate_step--> window_open` for an inner micro-batch,
 `window_open --update_step|skip_step--> task_train` for the window's last one (the update applied, or
 skipped because the gradients or the loss were not finite), and
 `task_train --window_step|window_skip_step--> task_train` for a one-batch window (no accumulation:
