@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import linecache
+import types
 from collections.abc import Callable
 
 from deepepochs.engine import actions, steps
@@ -33,7 +34,8 @@ from deepepochs.engine.context import Context
 from deepepochs.fsm.machine import load_spec
 from deepepochs.fsm.schema import Transition
 
-__all__ = ["STEP_CODE", "STEP_HELPERS", "bind", "configuration", "explain", "function_name", "generate", "generate_all"]
+__all__ = ["STEP_CODE", "STEP_HELPERS", "bind", "configuration", "describe", "explain", "function_name", "generate",
+           "generate_all"]
 
 #: The default training step's code around the hops, by trigger: (lines before the hop, lines after it).
 #: The same calls the hand-fired path makes (`steps.default_step`, `steps.loss`, `steps.optimize`,
@@ -251,6 +253,19 @@ def bind(ctx: Context) -> dict[str, Callable]:
     namespace.update({name: getattr(steps, name) for name in STEP_HELPERS}, autocast=ctx.parts.precision.autocast)
     exec(code, namespace)  # noqa: S102 (our own generated source, see `generate`)
     return {source: namespace[function_name(source)] for source in _fused_paths(load_spec())}
+
+
+def describe(precision: str = "fp32", processes: int = 1, clipper: bool = False) -> str:
+    """The compiled micro-batch a trainer with these options runs (`python -m deepepochs loop`): the same
+    source `explain` gives for such a trainer, made without building one."""
+    if precision not in ("fp32", "fp16", "bf16"):
+        raise ValueError(f"precision must be one of 'fp32', 'fp16', 'bf16' (got {precision!r})")
+    if not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a whole number >= 1 (got {processes!r})")
+    parts = types.SimpleNamespace(dist=types.SimpleNamespace(world_size=processes),
+                                  clippers=[clipper] if clipper else [],
+                                  precision=types.SimpleNamespace(scaler=precision if precision == "fp16" else None))
+    return generate_all(actions.folded(parts), precision != "fp32")
 
 
 def explain(ctx: Context) -> str:
