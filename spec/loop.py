@@ -196,7 +196,8 @@ TRANSITIONS = [
       unless=["window_boundary"]),
     E("end_batch", "step_forward", "task_train", "A micro-batch without backward closes the window.",
       conditions=["window_boundary"], actions=["close_window"]),
-    E("accumulate_step", "window_open", "window_open", "An inner micro-batch ran (fused; see the module doc).",
+    E("accumulate_step", "window_open", "window_open", "An inner micro-batch of a k-batch window ran: forward, loss,"
+      " backward; gradients accumulate (fused).",
       fuses=["begin_batch", "backward", "optimize", "end_batch"]),
     E("update_step", "window_open", "task_train", "The window's last micro-batch ran and updated (fused).",
       fuses=LAST_MICRO_BATCH, assuming=["window_boundary", "grads_finite"]),

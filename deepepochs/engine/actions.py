@@ -1,9 +1,10 @@
 """The spec's guards and actions, each implemented once, in a registry keyed by the spec's names.
 
-Every guard and action is a function of the run-time `Context`. `bind(ctx)` hands them to the machine;
-the machine calls them on every path alike: an edge fired on its own, or a fused edge walked hop by hop
-(`LoopMachine.walk`). `check_registry(spec)` fails when a spec name has no implementation or the
-registry has one the spec does not name; registering a name twice fails at import.
+Every guard and action is a function of the run-time `Context`. `bind(ctx)` hands them to the machine,
+which calls them for an edge fired on its own; a compiled micro-batch (`deepepochs.engine.compiled`)
+calls the same functions directly, looked up here when a trainer's task starts. `check_registry(spec)`
+fails when a spec name has no implementation or the registry has one the spec does not name;
+registering a name twice fails at import.
 
 Commit points (spec actions marked `commit=True`, always last on their edge): `commit_update` after an
 update was applied with its step-wise scheduler (or skipped and the scale updated), `commit_epoch` after an

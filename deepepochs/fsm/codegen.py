@@ -109,15 +109,6 @@ def render_events(spec: Spec) -> str:
     return "".join(lines)
 
 
-#: The micro-batches `render_micro_batch` follows, by fused edge, with what each one is.
-MICRO_BATCHES = (
-    ("window_step", "A one-batch window (no accumulation) whose update is applied"),
-    ("accumulate_step", "An inner micro-batch of a k-batch window (after `begin_window` opened it)"),
-    ("update_step", "A k-batch window's last micro-batch, its update applied"),
-    ("skip_step", "A window's last micro-batch whose update is skipped (inf/NaN gradients)"),
-)
-
-
 def render_micro_batch(spec: Spec, code: Mapping[str, str] | None = None) -> str:
     """The source text of `docs/micro-batch.md`: the edges a training micro-batch takes, in order, with
     the guard each edge needs, its actions (commit points marked) and the hooks that may run in the state
@@ -142,9 +133,8 @@ def render_micro_batch(spec: Spec, code: Mapping[str, str] | None = None) -> str
         "**commit** marks a commit point (rollback returns to the last one). Between the hops the step runs:\n"
         "forward and loss before `backward`, backward and the metric patches before `optimize`.\n",
     ]
-    for trigger, what in MICRO_BATCHES:
-        edge = fused[trigger]
-        lines.append(f"\n## `{edge.source} --{trigger}--> {edge.dest}`: {what}\n\n")
+    for trigger, edge in fused.items():  # every fused edge, in spec order, described by the spec
+        lines.append(f"\n## `{edge.source} --{trigger}--> {edge.dest}`: {edge.doc}\n\n")
         lines.append("| # | trigger | from → to | guards | actions | hooks in the new state |\n")
         lines.append("|---|---|---|---|---|---|\n")
         for i, hop in enumerate(spec.fused_path(edge), start=1):
@@ -153,7 +143,7 @@ def render_micro_batch(spec: Spec, code: Mapping[str, str] | None = None) -> str
             seen = ", ".join(f"`{h}`" for h in hooks.get(hop.dest, [])) or "—"
             lines.append(f"| {i} | `{hop.trigger}` | {hop.source} → {hop.dest} | {guards} | {acts} | {seen} |\n")
     lines.append("\n## Actions\n\n")
-    for name in dict.fromkeys(a for f, _ in MICRO_BATCHES for hop in spec.fused_path(fused[f]) for a in hop.actions):
+    for name in dict.fromkeys(a for edge in fused.values() for hop in spec.fused_path(edge) for a in hop.actions):
         lines.append(f"- `{name}`{' (commit)' if name in commit else ''}: {action_doc[name]}\n")
     for configuration, source in (code or {}).items():
         lines.append(f"\n## The compiled micro-batch: {configuration}\n\n")
