@@ -2,19 +2,20 @@
 "what costs what", on the tiny model where the loop's own cost shows most).
 
 Both loops are timed with the same clock reads around the work they share: the model's forward, the loss
-function, backward, the optimizer's step and zero_grad. deepepochs is also timed around each hop of the
-machine (`LoopMachine.walk`, with that edge's guards and actions; the fused edge's `start_walk` and
-`land`), and, inside those hops, around the gradient finite check and the generator copy at the commit
-point. Each row is a call's own time: a hop's row leaves out the timed calls its actions make (the
-optimizer step of `apply_update`, zero_grad and the generator copy of `finish_update`, the finite check of
-`optimize`), which have rows of their own. A batch's time is the interval from one batch hand-out to the
-next; what no timed call covers is the loops' own code between them (deepepochs: the step layer, the
-loss read as a float, task meters, batch split, hook lookups).
+function, backward, the optimizer's step and zero_grad. deepepochs is also timed around every call the
+compiled micro-batch makes (`deepepochs.engine.compiled`): each registry guard and action, each step piece
+(`steps.read_batch`, `forward`, `loss_value`, `backpropagate`, `step_patches`, `select_update`,
+`count_batch`), the compiled function itself (its own lines: the state moves and the recorded edge), and,
+inside the actions, the gradient finite check and the generator copy at the commit point. Each row is a
+call's own time: an action's row leaves out the timed calls it makes (the optimizer step of
+`step_optimizer`, zero_grad, the generator copy of `commit_update`, the finite check of
+`unscale_gradients`), which have rows of their own. A batch's time is the interval from one batch hand-out
+to the next; what no timed call covers is the loops' own code between them (deepepochs: the batch loop).
 
 The clock reads and wrappers cost both loops something (deepepochs more: it has more timed calls), so the
 totals here run a little above `loop_overhead.py`'s; the segments are what to compare. Each figure is the
 median over all batches of all rounds (every round runs one epoch of each loop, in a random order). The
-wrappers reach into internals (`steps.call_model`, `LoopMachine.walk`, `actions.random_state`,
+wrappers reach into internals (`steps.call_model`, the registry, `compiled.bind`, `actions.random_state`,
 `torch_private.grads_finite_on_host`), so this script follows the package's implementation.
 
     python benchmarks/batch_segments.py [--rounds 40] [--batches 200] [--output FILE]   (also part of `make bench`)
@@ -38,8 +39,7 @@ from torch.nn import functional as F  # noqa: E402
 
 import deepepochs  # noqa: E402
 from deepepochs import torch_private  # noqa: E402
-from deepepochs.engine import actions, steps  # noqa: E402
-from deepepochs.fsm.machine import LoopMachine  # noqa: E402
+from deepepochs.engine import actions, compiled, steps  # noqa: E402
 
 clock = time.perf_counter_ns
 #: (label, start ns, end ns) of every timed call of the running loop; label "batch" marks a hand-out.
@@ -109,31 +109,36 @@ def deepepochs_loop(model, data):
 
 
 def patch_deepepochs():
-    """Stamp deepepochs' calls (the module attributes its hot path looks up at call time); returns an undo."""
-    walk, start_walk, land = LoopMachine.walk, LoopMachine.start_walk, LoopMachine.land
+    """Stamp deepepochs' calls: the registry's guards and actions and the step pieces the compiled
+    micro-batch calls (looked up when a task starts), the compiled micro-batch itself, and the finite check
+    and generator copy inside the actions; returns an undo."""
     saved = [(steps, "call_model"), (torch.autograd, "backward"), (actions, "random_state"),
-             (torch_private, "grads_finite_on_host"), (LoopMachine, "walk"), (LoopMachine, "start_walk"),
-             (LoopMachine, "land")]
+             (torch_private, "grads_finite_on_host"), (compiled, "bind"),
+             *((steps, name) for name in compiled.STEP_HELPERS)]
     old = [getattr(owner, name) for owner, name in saved]
+    registry = [(table, dict(table)) for table in (actions.ACTIONS, actions.GUARDS)]
     steps.call_model = timed("forward", steps.call_model)
     torch.autograd.backward = timed("backward", torch.autograd.backward)
-    actions.random_state = timed("generator copy (finish_update)", actions.random_state)
-    torch_private.grads_finite_on_host = timed("finite check (optimize)", torch_private.grads_finite_on_host)
+    actions.random_state = timed("generator copy (commit_update)", actions.random_state)
+    torch_private.grads_finite_on_host = timed("finite check (unscale_gradients)", torch_private.grads_finite_on_host)
+    for name in compiled.STEP_HELPERS:
+        setattr(steps, name, timed(f"step {name}", getattr(steps, name)))
+    for kind, table in (("action", actions.ACTIONS), ("guard", actions.GUARDS)):
+        for name, fn in list(table.items()):
+            table[name] = timed(f"{kind} {name}", fn)
+    bind = compiled.bind
 
-    def hop(self, trigger):
-        start = clock()
-        try:
-            return walk(self, trigger)
-        finally:
-            STAMPS.append((f"hop {trigger}", start, clock()))
+    def timed_bind(ctx):
+        return {source: timed("compiled micro-batch (its own lines)", fn) for source, fn in bind(ctx).items()}
 
-    LoopMachine.walk = hop
-    LoopMachine.start_walk = timed("fused edge: start_walk + land", start_walk)
-    LoopMachine.land = timed("fused edge: start_walk + land", land)
+    compiled.bind = timed_bind
 
     def undo():
         for (owner, name), value in zip(saved, old):
             setattr(owner, name, value)
+        for table, entries in registry:
+            table.clear()
+            table.update(entries)
 
     return undo
 

@@ -9,7 +9,7 @@
 3. cProfile of one deepepochs epoch: the package's own functions by internal time, and the torch calls
    they make directly (ops the raw loop does not do).
 
-The stand-ins reach into internals (LoopMachine.fire/fire_cold/walk), so this script follows the package's
+The stand-ins reach into internals (LoopMachine.fire/fire_cold), so this script follows the package's
 implementation and may need updating when it changes.
 
     python benchmarks/profile_loop.py [--rounds 41] [--batches 100]
@@ -69,24 +69,6 @@ def _fast_fire(trainer):
     trainer.machine.fire = fast_fire(trainer.machine)
 
 
-def _free_walk(trainer):
-    """A fused one-batch window's hops as a dict from trigger to (dest, actions) of the `window_step` path:
-    no state check, no guard, no record (the actions still run). Valid for this benchmark's plain fp32
-    k=1 runs only; what it saves is what walking the fused path costs."""
-    machine = trainer.machine
-    direct = {trigger: (dest, actions) for trigger, _, _, dest, actions in machine._plans["window_step"]}
-    state = machine.model
-
-    def walk(trigger):
-        dest, actions = direct[trigger]
-        state.state = dest
-        for action in actions:
-            action()
-        return dest
-
-    machine.walk, machine.start_walk, machine.land = walk, (lambda expected=None: None), (lambda: None)
-
-
 def _cold_on_table(trainer):
     """The cold triggers (fit, epoch, stage, task) on the compiled table instead of `transitions`."""
     trainer.machine.fire_cold = fast_fire(trainer.machine)
@@ -96,7 +78,6 @@ def _cold_on_table(trainer):
 ABLATIONS = collections.OrderedDict([
     ("every edge (fuse_steps=False)", ({"fuse_steps": False}, None)),
     ("every edge, fire() without flight record and probe", ({"fuse_steps": False}, _fast_fire)),
-    ("fused, the walk replaced by a dict of the path's actions", ({}, _free_walk)),
     ("cold triggers on the compiled table, not transitions", ({}, _cold_on_table)),
 ])
 

@@ -3,6 +3,8 @@
 - `python -m deepepochs graph --format mermaid|dot|png|svg [--level fit|epoch|task|batch|full] [--output FILE]`:
   draw the loop machine, one level at a time; `--flight FILE` draws a saved flight record's last
   transitions as a numbered path (a log holding the error's note, or JSON from `save_flight_record`).
+- `python -m deepepochs loop [--precision fp32|fp16|bf16] [--processes N] [--clip]`: print the code a
+  training micro-batch runs for that configuration (generated from the loop spec), each line with its edge.
 - `python -m deepepochs consolidate SOURCE TARGET`: write a sharded checkpoint folder (saved under
   `strategy='fsdp'`) as one checkpoint file, which any trainer loads, in one process too.
 """
@@ -34,12 +36,22 @@ def main(argv=None) -> int:
                        " (the log of a failed run, or JSON from deepepochs.fsm.flight.save_flight_record)")
     graph.add_argument("--last", type=int, default=12, metavar="N", help="with --flight: how many of the last"
                        " transitions to number (default 12)")
+    loop = sub.add_parser("loop", help="print the code a training micro-batch runs for a configuration")
+    loop.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32")
+    loop.add_argument("--processes", type=int, default=1, help="world size (DDP processes)")
+    loop.add_argument("--clip", action="store_true", help="a gradient clipper is attached (GradClipCallback)")
     merge = sub.add_parser("consolidate", help="write a sharded checkpoint folder as one checkpoint file")
     merge.add_argument("source", help="the sharded checkpoint folder (e.g. checkpoints/<run>/val-loss.best.ckpt)")
     merge.add_argument("target", help="the checkpoint file to write (replaced atomically if it exists)")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
         return _consolidate(args.source, args.target)
+    if args.command == "loop":
+        from deepepochs.engine.compiled import describe  # noqa: PLC0415 (graph needs none of the engine)
+        if args.processes < 1:
+            parser.error(f"--processes must be >= 1 (got {args.processes})")
+        sys.stdout.write(describe(args.precision, args.processes, args.clip))
+        return 0
     if args.format in ("png", "svg") and not args.output:
         parser.error(f"--format {args.format} needs --output FILE")
     if args.format in ("png", "svg") and shutil.which("dot") is None:

@@ -4,8 +4,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from deepepochs.engine.actions import FOLDS
+from deepepochs.engine.compiled import generate_all
 from deepepochs.fsm.codegen import write_or_check
 from spec.loop import SPEC
+
+#: The configurations whose compiled micro-batch `docs/micro-batch.md` shows: (title, actions left out).
+SHOWN = (
+    ("fp32, one process, no gradient clipper (the default)", {name: why for name, (_, why) in FOLDS.items()}, False),
+    ("fp16 under DDP with a gradient clipper (nothing left out)", {}, True),
+)
 
 
 def main() -> int:
@@ -13,7 +21,8 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if the generated files are stale")
     args = parser.parse_args()
     package = Path(__file__).resolve().parent.parent / "deepepochs"
-    stale = write_or_check(SPEC, package, check=args.check)
+    code = {title: generate_all(folded, autocast, SPEC) for title, folded, autocast in SHOWN}
+    stale = write_or_check(SPEC, package, check=args.check, code=code)
     for path in stale:
         verb = "stale" if args.check else "wrote"
         print(f"{verb}: {path.relative_to(package.parent)}")

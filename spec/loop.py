@@ -9,9 +9,10 @@ Reading guide: a micro-batch of training goes
 (`optimize_unscaled --clip--> optimize_clipped --apply_update (step|skip per optimizer)--> ...
 --finish_update--> step_optimized`), then `--end_batch-->` the next micro-batch or the closed window.
 
-Fused edges: with the default step, one optimizer, no clipper, no per-batch callback and one process,
-nothing can observe a micro-batch's inner states, so the runner takes one edge per micro-batch instead of
-four to eight: `window_open --accumulate_step--> window_open` for an inner micro-batch,
+Fused edges: with the default step, one optimizer and no callback hook inside a micro-batch, nothing can
+observe a micro-batch's inner states, so the batch loop runs code compiled from the fused paths for the
+trainer's configuration (`deepepochs.engine.compiled`) and records one edge per micro-batch instead of four
+to eight: `window_open --accumulate_step--> window_open` for an inner micro-batch,
 `window_open --update_step|skip_step--> task_train` for the window's last one (the update applied, or
 skipped because the gradients or the loss were not finite), and
 `task_train --window_step|window_skip_step--> task_train` for a one-batch window (no accumulation:
@@ -197,7 +198,8 @@ TRANSITIONS = [
       unless=["window_boundary"]),
     E("end_batch", "step_forward", "task_train", "A micro-batch without backward closes the window.",
       conditions=["window_boundary"], actions=["close_window"]),
-    E("accumulate_step", "window_open", "window_open", "An inner micro-batch ran (fused; see the module doc).",
+    E("accumulate_step", "window_open", "window_open", "An inner micro-batch of a k-batch window ran: forward, loss,"
+      " backward; gradients accumulate (fused).",
       fuses=["begin_batch", "backward", "optimize", "end_batch"]),
     E("update_step", "window_open", "task_train", "The window's last micro-batch ran and updated (fused).",
       fuses=LAST_MICRO_BATCH, assuming=["window_boundary", "grads_finite"]),

@@ -1,9 +1,10 @@
 """The spec's guards and actions, each implemented once, in a registry keyed by the spec's names.
 
-Every guard and action is a function of the run-time `Context`. `bind(ctx)` hands them to the machine;
-the machine calls them on every path alike: an edge fired on its own, or a fused edge walked hop by hop
-(`LoopMachine.walk`). `check_registry(spec)` fails when a spec name has no implementation or the
-registry has one the spec does not name; registering a name twice fails at import.
+Every guard and action is a function of the run-time `Context`. `bind(ctx)` hands them to the machine,
+which calls them for an edge fired on its own; a compiled micro-batch (`deepepochs.engine.compiled`)
+calls the same functions directly, looked up here when a trainer's task starts. `check_registry(spec)`
+fails when a spec name has no implementation or the registry has one the spec does not name;
+registering a name twice fails at import.
 
 Commit points (spec actions marked `commit=True`, always last on their edge): `commit_update` after an
 update was applied with its step-wise scheduler (or skipped and the scale updated), `commit_epoch` after an
@@ -25,8 +26,8 @@ from deepepochs.engine.context import Context
 from deepepochs.errors import Preempted
 from deepepochs.fsm.machine import load_spec
 
-__all__ = ["ACTIONS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "reads_on_host",
-           "window_finite"]
+__all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded",
+           "reads_on_host", "window_finite"]
 
 GUARDS: dict[str, Callable[[Context], bool]] = {}
 ACTIONS: dict[str, Callable[[Context], None]] = {}
@@ -64,6 +65,22 @@ def bind(ctx: Context) -> tuple[dict, dict]:
     (so a test may wrap registry entries before a trainer is built)."""
     return ({name: functools.partial(fn, ctx) for name, fn in GUARDS.items()},
             {name: functools.partial(fn, ctx) for name, fn in ACTIONS.items()})
+
+
+#: Actions that a trainer's configuration makes do nothing, each with the test on `Parts` that says so and
+#: why. A compiled micro-batch (`deepepochs.engine.compiled`) leaves them out, with the reason as a
+#: comment; every other path calls them (each also returns early on its own when it has nothing to do).
+FOLDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "sync_gradients": (lambda parts: parts.dist.world_size == 1, "one process: no gradient sync to switch"),
+    "skip_gradient_sync": (lambda parts: parts.dist.world_size == 1, "one process: no gradient sync to switch"),
+    "clip_gradients": (lambda parts: not parts.clippers, "no gradient clipper is attached"),
+    "update_scaler": (lambda parts: parts.precision.scaler is None, "no GradScaler (fp32/bf16)"),
+}
+
+
+def folded(parts) -> dict[str, str]:
+    """`{action: why}` for the actions `FOLDS` says this configuration makes do nothing."""
+    return {name: why for name, (test, why) in FOLDS.items() if test(parts)}
 
 
 # ---- guards: side-effect free, real bools ------------------------------------------------------------

@@ -2,13 +2,13 @@
 
 A training micro-batch moves the machine through the spec's hot edges: `begin_window` (the window's
 first), `begin_batch`, then the step's `backward` and `optimize` (and on the window's last micro-batch
-`clip`, `apply_update` per optimizer, `finish_update`), then `end_batch`. The hops call the registry's
-guards and actions (`deepepochs.engine.actions`) in either mode:
+`clip`, `apply_update` per optimizer, `finish_update`), then `end_batch`. Either way it calls the
+registry's guards and actions (`deepepochs.engine.actions`) and the step's pieces (`deepepochs.engine.steps`):
 
-- every edge (`fuse_steps=False`, or a callback hook that runs inside a micro-batch): each hop is fired,
-  recorded in the flight record and offered to the probe;
-- fused: each hop is walked silently (`LoopMachine.walk`: the same guards and actions, the true state),
-  and the micro-batch is recorded as the spec's fused edge whose path it took (`LoopMachine.land`).
+- compiled (`fuses`): the micro-batch runs the code generated from the spec's fused edges for this
+  configuration (`deepepochs.engine.compiled`), which records the fused edge it took;
+- every edge (`fuse_steps=False`, a custom step, several optimizers, or a callback hook that runs inside
+  a micro-batch): each hop is fired (`LoopMachine.fire`), recorded in the flight record and probed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 import itertools
 
 from deepepochs.data import batch_splitter, lookahead
-from deepepochs.engine import snapshots, steps
+from deepepochs.engine import compiled, snapshots, steps
 from deepepochs.engine.context import Context
 from deepepochs.fsm.machine import load_spec
 from deepepochs.sharding import PaddingBatch
@@ -39,9 +39,10 @@ FUSED_OBSERVERS = _fused_edge_observers()
 
 
 def fuses(ctx: Context) -> bool:
-    """Whether training micro-batches take the fused edges: asked for (`fuse_steps`), no hook observes their
-    paths, and the step is the default one with one optimizer, whose micro-batches walk exactly a fused
-    edge's path (a custom step may take any path, e.g. update twice, and is fired edge by edge)."""
+    """Whether training micro-batches run the compiled fused edges: asked for (`fuse_steps`), no hook
+    observes their paths, and the step is the default one with one optimizer, whose micro-batches take
+    exactly a fused edge's path (a custom step may take any path, e.g. update twice, and is fired edge by
+    edge)."""
     hooks = ctx.parts.hooks.by_event
     return (ctx.parts.config.fuse_steps and ctx.task.step_fn is None and len(ctx.parts.opts) == 1
             and not any(hooks[name] for name in FUSED_OBSERVERS))
@@ -58,10 +59,12 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     before_batch, after_batch = hooks["on_before_train_batch"], hooks["on_after_train_batch"]
     k = parts.config.gradient_accumulation_steps
     loop.window_size = k
-    fused = fuses(ctx)
-    ctx.hop = hop = machine.walk if fused else machine.fire
-    begin_window = machine.fire if fused and k > 1 else hop  # a k-batch window's opening is its own edge
-    land = machine.land if fused else None
+    ctx.hop = hop = machine.fire
+    # The compiled micro-batch: from `task_train` a one-batch window (k=1) in one function; with k > 1 the
+    # window opens on its own edge, then each micro-batch runs the function from `window_open`.
+    micro_batch = None
+    if fuses(ctx):
+        micro_batch = compiled.bind(ctx)["task_train" if k == 1 else "window_open"]
     split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
                            parts.target_key)
     step_fn, step_args = task.step_fn, task.step_args
@@ -81,35 +84,24 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
         batches = zip(data, itertools.chain(itertools.repeat(False, max(total - loop.batch_idx - 1, 0)),
                                             itertools.repeat(True)))
     for batch, is_last in batches:
-        if loop.window_pos == 0:
-            if land is not None and k == 1:
-                machine.start_walk("window_step")
-            begin_window("begin_window")
-        loop.window_pos += 1
-        loop.batch_idx += 1
-        loop.window_boundary = is_last or loop.window_pos == k
-        if land is not None and k > 1:
-            machine.start_walk("update_step" if loop.window_boundary else "accumulate_step")
-        batch_x, batch_y, n = split(batch)
-        if loop.window_pos == 1:
-            loop.window_first_size = n
-        loop.window_samples += n
-        ctx.batch_n, ctx.step_loss, ctx.step_patches, ctx.batch_counted = n, None, None, False
-        hop("begin_batch")
-        for hook in before_batch:  # hooks get the 0-based batch index, as in 0.6
-            hook(facade, batch_x, batch_y, loop.batch_idx - 1)
-        if autocast is None:
-            result = step_fn(batch_x, batch_y, **step_args)
+        if micro_batch is not None:
+            if k > 1 and loop.window_pos == 0:
+                hop("begin_window")
+            value, patches = micro_batch(ctx, meters, split, batch, is_last)
         else:
-            with autocast():  # forward and loss of default and custom steps alike (AMP-1)
+            if loop.window_pos == 0:
+                hop("begin_window")
+            batch_x, batch_y, n = steps.read_batch(ctx, split, batch, is_last)
+            hop("begin_batch")
+            for hook in before_batch:  # hooks get the 0-based batch index, as in 0.6
+                hook(facade, batch_x, batch_y, loop.batch_idx - 1)
+            if autocast is None:
                 result = step_fn(batch_x, batch_y, **step_args)
-        patches = None if result is None else steps.check_step_result(result, n)
-        value = None if patches and "loss" in patches else ctx.step_loss
-        meters.add_batch(value, n, patches)
-        ctx.batch_counted = True
-        hop("end_batch")
-        if land is not None:
-            land()
+            else:
+                with autocast():  # forward and loss of default and custom steps alike (AMP-1)
+                    result = step_fn(batch_x, batch_y, **step_args)
+            value, patches = steps.count_batch(ctx, meters, result, n)
+            hop("end_batch")
         if after_batch:
             metrics = BatchMetrics(value, patches)
             for hook in after_batch:

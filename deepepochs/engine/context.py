@@ -134,7 +134,7 @@ class Context:
         task: the `EpochTask` running now.
         step_loss: the current batch's loss so far (detached; several losses of one step add up).
         batch_n: the current batch's sample count.
-        hop: how the current micro-batch moves the machine (`LoopMachine.fire`, or `walk` on fused edges).
+        hop: how a step moves the machine (`LoopMachine.fire`); a compiled micro-batch moves it itself.
         machine: the `LoopMachine` built from the registry for this context (`Driver`).
         last_metrics: the current epoch's metrics per stage, read by epoch-wise schedulers.
         pending_nonfinite: a device-side inf/NaN flag checked at the task's end (accelerators, PERF-2).

@@ -23,9 +23,10 @@ from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
 from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 
 __all__ = [
-    "batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss", "custom_step",
-    "default_step", "first_batch_checks", "loss", "no_sync", "optimize", "padding_forward", "predict_step",
-    "step_metrics", "user_loss",
+    "backpropagate", "batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss",
+    "count_batch", "custom_step", "default_step", "first_batch_checks", "forward", "loss", "loss_value",
+    "no_sync", "optimize", "padding_forward", "predict_step", "read_batch", "select_update", "step_metrics",
+    "step_patches", "user_loss",
 ]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
@@ -36,18 +37,36 @@ STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward",
 def default_step(ctx: Context, batch_x, batch_y, stage: str):
     """The step every stage runs unless the user defines one: forward, the loss (in training: backward),
     metric patches, and in training the update. The patches are made before the update so that they are
-    part of what the update commits."""
-    facade, hooks, task = ctx.parts.facade, ctx.parts.hooks.by_event, ctx.task
-    before_forward, after_forward, on_metrics = STEP_HOOKS[stage]
+    part of what the update commits. A compiled micro-batch (`deepepochs.engine.compiled`) calls the same
+    pieces (`forward`, `loss_value`, `backpropagate`, `step_patches`, `select_update`) between its hops."""
+    model_out = forward(ctx, batch_x, stage)
+    value = None
+    if stage == "train" or ctx.task.do_loss:
+        value = loss(ctx, model_out, batch_y, 1.0, False)
+    patches = step_patches(ctx, stage, batch_x, model_out, batch_y, value)
+    if stage == "train":
+        optimize(ctx, None)
+    return patches
+
+
+def forward(ctx: Context, batch_x, stage: str):
+    """The step's forward pass between the stage's forward hooks; returns the model's output."""
+    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
+    before_forward, after_forward, _ = STEP_HOOKS[stage]
     for hook in hooks[before_forward]:
         hook(facade)
     model_out = call_model(ctx.model, batch_x)  # under the step's autocast (batches.train_batches)
     for hook in hooks[after_forward]:
         hook(facade, model_out)
-    value = None
-    if stage == "train" or task.do_loss:
-        value = loss(ctx, model_out, batch_y, 1.0, False)
-    for hook in hooks[on_metrics]:
+    return model_out
+
+
+def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
+    """The default step's metrics: the stage's `on_*_metrics` hooks, then the task's metric patches (and,
+    at a task's first batch, `first_batch_checks`); in training they are kept in `ctx.step_patches`, so a
+    rollback after the update commits them. Returns the patches (None without metrics)."""
+    facade, hooks, task = ctx.parts.facade, ctx.parts.hooks.by_event, ctx.task
+    for hook in hooks[STEP_HOOKS[stage][2]]:
         hook(facade, value, model_out, batch_y, task)
     patches = None
     if task.all_metrics or ctx.first_batch:
@@ -58,8 +77,33 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
             first_batch_checks(ctx, stage, value, preds, targets, patches)
     if stage == "train":
         ctx.step_patches = patches
-        optimize(ctx, None)
     return patches
+
+
+def read_batch(ctx: Context, split, batch, is_last: bool):
+    """Count a training micro-batch in its window and its task (1-based `batch_idx`, `window_pos`), decide
+    whether it closes its window (`is_last`: the task's last batch, or the window's k-th), split it with
+    `split` (`data.batch_splitter`) and clear the batch's scratch. Returns `(batch_x, batch_y, n)`."""
+    loop = ctx.loop
+    loop.window_pos += 1
+    loop.batch_idx += 1
+    loop.window_boundary = is_last or loop.window_pos == loop.window_size
+    batch_x, batch_y, n = split(batch)
+    if loop.window_pos == 1:
+        loop.window_first_size = n
+    loop.window_samples += n
+    ctx.batch_n, ctx.step_loss, ctx.step_patches, ctx.batch_counted = n, None, None, False
+    return batch_x, batch_y, n
+
+
+def count_batch(ctx: Context, meters, result, n: int):
+    """Put a step's result (`check_step_result`) and its loss into the task's meters; returns
+    `(loss value, patches)`. A `loss` patch the step returned replaces the loss the trainer saw."""
+    patches = None if result is None else check_step_result(result, n)
+    value = None if patches and "loss" in patches else ctx.step_loss
+    meters.add_batch(value, n, patches)
+    ctx.batch_counted = True
+    return value, patches
 
 
 def first_batch_checks(ctx: Context, stage: str, value, preds, targets, patches) -> None:
@@ -152,6 +196,19 @@ def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool
     The batch's reported loss never holds the graph (a float, or a detached tensor); the sub-batch losses
     of a hand-split batch, weighted by `loss_adjust`, add up to the batch mean.
     """
+    value = loss_value(ctx, model_out, batch_y, loss_adjust)
+    if ctx.loop.stage != "train":
+        return value
+    ctx.hop("backward")
+    backpropagate(ctx, value, loss_adjust)
+    if do_optimize:
+        optimize(ctx, None)
+    return value
+
+
+def loss_value(ctx: Context, model_out, batch_y, loss_adjust: float) -> torch.Tensor:
+    """The loss (`compute_loss`); its value, weighted by `loss_adjust`, is added to the batch's reported
+    loss `ctx.step_loss`."""
     value = compute_loss(ctx, model_out, batch_y)
     # On the CPU read as a float now (no device to wait for; the finite check and the meters need no
     # further tensor op); on an accelerator kept as a detached tensor, so no host sync is forced (PERF-2).
@@ -159,10 +216,13 @@ def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool
     if loss_adjust != 1.0:
         reported = reported * loss_adjust
     ctx.step_loss = reported if ctx.step_loss is None else ctx.step_loss + reported
+    return value
+
+
+def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None:
+    """Backpropagate the micro-batch's share of its window's loss, between the backward hooks (the
+    `backward` edge was taken just before)."""
     loop = ctx.loop
-    if loop.stage != "train":
-        return value
-    ctx.hop("backward")
     facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
     for hook in hooks["on_before_backward"]:
         hook(facade, value)
@@ -184,9 +244,6 @@ def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool
             backward(ctx, scaled, 1.0)
     for hook in hooks["on_after_backward"]:
         hook(facade, value)
-    if do_optimize:
-        optimize(ctx, None)
-    return value
 
 
 def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool):
@@ -264,14 +321,20 @@ def backward(ctx: Context, root: torch.Tensor, share: float) -> None:
         root.backward(seed)
 
 
+def select_update(ctx: Context, optimize_index) -> None:
+    """Name the optimizers the coming update steps (`loop.update_indices`): all of them for None."""
+    opts = ctx.parts.opts
+    ctx.loop.update_indices = opts.all_indices if optimize_index is None else opts.indices(optimize_index)
+
+
 def optimize(ctx: Context, optimize_index) -> None:
     """`Trainer.optimize`: on the window's last micro-batch run the machine's optimize layer (unscale,
     clip, step or skip per optimizer, scaler update and zero_grad); earlier calls let gradients add up."""
     loop = ctx.loop
     if loop.stage != "train":
         return
-    hop, opts = ctx.hop, ctx.parts.opts
-    loop.update_indices = opts.all_indices if optimize_index is None else opts.indices(optimize_index)
+    hop = ctx.hop
+    select_update(ctx, optimize_index)
     if hop("optimize") != "optimize_unscaled":
         return  # an inner micro-batch: gradients keep accumulating
     facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pprint
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
 from deepepochs.fsm.schema import Spec
@@ -108,19 +109,12 @@ def render_events(spec: Spec) -> str:
     return "".join(lines)
 
 
-#: The micro-batches `render_micro_batch` follows, by fused edge, with what each one is.
-MICRO_BATCHES = (
-    ("window_step", "A one-batch window (no accumulation) whose update is applied"),
-    ("accumulate_step", "An inner micro-batch of a k-batch window (after `begin_window` opened it)"),
-    ("update_step", "A k-batch window's last micro-batch, its update applied"),
-    ("skip_step", "A window's last micro-batch whose update is skipped (inf/NaN gradients)"),
-)
-
-
-def render_micro_batch(spec: Spec) -> str:
+def render_micro_batch(spec: Spec, code: Mapping[str, str] | None = None) -> str:
     """The source text of `docs/micro-batch.md`: the edges a training micro-batch takes, in order, with
     the guard each edge needs, its actions (commit points marked) and the hooks that may run in the state
-    it leads to. Fused or every-edge, these are the same edges and the same action functions."""
+    it leads to. Fused or every-edge, these are the same edges and the same action functions. `code`:
+    `{configuration: the compiled micro-batch's source}` (`deepepochs.engine.compiled.generate_all`),
+    shown after the tables."""
     commit = {a.name for a in spec.actions if a.commit}
     action_doc = {a.name: a.doc for a in spec.actions}
     hooks = {}
@@ -132,15 +126,15 @@ def render_micro_batch(spec: Spec) -> str:
     lines = [
         "# Life of a training micro-batch\n\n",
         "<!-- GENERATED from spec/loop.py by `make gen` (python -m spec): do not edit by hand. -->\n\n",
-        "Each table is one fused edge's path: the hops a micro-batch takes, whether the runner fires them\n"
-        "one by one (`fuse_steps=False`, or a callback hook inside the micro-batch) or walks them and records\n"
-        "the fused edge (`LoopMachine.walk`/`land`). Every action is one function of\n"
-        "`deepepochs/engine/actions.py`; **commit** marks a commit point (rollback returns to the last one).\n"
-        "Between the hops the step runs: forward and loss before `backward`, backward before `optimize`.\n",
+        "Each table is one fused edge's path: the hops a micro-batch takes, whether the batch loop fires them\n"
+        "one by one (`fuse_steps=False`, a custom step, several optimizers, or a callback hook inside the\n"
+        "micro-batch) or runs the code compiled from these paths for its configuration, which records the\n"
+        "fused edge (shown below the tables). Every action is one function of `deepepochs/engine/actions.py`;\n"
+        "**commit** marks a commit point (rollback returns to the last one). Between the hops the step runs:\n"
+        "forward and loss before `backward`, backward and the metric patches before `optimize`.\n",
     ]
-    for trigger, what in MICRO_BATCHES:
-        edge = fused[trigger]
-        lines.append(f"\n## `{edge.source} --{trigger}--> {edge.dest}`: {what}\n\n")
+    for trigger, edge in fused.items():  # every fused edge, in spec order, described by the spec
+        lines.append(f"\n## `{edge.source} --{trigger}--> {edge.dest}`: {edge.doc}\n\n")
         lines.append("| # | trigger | from → to | guards | actions | hooks in the new state |\n")
         lines.append("|---|---|---|---|---|---|\n")
         for i, hop in enumerate(spec.fused_path(edge), start=1):
@@ -149,21 +143,27 @@ def render_micro_batch(spec: Spec) -> str:
             seen = ", ".join(f"`{h}`" for h in hooks.get(hop.dest, [])) or "—"
             lines.append(f"| {i} | `{hop.trigger}` | {hop.source} → {hop.dest} | {guards} | {acts} | {seen} |\n")
     lines.append("\n## Actions\n\n")
-    for name in dict.fromkeys(a for f, _ in MICRO_BATCHES for hop in spec.fused_path(fused[f]) for a in hop.actions):
+    for name in dict.fromkeys(a for edge in fused.values() for hop in spec.fused_path(edge) for a in hop.actions):
         lines.append(f"- `{name}`{' (commit)' if name in commit else ''}: {action_doc[name]}\n")
+    for configuration, source in (code or {}).items():
+        lines.append(f"\n## The compiled micro-batch: {configuration}\n\n")
+        lines.append("Each hop is a comment naming its edge, the state move, and its actions; an action this\n"
+                     "configuration makes do nothing is a comment saying why.\n\n")
+        lines.append(f"```python\n{source}```\n")
     return "".join(lines)
 
 
-def write_or_check(spec: Spec, package_dir: Path, check: bool) -> list[Path]:
-    """Write the generated modules (and `docs/micro-batch.md` beside the package in a checkout), or with
-    `check` return those that are stale (and write nothing)."""
+def write_or_check(spec: Spec, package_dir: Path, check: bool, code: Mapping[str, str] | None = None) -> list[Path]:
+    """Write the generated modules (and `docs/micro-batch.md` beside the package in a checkout, with the
+    compiled micro-batch sources `code`, see `render_micro_batch`), or with `check` return those that are
+    stale (and write nothing)."""
     targets = {
         package_dir / "fsm" / "tables.py": render_tables(spec),
         package_dir / "fsm" / "events.py": render_events(spec),
     }
     docs = package_dir.parent / "docs"
     if docs.is_dir():
-        targets[docs / "micro-batch.md"] = render_micro_batch(spec)
+        targets[docs / "micro-batch.md"] = render_micro_batch(spec, code)
     stale = [p for p, text in targets.items() if not p.exists() or p.read_text() != text]
     if not check:
         for path in stale:

@@ -6,7 +6,8 @@ graph is drawn from. Hot triggers (several per micro-batch) run on a dict compil
 a `transitions` trigger makes dozens of Python calls where a dict dispatch makes a few, which per batch
 would cost more than the whole overhead budget (benchmarks/fsm_dispatch.py measures both). Both paths
 write the same `state` attribute, so a cold trigger from a hot state sees the true state. A fused
-micro-batch is walked (`walk`) and recorded as one edge (`land`).
+micro-batch runs code generated from the spec (`deepepochs.engine.compiled`), which moves the same
+`state` attribute itself and records the fused edge it took (`record`).
 """
 
 from __future__ import annotations
@@ -154,19 +155,6 @@ class LoopMachine:
         self.loop = loop
         self.probe: Callable[[str], None] | None = None
         self._cold = frozenset(t.name for t in self.spec.triggers if not t.hot)
-        # (source, ((trigger, dest), ...) along its path) -> fused trigger, for `land`
-        self._fused = {(f.source, tuple((t.trigger, t.dest) for t in self.spec.fused_path(f))): f.trigger
-                       for f in self.spec.transitions if f.fuses}
-        # fused trigger -> its path as (trigger, source, guard predicate, dest, actions) per hop, for `walk`
-        self._plans = {f.trigger: tuple((t.trigger, t.source, _predicate(self.model, t.conditions, t.unless), t.dest,
-                                         tuple(getattr(self.model, a) for a in t.actions))
-                                        for t in self.spec.fused_path(f))
-                       for f in self.spec.transitions if f.fuses}
-        self._walk_start = self.spec.initial
-        self._expected: str | None = None
-        self._walked: list[tuple[str, str]] = []
-        self._plan: tuple = ()
-        self._planned = 0
 
     @property
     def state(self) -> str:
@@ -200,61 +188,12 @@ class LoopMachine:
             self.probe(dest)
         return dest
 
-    # ---- fused edges: a micro-batch walked hop by hop, recorded as one edge ----
-    def start_walk(self, expected: str | None = None) -> None:
-        """Begin a fused micro-batch at the current state; `expected` names the fused edge it will most
-        likely take (see `walk`)."""
-        self._walk_start, self._expected = self.model.state, expected
-        self._plan = self._plans.get(expected, ())
-        self._planned = 0
-        self._walked.clear()
-
-    def walk(self, trigger: str) -> str:
-        """`fire(trigger)` inside a fused micro-batch: the same edge choice (guards), error edges and
-        actions, and the state moves, but the hop is neither recorded nor probed; `land` records the
-        micro-batch as the spec's fused edge whose path it took.
-
-        The expected fused edge's path was resolved from the table in advance: while the micro-batch
-        follows it (same trigger, same source, the edge's guards true, which guards being exclusive means
-        it is the edge the table would choose) a hop costs no lookup; off it, the table decides."""
-        model = self.model
-        plan, i = self._plan, self._planned
-        if i < len(plan):
-            planned_trigger, source, pred, dest, actions = plan[i]
-            if planned_trigger == trigger and model.state == source and (pred is None or pred()):
-                model.state = dest
-                self._planned = i + 1
-                for action in actions:
-                    action()
-                return dest
-            self._plan = plan[:i]  # the hops taken on it; the table decides from here
-        dest, actions = self._take(model.state, trigger)
-        model.state = dest
-        self._walked.append((trigger, dest))
-        for action in actions:
-            action()
-        return dest
-
-    def land(self) -> None:
-        """End a fused micro-batch: record it as the fused edge whose path it walked, then probe; a walk
-        that is no fused edge's path (e.g. a step updating twice) is recorded hop by hop."""
-        start, state, loop, plan, walked = self._walk_start, self.model.state, self.loop, self._plan, self._walked
-        if plan and not walked and self._planned == len(plan):  # the expected fused edge's whole path
-            fused, hops = self._expected, ()
-        else:
-            hops = [(t, d) for t, _, _, d, _ in plan[:self._planned]] + walked
-            fused = self._fused.get((start, tuple(hops)))
-        if fused is not None:
-            self.history.append((loop.epoch, loop.batch_idx, start, fused, state))
-        else:
-            source = start
-            for trigger, dest in hops:
-                self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
-                source = dest
-        walked.clear()
-        self._plan, self._planned, self._walk_start = (), 0, state
+    def record(self, source: str, trigger: str, dest: str) -> None:
+        """Record an edge the caller took itself (a compiled micro-batch's fused edge), then probe."""
+        loop = self.loop
+        self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
         if self.probe is not None:
-            self.probe(state)
+            self.probe(dest)
 
     def fire_cold(self, trigger: str) -> str:
         """Fire a cold trigger through `transitions`; returns the new state."""

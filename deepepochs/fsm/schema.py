@@ -107,8 +107,9 @@ class Transition:
 
     A fused edge (`fuses` non-empty) stands for a path of hot edges: firing `fuses` in order from `source`,
     with the guards in `assuming` true and every other guard false, must lead to `dest` (checked by
-    `Spec.validate`). The runner takes it where nothing can observe the path's inner states, and performs
-    the path's actions itself; the fused edge has no guards or actions of its own.
+    `Spec.validate`). Where nothing can observe the path's inner states the engine runs code compiled from
+    the path (`deepepochs.engine.compiled`), which calls the path's actions and records the fused edge;
+    the fused edge has no guards or actions of its own.
     """
 
     trigger: str = attrs.field(validator=_identifier)

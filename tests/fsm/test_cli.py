@@ -54,3 +54,31 @@ def test_graph_cli_with_graphviz_writes_svg(tmp_path):
     proc = _graph_cli(["--format", "svg", "--output", str(out)], tmp_path, os.environ.get("PATH", ""))
     assert proc.returncode == 0, proc.stderr
     assert b"<svg" in out.read_bytes()
+
+
+@pytest.mark.parametrize("precision,processes,clip", [("fp32", 1, False), ("fp16", 1, True), ("bf16", 2, False)])
+def test_loop_cli_prints_the_code_a_trainer_of_that_configuration_runs(precision, processes, clip, tmp_path):
+    """`python -m deepepochs loop` prints the same compiled source as `compiled.explain` for a trainer with
+    those options (one process here; the world size only decides which gradient-sync actions are left out)."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from deepepochs import GradClipCallback, Trainer
+    from deepepochs.engine import compiled
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = ["--precision", precision, "--processes", str(processes)] + (["--clip"] if clip else [])
+    proc = subprocess.run([sys.executable, "-m", "deepepochs", "loop", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if processes == 1:
+        model = nn.Linear(2, 2)
+        trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
+                          precision=precision, callbacks=[GradClipCallback(1.0)] if clip else None,
+                          show_info=False, log_batch=False)
+        assert proc.stdout == compiled.explain(trainer._ctx)
+    else:
+        assert "sync_gradients(ctx)\n" in proc.stdout and "left out (one process" not in proc.stdout
+    assert ("with autocast():" in proc.stdout) == (precision != "fp32")
+    assert ("# clip_gradients(ctx): left out" in proc.stdout) == (not clip)

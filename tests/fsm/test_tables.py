@@ -197,38 +197,16 @@ def test_error_edge_raises_its_reason():
     assert m.state == "step_backward"
 
 
-def test_a_walked_micro_batch_lands_as_the_fused_edge_whose_path_it_took():
-    """`LoopMachine.walk` takes the same edges and runs the same actions as `fire`, moving the state hop by
-    hop without recording or probing; `land` records the fused edge whose path was walked (one record, one
-    probe), and a walk that is no fused path is recorded hop by hop."""
-    outcome = {"window_boundary": True, "grads_finite": True}
-    guards = {g.name: (lambda g=g.name: outcome.get(g, False)) for g in SPEC.guards}
-    walked_actions, fired_actions = [], []
-    loop = LoopState(epoch=2, batch_idx=7)
-    walker = LoopMachine(guards, {a.name: (lambda a=a.name: walked_actions.append(a)) for a in SPEC.actions}, loop)
-    firer = LoopMachine(guards, {a.name: (lambda a=a.name: fired_actions.append(a)) for a in SPEC.actions}, loop)
+def test_an_edge_taken_by_compiled_code_is_recorded_once_and_probed_once():
+    """`LoopMachine.record` (what a compiled micro-batch calls at its end) adds one flight-record entry with
+    the loop's epoch and batch, and calls the probe once with the state reached."""
+    guards = {g.name: (lambda: True) for g in SPEC.guards}
+    m = LoopMachine(guards, {a.name: (lambda: None) for a in SPEC.actions}, LoopState(epoch=2, batch_idx=7))
     probed = []
-    walker.probe = probed.append
-    fused = next(f for f in SPEC.transitions if f.trigger == "update_step")
-    for m in (walker, firer):
-        m.model.state = fused.source
-    walker.start_walk()
-    for edge in SPEC.fused_path(fused):
-        walker.walk(edge.trigger)
-        firer.fire(edge.trigger)
-        assert walker.state == firer.state == edge.dest
-    assert walked_actions == fired_actions and "commit_update" in walked_actions
-    assert walker.records() == [] and probed == []
-    walker.land()
-    assert [(r.source, r.trigger, r.dest) for r in walker.records()] == [("window_open", "update_step", "task_train")]
+    m.probe = probed.append
+    m.record("window_open", "update_step", "task_train")
+    assert [tuple(r) for r in m.records()] == [(2, 7, "window_open", "update_step", "task_train")]
     assert probed == ["task_train"]
-    walker.model.state = "task_train"
-    walker.start_walk()
-    walker.walk("begin_window")
-    walker.land()  # not a fused path: the hop is recorded as itself
-    assert walker.records()[-1][2:] == ("task_train", "begin_window", "window_open")
-    with pytest.raises(InvalidTransition, match=r"'clip' in state 'window_open'.*allowed"):
-        walker.walk("clip")
 
 
 def test_spec_validation_rejects_overlapping_guards():
