@@ -18,7 +18,7 @@ from deepepochs.checkpoint import load_into, resume_once
 from deepepochs.config import TrainerConfig, check_run_name
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
-from deepepochs.engine import steps
+from deepepochs.engine import compiled, steps
 from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
@@ -488,6 +488,15 @@ class TrainerBase:
         ckpt = load_into(self, path, trusted=trusted)
         self.loop.resume_pending = False
         return ckpt
+
+    def explain(self) -> str:
+        """The Python code a training batch of this trainer runs, generated from the loop spec for its
+        configuration (precision, world size, clipper): each line with the state-machine edge it belongs to,
+        and the steps this configuration leaves out with why. `python -m deepepochs loop` prints the same
+        for options given on the command line. Batches fall back to firing every edge one by one (and this
+        code is not used) with `fuse_steps=False`, a custom step, several optimizers, or a callback hook
+        that runs inside a batch."""
+        return compiled.explain(self._ctx)
 
     def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False, level: str | None = None,
                     last: int = 12):

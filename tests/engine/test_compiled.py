@@ -161,3 +161,29 @@ def test_the_micro_batch_page_shows_the_code_a_default_trainer_runs():
     trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", show_info=False,
                       log_batch=False)
     assert compiled.explain(trainer._ctx) in page.read_text()
+
+
+@pytest.mark.parametrize("name, options", [("fp32-k1", {}), ("bf16-k2-clip", {"precision": "bf16", "clipper": True}),
+                                          ("fp16-k1-clip", {"precision": "fp16", "clipper": True})])
+def test_trainer_explain_is_the_code_its_batches_run_and_what_the_loop_command_prints(name, options):
+    """`trainer.explain()` is the source its training batches run (the generated line a failing action
+    raises from is in it) and what `python -m deepepochs loop` prints for the same options."""
+    trainer = _trainer(**CONFIGURATIONS[name])
+    text = trainer.explain()
+    assert text == compiled.describe(**options)
+    calls = []
+    original = actions.ACTIONS["zero_grad"]
+
+    def spy(ctx):
+        calls.append(traceback.extract_stack()[-2])
+        return original(ctx)
+
+    actions.ACTIONS["zero_grad"] = spy
+    try:
+        trainer.fit(_data(24, 8))
+    finally:
+        actions.ACTIONS["zero_grad"] = original
+    compiled_frames = [f for f in calls if "compiled micro-batch" in f.filename]
+    assert compiled_frames, "the default configuration runs the compiled micro-batch"
+    source = "".join(linecache.getlines(compiled_frames[0].filename))
+    assert source and source in text
