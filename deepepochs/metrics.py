@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -510,8 +511,9 @@ _CONFUSION_FUNCTIONS = {
 }
 
 
-def _confusion_specs(metrics) -> tuple[tuple[str, str], ...]:
-    """Normalise ``metrics=`` into (result key, metric kind) pairs, validating every entry."""
+def _confusion_specs(metrics) -> tuple[tuple[str, object], ...]:
+    """Normalise ``metrics=`` into (result key, metric kind) pairs, validating every entry. The kind is a
+    name of :data:`_CONFUSION_NAMES`, or a user's function of the confusion matrix (called as ``fn(cm)``)."""
     items = (metrics,) if isinstance(metrics, str) or callable(metrics) else tuple(metrics)
     names = ", ".join(repr(name) for name in _CONFUSION_NAMES)
     if not items:
@@ -531,11 +533,21 @@ def _confusion_specs(metrics) -> tuple[tuple[str, str], ...]:
             kind = next((k for fn, k in _CONFUSION_FUNCTIONS.items() if base is fn), None)
             name = getattr(item, "__name__", None) or type(item).__name__
             if kind is None:
-                raise ConfigError(
-                    "metric_patch='confusion' supports only the deepepochs.metrics functions accuracy, "
-                    f"precision, recall, f1 and confusion_matrix (got {name!r}); "
-                    "use metric_patch='tensor' for other metrics"
-                )
+                # deepepochs 0.6's pattern: any other function takes the confusion matrix itself, fn(cm).
+                # A partial of one of this module's functions still wants (preds, targets): refused.
+                inner = inspect.unwrap(item.func) if isinstance(item, functools.partial) else None
+                try:
+                    inspect.signature(item).bind(None)
+                    takes_matrix = getattr(inner, "__module__", None) != __name__
+                except (TypeError, ValueError):
+                    takes_matrix = False
+                if not takes_matrix:
+                    raise ConfigError(
+                        "metric_patch='confusion' supports only the deepepochs.metrics functions accuracy, "
+                        "precision, recall, f1 and confusion_matrix, and functions of one confusion matrix "
+                        f"fn(cm) -> value (got {name!r}); use metric_patch='tensor' for other metrics"
+                    )
+                kind = item
             specs.append((name, kind))
     keys = [key for key, _ in specs]
     if len(set(keys)) != len(keys):

@@ -73,8 +73,8 @@ def _check_targets(targets):
 
 
 class _Loss:
-    """What `trainer.loss` returns: call it in a step; 0.6's `self.loss.optimize()` and
-    `self.loss.on_metric_callback(loss, model_out, batch_y)` work too."""
+    """What `trainer.loss` returns: call it in a step; 0.6's `self.loss.optimize()`,
+    `self.loss.do_metric(loss, model_out, batch_y)` and `self.loss.on_metric_callback(...)` work too."""
 
     __slots__ = ("_ctx",)
 
@@ -82,32 +82,38 @@ class _Loss:
         self._ctx = ctx
 
     def __call__(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True,
-                 grad_accumulate: bool | None = None):
+                 do_metric: bool | None = None, grad_accumulate: bool | None = None):
         """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
 
         `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
         splits its batch by hand; the update then happens once per window via `self.optimize()`.
-        `grad_accumulate=True` is 0.6's name for `do_optimize=False`.
+        `grad_accumulate=True` is older 0.6's name for `do_optimize=False`.
 
         As in 0.6, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step that
-        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks, except for a
-        training call with `do_optimize=False`. In validation/test with `do_loss=False` it computes no loss
-        and returns None.
+        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks. `do_metric` says
+        whether it does: by default it does except for a training call with `do_optimize=False` (a
+        sub-batch, whose metrics come from `self.do_metric(...)` on the whole batch, or add up over the
+        calls with `do_metric=True`). In validation/test with `do_loss=False` it computes no loss and
+        returns None.
         """
         if grad_accumulate is not None:
             do_optimize = not grad_accumulate
-        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize)
+        if do_metric is not None and not isinstance(do_metric, bool):
+            raise ConfigError(f"do_metric must be True, False or None (got {do_metric!r})")
+        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize, do_metric)
 
     def optimize(self) -> None:
         """0.6's `self.loss.optimize()`: `trainer.optimize()` (an update of every optimizer, on the
         window's last micro-batch)."""
         steps.optimize(self._ctx, None)
 
-    def on_metric_callback(self, loss, model_out, batch_y) -> None:
-        """0.6's `self.loss.on_metric_callback(loss, model_out, batch_y)` after sub-batches of one batch:
-        the trainer's metrics of the whole batch's `(model_out, batch_y)` and the `on_*_metrics` hooks
-        (which receive `loss`). The loss statistics come from the `self.loss` calls already."""
+    def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
+        """0.6's `self.do_metric(loss, model_out, batch_y)` after sub-batches of one batch: the trainer's
+        metrics of the whole batch's `(model_out, batch_y)` and the `on_*_metrics` hooks (which receive
+        `loss`). The loss statistics come from the `self.loss` calls already."""
         steps.step_metrics(self._ctx, loss, model_out, batch_y)
+
+    on_metric_callback = do_metric  # the name of older 0.6 releases
 
 
 class TrainerBase:
@@ -441,6 +447,12 @@ class TrainerBase:
         """`self.loss(model_out, batch_y=None, loss_adjust=1.0, do_optimize=True)`: compute the loss; in
         training also backpropagate it and (with `do_optimize`) ask for an update. See `_Loss.__call__`."""
         return _Loss(self._ctx)
+
+    def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
+        """In a custom step that split its batch by hand (`self.loss(..., do_optimize=False,
+        do_metric=False)` per sub-batch): the trainer's metrics of the whole batch and the `on_*_metrics`
+        hooks, as deepepochs 0.6 did; `loss` is what the hooks receive."""
+        self.loss.do_metric(loss, model_out, batch_y)
 
     def optimize(self, optimize_index=None) -> None:
         """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's

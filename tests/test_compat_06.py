@@ -403,8 +403,9 @@ def test_int_running_id_and_resume_of_0_6_name_the_run_folder(tmp_path):
 
 
 def test_a_patch_name_prefixes_the_keys_of_its_dict_result_like_0_6():
-    """A step's `ConfusionPatch(..., name='C.')` is shown as `C.accuracy`, a nameless one as `accuracy`;
-    the value equals sklearn's accuracy."""
+    """A step's `ConfusionPatch(..., name='C.')` is shown as `C.accuracy`, a nameless one behind the key it
+    was returned under (`cmaccuracy`, as 0.6.18 shows it), `name=''` as `accuracy`; the value equals
+    sklearn's accuracy."""
     from sklearn.metrics import accuracy_score
 
     from deepepochs import ConfusionPatch
@@ -420,11 +421,14 @@ def test_a_patch_name_prefixes_the_keys_of_its_dict_result_like_0_6():
     with Trainer(model, F.cross_entropy, epochs=1, **QUIET) as trainer:
         named = trainer.test(tasks=[Named(dl, prefix="C.")])
         plain = trainer.test(tasks=[Named(dl, prefix=None)])
+        empty = trainer.test(tasks=[Named(dl, prefix="")])
     x, y = _all_xy(dl)
     with torch.no_grad():
         expected = accuracy_score(y.numpy(), model(x).argmax(1).numpy())
-    assert set(named) == {"loss", "C.accuracy"} and set(plain) == {"loss", "accuracy"}
-    assert abs(named["C.accuracy"] - expected) < 1e-6 and named["C.accuracy"] == plain["accuracy"]
+    assert set(named) == {"loss", "C.accuracy"} and set(plain) == {"loss", "cmaccuracy"}
+    assert set(empty) == {"loss", "accuracy"}
+    assert abs(named["C.accuracy"] - expected) < 1e-6
+    assert named["C.accuracy"] == plain["cmaccuracy"] == empty["accuracy"]
 
 
 def test_a_0_6_patch_that_sets_its_state_in_init_without_load_works_in_a_step():
@@ -458,7 +462,10 @@ def test_a_0_6_patch_that_sets_its_state_in_init_without_load_works_in_a_step():
         got = trainer.test(tasks=[Task(DataLoader(TensorDataset(x, y), batch_size=16))])
     with torch.no_grad():
         top2 = model(x).topk(2, dim=1).indices
-    assert got["@1"] == int((top2[:, 0] == y).sum()) and got["@2"] == int((top2 == y[:, None]).any(1).sum())
+    # 0.6.18 shows a dict result behind the key its patch was returned under: hits@1, hits@2
+    assert set(got) == {"loss", "hits@1", "hits@2"}
+    assert got["hits@1"] == int((top2[:, 0] == y).sum())
+    assert got["hits@2"] == int((top2 == y[:, None]).any(1).sum())
     with pytest.raises(NotImplementedError, match=r"HitsPatch\.load\(\) is not implemented"):
         HitsPatch(torch.eye(2), torch.tensor([0, 1])).load(torch.eye(2))
 
