@@ -9,12 +9,16 @@ be turned into Python's generic "cannot import name" message by the import machi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from deepepochs.errors import ConfigError
+from deepepochs.errors import ConfigError, DeepEpochsWarning
 
 __all__ = [
     "REMOVED",
@@ -25,7 +29,7 @@ __all__ = [
     "flatten_dict",
     "plot_confusion",
     "removed",
-    "removed_attribute",
+    "run_tensorboard",
     "sum_dicts",
     "to_numpy",
 ]
@@ -69,19 +73,34 @@ def removed(name: str):
                       name=name)
 
 
-def removed_attribute(obj, name: str):
-    """`__getattr__` of the logging callbacks: 0.6's `run_tensorboard()` is gone; say how to start
-    TensorBoard on the callback's folder. Any other missing attribute is a plain AttributeError."""
-    cls = type(obj).__name__
-    if name != "run_tensorboard":
-        raise AttributeError(f"{cls!r} object has no attribute {name!r}")
-    folder = obj.__dict__.get("log_dir") or "<the log_dir of your LogCallback, default ./logs>"
-    raise AttributeError(
-        f"{cls}.run_tensorboard() (deepepochs 0.6) was removed: after trainer.close(), start TensorBoard on"
-        f" the log folder yourself: `tensorboard --logdir {folder}` in a shell, or `%load_ext tensorboard`"
-        f" and `%tensorboard --logdir {folder}` in a notebook. See docs/MIGRATION.md.",
-        name=name, obj=obj,
-    )
+def run_tensorboard(log_dir, interactive: bool | None = None):
+    """0.6's `run_tensorboard()` of the logging callbacks: start TensorBoard on `log_dir` and serve it in the
+    foreground until Ctrl-C, as 0.6 did, when run from an interactive terminal; elsewhere (a script whose
+    output goes to a file, a test, a notebook) warn with the command to run and return at once, so a
+    finished script exits instead of hanging on a server.
+
+    Args:
+        log_dir: the folder of the runs (a logging callback's `log_dir`).
+        interactive: whether to serve; None means "stdin and stdout are a terminal".
+
+    Returns:
+        TensorBoard's exit status when it was started and exited by itself, else None.
+    """
+    log_dir = os.fspath(log_dir)
+    if interactive is None:
+        interactive = all(stream is not None and stream.isatty() for stream in (sys.stdin, sys.stdout))
+    how = (f"`tensorboard --logdir {log_dir}` in a shell, or `%load_ext tensorboard` and"
+           f" `%tensorboard --logdir {log_dir}` in a notebook")
+    if not interactive:
+        warnings.warn(f"run_tensorboard() serves TensorBoard only from an interactive terminal; start it"
+                      f" yourself: {how}", DeepEpochsWarning, stacklevel=3)
+        return None
+    print(f"TensorBoard on {log_dir} (press Ctrl-C to stop; or run {how})", flush=True)
+    try:
+        return subprocess.run([sys.executable, "-m", "tensorboard.main", "--logdir", log_dir],
+                              check=False).returncode
+    except KeyboardInterrupt:
+        return None
 
 
 class _TensorConversions:

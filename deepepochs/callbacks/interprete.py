@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from deepepochs.callbacks.base import Callback
-from deepepochs.compat import removed_attribute
+from deepepochs.compat import run_tensorboard as _run_tensorboard
+from deepepochs.writer import DEFAULT_LOG_DIR
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.metrics import confusion_matrix
@@ -66,8 +67,11 @@ class InterpreteCallback(Callback):
         ...     print(f"{value:.3f}", pred.argmax().item(), label.item())
     """
 
-    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
-    __getattr__ = removed_attribute
+    def run_tensorboard(self, interactive: bool | None = None):
+        """Start TensorBoard on this callback's log folder, as deepepochs 0.6 did: served in the foreground
+        until Ctrl-C from an interactive terminal, else a warning with the command (see
+        `deepepochs.compat.run_tensorboard`)."""
+        return _run_tensorboard(self.log_dir or DEFAULT_LOG_DIR, interactive)
 
     def __init__(self, metric: Callable, k: int = 100, mode: str = "max", image_data: bool = False,
                  stages=DEFAULT_STAGES, log_dir=None, confusion: bool = False):
