@@ -28,6 +28,7 @@ __all__ = [
     "concat",
     "flatten_dict",
     "plot_confusion",
+    "refuse_accelerate",
     "removed",
     "run_tensorboard",
     "sum_dicts",
@@ -60,6 +61,41 @@ REMOVED = {
         " CosineAnnealingLR(opt, T_max=total - warmup)], milestones=[warmup]), passed as"
         " Optimizer(opt, sched, sched_on='step')"
     ),
+    # Internal helpers 0.6 exported through `from deepepochs import *`; none is part of 0.7's API.
+    "make_runningid": (
+        "name a run yourself: Trainer(running_id=f'{time.strftime(\"%Y%m%d-%H%M%S\")}-{task}-{seed}');"
+        " without running_id the trainer names the run by its start time"
+    ),
+    "batch_size": (
+        "the trainer infers a batch's sample count from its tensors; pass fit(batch_size=...)/EpochTask("
+        "batch_size=...) an int or a function (batch_x, batch_y) -> int where it cannot, or use len(tensor)"
+    ),
+    "listify": "use list(x) (or [] for None, [x] for a single item) in your own code",
+    "ddict": "use a plain dict, or types.SimpleNamespace(**d) for attribute access",
+    "tensor_tuple": "use deepepochs.TensorTuple(items)",
+    "compose_data": "use deepepochs.TensorTuple(items) for a tuple/list, deepepochs.TensorDict(d) for a dict",
+    "clone_value": "use copy.deepcopy(value), or tensor.detach().clone()",
+    "log_batch": "the console lines are written by the trainer (log_batch=True, log_tqdm=, log_long=)",
+    "log_epoch": "the console lines are written by the trainer; records come back from fit()/test()",
+    "info": "format metric values yourself, e.g. ' '.join(f'{k}: {v:.4f}' for k, v in metrics.items())",
+    "print_out": "use print(...) (only the main process prints: check trainer.is_main_process)",
+    "concat_dicts": "fit() returns per-epoch lists already: {'train': {name: [values]}, 'val': {...}}",
+    "keyset": "use list(dict.fromkeys(k for d in dicts for k in d)) for the keys of several dicts in order",
+    "detach_clone": "use deepepochs.TensorTuple(x).detach().clone() or tensor.detach().clone()",
+    "check_path": "use os.makedirs(path, exist_ok=True)",
+    "default_loss": (
+        "pass loss=None to Trainer: the model's own loss (a scalar, or a dict with 'loss') is used"
+    ),
+    "SeriesPlots": "plot fit()'s records with matplotlib, or open TensorBoard on a LogCallback's folder",
+    "Moveing": "use a running mean of your own, e.g. collections.deque(maxlen=n) and sum(q) / len(q)",
+    "TopKQueue": "use heapq.nlargest(k, items), or InterpreteCallback(metric, k) for the k best/worst samples",
+    "groupby_apply": "use torch.Tensor.index_reduce_ or scatter_reduce (reduce='mean', include_self=False)",
+    "load_yaml": "use yaml.safe_load(open(path)) from PyYAML (not a dependency of deepepochs)",
+    "CallbackPool": "pass callbacks=[...] to Trainer or call trainer.add_callbacks([...])",
+    "DefaultCallback": (
+        "the console output is the trainer's own (log_batch=, log_tqdm=, log_long=, show_info=); subclass"
+        " deepepochs.Callback for behaviour of your own"
+    ),
 }
 
 
@@ -71,6 +107,46 @@ def removed(name: str):
         raise AttributeError(f"module 'deepepochs' has no attribute {name!r}")
     raise ImportError(f"deepepochs.{name} (deepepochs 0.6) was removed: {reason}. See docs/MIGRATION.md.",
                       name=name)
+
+
+_MIGRATION = "See docs/MIGRATION.md ('Accelerate arguments are gone')."
+
+
+def _from_accelerate(obj, class_name: str) -> bool:
+    """Whether `obj` is Hugging Face Accelerate's `class_name` (by name: Accelerate is not a dependency)."""
+    cls = type(obj)
+    return cls.__name__ == class_name and cls.__module__.split(".")[0] == "accelerate"
+
+
+def refuse_accelerate(device, opt, legacy: dict) -> None:
+    """`Trainer` arguments of deepepochs 0.6's Accelerate integration, refused before anything is built,
+    each with what replaces it: `device=Accelerator(...)`, `auto_traindata_to_device=`, and optimizers
+    returned by `accelerator.prepare` (which the trainer cannot step correctly). `legacy` holds the
+    keyword arguments `Trainer` does not know; any other unknown name is a TypeError as Python gives it."""
+    if _from_accelerate(device, "Accelerator"):
+        precision = {"fp16": "'fp16'", "bf16": "'bf16'"}.get(str(getattr(device, "mixed_precision", "no")), "'fp32'")
+        steps = getattr(device, "gradient_accumulation_steps", 1)
+        raise ConfigError(
+            "device=Accelerator(...) (deepepochs 0.6's Accelerate integration) is not supported: deepepochs"
+            " does mixed precision, gradient accumulation and multi-process training itself. Pass"
+            f" device=None (or 'cuda'/'cpu'), precision={precision}, gradient_accumulation_steps={steps} to"
+            " Trainer, and start several processes with deepepochs.launch(main) or torchrun. " + _MIGRATION)
+    if "auto_traindata_to_device" in legacy:
+        raise TypeError(
+            "Trainer() got the deepepochs 0.6 argument auto_traindata_to_device, which is gone: the trainer"
+            " moves every batch to its device itself (inside a custom step that splits a batch, the"
+            " sub-batches are on the device already), so drop the argument. " + _MIGRATION)
+    if legacy:
+        name = next(iter(legacy))
+        raise TypeError(f"Trainer.__init__() got an unexpected keyword argument {name!r}")
+    for item in opt if isinstance(opt, (list, tuple)) else [opt]:
+        inner = getattr(item, "opt", item)  # a deepepochs.Optimizer wrapper
+        if _from_accelerate(inner, "AcceleratedOptimizer") or _from_accelerate(item, "AcceleratedOptimizer"):
+            raise ConfigError(
+                "opt is an Accelerate AcceleratedOptimizer (made by accelerator.prepare), which the trainer"
+                " cannot step, scale or skip correctly: pass the torch optimizer itself (e.g. its"
+                " .optimizer), and the scheduler unwrapped too; precision= and gradient_accumulation_steps="
+                " replace what Accelerate did. " + _MIGRATION)
 
 
 def run_tensorboard(log_dir, interactive: bool | None = None):

@@ -14,6 +14,7 @@ import torch
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.checkpoint import load_into, resume_once
+from deepepochs.compat import refuse_accelerate
 from deepepochs.config import TrainerConfig, check_run_name
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
@@ -181,7 +182,8 @@ class TrainerBase:
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None):
+                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, **legacy):
+        refuse_accelerate(device, opt, legacy)  # 0.6's Accelerate arguments, each with its replacement
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,

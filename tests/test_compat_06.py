@@ -544,20 +544,26 @@ def test_a_state_dict_saved_by_plain_pytorch_is_refused_with_how_to_convert_it(t
     assert all(torch.equal(a, b) for a, b in zip(trainer.raw_model.parameters(), model.parameters()))
 
 
-def test_epoch_task_takes_06s_step_args_dict_as_the_steps_keyword_arguments():
-    """0.6 passed step arguments as `EpochTask(dl, step_args={...})`: the step gets them unpacked, like
-    `EpochTask(dl, scale=...)`; a non-dict is refused naming the argument."""
+def test_epoch_task_step_args_dict_is_one_keyword_as_0_6_18_or_unpacked_for_a_step_without_it():
+    """`EpochTask(dl, step_args={...})`: a step taking `**step_args` gets it as the one keyword `step_args`
+    (0.6.18); a step without such a parameter gets it unpacked (older 0.6), like `EpochTask(dl, scale=...)`;
+    a non-dict is refused naming the argument."""
     import torch
     from torch import nn
     from torch.nn import functional as F
 
     from deepepochs import ConfigError, EpochTask, Trainer
 
-    seen = []
+    seen, received = [], []
 
     class Task(EpochTask):
         def step(self, batch_x, batch_y, scale=1.0):
             seen.append(scale)
+            return None
+
+    class Task0618(EpochTask):
+        def step(self, batch_x, batch_y, **step_args):
+            received.append(step_args)
             return None
 
     model = nn.Linear(3, 1)
@@ -565,7 +571,9 @@ def test_epoch_task_takes_06s_step_args_dict_as_the_steps_keyword_arguments():
     trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1, device="cpu",
                       log_batch=False, show_info=False)
     trainer.test(tasks=[Task(data, step_args={"scale": 3.0}), Task(data, scale=5.0)])
+    trainer.test(tasks=[Task0618(data, step_args={"scale": 3.0}), Task0618(data, scale=5.0)])
     trainer.close()
     assert seen == [3.0, 5.0]
+    assert received == [{"step_args": {"scale": 3.0}}, {"scale": 5.0}]
     with pytest.raises(ConfigError, match=r"step_args must be a dict"):
         EpochTask(data, step_args=[1])

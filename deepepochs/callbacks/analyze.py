@@ -14,10 +14,10 @@ import torch
 
 from deepepochs.callbacks.base import Callback
 from deepepochs.compat import run_tensorboard as _run_tensorboard
-from deepepochs.writer import DEFAULT_LOG_DIR
 from deepepochs.config import check_choice
 from deepepochs.data import first_tensor
 from deepepochs.errors import ConfigError
+from deepepochs.writer import DEFAULT_LOG_DIR
 
 __all__ = ["AnalyzeCallback", "leaf_modules"]
 

@@ -16,10 +16,10 @@ import torch
 
 from deepepochs.callbacks.base import Callback
 from deepepochs.compat import run_tensorboard as _run_tensorboard
-from deepepochs.writer import DEFAULT_LOG_DIR
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.metrics import confusion_matrix
+from deepepochs.writer import DEFAULT_LOG_DIR
 
 __all__ = ["InterpreteCallback"]
 
