@@ -56,6 +56,7 @@ __all__ = [
     "AVERAGES",
     "CONFUSION_METRICS",
     "DEFAULT_CONFUSION",
+    "BINARY_DEFAULT_NOTE",
     "default_average",
     "accuracy",
     "accuracy_from_confusion",
@@ -69,6 +70,7 @@ __all__ = [
     "precision_from_confusion",
     "recall",
     "recall_from_confusion",
+    "take_binary_default",
 ]
 
 AVERAGES = ("binary", "micro", "macro", "weighted")
@@ -94,6 +96,24 @@ def _check_average(average) -> None:
 def default_average(num_classes: int) -> str:
     """What ``average=None`` means for a ``num_classes`` x ``num_classes`` confusion matrix."""
     return "binary" if num_classes <= 2 else "micro"
+
+
+# Set when average=None scored class 1 of a two-class matrix; the trainer reads it (take_binary_default) after
+# computing a task's metrics and tells the user once, since deepepochs 0.6 scored class 0 there.
+_binary_default = [False]
+
+BINARY_DEFAULT_NOTE = (
+    "Note: precision, recall and F1 of a two-class problem score class 1, the positive class, as"
+    " scikit-learn does (deepepochs 0.6 scored class 0). To choose, pass average='macro' (the mean over both"
+    " classes) or average='micro' (equal to the accuracy) to the metric, e.g. rename(functools.partial(f1,"
+    " average='macro'), 'f1'); for class 0's score swap the labels (1 - targets, and the score columns)."
+)
+
+
+def take_binary_default() -> bool:
+    """Whether a default average scored class 1 of a two-class matrix since the last call (then reset)."""
+    seen, _binary_default[0] = _binary_default[0], False
+    return seen
 
 
 def _check_num_classes(num_classes) -> None:
@@ -249,6 +269,8 @@ def _averaged(cm: torch.Tensor, average: str, per_class) -> torch.Tensor:
     _check_confusion(cm)
     if average is None:
         average = default_average(cm.shape[0])
+        if cm.shape[0] == 2:
+            _binary_default[0] = True
     if average == "binary":
         cm = _binary_positive(cm)
     tp = cm.diagonal()

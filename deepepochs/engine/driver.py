@@ -21,6 +21,7 @@ from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
+from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
 from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.patches import TensorPatch
 from deepepochs.sharding import iterate_past, skip_batches
@@ -393,6 +394,8 @@ class Driver:
         sources = dict.fromkeys(out, "the loss")
         for name, patch in dist.sync_patches(meters.patches).items():
             merge_values(out, sources, name, patch.forward(), getattr(patch, "name", None))
+        if take_binary_default():  # 0.6 scored class 0 there: say once which class is scored and how to choose
+            ctx.parts.console.note_once("binary-average", BINARY_DEFAULT_NOTE)
         meters.final = out
         return out
 
