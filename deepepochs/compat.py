@@ -24,6 +24,7 @@ __all__ = [
     "REMOVED",
     "TensorDict",
     "TensorTuple",
+    "as_numpy_values",
     "batches",
     "concat",
     "flatten_dict",
@@ -147,6 +148,19 @@ def refuse_accelerate(device, opt, legacy: dict) -> None:
                 " cannot step, scale or skip correctly: pass the torch optimizer itself (e.g. its"
                 " .optimizer), and the scheduler unwrapped too; precision= and gradient_accumulation_steps="
                 " replace what Accelerate did. " + _MIGRATION)
+
+
+def as_numpy_values(records):
+    """`fit()`/`test()` results with every float as a `numpy.float64`: still a float (arithmetic, formatting,
+    JSON), and with NumPy's `.item()`, `.round()`, `.shape` that deepepochs 0.6 code calls on the 0-d arrays
+    0.6 returned."""
+    if isinstance(records, float):
+        return np.float64(records)
+    if isinstance(records, dict):
+        return {key: as_numpy_values(value) for key, value in records.items()}
+    if isinstance(records, list):
+        return [as_numpy_values(value) for value in records]
+    return records
 
 
 def run_tensorboard(log_dir, interactive: bool | None = None):

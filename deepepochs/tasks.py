@@ -12,7 +12,7 @@ from deepepochs.data import check_batch_size
 from deepepochs.errors import ConfigError
 
 __all__ = [
-    "STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "check_metric_names", "flatten_value",
+    "STEP_NAMES", "TASK_SUFFIX_NOTE", "BatchMetrics", "EpochTask", "TaskMeters", "check_metric_names", "flatten_value",
     "merge_stage_metrics", "merge_values", "metric_name", "per_class", "rename", "step_kwargs",
 ]
 
@@ -276,6 +276,13 @@ class BatchMetrics(Mapping):
 
     def __len__(self):
         return len(self._compute())
+
+
+TASK_SUFFIX_NOTE = (
+    "Note: several tasks of a stage report the same names: the first task's keep them (`loss`), later"
+    " tasks' get their index (`loss_1`, `loss_2`, ...); deepepochs 0.6 showed only the last task's values."
+    " Monitor e.g. CheckCallback('loss_1') for a later task."
+)
 
 
 def merge_stage_metrics(per_task: list[Mapping]) -> dict:

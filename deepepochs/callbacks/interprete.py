@@ -45,7 +45,8 @@ class InterpreteCallback(Callback):
 
     Args:
         metric: `metric(preds, targets) -> Tensor[N]`, one score per sample (e.g.
-            `lambda p, y: F.cross_entropy(p, y, reduction='none')`). NaN scores are never kept.
+            `lambda p, y: F.cross_entropy(p, y, reduction='none')`). NaN scores are never kept. None (as
+            in deepepochs 0.6) keeps no samples, only the confusion matrices (`confusion=True` implied).
         k: how many samples to keep.
         mode: 'max' keeps the highest scores, 'min' the lowest.
         image_data: also write the kept samples' inputs as images (the first input of a multi-input
@@ -73,11 +74,13 @@ class InterpreteCallback(Callback):
         `deepepochs.compat.run_tensorboard`)."""
         return _run_tensorboard(self.log_dir or DEFAULT_LOG_DIR, interactive)
 
-    def __init__(self, metric: Callable, k: int = 100, mode: str = "max", image_data: bool = False,
+    def __init__(self, metric: Callable | None = None, k: int = 100, mode: str = "max", image_data: bool = False,
                  stages=DEFAULT_STAGES, log_dir=None, confusion: bool = False):
-        if not callable(metric):
-            raise ConfigError(f"metric must be a callable metric(preds, targets) -> Tensor[N] (got"
-                              f" {type(metric).__name__})")
+        if metric is None:
+            confusion = True  # as in 0.6: without a metric only the confusion matrices are kept
+        elif not callable(metric):
+            raise ConfigError(f"metric must be a callable metric(preds, targets) -> Tensor[N], or None to keep"
+                              f" only confusion matrices (got {type(metric).__name__})")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"k must be a positive int (got {k!r})")
         check_choice("mode", mode, ("max", "min"), "'max' keeps the highest scores, 'min' the lowest")
@@ -255,6 +258,9 @@ class InterpreteCallback(Callback):
         if self.confusion:
             self._count(stage, model_out, batch_y)
         batch_x, self._inputs = self._inputs, None
+        if self.metric is None:  # confusion matrices only
+            self._collected[stage] += 1
+            return
         scores = self.metric(model_out, batch_y)
         if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
             got = (f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)

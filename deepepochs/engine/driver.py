@@ -25,7 +25,15 @@ from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
 from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.patches import TensorPatch
 from deepepochs.sharding import iterate_past, skip_batches
-from deepepochs.tasks import EpochTask, TaskMeters, check_metric_names, merge_stage_metrics, merge_values, metric_name
+from deepepochs.tasks import (
+    TASK_SUFFIX_NOTE,
+    EpochTask,
+    TaskMeters,
+    check_metric_names,
+    merge_stage_metrics,
+    merge_values,
+    metric_name,
+)
 
 __all__ = ["Driver"]
 
@@ -400,7 +408,10 @@ class Driver:
         return out
 
     def _stage_metrics(self, meters_list) -> dict:
-        return merge_stage_metrics([self._task_metrics(meters) for meters in meters_list])
+        per_task = [self._task_metrics(meters) for meters in meters_list]
+        if len(per_task) > 1 and len({name for m in per_task for name in m}) < sum(len(m) for m in per_task):
+            self.ctx.parts.console.note_once("task-suffix", TASK_SUFFIX_NOTE)
+        return merge_stage_metrics(per_task)
 
     def _raise_pending_nonfinite(self, meters):
         """nonfinite='raise' on an accelerator: the per-update finite checks were kept on the device
