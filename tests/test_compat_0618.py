@@ -85,8 +85,9 @@ def test_hand_written_accumulation_with_do_metric_equals_a_plain_loop(via):
     x, y = _data()
     data = [(x[i:i + 10], y[i:i + 10]) for i in range(0, len(x), 10)]
     model, ref = _model(), _model()
-    trainer = type("T", (SubBatches,), {"via": via})(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
-                                                     epochs=2, metrics=[acc_f1], **QUIET)
+    trainer_class = type("T", (SubBatches,), {"via": via})
+    trainer = trainer_class(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2,
+                            metrics=[acc_f1], **QUIET)
     torch.manual_seed(7)
     records = trainer.fit(data)
     trainer.close()

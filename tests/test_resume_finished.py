@@ -60,8 +60,9 @@ def test_an_early_stopped_run_resumed_says_it_is_finished_and_returns_its_record
     out = capsys.readouterr().out
     assert "Run run is finished (stopped early after epoch 3: val constant did not improve" in out
     assert "returns its records without training" in out
-    assert f"To train on from its last checkpoint (as deepepochs 0.6 did), delete {tmp_path / 'c' / 'run' / FINISHED_FILE}"\
-           " and fit again; to start afresh, pass a new running_id" in out
+    marker = tmp_path / "c" / "run" / FINISHED_FILE
+    assert f"To train on from its last checkpoint (as deepepochs 0.6 did), delete {marker} and fit again; to"\
+           " start afresh, pass a new running_id" in out
 
 
 def test_following_the_finished_message_trains_on_like_0_6(tmp_path):
