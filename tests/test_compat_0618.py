@@ -344,3 +344,27 @@ def test_helpers_of_0_6s_star_import_name_what_to_use(name):
     replacement, not Python's bare "cannot import name"."""
     with pytest.raises(ImportError, match=rf"deepepochs\.{name} \(deepepochs 0\.6\) was removed: \S.{{20,}}"):
         exec(f"from deepepochs import {name}", {})
+
+
+def test_resume_with_0_6_checkpoints_in_logs_says_how_to_resume_them(tmp_path, monkeypatch, capsys):
+    """0.6 saved checkpoints in ./logs (0.7's default is ./checkpoints): resume=True finding none says where
+    0.6's are and how to resume them; following the advice loads the 0.6 file's weights."""
+    monkeypatch.chdir(tmp_path)
+    saved = _model()
+    (tmp_path / "logs" / "run1").mkdir(parents=True)
+    opt = torch.optim.SGD(saved.parameters(), lr=0.1)
+    torch.save({"model_state": saved.state_dict(), "opt_state": opt.state_dict(), "best_value": 0.5, "epoch": 1},
+               tmp_path / "logs" / "run1" / "checkpoint.ckpt")
+    x, y = _data(32)
+    dl = DataLoader(TensorDataset(x, y), batch_size=16)
+    fresh = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, CLASSES))
+    with Trainer(fresh, F.cross_entropy, epochs=2, callbacks=[CheckCallback("loss")], resume=True,
+                 device="cpu", log_batch=False) as trainer:
+        trainer.test(dl)
+    assert ("deepepochs 0.6 checkpoints are in ./logs, 0.6's default folder: pass CheckCallback(...,"
+            " ckpt_dir='./logs') to resume them") in capsys.readouterr().out
+    with Trainer(fresh, F.cross_entropy, torch.optim.SGD(fresh.parameters(), lr=0.1), epochs=2,
+                 callbacks=[CheckCallback("loss", ckpt_dir="./logs")], resume=True, **QUIET) as trainer:
+        trainer.test(dl)
+        assert all(torch.equal(a, b) for a, b in zip(trainer.raw_model.state_dict().values(),
+                                                     saved.state_dict().values()))
