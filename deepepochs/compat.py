@@ -24,7 +24,8 @@ __all__ = [
     "REMOVED",
     "TensorDict",
     "TensorTuple",
-    "as_numpy_values",
+    "MetricValue",
+    "as_metric_values",
     "batches",
     "concat",
     "flatten_dict",
@@ -150,16 +151,30 @@ def refuse_accelerate(device, opt, legacy: dict) -> None:
                 " replace what Accelerate did. " + _MIGRATION)
 
 
-def as_numpy_values(records):
-    """`fit()`/`test()` results with every float as a `numpy.float64`: still a float (arithmetic, formatting,
-    JSON), and with NumPy's `.item()`, `.round()`, `.shape` that deepepochs 0.6 code calls on the 0-d arrays
-    0.6 returned."""
+class MetricValue(float):
+    """A value of `fit()`/`test()` results: a plain float that also has `.item()` and `.tolist()`, which
+    deepepochs 0.6 code calls on the NumPy 0-d arrays 0.6 returned. It prints, rounds, compares and
+    serialises (JSON, pickle, `torch.save`) as a float; pickling stores a plain float."""
+
+    __slots__ = ()
+
+    def item(self) -> float:
+        return float(self)
+
+    tolist = item
+
+    def __reduce__(self):
+        return float, (float(self),)
+
+
+def as_metric_values(records):
+    """`fit()`/`test()` results with every float as a :class:`MetricValue`."""
     if isinstance(records, float):
-        return np.float64(records)
+        return MetricValue(records)
     if isinstance(records, dict):
-        return {key: as_numpy_values(value) for key, value in records.items()}
+        return {key: as_metric_values(value) for key, value in records.items()}
     if isinstance(records, list):
-        return [as_numpy_values(value) for value in records]
+        return [as_metric_values(value) for value in records]
     return records
 
 

@@ -14,7 +14,7 @@ import torch
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.checkpoint import load_into, resume_once
-from deepepochs.compat import as_numpy_values, refuse_accelerate
+from deepepochs.compat import as_metric_values, refuse_accelerate
 from deepepochs.config import TrainerConfig, check_run_name
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
@@ -343,18 +343,18 @@ class TrainerBase:
             raise ConfigError("fit() needs training data: pass train_dl or train_tasks")
         val = driver.make_tasks("val", val_dl, val_tasks,
                                 [*common, *as_metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
-        return as_numpy_values(driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs)))
+        return as_metric_values(driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs)))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are
-        `numpy.float64` (floats that also have NumPy's `.item()`, as 0.6's results had)."""
+        floats that also have `.item()`, as 0.6's NumPy results had."""
         self._check_open("test")
         driver = self._driver
         tasks = driver.make_tasks("test", test_dl, tasks, [*self.metrics, *as_metric_list(metrics, "metrics")],
                                   do_loss, batch_size)
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
-        return as_numpy_values(driver.guarded("test", lambda: driver.run_test(tasks)))
+        return as_metric_values(driver.guarded("test", lambda: driver.run_test(tasks)))
 
     def predict(self, dataloader, device="cpu", batch_size=None):
         """The model's outputs for every batch of `dataloader`, concatenated in order along dim 0.

@@ -323,15 +323,23 @@ def test_interprete_callback_without_metric_keeps_the_confusion_matrix_only():
     assert interpreter.confusion_matrix("test").tolist() == confusion_matrix(y.numpy(), preds).tolist()
 
 
-def test_fit_and_test_values_have_numpys_item_like_0_6s_arrays():
-    """0.6 returned NumPy 0-d arrays and its code calls `.item()`: the values are numpy.float64 (floats)."""
+def test_fit_and_test_values_have_item_like_0_6s_arrays_and_stay_plain_floats():
+    """0.6 returned NumPy 0-d arrays and its code calls `.item()`: the values have it, and are floats that
+    print, round, serialise and pickle as plain floats."""
+    import json
+    import pickle
+
     x, y = _data(32)
     dl = DataLoader(TensorDataset(x, y), batch_size=16)
     with Trainer(_model(), F.cross_entropy, epochs=1, metrics=[mm.accuracy], **QUIET) as trainer:
         records = trainer.fit(dl)
         got = trainer.test(dl)
-    assert isinstance(got["accuracy"], float) and got["accuracy"].item() == float(got["accuracy"])
-    assert isinstance(records["train"]["loss"][0].item(), float)
+    acc = got["accuracy"]
+    assert isinstance(acc, float) and acc.item() == float(acc) and type(acc.item()) is float
+    assert type(records["train"]["loss"][0].item()) is float
+    assert repr(got) == repr({k: float(v) for k, v in got.items()}) and type(round(acc, 2)) is float
+    assert json.loads(json.dumps(got)) == got
+    assert type(pickle.loads(pickle.dumps(acc))) is float
 
 
 @pytest.mark.parametrize("name", [
