@@ -200,7 +200,9 @@ class ConfusionMetrics:
         fbeta = isinstance(metrics, (list, tuple)) and "fbeta" in metrics
         patch = ConfusionPatch(None, None, "accuracy" if fbeta else metrics, self.average, self.num_classes,
                                "" if self.name is None else self.name, self.threshold)
-        specs = tuple((m, m) for m in self._short_specs(metrics) and metrics) if fbeta else None
+        specs = None
+        if fbeta:  # 'fbeta' is not a ConfusionPatch name: give the patch its specs directly, long keys
+            specs = tuple((long, long) for _, long in self._short_specs(metrics))
         return self._configured(patch, specs).load(preds, targets)
 
     def load(self, preds, targets) -> ConfusionPatch:

@@ -204,6 +204,25 @@ def test_a_steps_dict_patch_is_prefixed_by_its_key_and_can_be_monitored():
     assert records["val"]["m_f1"][0] == pytest.approx(f1_score(vy.numpy(), preds, average="macro"), abs=1e-6)
 
 
+def test_the_trainers_own_patches_returned_by_a_step_keep_their_names():
+    """A step returning `self.batch_patches(out, y)` (the trainer's metric patches) shows the metrics under
+    the names the default step gives them, not behind the patches' keys."""
+
+    class Own(EpochTask):
+        def step(self, batch_x, batch_y, **step_args):
+            out = self.model(batch_x)
+            self.loss(out, batch_y, do_metric=False)
+            return self.batch_patches(out, batch_y)
+
+    x, y = _data(40)
+    dl = DataLoader(TensorDataset(x, y), batch_size=16)
+    for kind, metrics in (("confusion", [mm.accuracy, mm.f1]), ("tensor", [mm.accuracy, acc_f1])):
+        with Trainer(_model(), F.cross_entropy, epochs=1, metrics=metrics, metric_patch=kind, **QUIET) as trainer:
+            own = trainer.test(tasks=Own(dl))
+            plain = trainer.test(dl)
+        assert own == plain and "accuracy" in own, kind
+
+
 # ---- 4. two-class precision/recall/F1: said once ----
 
 def test_two_class_f1_scores_class_1_and_says_so_once(capsys):

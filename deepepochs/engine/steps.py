@@ -327,11 +327,13 @@ def batch_patches(ctx: Context, model_out, batch_y, metrics=None) -> dict:
     if batch_y is None and not getattr(ctx.task, "targets_checked", True):
         check_metrics_without_targets(ctx, model_out, metrics)
     kind = ctx.parts.config.metric_patch
+    # name='': the keys of a dict result are shown as they are, also when a step returns these patches
+    # (a step's nameless patches are prefixed by their key, see name_by_key).
     if kind == "confusion":
-        return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics)}
+        return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics, name="")}
     if kind == "mean":
-        return {metric_name(m): MeanPatch(m, model_out, batch_y) for m in metrics}
-    return {metric_name(m): TensorPatch(m, model_out, batch_y) for m in metrics}
+        return {metric_name(m): MeanPatch(m, model_out, batch_y, name="") for m in metrics}
+    return {metric_name(m): TensorPatch(m, model_out, batch_y, name="") for m in metrics}
 
 
 def check_metrics_without_targets(ctx: Context, preds, metrics) -> None:
