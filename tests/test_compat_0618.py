@@ -329,17 +329,20 @@ def test_several_tasks_keep_every_tasks_loss_and_say_how_they_are_named(capsys):
 
 def test_interprete_callback_without_metric_keeps_the_confusion_matrix_only():
     """0.6's `InterpreteCallback()` without a metric: the test set's confusion matrix (equal to
-    scikit-learn's), no samples."""
+    scikit-learn's), no samples; 0.6.18's positional arguments (metric, k, mode, stages, class_num) with a
+    class count larger than the classes seen give a matrix of that size."""
     x, y = _data(50)
     model = _model()
     interpreter = InterpreteCallback()
-    with Trainer(model, F.cross_entropy, epochs=1, callbacks=[interpreter], **QUIET) as trainer:
+    sized = InterpreteCallback(None, 10, "max", ("val", "test"), 5)
+    with Trainer(model, F.cross_entropy, epochs=1, callbacks=[interpreter, sized], **QUIET) as trainer:
         trainer.test(DataLoader(TensorDataset(x, y), batch_size=16))
     model.eval()
     with torch.no_grad():
         preds = model(x).argmax(1).numpy()
-    assert interpreter.top_samples("test") == []
+    assert interpreter.top_samples("test") == [] and sized.top_samples("test") == []
     assert interpreter.confusion_matrix("test").tolist() == confusion_matrix(y.numpy(), preds).tolist()
+    assert sized.confusion_matrix("test").tolist() == confusion_matrix(y.numpy(), preds, labels=range(5)).tolist()
 
 
 def test_fit_and_test_values_have_item_like_0_6s_arrays_and_stay_plain_floats():

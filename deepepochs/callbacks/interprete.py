@@ -54,6 +54,7 @@ class InterpreteCallback(Callback):
             shared TensorBoard writer: `interprete/val` at the end of fit, `interprete/test` after test.
             Inputs must be `[C, H, W]` (C = 1, 3 or 4) or `[H, W]`; float images are min-max scaled.
         stages: the stages to watch, from ('train', 'val', 'test'); default ('val', 'test').
+        class_num: the class count of the confusion matrices (None: inferred from the data).
         confusion: also count a confusion matrix of each watched stage (`confusion_matrix(stage)`; preds
             and targets as `deepepochs.metrics.confusion_matrix` takes them) and write it to TensorBoard as
             an image `interprete/<stage>/confusion` when the stage's samples are written (drawn with
@@ -74,8 +75,8 @@ class InterpreteCallback(Callback):
         `deepepochs.compat.run_tensorboard`)."""
         return _run_tensorboard(self.log_dir or DEFAULT_LOG_DIR, interactive)
 
-    def __init__(self, metric: Callable | None = None, k: int = 100, mode: str = "max", image_data: bool = False,
-                 stages=DEFAULT_STAGES, log_dir=None, confusion: bool = False):
+    def __init__(self, metric: Callable | None = None, k: int = 100, mode: str = "max", stages=DEFAULT_STAGES,
+                 class_num: int | None = None, log_dir=None, image_data: bool = False, confusion: bool = False):
         if metric is None:
             confusion = True  # as in 0.6: without a metric only the confusion matrices are kept
         elif not callable(metric):
@@ -88,6 +89,8 @@ class InterpreteCallback(Callback):
             raise ConfigError(f"image_data must be True or False (got {image_data!r})")
         if not isinstance(confusion, bool):
             raise ConfigError(f"confusion must be True or False (got {confusion!r})")
+        if class_num is not None and (isinstance(class_num, bool) or not isinstance(class_num, int) or class_num < 1):
+            raise ConfigError(f"class_num must be None (inferred) or a positive int (got {class_num!r})")
         stages = (stages,) if isinstance(stages, str) else tuple(stages)
         if not stages or any(s not in STAGES for s in stages):
             raise ConfigError(f"stages must be a non-empty selection of {STAGES!r} (got {stages!r})")
@@ -98,6 +101,7 @@ class InterpreteCallback(Callback):
         self.stages = stages
         self.log_dir = log_dir
         self.confusion = confusion
+        self.class_num = class_num
         self.idle_hooks = frozenset() if "train" in stages else TRAIN_HOOKS
         self._matrices: dict[str, torch.Tensor | None] = dict.fromkeys(STAGES)
         self._sign = 1.0 if mode == "max" else -1.0
@@ -244,7 +248,7 @@ class InterpreteCallback(Callback):
             self._matrices[stage] = dist.reduce_sum(cm)
 
     def _count(self, stage, model_out, batch_y):
-        batch = confusion_matrix(model_out, batch_y).cpu()
+        batch = confusion_matrix(model_out, batch_y, self.class_num).cpu()
         have = self._matrices[stage]
         if have is None:
             self._matrices[stage] = batch
