@@ -57,9 +57,13 @@ def test_other_missing_names_are_still_plain_attribute_errors():
 
 @pytest.mark.parametrize("make", [lambda tmp: LogCallback(tmp), lambda tmp: AnalyzeCallback(log_dir=tmp),
                                   lambda tmp: InterpreteCallback(lambda p, y: p[:, 0], k=2, log_dir=tmp)])
-def test_run_tensorboard_outside_a_terminal_warns_with_the_command_and_returns(tmp_path, make):
-    """0.6's `run_tensorboard()` at the end of a script that is not run from a terminal (here: pytest): a
-    warning with the tensorboard command for the callback's folder, and it returns at once (no server)."""
+def test_run_tensorboard_outside_a_terminal_warns_with_the_command_and_returns(tmp_path, make, monkeypatch):
+    """0.6's `run_tensorboard()` at the end of a script that is not run from a terminal (stdin here is not
+    one, even under `pytest -s`): a warning with the tensorboard command for the callback's folder, and it
+    returns at once (no server)."""
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
     cb = make(tmp_path)
     with pytest.warns(DeepEpochsWarning, match=rf"start it yourself: `tensorboard --logdir {tmp_path}`"):
         assert cb.run_tensorboard() is None
