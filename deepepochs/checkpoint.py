@@ -820,6 +820,18 @@ def find_checkpoints(ckpt_dirs, running_id: str | None = None) -> list[Path]:
     return sorted(found, key=lambda p: (modified_ns(p), str(p)), reverse=True)
 
 
+def _hint_06_folder(dirs, candidates) -> str:
+    """When resume found nothing and 0.6's default folder `./logs` holds 0.6 checkpoints, say how to resume
+    them (0.6's CheckCallback saved to ./logs/<running id>/checkpoint.ckpt; 0.7's default is ./checkpoints)."""
+    legacy = Path("./logs")
+    if candidates or any(Path(d).resolve() == legacy.resolve() for d in dirs):
+        return ""
+    if not any(legacy.glob("*/checkpoint.ckpt")):
+        return ""
+    return (". deepepochs 0.6 checkpoints are in ./logs, 0.6's default folder: pass"
+            " CheckCallback(..., ckpt_dir='./logs') to resume them")
+
+
 def resume_once(trainer) -> tuple[Path, int] | None:
     """Honour `Trainer(resume=...)` at the first fit or test; a no-op afterwards. Returns the loaded file's
     path and epoch, or None when nothing was loaded.
@@ -844,7 +856,8 @@ def resume_once(trainer) -> tuple[Path, int] | None:
     if path is None:
         searched = ", ".join(str(d) for d in dict.fromkeys(dirs)) or "nowhere: no CheckCallback"
         found = f"no checkpoint this trainer can load among {len(candidates)}" if candidates else "no checkpoint"
-        trainer._console.info(f"resume=True: {found} found (searched {searched}); starting fresh")
+        trainer._console.info(f"resume=True: {found} found (searched {searched}); starting fresh"
+                              + _hint_06_folder(dirs, candidates))
     else:
         trainer.running_id = path.parent.name
         trainer._console.info(f"Resumed from {path}: {ckpt.epoch} epoch(s) completed,"

@@ -9,23 +9,30 @@ be turned into Python's generic "cannot import name" message by the import machi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from deepepochs.errors import ConfigError
+from deepepochs.errors import ConfigError, DeepEpochsWarning
 
 __all__ = [
     "REMOVED",
     "TensorDict",
     "TensorTuple",
+    "MetricValue",
+    "as_metric_values",
     "batches",
     "concat",
     "flatten_dict",
     "plot_confusion",
+    "refuse_accelerate",
     "removed",
-    "removed_attribute",
+    "run_tensorboard",
     "sum_dicts",
     "to_numpy",
 ]
@@ -56,6 +63,41 @@ REMOVED = {
         " CosineAnnealingLR(opt, T_max=total - warmup)], milestones=[warmup]), passed as"
         " Optimizer(opt, sched, sched_on='step')"
     ),
+    # Internal helpers 0.6 exported through `from deepepochs import *`; none is part of 0.7's API.
+    "make_runningid": (
+        "name a run yourself: Trainer(running_id=f'{time.strftime(\"%Y%m%d-%H%M%S\")}-{task}-{seed}');"
+        " without running_id the trainer names the run by its start time"
+    ),
+    "batch_size": (
+        "the trainer infers a batch's sample count from its tensors; pass fit(batch_size=...)/EpochTask("
+        "batch_size=...) an int or a function (batch_x, batch_y) -> int where it cannot, or use len(tensor)"
+    ),
+    "listify": "use list(x) (or [] for None, [x] for a single item) in your own code",
+    "ddict": "use a plain dict, or types.SimpleNamespace(**d) for attribute access",
+    "tensor_tuple": "use deepepochs.TensorTuple(items)",
+    "compose_data": "use deepepochs.TensorTuple(items) for a tuple/list, deepepochs.TensorDict(d) for a dict",
+    "clone_value": "use copy.deepcopy(value), or tensor.detach().clone()",
+    "log_batch": "the console lines are written by the trainer (log_batch=True, log_tqdm=, log_long=)",
+    "log_epoch": "the console lines are written by the trainer; records come back from fit()/test()",
+    "info": "format metric values yourself, e.g. ' '.join(f'{k}: {v:.4f}' for k, v in metrics.items())",
+    "print_out": "use print(...) (only the main process prints: check trainer.is_main_process)",
+    "concat_dicts": "fit() returns per-epoch lists already: {'train': {name: [values]}, 'val': {...}}",
+    "keyset": "use list(dict.fromkeys(k for d in dicts for k in d)) for the keys of several dicts in order",
+    "detach_clone": "use deepepochs.TensorTuple(x).detach().clone() or tensor.detach().clone()",
+    "check_path": "use os.makedirs(path, exist_ok=True)",
+    "default_loss": (
+        "pass loss=None to Trainer: the model's own loss (a scalar, or a dict with 'loss') is used"
+    ),
+    "SeriesPlots": "plot fit()'s records with matplotlib, or open TensorBoard on a LogCallback's folder",
+    "Moveing": "use a running mean of your own, e.g. collections.deque(maxlen=n) and sum(q) / len(q)",
+    "TopKQueue": "use heapq.nlargest(k, items), or InterpreteCallback(metric, k) for the k best/worst samples",
+    "groupby_apply": "use torch.Tensor.index_reduce_ or scatter_reduce (reduce='mean', include_self=False)",
+    "load_yaml": "use yaml.safe_load(open(path)) from PyYAML (not a dependency of deepepochs)",
+    "CallbackPool": "pass callbacks=[...] to Trainer or call trainer.add_callbacks([...])",
+    "DefaultCallback": (
+        "the console output is the trainer's own (log_batch=, log_tqdm=, log_long=, show_info=); subclass"
+        " deepepochs.Callback for behaviour of your own"
+    ),
 }
 
 
@@ -69,19 +111,101 @@ def removed(name: str):
                       name=name)
 
 
-def removed_attribute(obj, name: str):
-    """`__getattr__` of the logging callbacks: 0.6's `run_tensorboard()` is gone; say how to start
-    TensorBoard on the callback's folder. Any other missing attribute is a plain AttributeError."""
-    cls = type(obj).__name__
-    if name != "run_tensorboard":
-        raise AttributeError(f"{cls!r} object has no attribute {name!r}")
-    folder = obj.__dict__.get("log_dir") or "<the log_dir of your LogCallback, default ./logs>"
-    raise AttributeError(
-        f"{cls}.run_tensorboard() (deepepochs 0.6) was removed: after trainer.close(), start TensorBoard on"
-        f" the log folder yourself: `tensorboard --logdir {folder}` in a shell, or `%load_ext tensorboard`"
-        f" and `%tensorboard --logdir {folder}` in a notebook. See docs/MIGRATION.md.",
-        name=name, obj=obj,
-    )
+_MIGRATION = "See docs/MIGRATION.md ('Accelerate arguments are gone')."
+
+
+def _from_accelerate(obj, class_name: str) -> bool:
+    """Whether `obj` is Hugging Face Accelerate's `class_name` (by name: Accelerate is not a dependency)."""
+    cls = type(obj)
+    return cls.__name__ == class_name and cls.__module__.split(".")[0] == "accelerate"
+
+
+def refuse_accelerate(device, opt, legacy: dict) -> None:
+    """`Trainer` arguments of deepepochs 0.6's Accelerate integration, refused before anything is built,
+    each with what replaces it: `device=Accelerator(...)`, `auto_traindata_to_device=`, and optimizers
+    returned by `accelerator.prepare` (which the trainer cannot step correctly). `legacy` holds the
+    keyword arguments `Trainer` does not know; any other unknown name is a TypeError as Python gives it."""
+    if _from_accelerate(device, "Accelerator"):
+        precision = {"fp16": "'fp16'", "bf16": "'bf16'"}.get(str(getattr(device, "mixed_precision", "no")), "'fp32'")
+        steps = getattr(device, "gradient_accumulation_steps", 1)
+        raise ConfigError(
+            "device=Accelerator(...) (deepepochs 0.6's Accelerate integration) is not supported: deepepochs"
+            " does mixed precision, gradient accumulation and multi-process training itself. Pass"
+            f" device=None (or 'cuda'/'cpu'), precision={precision}, gradient_accumulation_steps={steps} to"
+            " Trainer, and start several processes with deepepochs.launch(main) or torchrun. " + _MIGRATION)
+    if "auto_traindata_to_device" in legacy:
+        raise TypeError(
+            "Trainer() got the deepepochs 0.6 argument auto_traindata_to_device, which is gone: the trainer"
+            " moves every batch to its device itself (inside a custom step that splits a batch, the"
+            " sub-batches are on the device already), so drop the argument. " + _MIGRATION)
+    if legacy:
+        name = next(iter(legacy))
+        raise TypeError(f"Trainer.__init__() got an unexpected keyword argument {name!r}")
+    for item in opt if isinstance(opt, (list, tuple)) else [opt]:
+        inner = getattr(item, "opt", item)  # a deepepochs.Optimizer wrapper
+        if _from_accelerate(inner, "AcceleratedOptimizer") or _from_accelerate(item, "AcceleratedOptimizer"):
+            raise ConfigError(
+                "opt is an Accelerate AcceleratedOptimizer (made by accelerator.prepare), which the trainer"
+                " cannot step, scale or skip correctly: pass the torch optimizer itself (e.g. its"
+                " .optimizer), and the scheduler unwrapped too; precision= and gradient_accumulation_steps="
+                " replace what Accelerate did. " + _MIGRATION)
+
+
+class MetricValue(float):
+    """A value of `fit()`/`test()` results: a plain float that also has `.item()` and `.tolist()`, which
+    deepepochs 0.6 code calls on the NumPy 0-d arrays 0.6 returned. It prints, rounds, compares and
+    serialises (JSON, pickle, `torch.save`) as a float; pickling stores a plain float."""
+
+    __slots__ = ()
+
+    def item(self) -> float:
+        return float(self)
+
+    tolist = item
+
+    def __reduce__(self):
+        return float, (float(self),)
+
+
+def as_metric_values(records):
+    """`fit()`/`test()` results with every float as a :class:`MetricValue`."""
+    if isinstance(records, float):
+        return MetricValue(records)
+    if isinstance(records, dict):
+        return {key: as_metric_values(value) for key, value in records.items()}
+    if isinstance(records, list):
+        return [as_metric_values(value) for value in records]
+    return records
+
+
+def run_tensorboard(log_dir, interactive: bool | None = None):
+    """0.6's `run_tensorboard()` of the logging callbacks: start TensorBoard on `log_dir` and serve it in the
+    foreground until Ctrl-C, as 0.6 did, when run from an interactive terminal; elsewhere (a script whose
+    output goes to a file, a test, a notebook) warn with the command to run and return at once, so a
+    finished script exits instead of hanging on a server.
+
+    Args:
+        log_dir: the folder of the runs (a logging callback's `log_dir`).
+        interactive: whether to serve; None means "stdin and stdout are a terminal".
+
+    Returns:
+        TensorBoard's exit status when it was started and exited by itself, else None.
+    """
+    log_dir = os.fspath(log_dir)
+    if interactive is None:
+        interactive = all(stream is not None and stream.isatty() for stream in (sys.stdin, sys.stdout))
+    how = (f"`tensorboard --logdir {log_dir}` in a shell, or `%load_ext tensorboard` and"
+           f" `%tensorboard --logdir {log_dir}` in a notebook")
+    if not interactive:
+        warnings.warn(f"run_tensorboard() serves TensorBoard only from an interactive terminal; start it"
+                      f" yourself: {how}", DeepEpochsWarning, stacklevel=3)
+        return None
+    print(f"TensorBoard on {log_dir} (press Ctrl-C to stop; or run {how})", flush=True)
+    try:
+        return subprocess.run([sys.executable, "-m", "tensorboard.main", "--logdir", log_dir],
+                              check=False).returncode
+    except KeyboardInterrupt:
+        return None
 
 
 class _TensorConversions:

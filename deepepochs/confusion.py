@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from deepepochs import metrics as _metrics
+from deepepochs.errors import ConfigError
 from deepepochs.patches import PatchBase, _collective_device, _world_size
 
 __all__ = ["ConfusionMetrics", "ConfusionPatch", "ConfusionState"]
@@ -71,11 +72,21 @@ class ConfusionPatch(PatchBase):
 
     def __init__(self, batch_preds=None, batch_targets=None, metrics=_DEFAULT_METRICS, average=None,
                  num_classes=None, name=None, threshold=0.5):  # fmt: skip
+        self.matrix_fn = None
+        if callable(batch_preds) and not isinstance(batch_preds, torch.Tensor):
+            # deepepochs 0.6.18: ConfusionPatch(metric, batch_size=None, name=None), then .load(preds,
+            # targets); metric(cm) is the result as it is (the count is not needed and is ignored).
+            self.matrix_fn = batch_preds
+            if isinstance(metrics, str) and name is None and metrics not in _metrics._CONFUSION_NAMES:
+                name = metrics
+            batch_preds = batch_targets = None
+            metrics = _DEFAULT_METRICS
         super().__init__(name)
         self.metrics = _metrics._confusion_specs(metrics)
         _metrics._check_average(average)
         _metrics._check_num_classes(num_classes)
         self.average, self.num_classes, self.threshold = average, num_classes, threshold
+        self.beta = 1.0  # for 'fbeta' (0.6.18's ConfusionMetrics(beta=...))
         self.state = ConfusionState()
         if batch_preds is not None or batch_targets is not None:
             self.load(batch_preds, batch_targets)
@@ -105,9 +116,16 @@ class ConfusionPatch(PatchBase):
     def forward(self) -> dict:
         """A dict of each requested metric, computed from the accumulated matrix."""
         cm = self.state.matrix
-        compute = lambda kind: (
-            cm.clone() if kind == "confusion_matrix" else _metrics.from_confusion(cm, kind, self.average)
-        )
+        if self.matrix_fn is not None:  # 0.6.18's ConfusionPatch(metric): the metric's value as it is
+            return self.matrix_fn(cm.clone())
+
+        def compute(kind):
+            if callable(kind):  # a user's function of the matrix (0.6's metric_patch='confusion' metrics)
+                return kind(cm.clone())
+            if kind == "confusion_matrix":
+                return cm.clone()
+            return _metrics.from_confusion(cm, kind, self.average, self.beta)
+
         return {key: compute(kind) for key, kind in self.metrics}
 
     def sync(self) -> ConfusionPatch:
@@ -135,8 +153,12 @@ class ConfusionMetrics:
     """Makes :class:`ConfusionPatch` objects of one configuration, for custom step methods (MET-3).
 
     One confusion matrix per batch gives several metrics. A step returns the patch under one key; the
-    trainer flattens its dict result, so the metric names shown are the dict's keys. Arguments are those
-    of :class:`ConfusionPatch`, validated here once.
+    metric names shown are the dict's keys (the patches it makes have the empty prefix ``name=''`` unless
+    ``name`` is given). Arguments are those of :class:`ConfusionPatch`, validated here once.
+
+    deepepochs 0.6.18's spelling works too: ``ConfusionMetrics(metrics, average, beta=1.0,
+    name='C.').load(preds, targets)`` gives 0.6.18's short keys ('acc', 'p', 'r', 'f1', 'fb' for
+    'accuracy', 'precision', 'recall', 'f1', 'fbeta'), all five by default, behind the prefix 'C.'.
 
     Example:
         In a trainer subclass::
@@ -155,13 +177,52 @@ class ConfusionMetrics:
         {'precision': 0.6667, 'recall': 0.6667}
     """
 
-    def __init__(self, metrics=_DEFAULT_METRICS, average=None, num_classes=None, threshold=0.5):
-        ConfusionPatch(metrics=metrics, average=average, num_classes=num_classes)  # validates, loads nothing
-        self.metrics, self.average = metrics, average
+    SHORT_NAMES = {"accuracy": "acc", "precision": "p", "recall": "r", "f1": "f1", "fbeta": "fb"}
+    """0.6.18's keys for the metrics of :meth:`load`."""
+
+    def __init__(self, metrics=None, average=None, num_classes=None, threshold=0.5, *, beta=1.0, name=None):
+        given = _DEFAULT_METRICS if metrics is None else metrics
+        if isinstance(given, str):
+            given = (given,)
+        if not (isinstance(given, (list, tuple)) and "fbeta" in given):
+            ConfusionPatch(metrics=given, average=average, num_classes=num_classes)  # validates, loads nothing
+        else:
+            self._short_specs(given)
+        _metrics._check_beta(beta)
+        if name is not None and not isinstance(name, str):
+            raise ConfigError(f"name must be a string prefix of the metric names, or None (got {name!r})")
+        self.metrics, self.average, self.beta, self.name = metrics, average, beta, name
         self.num_classes, self.threshold = num_classes, threshold
 
     def __call__(self, preds, targets) -> ConfusionPatch:
         """A :class:`ConfusionPatch` loaded with one batch."""
-        return ConfusionPatch(
-            preds, targets, self.metrics, self.average, self.num_classes, threshold=self.threshold
-        )
+        metrics = _DEFAULT_METRICS if self.metrics is None else self.metrics
+        fbeta = isinstance(metrics, (list, tuple)) and "fbeta" in metrics
+        patch = ConfusionPatch(None, None, "accuracy" if fbeta else metrics, self.average, self.num_classes,
+                               "" if self.name is None else self.name, self.threshold)
+        specs = None
+        if fbeta:  # 'fbeta' is not a ConfusionPatch name: give the patch its specs directly, long keys
+            specs = tuple((long, long) for _, long in self._short_specs(metrics))
+        return self._configured(patch, specs).load(preds, targets)
+
+    def load(self, preds, targets) -> ConfusionPatch:
+        """deepepochs 0.6.18's ``ConfusionMetrics(...).load(preds, targets)``: a patch of one batch whose
+        keys are 0.6.18's short names behind the prefix ``name`` (default 'C.')."""
+        metrics = tuple(self.SHORT_NAMES) if self.metrics is None else self.metrics
+        patch = ConfusionPatch(None, None, "accuracy", self.average, self.num_classes,
+                               "C." if self.name is None else self.name, self.threshold)
+        return self._configured(patch, self._short_specs(metrics)).load(preds, targets)
+
+    def _configured(self, patch: ConfusionPatch, specs) -> ConfusionPatch:
+        patch.beta = self.beta
+        if specs is not None:
+            patch.metrics = specs
+        return patch
+
+    @classmethod
+    def _short_specs(cls, metrics) -> tuple:
+        metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+        unknown = [m for m in metrics if m not in cls.SHORT_NAMES]
+        if unknown or not metrics:
+            raise ConfigError(f"metrics must be among {list(cls.SHORT_NAMES)} (got {list(metrics)})")
+        return tuple((cls.SHORT_NAMES[m], m) for m in metrics)

@@ -42,6 +42,7 @@ class Console:
         self._prefix = ""
         self._total = None
         self._dirty = False
+        self._noted: set[str] = set()
 
     @property
     def stream(self):
@@ -62,6 +63,13 @@ class Console:
         """A run-information line (the header), shown with show_info=True."""
         if self.show_info:
             self._print(text)
+
+    def note_once(self, key: str, text: str) -> None:
+        """An information line shown once per trainer (with show_info=True), e.g. a behaviour that
+        differs from deepepochs 0.6."""
+        if key not in self._noted:
+            self._noted.add(key)
+            self.info(text)
 
     def start_task(self, stage: str, epoch: int, epochs: int, total: int | None) -> None:
         """A task begins: reset the refresh clock and open a progress bar when asked."""

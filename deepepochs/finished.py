@@ -89,6 +89,12 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> dict | None:
     if loop.stop is None and loop.completed_epochs < loop.target_epochs:
         trainer._console.info(f"Run {trainer.running_id} had {how}; training on to epoch {loop.target_epochs}")
         return None
+    if finished["stop_reason"] is not None:
+        on = (f"to train on from its last checkpoint (as deepepochs 0.6 did), delete {Path(folder) / FINISHED_FILE}"
+              " and fit again; to start afresh, pass a new running_id")
+    else:
+        on = (f"to train on, raise epochs= above {loop.completed_epochs} (Trainer(epochs=...) or"
+              " fit(epochs=...)); to start afresh, pass a new running_id")
     trainer._console.info(f"Run {trainer.running_id} is finished ({how}); fit() returns its records without"
-                          f" training (delete {Path(folder) / FINISHED_FILE} to resume it as unfinished)")
+                          f" training. {on[0].upper()}{on[1:]}")
     return copy.deepcopy(records)

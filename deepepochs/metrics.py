@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -55,6 +56,7 @@ __all__ = [
     "AVERAGES",
     "CONFUSION_METRICS",
     "DEFAULT_CONFUSION",
+    "BINARY_DEFAULT_NOTE",
     "default_average",
     "accuracy",
     "accuracy_from_confusion",
@@ -68,6 +70,7 @@ __all__ = [
     "precision_from_confusion",
     "recall",
     "recall_from_confusion",
+    "take_binary_default",
 ]
 
 AVERAGES = ("binary", "micro", "macro", "weighted")
@@ -93,6 +96,24 @@ def _check_average(average) -> None:
 def default_average(num_classes: int) -> str:
     """What ``average=None`` means for a ``num_classes`` x ``num_classes`` confusion matrix."""
     return "binary" if num_classes <= 2 else "micro"
+
+
+# Set when average=None scored class 1 of a two-class matrix; the trainer reads it (take_binary_default) after
+# computing a task's metrics and tells the user once, since deepepochs 0.6 scored class 0 there.
+_binary_default = [False]
+
+BINARY_DEFAULT_NOTE = (
+    "Note: precision, recall and F1 of a two-class problem score class 1, the positive class, as"
+    " scikit-learn does (deepepochs 0.6 scored class 0). To choose, pass average='macro' (the mean over both"
+    " classes) or average='micro' (equal to the accuracy) to the metric, e.g. rename(functools.partial(f1,"
+    " average='macro'), 'f1'); for class 0's score swap the labels (1 - targets, and the score columns)."
+)
+
+
+def take_binary_default() -> bool:
+    """Whether a default average scored class 1 of a two-class matrix since the last call (then reset)."""
+    seen, _binary_default[0] = _binary_default[0], False
+    return seen
 
 
 def _check_num_classes(num_classes) -> None:
@@ -248,6 +269,8 @@ def _averaged(cm: torch.Tensor, average: str, per_class) -> torch.Tensor:
     _check_confusion(cm)
     if average is None:
         average = default_average(cm.shape[0])
+        if cm.shape[0] == 2:
+            _binary_default[0] = True
     if average == "binary":
         cm = _binary_positive(cm)
     tp = cm.diagonal()
@@ -510,8 +533,9 @@ _CONFUSION_FUNCTIONS = {
 }
 
 
-def _confusion_specs(metrics) -> tuple[tuple[str, str], ...]:
-    """Normalise ``metrics=`` into (result key, metric kind) pairs, validating every entry."""
+def _confusion_specs(metrics) -> tuple[tuple[str, object], ...]:
+    """Normalise ``metrics=`` into (result key, metric kind) pairs, validating every entry. The kind is a
+    name of :data:`_CONFUSION_NAMES`, or a user's function of the confusion matrix (called as ``fn(cm)``)."""
     items = (metrics,) if isinstance(metrics, str) or callable(metrics) else tuple(metrics)
     names = ", ".join(repr(name) for name in _CONFUSION_NAMES)
     if not items:
@@ -531,11 +555,21 @@ def _confusion_specs(metrics) -> tuple[tuple[str, str], ...]:
             kind = next((k for fn, k in _CONFUSION_FUNCTIONS.items() if base is fn), None)
             name = getattr(item, "__name__", None) or type(item).__name__
             if kind is None:
-                raise ConfigError(
-                    "metric_patch='confusion' supports only the deepepochs.metrics functions accuracy, "
-                    f"precision, recall, f1 and confusion_matrix (got {name!r}); "
-                    "use metric_patch='tensor' for other metrics"
-                )
+                # deepepochs 0.6's pattern: any other function takes the confusion matrix itself, fn(cm).
+                # A partial of one of this module's functions still wants (preds, targets): refused.
+                inner = inspect.unwrap(item.func) if isinstance(item, functools.partial) else None
+                try:
+                    inspect.signature(item).bind(None)
+                    takes_matrix = getattr(inner, "__module__", None) != __name__
+                except (TypeError, ValueError):
+                    takes_matrix = False
+                if not takes_matrix:
+                    raise ConfigError(
+                        "metric_patch='confusion' supports only the deepepochs.metrics functions accuracy, "
+                        "precision, recall, f1 and confusion_matrix, and functions of one confusion matrix "
+                        f"fn(cm) -> value (got {name!r}); use metric_patch='tensor' for other metrics"
+                    )
+                kind = item
             specs.append((name, kind))
     keys = [key for key, _ in specs]
     if len(set(keys)) != len(keys):

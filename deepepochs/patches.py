@@ -85,6 +85,14 @@ def _check_metric(metric) -> None:
         raise ConfigError(f"metric must be a callable taking (preds, targets) (got {type(metric).__name__})")
 
 
+def _is_count(value) -> bool:
+    """Whether a constructor's second positional argument is a sample count (deepepochs 0.6.18's
+    `MeanPatch(metric, batch_size)`, `TensorPatch(metric, batch_size)`) rather than a batch of predictions."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_total(instance, attribute, value) -> None:
     for item in value.values() if isinstance(value, dict) else [value]:
         if item is not None and not isinstance(item, (numbers.Real, torch.Tensor)):
@@ -280,6 +288,9 @@ class TensorPatch(PatchBase):
             also None makes an empty patch).
         name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
+    deepepochs 0.6.18's spelling works too: ``TensorPatch(metric, batch_size, name).load(preds, targets)``
+    (the sample count is not needed here and is ignored).
+
     Example:
         >>> from deepepochs.metrics import f1
         >>> patch = TensorPatch(f1, torch.tensor([0, 1]), torch.tensor([0, 1]))
@@ -288,6 +299,10 @@ class TensorPatch(PatchBase):
     """
 
     def __init__(self, metric, batch_preds=None, batch_targets=None, name=None):
+        if _is_count(batch_preds) and (batch_targets is None or isinstance(batch_targets, str)):
+            # deepepochs 0.6.18: TensorPatch(metric, batch_size=None, name=None), then .load(preds, targets)
+            name = batch_targets if name is None else name
+            batch_preds = batch_targets = None
         super().__init__(name)
         _check_metric(metric)
         self.metric = metric
@@ -424,6 +439,8 @@ class MeanPatch(_MeanPatchBase):
             of the first tensor in the targets, else in the preds.
         name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
+    deepepochs 0.6.18's spelling works too: ``MeanPatch(metric, batch_size, name).load(preds, targets)``.
+
     Example:
         >>> from deepepochs.metrics import accuracy
         >>> p = MeanPatch(accuracy, torch.tensor([0, 1, 1]), torch.tensor([0, 1, 0]))
@@ -432,15 +449,23 @@ class MeanPatch(_MeanPatchBase):
     """
 
     def __init__(self, metric, batch_preds=None, batch_targets=None, batch_size=None, name=None):
+        if _is_count(batch_preds) and (batch_targets is None or isinstance(batch_targets, str)):
+            # deepepochs 0.6.18: MeanPatch(metric, batch_size, name=None), then .load(preds, targets)
+            batch_size, name = batch_preds, batch_targets if name is None else name
+            batch_preds = batch_targets = None
         super().__init__(name)
         _check_metric(metric)
         self.metric = metric
         self.state = MeanState()
+        self.batch_size = batch_size  # the count load() uses when it is given none
         if batch_preds is not None or batch_targets is not None:
             self.load(batch_preds, batch_targets, batch_size)
 
     def load(self, batch_preds, batch_targets=None, batch_size=None) -> MeanPatch:
-        """Compute the metric on one batch and replace the state with its weighted value; return self."""
+        """Compute the metric on one batch and replace the state with its weighted value; return self.
+        Without ``batch_size`` the count given to the constructor is used, else it is inferred."""
+        if batch_size is None:
+            batch_size = self.batch_size
         if batch_size is None:
             # A shape, so no sync.
             found = _first_tensor(batch_targets, min_dim=1)
@@ -471,29 +496,47 @@ class ValuePatch(_MeanPatchBase):
         batch_size: The number of samples the mean was taken over (an int, a float or a tensor).
         name: An optional prefix for the keys of a dict result (as in 0.6: `name='C.'` shows `C.accuracy`).
 
+    deepepochs 0.6.18's spelling works too: ``ValuePatch(batch_size, name).load(batch_mean_value)``.
+
     Example:
         >>> (ValuePatch(torch.tensor(1.0), 3) + ValuePatch(torch.tensor(3.0), 1))()
         tensor(1.5000)
     """
 
     def __init__(self, batch_mean_value=None, batch_size=None, name=None):
+        if batch_mean_value is not None and (batch_size is None or isinstance(batch_size, str)):
+            # deepepochs 0.6.18: ValuePatch(batch_size, name=None), then .load(batch_mean_value)
+            batch_size, name = batch_mean_value, batch_size if name is None else name
+            batch_mean_value = None
         super().__init__(name)
         self.state = MeanState()
+        self.batch_size = batch_size  # the count load() uses when it is given none
         if batch_mean_value is not None:
             self.load(batch_mean_value, batch_size)
 
-    def load(self, batch_mean_value, batch_size) -> ValuePatch:
-        """Replace the state with one batch's mean times its sample count; return self."""
+    def load(self, batch_mean_value, batch_size=None) -> ValuePatch:
+        """Replace the state with one batch's mean times its sample count; return self. Without
+        ``batch_size`` the count given to the constructor is used. A dict of means is averaged key by key."""
         if batch_size is None:
-            raise ConfigError("batch_size is required with batch_mean_value (got None)")
+            batch_size = self.batch_size
+        if batch_size is None:
+            raise ConfigError("batch_size is required: ValuePatch(batch_mean_value, batch_size), or"
+                              " ValuePatch(batch_size).load(batch_mean_value) as in deepepochs 0.6.18 (got None)")
         count = _check_batch_size(batch_size)
-        self.state = MeanState(_weighted(_scalar(batch_mean_value, "batch_mean_value"), count), count)
+        if isinstance(batch_mean_value, dict):
+            total = {key: _weighted(_scalar(value, f"batch_mean_value[{key!r}]"), count)
+                     for key, value in batch_mean_value.items()}
+        else:
+            total = _weighted(_scalar(batch_mean_value, "batch_mean_value"), count)
+        self.state = MeanState(total, count)
         return self
 
     def sync(self) -> ValuePatch:
         """Sum the totals and counts of all ranks with one ``all_reduce`` (see :meth:`PatchBase.sync`)."""
         if _world_size() == 1:
             return self
+        if isinstance(self.state.total, dict):  # several means: merge them the generic way
+            return super().sync()
         total, count = self.state.total, self.state.count
         home = total.device if isinstance(total, torch.Tensor) else torch.device("cpu")
         device = _collective_device()

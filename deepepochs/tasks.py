@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -11,8 +12,8 @@ from deepepochs.data import check_batch_size
 from deepepochs.errors import ConfigError
 
 __all__ = [
-    "STEP_NAMES", "BatchMetrics", "EpochTask", "TaskMeters", "check_metric_names", "flatten_value",
-    "merge_stage_metrics", "merge_values", "metric_name", "per_class", "rename",
+    "STEP_NAMES", "TASK_SUFFIX_NOTE", "BatchMetrics", "EpochTask", "TaskMeters", "check_metric_names", "flatten_value",
+    "merge_stage_metrics", "merge_values", "metric_name", "per_class", "rename", "step_kwargs",
 ]
 
 #: Step-method lookup order per stage: `step` first, then the stage's own, then `evaluate_step`.
@@ -78,8 +79,9 @@ class EpochTask:
         do_loss: whether evaluation computes the loss.
         batch_size: the sample count of a batch when it cannot be inferred from tensor shapes: an int
             (every batch counts that many samples) or a function `(batch_x, batch_y) -> int`.
-        **step_args: extra keyword arguments passed to the step methods (0.6's `step_args={...}` dict is
-            accepted too).
+        **step_args: extra keyword arguments passed to the step methods. `step_args={...}` is passed as
+            one keyword argument `step_args` as deepepochs 0.6.18 did, or unpacked (as older 0.6 releases
+            did) to a step method that takes no argument of that name.
 
     Example:
         >>> trainer.fit(train_tasks=[EpochTask(train_dl, metrics=[accuracy])], val_dl=val_dl)
@@ -93,12 +95,10 @@ class EpochTask:
         self.metrics = as_metric_list(metrics, "metrics")
         self.do_loss = do_loss
         self.batch_size = check_batch_size(batch_size)
-        given = step_args.pop("step_args", None)  # deepepochs 0.6 took them as one dict: step_args={...}
-        if given is not None:
-            if not isinstance(given, Mapping):
-                raise ConfigError(f"step_args must be a dict of keyword arguments for the step methods (got"
-                                  f" {type(given).__name__})")
-            step_args = {**given, **step_args}
+        given = step_args.get("step_args")  # deepepochs 0.6 took them as one dict too: step_args={...}
+        if given is not None and not isinstance(given, Mapping):
+            raise ConfigError(f"step_args must be a dict of keyword arguments for the step methods (got"
+                              f" {type(given).__name__})")
         self.step_args = step_args
         # Filled in when a stage adopts the task (Runner.make_tasks):
         self.trainer = None
@@ -120,6 +120,24 @@ class EpochTask:
 
     def __repr__(self):
         return f"{type(self).__name__}(stage={self.stage!r}, dataloader={type(self.dataloader).__name__})"
+
+
+def step_kwargs(step_fn, step_args: dict) -> dict:
+    """The keyword arguments a task's step method gets: `step_args` as given, except that a dict given as
+    `step_args={...}` is unpacked when the method cannot take a keyword argument named `step_args`
+    (0.6.18 passed it as that one keyword, older 0.6 releases unpacked it)."""
+    given = step_args.get("step_args")
+    if step_fn is None or not isinstance(given, Mapping):
+        return step_args
+    try:
+        params = inspect.signature(step_fn).parameters.values()
+    except (TypeError, ValueError):
+        return step_args
+    takes_it = lambda p: p.kind == p.VAR_KEYWORD or (p.name == "step_args" and p.kind != p.POSITIONAL_ONLY)
+    if any(takes_it(p) for p in params):
+        return step_args
+    rest = {key: value for key, value in step_args.items() if key != "step_args"}
+    return {**given, **rest}
 
 
 def check_metric_names(metrics, where: str) -> list:
@@ -258,6 +276,13 @@ class BatchMetrics(Mapping):
 
     def __len__(self):
         return len(self._compute())
+
+
+TASK_SUFFIX_NOTE = (
+    "Note: several tasks of a stage report the same names: the first task's keep them (`loss`), later"
+    " tasks' get their index (`loss_1`, `loss_2`, ...); deepepochs 0.6 showed only the last task's values."
+    " Monitor e.g. CheckCallback('loss_1') for a later task."
+)
 
 
 def merge_stage_metrics(per_task: list[Mapping]) -> dict:

@@ -15,6 +15,7 @@ import torch
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.checkpoint import load_into, resume_once
+from deepepochs.compat import as_metric_values, refuse_accelerate
 from deepepochs.config import TrainerConfig, check_run_name
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
@@ -74,8 +75,8 @@ def _check_targets(targets):
 
 
 class _Loss:
-    """What `trainer.loss` returns: call it in a step; 0.6's `self.loss.optimize()` and
-    `self.loss.on_metric_callback(loss, model_out, batch_y)` work too."""
+    """What `trainer.loss` returns: call it in a step; 0.6's `self.loss.optimize()`,
+    `self.loss.do_metric(loss, model_out, batch_y)` and `self.loss.on_metric_callback(...)` work too."""
 
     __slots__ = ("_ctx",)
 
@@ -83,32 +84,38 @@ class _Loss:
         self._ctx = ctx
 
     def __call__(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True,
-                 grad_accumulate: bool | None = None):
+                 do_metric: bool | None = None, grad_accumulate: bool | None = None):
         """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
 
         `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
         splits its batch by hand; the update then happens once per window via `self.optimize()`.
-        `grad_accumulate=True` is 0.6's name for `do_optimize=False`.
+        `grad_accumulate=True` is older 0.6's name for `do_optimize=False`.
 
         As in 0.6, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step that
-        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks, except for a
-        training call with `do_optimize=False`. In validation/test with `do_loss=False` it computes no loss
-        and returns None.
+        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks. `do_metric` says
+        whether it does: by default it does except for a training call with `do_optimize=False` (a
+        sub-batch, whose metrics come from `self.do_metric(...)` on the whole batch, or add up over the
+        calls with `do_metric=True`). In validation/test with `do_loss=False` it computes no loss and
+        returns None.
         """
         if grad_accumulate is not None:
             do_optimize = not grad_accumulate
-        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize)
+        if do_metric is not None and not isinstance(do_metric, bool):
+            raise ConfigError(f"do_metric must be True, False or None (got {do_metric!r})")
+        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize, do_metric)
 
     def optimize(self) -> None:
         """0.6's `self.loss.optimize()`: `trainer.optimize()` (an update of every optimizer, on the
         window's last micro-batch)."""
         steps.optimize(self._ctx, None)
 
-    def on_metric_callback(self, loss, model_out, batch_y) -> None:
-        """0.6's `self.loss.on_metric_callback(loss, model_out, batch_y)` after sub-batches of one batch:
-        the trainer's metrics of the whole batch's `(model_out, batch_y)` and the `on_*_metrics` hooks
-        (which receive `loss`). The loss statistics come from the `self.loss` calls already."""
+    def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
+        """0.6's `self.do_metric(loss, model_out, batch_y)` after sub-batches of one batch: the trainer's
+        metrics of the whole batch's `(model_out, batch_y)` and the `on_*_metrics` hooks (which receive
+        `loss`). The loss statistics come from the `self.loss` calls already."""
         steps.step_metrics(self._ctx, loss, model_out, batch_y)
+
+    on_metric_callback = do_metric  # the name of older 0.6 releases
 
 
 class TrainerBase:
@@ -182,7 +189,8 @@ class TrainerBase:
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None):
+                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, **legacy):
+        refuse_accelerate(device, opt, legacy)  # 0.6's Accelerate arguments, each with its replacement
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
@@ -342,17 +350,18 @@ class TrainerBase:
             raise ConfigError("fit() needs training data: pass train_dl or train_tasks")
         val = driver.make_tasks("val", val_dl, val_tasks,
                                 [*common, *as_metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
-        return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
+        return as_metric_values(driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs)))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
-        """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP)."""
+        """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are
+        floats that also have `.item()`, as 0.6's NumPy results had."""
         self._check_open("test")
         driver = self._driver
         tasks = driver.make_tasks("test", test_dl, tasks, [*self.metrics, *as_metric_list(metrics, "metrics")],
                                   do_loss, batch_size)
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
-        return driver.guarded("test", lambda: driver.run_test(tasks))
+        return as_metric_values(driver.guarded("test", lambda: driver.run_test(tasks)))
 
     def predict(self, dataloader, device="cpu", batch_size=None):
         """The model's outputs for every batch of `dataloader`, concatenated in order along dim 0.
@@ -448,6 +457,12 @@ class TrainerBase:
         """`self.loss(model_out, batch_y=None, loss_adjust=1.0, do_optimize=True)`: compute the loss; in
         training also backpropagate it and (with `do_optimize`) ask for an update. See `_Loss.__call__`."""
         return _Loss(self._ctx)
+
+    def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
+        """In a custom step that split its batch by hand (`self.loss(..., do_optimize=False,
+        do_metric=False)` per sub-batch): the trainer's metrics of the whole batch and the `on_*_metrics`
+        hooks, as deepepochs 0.6 did; `loss` is what the hooks receive."""
+        self.loss.do_metric(loss, model_out, batch_y)
 
     def optimize(self, optimize_index=None) -> None:
         """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's

@@ -26,6 +26,7 @@ from deepepochs import (
     sum_dicts,
     to_numpy,
 )
+from deepepochs.errors import DeepEpochsWarning
 
 # name -> a phrase its message must contain (the replacement), written here independently of the table
 GONE = {
@@ -56,15 +57,36 @@ def test_other_missing_names_are_still_plain_attribute_errors():
 
 @pytest.mark.parametrize("make", [lambda tmp: LogCallback(tmp), lambda tmp: AnalyzeCallback(log_dir=tmp),
                                   lambda tmp: InterpreteCallback(lambda p, y: p[:, 0], k=2, log_dir=tmp)])
-def test_run_tensorboard_says_how_to_start_tensorboard_on_the_callbacks_folder(tmp_path, make):
-    """0.6's `run_tensorboard()` on a logging callback: an AttributeError with the tensorboard command for
-    the callback's folder; other attributes and copying are unaffected."""
+def test_run_tensorboard_outside_a_terminal_warns_with_the_command_and_returns(tmp_path, make, monkeypatch):
+    """0.6's `run_tensorboard()` at the end of a script that is not run from a terminal (stdin here is not
+    one, even under `pytest -s`): a warning with the tensorboard command for the callback's folder, and it
+    returns at once (no server)."""
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
     cb = make(tmp_path)
-    with pytest.raises(AttributeError, match=rf"run_tensorboard\(\) \(deepepochs 0\.6\) was removed: .*"
-                                             rf"tensorboard --logdir {tmp_path}"):
-        cb.run_tensorboard()
-    assert not hasattr(cb, "run_tensorboard") and not hasattr(cb, "something_else")
+    with pytest.warns(DeepEpochsWarning, match=rf"start it yourself: `tensorboard --logdir {tmp_path}`"):
+        assert cb.run_tensorboard() is None
     assert copy.deepcopy(cb).log_dir == cb.log_dir
+
+
+def test_run_tensorboard_in_a_terminal_starts_tensorboard_on_the_folder(tmp_path, monkeypatch, capsys):
+    """From a terminal `run_tensorboard()` runs TensorBoard itself on the callback's folder, as 0.6 did. The
+    real command is run, with `--version_tb` added so that it exits instead of serving."""
+    import subprocess
+
+    from deepepochs import compat
+
+    ran, real_run = [], subprocess.run
+
+    def run_and_exit(command, **kwargs):
+        ran.append(command)
+        return real_run([*command, "--version_tb"], capture_output=True, text=True, timeout=120, **kwargs)
+
+    monkeypatch.setattr(compat.subprocess, "run", run_and_exit)
+    assert LogCallback(tmp_path).run_tensorboard(interactive=True) == 0
+    assert ran == [[sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path)]]
+    assert f"TensorBoard on {tmp_path}" in capsys.readouterr().out
 
 
 def test_tensor_tuple_and_tensor_dict_convert_every_tensor_they_hold():

@@ -403,8 +403,9 @@ def test_int_running_id_and_resume_of_0_6_name_the_run_folder(tmp_path):
 
 
 def test_a_patch_name_prefixes_the_keys_of_its_dict_result_like_0_6():
-    """A step's `ConfusionPatch(..., name='C.')` is shown as `C.accuracy`, a nameless one as `accuracy`;
-    the value equals sklearn's accuracy."""
+    """A step's `ConfusionPatch(..., name='C.')` is shown as `C.accuracy`, a nameless one behind the key it
+    was returned under (`cmaccuracy`, as 0.6.18 shows it), `name=''` as `accuracy`; the value equals
+    sklearn's accuracy."""
     from sklearn.metrics import accuracy_score
 
     from deepepochs import ConfusionPatch
@@ -420,11 +421,14 @@ def test_a_patch_name_prefixes_the_keys_of_its_dict_result_like_0_6():
     with Trainer(model, F.cross_entropy, epochs=1, **QUIET) as trainer:
         named = trainer.test(tasks=[Named(dl, prefix="C.")])
         plain = trainer.test(tasks=[Named(dl, prefix=None)])
+        empty = trainer.test(tasks=[Named(dl, prefix="")])
     x, y = _all_xy(dl)
     with torch.no_grad():
         expected = accuracy_score(y.numpy(), model(x).argmax(1).numpy())
-    assert set(named) == {"loss", "C.accuracy"} and set(plain) == {"loss", "accuracy"}
-    assert abs(named["C.accuracy"] - expected) < 1e-6 and named["C.accuracy"] == plain["accuracy"]
+    assert set(named) == {"loss", "C.accuracy"} and set(plain) == {"loss", "cmaccuracy"}
+    assert set(empty) == {"loss", "accuracy"}
+    assert abs(named["C.accuracy"] - expected) < 1e-6
+    assert named["C.accuracy"] == plain["cmaccuracy"] == empty["accuracy"]
 
 
 def test_a_0_6_patch_that_sets_its_state_in_init_without_load_works_in_a_step():
@@ -458,7 +462,10 @@ def test_a_0_6_patch_that_sets_its_state_in_init_without_load_works_in_a_step():
         got = trainer.test(tasks=[Task(DataLoader(TensorDataset(x, y), batch_size=16))])
     with torch.no_grad():
         top2 = model(x).topk(2, dim=1).indices
-    assert got["@1"] == int((top2[:, 0] == y).sum()) and got["@2"] == int((top2 == y[:, None]).any(1).sum())
+    # 0.6.18 shows a dict result behind the key its patch was returned under: hits@1, hits@2
+    assert set(got) == {"loss", "hits@1", "hits@2"}
+    assert got["hits@1"] == int((top2[:, 0] == y).sum())
+    assert got["hits@2"] == int((top2 == y[:, None]).any(1).sum())
     with pytest.raises(NotImplementedError, match=r"HitsPatch\.load\(\) is not implemented"):
         HitsPatch(torch.eye(2), torch.tensor([0, 1])).load(torch.eye(2))
 
@@ -537,20 +544,26 @@ def test_a_state_dict_saved_by_plain_pytorch_is_refused_with_how_to_convert_it(t
     assert all(torch.equal(a, b) for a, b in zip(trainer.raw_model.parameters(), model.parameters()))
 
 
-def test_epoch_task_takes_06s_step_args_dict_as_the_steps_keyword_arguments():
-    """0.6 passed step arguments as `EpochTask(dl, step_args={...})`: the step gets them unpacked, like
-    `EpochTask(dl, scale=...)`; a non-dict is refused naming the argument."""
+def test_epoch_task_step_args_dict_is_one_keyword_as_0_6_18_or_unpacked_for_a_step_without_it():
+    """`EpochTask(dl, step_args={...})`: a step taking `**step_args` gets it as the one keyword `step_args`
+    (0.6.18); a step without such a parameter gets it unpacked (older 0.6), like `EpochTask(dl, scale=...)`;
+    a non-dict is refused naming the argument."""
     import torch
     from torch import nn
     from torch.nn import functional as F
 
     from deepepochs import ConfigError, EpochTask, Trainer
 
-    seen = []
+    seen, received = [], []
 
     class Task(EpochTask):
         def step(self, batch_x, batch_y, scale=1.0):
             seen.append(scale)
+            return None
+
+    class Task0618(EpochTask):
+        def step(self, batch_x, batch_y, **step_args):
+            received.append(step_args)
             return None
 
     model = nn.Linear(3, 1)
@@ -558,7 +571,9 @@ def test_epoch_task_takes_06s_step_args_dict_as_the_steps_keyword_arguments():
     trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1, device="cpu",
                       log_batch=False, show_info=False)
     trainer.test(tasks=[Task(data, step_args={"scale": 3.0}), Task(data, scale=5.0)])
+    trainer.test(tasks=[Task0618(data, step_args={"scale": 3.0}), Task0618(data, scale=5.0)])
     trainer.close()
     assert seen == [3.0, 5.0]
+    assert received == [{"step_args": {"scale": 3.0}}, {"scale": 5.0}]
     with pytest.raises(ConfigError, match=r"step_args must be a dict"):
         EpochTask(data, step_args=[1])

@@ -302,6 +302,10 @@ def test_sync_without_a_process_group_returns_the_patch_unchanged():
         assert patch.sync() is patch and _values(patch) == before
 
 
+def _mean_of_preds_and_targets(preds, targets):
+    return (preds == targets).float().mean()
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -310,8 +314,9 @@ def test_sync_without_a_process_group_returns_the_patch_unchanged():
             r"must be among 'accuracy', .*'confusion_matrix' \(got 'auc'\)",
         ),
         (
-            lambda: ConfusionPatch(metrics=[dm.accuracy, torch.mean]),
-            r"metric_patch='confusion' supports only .*\(got 'mean'\); use metric_patch='tensor'",
+            lambda: ConfusionPatch(metrics=[dm.accuracy, _mean_of_preds_and_targets]),
+            r"metric_patch='confusion' supports only .*\(got '_mean_of_preds_and_targets'\); use"
+            r" metric_patch='tensor'",
         ),
         (
             lambda: ConfusionPatch(metrics=functools.partial(dm.f1, average="micro")),
@@ -330,7 +335,7 @@ def test_sync_without_a_process_group_returns_the_patch_unchanged():
             r" \(got shape \[3, 2\]\)",
         ),
         (lambda: MeanPatch("accuracy"), r"metric must be a callable taking \(preds, targets\) \(got str\)"),
-        (lambda: ValuePatch(1.0), r"batch_size is required with batch_mean_value"),
+        (lambda: ValuePatch().load(1.0), r"batch_size is required: ValuePatch\(batch_mean_value, batch_size\)"),
         (lambda: ValuePatch(1.0, -1), r"batch_size must be a number >= 0 .*\(got -1\)"),
         (lambda: merge_patches([]), r"patches must hold at least one patch"),
     ],

@@ -60,6 +60,26 @@ def test_an_early_stopped_run_resumed_says_it_is_finished_and_returns_its_record
     out = capsys.readouterr().out
     assert "Run run is finished (stopped early after epoch 3: val constant did not improve" in out
     assert "returns its records without training" in out
+    marker = tmp_path / "c" / "run" / FINISHED_FILE
+    assert f"To train on from its last checkpoint (as deepepochs 0.6 did), delete {marker} and fit again; to"\
+           " start afresh, pass a new running_id" in out
+
+
+def test_following_the_finished_message_trains_on_like_0_6(tmp_path):
+    """The finished message's advice works: with the run's end record deleted, resume=True trains on from
+    the last checkpoint until patience stops it again, as deepepochs 0.6.18 did on a rerun."""
+    first, _ = _run(tmp_path, epochs=10)
+    first.fit(_loader(), _loader(1))
+    first.close()
+    (tmp_path / "c" / "run" / FINISHED_FILE).unlink()
+    again, counter = _run(tmp_path, epochs=10, resume=True)
+    with again:
+        records = again.fit(_loader(), _loader(1))
+    # the newest checkpoint is the best one, of epoch 1: epochs 2 and 3 (3 batches each) train again and
+    # patience 2 stops the run again
+    assert counter.batches == 2 * 3
+    assert again.loop.completed_epochs == 3 and again.loop.stop is not None
+    assert len(records["train"]["loss"]) == 2
 
 
 def test_a_run_that_reached_its_target_is_finished_until_the_target_is_raised(tmp_path, capsys):

@@ -13,10 +13,11 @@ import math
 import torch
 
 from deepepochs.callbacks.base import Callback
-from deepepochs.compat import removed_attribute
+from deepepochs.compat import run_tensorboard as _run_tensorboard
 from deepepochs.config import check_choice
 from deepepochs.data import first_tensor
 from deepepochs.errors import ConfigError
+from deepepochs.writer import DEFAULT_LOG_DIR
 
 __all__ = ["AnalyzeCallback", "leaf_modules"]
 
@@ -87,8 +88,11 @@ class AnalyzeCallback(Callback):
         >>> trainer = Trainer(model, F.cross_entropy, callbacks=[LogCallback(), AnalyzeCallback('backward')])
     """
 
-    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
-    __getattr__ = removed_attribute
+    def run_tensorboard(self, interactive: bool | None = None):
+        """Start TensorBoard on this callback's log folder, as deepepochs 0.6 did: served in the foreground
+        until Ctrl-C from an interactive terminal, else a warning with the command (see
+        `deepepochs.compat.run_tensorboard`)."""
+        return _run_tensorboard(self.log_dir or DEFAULT_LOG_DIR, interactive)
 
     def __init__(self, mode: str = "forward", log_dir=None, layers=None, histograms: bool = True):
         check_choice("mode", mode, MODES, "'forward' records layer outputs, 'backward' gradients")

@@ -15,10 +15,11 @@ from collections.abc import Callable, Mapping
 import torch
 
 from deepepochs.callbacks.base import Callback
-from deepepochs.compat import removed_attribute
+from deepepochs.compat import run_tensorboard as _run_tensorboard
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.metrics import confusion_matrix
+from deepepochs.writer import DEFAULT_LOG_DIR
 
 __all__ = ["InterpreteCallback"]
 
@@ -44,7 +45,8 @@ class InterpreteCallback(Callback):
 
     Args:
         metric: `metric(preds, targets) -> Tensor[N]`, one score per sample (e.g.
-            `lambda p, y: F.cross_entropy(p, y, reduction='none')`). NaN scores are never kept.
+            `lambda p, y: F.cross_entropy(p, y, reduction='none')`). NaN scores are never kept. None (as
+            in deepepochs 0.6) keeps no samples, only the confusion matrices (`confusion=True` implied).
         k: how many samples to keep.
         mode: 'max' keeps the highest scores, 'min' the lowest.
         image_data: also write the kept samples' inputs as images (the first input of a multi-input
@@ -52,6 +54,7 @@ class InterpreteCallback(Callback):
             shared TensorBoard writer: `interprete/val` at the end of fit, `interprete/test` after test.
             Inputs must be `[C, H, W]` (C = 1, 3 or 4) or `[H, W]`; float images are min-max scaled.
         stages: the stages to watch, from ('train', 'val', 'test'); default ('val', 'test').
+        class_num: the class count of the confusion matrices (None: inferred from the data).
         confusion: also count a confusion matrix of each watched stage (`confusion_matrix(stage)`; preds
             and targets as `deepepochs.metrics.confusion_matrix` takes them) and write it to TensorBoard as
             an image `interprete/<stage>/confusion` when the stage's samples are written (drawn with
@@ -66,14 +69,19 @@ class InterpreteCallback(Callback):
         ...     print(f"{value:.3f}", pred.argmax().item(), label.item())
     """
 
-    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
-    __getattr__ = removed_attribute
+    def run_tensorboard(self, interactive: bool | None = None):
+        """Start TensorBoard on this callback's log folder, as deepepochs 0.6 did: served in the foreground
+        until Ctrl-C from an interactive terminal, else a warning with the command (see
+        `deepepochs.compat.run_tensorboard`)."""
+        return _run_tensorboard(self.log_dir or DEFAULT_LOG_DIR, interactive)
 
-    def __init__(self, metric: Callable, k: int = 100, mode: str = "max", image_data: bool = False,
-                 stages=DEFAULT_STAGES, log_dir=None, confusion: bool = False):
-        if not callable(metric):
-            raise ConfigError(f"metric must be a callable metric(preds, targets) -> Tensor[N] (got"
-                              f" {type(metric).__name__})")
+    def __init__(self, metric: Callable | None = None, k: int = 100, mode: str = "max", stages=DEFAULT_STAGES,
+                 class_num: int | None = None, log_dir=None, image_data: bool = False, confusion: bool = False):
+        if metric is None:
+            confusion = True  # as in 0.6: without a metric only the confusion matrices are kept
+        elif not callable(metric):
+            raise ConfigError(f"metric must be a callable metric(preds, targets) -> Tensor[N], or None to keep"
+                              f" only confusion matrices (got {type(metric).__name__})")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"k must be a positive int (got {k!r})")
         check_choice("mode", mode, ("max", "min"), "'max' keeps the highest scores, 'min' the lowest")
@@ -81,6 +89,8 @@ class InterpreteCallback(Callback):
             raise ConfigError(f"image_data must be True or False (got {image_data!r})")
         if not isinstance(confusion, bool):
             raise ConfigError(f"confusion must be True or False (got {confusion!r})")
+        if class_num is not None and (isinstance(class_num, bool) or not isinstance(class_num, int) or class_num < 1):
+            raise ConfigError(f"class_num must be None (inferred) or a positive int (got {class_num!r})")
         stages = (stages,) if isinstance(stages, str) else tuple(stages)
         if not stages or any(s not in STAGES for s in stages):
             raise ConfigError(f"stages must be a non-empty selection of {STAGES!r} (got {stages!r})")
@@ -91,6 +101,7 @@ class InterpreteCallback(Callback):
         self.stages = stages
         self.log_dir = log_dir
         self.confusion = confusion
+        self.class_num = class_num
         self.idle_hooks = frozenset() if "train" in stages else TRAIN_HOOKS
         self._matrices: dict[str, torch.Tensor | None] = dict.fromkeys(STAGES)
         self._sign = 1.0 if mode == "max" else -1.0
@@ -237,7 +248,7 @@ class InterpreteCallback(Callback):
             self._matrices[stage] = dist.reduce_sum(cm)
 
     def _count(self, stage, model_out, batch_y):
-        batch = confusion_matrix(model_out, batch_y).cpu()
+        batch = confusion_matrix(model_out, batch_y, self.class_num).cpu()
         have = self._matrices[stage]
         if have is None:
             self._matrices[stage] = batch
@@ -251,6 +262,9 @@ class InterpreteCallback(Callback):
         if self.confusion:
             self._count(stage, model_out, batch_y)
         batch_x, self._inputs = self._inputs, None
+        if self.metric is None:  # confusion matrices only
+            self._collected[stage] += 1
+            return
         scores = self.metric(model_out, batch_y)
         if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
             got = (f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from deepepochs.callbacks.base import Callback
-from deepepochs.compat import removed_attribute
+from deepepochs.compat import run_tensorboard as _run_tensorboard
 from deepepochs.data import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.render import render
@@ -68,8 +68,11 @@ class LogCallback(Callback):
         >>> trainer.close()         # flushes and closes the writer
     """
 
-    # 0.6's run_tensorboard() is gone: asking for it raises an AttributeError saying how to start TensorBoard.
-    __getattr__ = removed_attribute
+    def run_tensorboard(self, interactive: bool | None = None):
+        """Start TensorBoard on this callback's log folder, as deepepochs 0.6 did: served in the foreground
+        until Ctrl-C from an interactive terminal, else a warning with the command (see
+        `deepepochs.compat.run_tensorboard`)."""
+        return _run_tensorboard(self.log_dir or DEFAULT_LOG_DIR, interactive)
 
     def __init__(self, log_dir=DEFAULT_LOG_DIR, log_graph: bool = False, example_input=None,
                  log_batch: bool = False, state_graph: bool = True):

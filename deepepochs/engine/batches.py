@@ -21,7 +21,7 @@ from deepepochs.engine import compiled, snapshots, steps
 from deepepochs.engine.context import Context
 from deepepochs.fsm.machine import load_spec
 from deepepochs.sharding import PaddingBatch
-from deepepochs.tasks import BatchMetrics
+from deepepochs.tasks import BatchMetrics, step_kwargs
 
 __all__ = ["FUSED_OBSERVERS", "eval_batches", "fuses", "train_batches"]
 
@@ -67,7 +67,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
         micro_batch = compiled.bind(ctx)["task_train" if k == 1 else "window_open"]
     split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
                            parts.target_key)
-    step_fn, step_args = task.step_fn, task.step_args
+    step_fn, step_args = task.step_fn, step_kwargs(task.step_fn, task.step_args)
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": "train"}
     else:
@@ -128,7 +128,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     if split is None:
         split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
                                parts.target_key)
-    step_fn, step_args = task.step_fn, task.step_args
+    step_fn, step_args = task.step_fn, step_kwargs(task.step_fn, task.step_args)
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": stage}
     else:

@@ -22,10 +22,19 @@ from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
+from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
 from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.patches import TensorPatch
 from deepepochs.sharding import iterate_past, skip_batches
-from deepepochs.tasks import EpochTask, TaskMeters, check_metric_names, merge_stage_metrics, merge_values, metric_name
+from deepepochs.tasks import (
+    TASK_SUFFIX_NOTE,
+    EpochTask,
+    TaskMeters,
+    check_metric_names,
+    merge_stage_metrics,
+    merge_values,
+    metric_name,
+)
 
 __all__ = ["Driver"]
 
@@ -401,11 +410,16 @@ class Driver:
         sources = dict.fromkeys(out, "the loss")
         for name, patch in dist.sync_patches(meters.patches).items():
             merge_values(out, sources, name, patch.forward(), getattr(patch, "name", None))
+        if take_binary_default():  # 0.6 scored class 0 there: say once which class is scored and how to choose
+            ctx.parts.console.note_once("binary-average", BINARY_DEFAULT_NOTE)
         meters.final = out
         return out
 
     def _stage_metrics(self, meters_list) -> dict:
-        return merge_stage_metrics([self._task_metrics(meters) for meters in meters_list])
+        per_task = [self._task_metrics(meters) for meters in meters_list]
+        if len(per_task) > 1 and len({name for m in per_task for name in m}) < sum(len(m) for m in per_task):
+            self.ctx.parts.console.note_once("task-suffix", TASK_SUFFIX_NOTE)
+        return merge_stage_metrics(per_task)
 
     def _raise_pending_nonfinite(self, meters):
         """nonfinite='raise' on an accelerator: the per-update finite checks were kept on the device

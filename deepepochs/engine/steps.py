@@ -25,8 +25,8 @@ from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 __all__ = [
     "backpropagate", "batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss",
     "count_batch", "custom_step", "default_step", "first_batch_checks", "forward", "loss", "loss_value",
-    "no_sync", "optimize", "padding_forward", "predict_step", "read_batch", "select_update", "step_metrics",
-    "step_patches", "user_loss",
+    "name_by_key", "no_sync", "optimize", "padding_forward", "predict_step", "read_batch", "select_update",
+    "step_metrics", "step_patches", "user_loss",
 ]
 
 #: Per stage, the hooks a step runs (derived names of the spec's hook table).
@@ -246,7 +246,8 @@ def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None
         hook(facade, value)
 
 
-def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool):
+def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool,
+              do_metric: bool | None = None):
     """`Trainer.loss` as a custom step calls it: `loss` with what 0.6 did around it.
 
     - In validation and test with `do_loss=False` (`fit(do_val_loss=False)`, `test(do_loss=False)`) the
@@ -254,7 +255,9 @@ def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize:
     - The call makes the trainer's metric patches from `(model_out, batch_y)` and runs the stage's
       `on_*_metrics` hooks, so a step that only calls `self.loss(out, y)` keeps the trainer's metrics. In
       training the patches are made before the update, which commits them (as in `default_step`); a call
-      with `do_optimize=False` (a sub-batch whose update comes later) makes none, as in 0.6.
+      with `do_optimize=False` (a sub-batch whose update comes later) makes none, as in 0.6, unless
+      `do_metric=True`; `do_metric=False` makes none in any stage (0.6.18's hand-written accumulation,
+      which then calls `do_metric` on the whole batch).
     """
     task, loop = ctx.task, ctx.loop
     if task is None:  # called outside fit/test: just the loss
@@ -262,7 +265,9 @@ def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize:
     stage = loop.stage
     training = stage == "train"
     value = loss(ctx, model_out, batch_y, loss_adjust, False) if training or task.do_loss else None
-    if not training or do_optimize:
+    if do_metric is None:
+        do_metric = not training or do_optimize
+    if do_metric:
         step_metrics(ctx, value, model_out, batch_y)
     if training and do_optimize:
         optimize(ctx, None)
@@ -287,6 +292,18 @@ def step_metrics(ctx: Context, value, model_out, batch_y) -> None:
         ctx.step_patches = made
 
 
+def name_by_key(result: dict) -> None:
+    """A step's patch without a name of its own is named by its key, which then prefixes the keys of a dict
+    result, as in deepepochs 0.6: `{'m_': TensorPatch(fn, ...)}` with fn returning `{'acc': ...}` shows
+    `m_acc`. A patch given a name (`name='C.'`, or `name=''` to show the keys as they are) keeps it."""
+    for key, patch in result.items():
+        if isinstance(key, str) and getattr(patch, "name", None) is None:
+            try:
+                patch.name = key
+            except AttributeError:  # a patch class with slots and no name: it shows its keys as they are
+                pass
+
+
 def custom_step(ctx: Context, step_fn):
     """A user's step method, returning the metric patches its `self.loss` calls made (`user_loss`) together
     with what it returns itself (its own entries win). The default step does not go through this."""
@@ -294,6 +311,8 @@ def custom_step(ctx: Context, step_fn):
     def run(batch_x, batch_y, **step_args):
         ctx.step_patches = None
         result = step_fn(batch_x, batch_y, **step_args)
+        if isinstance(result, dict):
+            name_by_key(result)
         made = ctx.step_patches
         if made:
             if result is None:
@@ -370,11 +389,13 @@ def batch_patches(ctx: Context, model_out, batch_y, metrics=None) -> dict:
     if batch_y is None and not getattr(ctx.task, "targets_checked", True):
         check_metrics_without_targets(ctx, model_out, metrics)
     kind = ctx.parts.config.metric_patch
+    # name='': the keys of a dict result are shown as they are, also when a step returns these patches
+    # (a step's nameless patches are prefixed by their key, see name_by_key).
     if kind == "confusion":
-        return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics)}
+        return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics, name="")}
     if kind == "mean":
-        return {metric_name(m): MeanPatch(m, model_out, batch_y) for m in metrics}
-    return {metric_name(m): TensorPatch(m, model_out, batch_y) for m in metrics}
+        return {metric_name(m): MeanPatch(m, model_out, batch_y, name="") for m in metrics}
+    return {metric_name(m): TensorPatch(m, model_out, batch_y, name="") for m in metrics}
 
 
 def check_metrics_without_targets(ctx: Context, preds, metrics) -> None:
