@@ -45,9 +45,10 @@ class SnapshotCallback(Callback):
 
     Args:
         ckpt_dir: root folder (shared with `CheckCallback`: `resume=True` searches both).
-        every_n_updates: write after every update window that makes the run's update count a multiple
-            of n (skipped windows count: each is a commit point); the count is kept in checkpoints, so a
-            refit or resumed run writes the files the uninterrupted run writes; None: not by count.
+        every_n_updates: write after every n-th update window since the last snapshot (skipped windows
+            count: each is a commit point; an epoch's end writes one too); a refit after an interruption
+            or a resumed run keeps the count, so it writes the files the uninterrupted run writes; None:
+            not by count.
         every_n_minutes: write at the first commit point once this many minutes passed since the last
             snapshot (agreed over the ranks under DDP); None: not by time.
         on_signals: signal names (or numbers) that stop the fit: the current update completes, a snapshot
@@ -96,6 +97,7 @@ class SnapshotCallback(Callback):
         self.signals = _signal_names(on_signals, on_signals is _DEFAULT_SIGNALS)
         self.keep, self._exit_code = keep, exit_code
         self.updates = 0  # committed windows of the run (restored from snapshots: the count goes on)
+        self._since = 0  # windows committed since the last snapshot (0 in every snapshot written)
         self._last = time.monotonic()
         self._signal: str | None = None
         self._previous: dict = {}
@@ -113,13 +115,14 @@ class SnapshotCallback(Callback):
     def count_update(self) -> None:
         """A window committed (its update applied, or skipped): count it, before anything can interrupt."""
         self.updates += 1
+        self._since += 1
 
     def poll_snapshot(self, epoch_end: bool) -> tuple[bool, str | None]:
         """At a commit point (its window already counted by `count_update`): (whether a snapshot is due
         here, the signal that arrived or None)."""
         if epoch_end:
             return True, self._signal
-        due = ((self.every_n_updates is not None and self.updates % self.every_n_updates == 0)
+        due = ((self.every_n_updates is not None and self._since >= self.every_n_updates)
                or (self.every_n_minutes is not None and time.monotonic() - self._last >= 60 * self.every_n_minutes))
         return due, self._signal
 
@@ -133,7 +136,7 @@ class SnapshotCallback(Callback):
     def write_snapshot(self, trainer, position) -> Path | None:
         """Write the snapshot (every rank calls it: rank 0 writes the file, or under FSDP every rank its
         shards; `position` None at an epoch's end) and prune old ones; its path (None on other ranks)."""
-        self._last = time.monotonic()
+        self._since, self._last = 0, time.monotonic()
         folder = self.ckpt_dir / str(trainer.running_id)
         end = "" if position is not None else f"-epoch{trainer.loop.completed_epochs}"
         path = checkpoint.save(trainer, folder / f"snapshot-u{self.updates:09d}{end}{checkpoint.SUFFIX}", position)
@@ -163,6 +166,7 @@ class SnapshotCallback(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = int(state.get("updates", 0))
+        self._since = 0  # a snapshot is written with none since it; so is an epoch's end
 
     # ---- hooks ----
     def on_attach(self, trainer) -> None:
