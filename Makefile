@@ -6,18 +6,16 @@
 #   make test                  the dev extra too, then the whole suite (PYTEST_ARGS="-k docs" for a part)
 #   make docs                  the docs extra, then the site into docs/_build/html, warnings as errors
 #   VENV=path                  another environment folder (default .venv)
-#   TORCH_SPEC=torch==2.6.0    another torch; TORCH_INDEX= (empty) takes it from the default index, which
-#                              on Linux is the CUDA build; the default on Linux is PyTorch's CPU index
+#   TORCH_SPEC=torch==2.6.0    another torch
+#   TORCH_INDEX=URL            the index torch comes from (default: pip's own configuration; on a Linux
+#                              machine with internet access, PyPI's torch is the multi-GB CUDA build, so
+#                              give PyTorch's CPU index here for a CPU-only build, see the README)
 BASE_PYTHON ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
-ifeq ($(shell uname -s),Linux)
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-else
 TORCH_INDEX ?=
-endif
 PYTEST_ARGS ?=
 DOCS_OUT ?= docs/_build/html
 

@@ -26,7 +26,7 @@ def dry_run(target: str, venv: Path, *overrides: str) -> list[str]:
 
 
 def test_make_demo_creates_its_environment_installs_torch_first_and_runtime_dependencies_only(tmp_path):
-    """venv, then torch (pinned, CPU index on Linux), then `pip install -e .` without extras, then the demo."""
+    """venv, then torch (pinned), then `pip install -e .` without extras, then the demo."""
     venv = tmp_path / "env"
     lines = dry_run("demo", venv)
     assert lines[0].endswith(f"-m venv {venv}")
@@ -48,10 +48,13 @@ def test_make_test_adds_the_dev_extra_and_runs_pytest_in_the_environment(tmp_pat
 
 
 def test_the_torch_build_can_be_chosen(tmp_path):
-    """TORCH_SPEC picks the version; an empty TORCH_INDEX takes torch from the default index."""
-    lines = dry_run("demo", tmp_path / "env", "TORCH_SPEC=torch==2.6.0", "TORCH_INDEX=")
+    """TORCH_SPEC picks the version and TORCH_INDEX the index; by default pip's own configuration."""
+    lines = dry_run("demo", tmp_path / "env", "TORCH_SPEC=torch==2.6.0")
     torch_line = next(line for line in lines if "torch==" in line)
     assert '"torch==2.6.0"' in torch_line and "--index-url" not in torch_line
+    lines = dry_run("demo", tmp_path / "env", "TORCH_INDEX=https://example.invalid/cpu")
+    torch_line = next(line for line in lines if "torch==" in line)
+    assert torch_line.endswith("--index-url https://example.invalid/cpu")
 
 
 def test_the_extras_are_named_for_what_they_add():
