@@ -21,7 +21,7 @@ from deepepochs.engine import steps
 from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
-from deepepochs.finished import apply_finished
+from deepepochs.finished import apply_finished, report_retrained
 from deepepochs.fsdp import check_strategy_kwargs
 from deepepochs.fsm.render import render
 from deepepochs.lr_find import LRFindResult, check_sweep_args, run_sweep
@@ -150,7 +150,12 @@ class TrainerBase:
         dist_timeout: under DDP, seconds a collective waits for the other ranks before the run fails with
             `DistributedError` (a hung or far slower rank); default 600. Applies when the Trainer creates
             the process group (launch/torchrun); a group you created keeps its own timeout.
-        resume, running_id, hyper_params: checkpoint resume, run name, logged hyper-parameters.
+        resume: False; True resumes the run named by `running_id` when it has checkpoints and starts it
+            fresh when it has none (without `running_id`: the newest checkpoint of any run under the
+            monitors' `ckpt_dir`s); '<run id>' resumes that run, which must exist. Honoured at the first
+            `fit`, `test` or `predict`; the console says which run was loaded, from which file and why.
+        running_id: the run's name (checkpoint and log folders); default the start time.
+        hyper_params: hyper-parameters logged with the test metrics.
         log_long, log_batch, log_tqdm, show_info: console output.
         compile_model: wrap the model in `torch.compile`.
         targets: where the metrics' targets come from when batches carry no label (dict batches,
@@ -204,6 +209,7 @@ class TrainerBase:
         self.device = dist.device
         self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume
+        self._running_id_given = running_id is not None  # resume=True then means this run only
         # Under DDP rank 0's id: all ranks must name the same checkpoint and log folders.
         self.running_id = dist.broadcast_object(
             running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
@@ -308,13 +314,14 @@ class TrainerBase:
 
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None):
-        """Train toward the epoch target; returns `{'train': {name: [per epoch]}, 'val': {...}}` for the
-        epochs this call ran. An exception rolls the open window back and is re-raised with the flight
-        record; calling `fit` again continues where the run stopped.
+        """Train toward the epoch target; returns the whole run's records, `{'train': {name: [per epoch]},
+        'val': {...}}` (a copy of `trainer.history`: every epoch of the run, those of earlier fits and of
+        a resumed checkpoint included). An exception rolls the open window back and is re-raised with
+        the flight record; calling `fit` again continues where the run stopped.
 
         With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
         training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
-        that is finished (see `deepepochs.finished`) trains nothing and returns the run's records."""
+        that is finished (see `deepepochs.finished`) trains nothing."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
@@ -538,10 +545,12 @@ class TrainerBase:
         return False
 
     def _resume(self):
-        """The resume_checkpoint action: load what `resume=...` asks for; for a finished run (see
-        `deepepochs.finished`) the records `fit()` returns without training, else None."""
+        """The resume_checkpoint action: load what `resume=...` asks for (with the run's history); for a
+        finished run (see `deepepochs.finished`) also its end, so the next fit trains nothing."""
         loaded = resume_once(self)
-        return None if loaded is None else apply_finished(self, loaded[0].parent, loaded[1])
+        if loaded is not None:
+            apply_finished(self, loaded[0].parent, loaded[1])
+            report_retrained(self, loaded[0].parent, loaded[1])
 
     def _check_open(self, call: str):
         if self._closed:
