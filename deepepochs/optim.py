@@ -17,7 +17,15 @@ __all__ = ["Optimizer", "Optimizers"]
 
 def _is_optimizer(_instance, attribute, value):
     if not isinstance(value, torch.optim.Optimizer):
-        raise ConfigError(f"{attribute.name} must be a torch.optim.Optimizer (got {type(value).__name__})")
+        raise ConfigError(f"{attribute.name} must be a torch.optim.Optimizer (got {_what(value)})")
+
+
+def _what(value) -> str:
+    """What was passed instead of an optimizer; an optimizer class gets the fix (make an instance)."""
+    if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+        return (f"the class {value.__name__}, not an instance: pass an instance, e.g."
+                f" {value.__name__}(model.parameters())")
+    return type(value).__name__
 
 
 def _sched_on(_instance, attribute, value):
@@ -82,9 +90,9 @@ class Optimizers(Sequence):
                 else:
                     raise ConfigError(
                         f"opt[{i}] must be a torch.optim.Optimizer or deepepochs.Optimizer (got"
-                        f" {type(o).__name__})" if isinstance(opt, (list, tuple)) else
+                        f" {_what(o)})" if isinstance(opt, (list, tuple)) else
                         "opt must be None, a torch.optim.Optimizer, a deepepochs.Optimizer or a list of them"
-                        f" (got {type(o).__name__})"
+                        f" (got {_what(o)})"
                     )
         self.items: list[Optimizer] = items
         self.all_indices = tuple(range(len(items)))

@@ -7,6 +7,7 @@ the machine generated from `spec/loop.py`; the engine never calls back into this
 from __future__ import annotations
 
 import datetime
+import inspect
 
 import attrs
 import torch
@@ -14,7 +15,7 @@ import torch
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.checkpoint import load_into, resume_once
-from deepepochs.config import TrainerConfig, check_run_name
+from deepepochs.config import TrainerConfig, check_run_name, unknown_keywords
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
 from deepepochs.engine import steps
@@ -180,7 +181,10 @@ class TrainerBase:
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None):
+                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, **unknown):
+        if unknown:  # other libraries' names for our arguments get ours named (max_epochs -> epochs=)
+            known = [n for n in inspect.signature(TrainerBase.__init__).parameters if n not in ("self", "unknown")]
+            raise unknown_keywords("Trainer()", unknown, known)
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,

@@ -31,7 +31,7 @@ class CheckCallback(Callback):
     """Save the best (or latest) checkpoint by a monitored metric and stop after `patience` bad epochs.
 
     Args:
-        monitor: metric name as it appears in the stage's metrics, e.g. 'loss' or 'acc'.
+        monitor: metric name as it appears in the stage's metrics, e.g. 'loss' or 'accuracy'.
         on_stage: 'val' (the validation metrics) or 'train'.
         mode: 'min' (lower is better) or 'max'.
         patience: stop the fit after this many checks in a row without improvement; 0 never stops.
