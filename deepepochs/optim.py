@@ -55,21 +55,26 @@ class Optimizer:
     """
 
     opt: torch.optim.Optimizer = attrs.field(validator=_is_optimizer)
-    scheduler: object = None
+    # Checked when set too: a step-wise schedule sized by `trainer.estimated_updates` is attached after
+    # the Trainer exists (`trainer.opt[0].scheduler = OneCycleLR(...)`); the update hook reads it then.
+    scheduler: object = attrs.field(default=None, validator=lambda self, _a, value: _check_scheduler(self.opt, value))
     sched_on: str = attrs.field(default="epoch", validator=_sched_on)
     sched_with_loss: bool = attrs.field(default=False, validator=_is_bool)
 
     def __attrs_post_init__(self):
         if self.sched_with_loss and self.sched_on != "epoch":
             raise ConfigError("sched_with_loss=True needs sched_on='epoch' (got sched_on='step')")
-        if self.scheduler is not None and not callable(getattr(self.scheduler, "step", None)):
-            raise ConfigError(f"scheduler must have a step() method (got {type(self.scheduler).__name__})")
-        owner = getattr(self.scheduler, "optimizer", self.opt)
-        if owner is not self.opt:
-            # The scheduler would change the learning rate of an optimizer this wrapper never steps, and its
-            # step-after-skip bookkeeping would follow the wrong optimizer.
-            raise ConfigError("scheduler must schedule the optimizer it is wrapped with (got a scheduler of"
-                              f" another {type(owner).__name__}); pass Optimizer(opt, scheduler_of_opt)")
+
+
+def _check_scheduler(opt, scheduler) -> None:
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise ConfigError(f"scheduler must have a step() method (got {type(scheduler).__name__})")
+    owner = getattr(scheduler, "optimizer", opt)
+    if owner is not opt:
+        # The scheduler would change the learning rate of an optimizer this wrapper never steps, and its
+        # step-after-skip bookkeeping would follow the wrong optimizer.
+        raise ConfigError("scheduler must schedule the optimizer it is wrapped with (got a scheduler of"
+                          f" another {type(owner).__name__}); pass Optimizer(opt, scheduler_of_opt)")
 
 
 class Optimizers(Sequence):
@@ -163,14 +168,15 @@ class Optimizers(Sequence):
         """
 
         def hook_for(index):
-            scheduler = self.step_scheduler(index)
+            item = self.items[index]
 
             def updated(_optimizer, _args, _kwargs):
                 if loop.stage != "train":
                     return
                 loop.window_updated = True
-                if scheduler is not None:
-                    scheduler.step()
+                # read now, not at binding: a scheduler may be attached after the Trainer is built
+                if item.scheduler is not None and item.sched_on == "step":
+                    item.scheduler.step()
 
             return updated
 

@@ -358,6 +358,37 @@ class TrainerBase:
             raise ConfigError("test() needs data: pass test_dl or tasks")
         return driver.guarded("test", lambda: driver.run_test(tasks))
 
+    def estimated_updates(self, train_dl, epochs=None) -> int:
+        """The number of updates `fit(train_dl)` makes over `epochs` epochs (default: the trainer's
+        `epochs`), per process: `ceil(batches per process / gradient_accumulation_steps) * epochs`, the
+        batches per process being those of the shard each process trains on (a plain DataLoader is split
+        over the processes). This is the `total_steps` / `T_max` a step-wise scheduler (`sched_on='step'`)
+        such as `OneCycleLR` or `CosineAnnealingLR` needs; create the scheduler with it after the Trainer.
+
+        Every update steps the scheduler once, except those the fp16 GradScaler skips (a non-finite
+        gradient): then the schedule ends a few updates short, never past its end.
+
+        Example:
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> trainer = Trainer(model, F.cross_entropy, opt, epochs=5)
+            >>> total = trainer.estimated_updates(train_dl)
+            >>> trainer.opt[0].scheduler = OneCycleLR(opt, max_lr=0.1, total_steps=total)
+        """
+        self._check_open("estimated_updates")
+        epochs = self.config.epochs if epochs is None else epochs
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs must be a positive int (got {epochs!r})")
+        if train_dl is None:
+            raise ConfigError("estimated_updates() needs the training data: pass the DataLoader given to fit()")
+        data = self._dist.prepare_dataloader(train_dl, "train")
+        try:
+            batches = len(data)
+        except TypeError:
+            raise ConfigError(f"estimated_updates() needs data with a length (len()); {type(train_dl).__name__}"
+                              " has none, so count the updates yourself") from None
+        k = self.config.gradient_accumulation_steps
+        return -(-batches // k) * epochs  # windows never cross an epoch: a short tail window is one update
+
     def predict(self, dataloader, device="cpu", batch_size=None):
         """The model's outputs for every batch of `dataloader`, concatenated in order along dim 0.
 
