@@ -25,7 +25,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.finished import apply_finished, report_retrained
 from deepepochs.fsdp import check_strategy_kwargs
 from deepepochs.fsm.render import render
-from deepepochs.lr_find import LRFindResult, check_sweep_args, run_sweep
+from deepepochs.lr_find import LRFindResult, check_plot, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
 from deepepochs.tasks import STEP_NAMES, as_metric_list
@@ -443,13 +443,15 @@ class TrainerBase:
             stop_factor: divergence threshold on the smoothed loss; None sweeps up to `max_lr`.
             smooth: the loss's moving-average factor in [0, 1) (0: no smoothing).
             opt_index: the optimizer whose rate is swept; required with several optimizers.
-            plot: True draws the curve (matplotlib, when installed), a path saves it there, False draws
-                nothing.
+            plot: True draws the curve (matplotlib, when installed; else a note says how to get it), a path
+                saves it there (which needs matplotlib: without it, a `ConfigError` before the sweep),
+                False draws nothing.
             batch_size: as for `fit`.
 
         Returns:
-            `LRFindResult` with `lrs`, `losses`, `smoothed`, `suggestion` (the rate where the smoothed loss
-            falls fastest, before its minimum) and `stop_reason`.
+            `LRFindResult` with `lrs`, `losses`, `smoothed`, `suggestion` and `stop_reason`. The
+            suggestion is the rate where the loss falls fastest, at most a tenth of the rate where it is
+            lowest, read from the curve before it diverges, smoothed without lag (`deepepochs.lr_find`).
 
         Example:
             >>> result = trainer.find_lr(train_dl, min_lr=1e-5, max_lr=1.0, plot=False)
@@ -462,6 +464,7 @@ class TrainerBase:
     def _find_lr(self, train_dl, train_tasks, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
                  batch_size) -> LRFindResult:
         check_sweep_args(min_lr, max_lr, num_steps, stop_factor, smooth)
+        check_plot(plot)
         if train_dl is None and not train_tasks:
             raise ConfigError("find_lr needs training data: pass train_dl (a DataLoader or iterable of batches)")
         result = run_sweep(self, train_dl, train_tasks=train_tasks, min_lr=min_lr, max_lr=max_lr,
