@@ -199,6 +199,23 @@ def test_torchrun_environment_runs_main_in_the_calling_process(monkeypatch, spaw
     assert report["env"]["RANK"] == "0"
 
 
+def test_under_torchrun_only_rank_0_gets_the_result_and_every_rank_runs_main(monkeypatch, spawning_fails):
+    """Under torchrun every rank runs main(); rank 0 gets its result, the others None (as a launch caller
+    sees only rank 0's), so a script printing a non-None result prints it once."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ran = []
+
+    def main():  # under torchrun main runs in this process: no importability needed
+        ran.append(os.environ["RANK"])
+        return {"rank": os.environ["RANK"]}
+
+    results = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        results.append(launch(main, num_processes=2))
+    assert ran == ["0", "1"] and results == [{"rank": "0"}, None]
+
+
 def test_initialised_process_group_runs_main_in_the_calling_process(tmp_path, spawning_fails):
     """When the caller already initialised a process group, launch just calls main()."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
