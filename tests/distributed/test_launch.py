@@ -38,7 +38,7 @@ pytestmark = pytest.mark.distributed
 # Runs one launch in a fresh interpreter and prints its outcome as JSON on the last stdout line.
 _DRIVER = textwrap.dedent(
     """
-    import json, sys, time
+    import json, sys, threading, time
     import launch_targets
     from deepepochs.launch import launch
 
@@ -48,6 +48,8 @@ _DRIVER = textwrap.dedent(
     except Exception as exc:
         outcome = {"error_type": type(exc).__name__, "message": str(exc)}
     outcome["elapsed"] = time.monotonic() - start
+    # the thread that copies the children's stderr must have seen its end, not been given up on
+    outcome["stderr_pump_alive"] = any(t.name == "deepepochs-launch-stderr" for t in threading.enumerate())
     print(json.dumps(outcome))
     """
 )
@@ -157,6 +159,15 @@ def test_caller_environment_is_unchanged_after_launch(two_process_run):
     assert two_process_run.env_after == two_process_run.env_before
     for name in (*launch_targets.TORCHRUN_VARIABLES, "OMP_NUM_THREADS"):
         assert name not in two_process_run.env_after
+
+
+def test_launch_ends_when_the_children_do_without_waiting_for_their_stderr(no_torchrun_env):
+    """A first launch in a fresh interpreter: the children's stderr pipe reaches its end when they exit
+    (multiprocessing's resource tracker, started by the first spawn, used to keep it open, so every
+    launch waited 2 s for it before returning)."""
+    outcome = _launch_in_subprocess("report_process")
+    assert outcome["result"]["env"]["RANK"] == "0"
+    assert outcome["stderr_pump_alive"] is False
 
 
 def test_caller_signal_handlers_are_unchanged_after_launch(two_process_run):
