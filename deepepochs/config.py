@@ -31,7 +31,8 @@ OTHER_NAMES = {
     "n_epochs": "epochs=",
     "accumulate_grad_batches": "gradient_accumulation_steps=",
     "grad_accum_steps": "gradient_accumulation_steps=",
-    "gradient_clip_val": "callbacks=[GradClipCallback(max_value)] (norm clipping: GradClipCallback(max_norm, 2))",
+    "gradient_clip_val": ("callbacks=[GradClipCallback(max_norm, norm_type=2)] (clipping by norm, as Lightning does"
+                          " by default; GradClipCallback(max_value) clips by value)"),
     "gradient_clip_algorithm": "callbacks=[GradClipCallback(max_value, norm_type)]",
     "accelerator": "device= (e.g. 'cuda', 'cpu')",
     "devices": "device= (one process), or deepepochs.launch(main, num_processes=n) for several",

@@ -13,7 +13,8 @@ from deepepochs import ConfigError, Optimizer, Trainer
 @pytest.mark.parametrize("kwargs, ours", [
     ({"max_epochs": 3}, "'max_epochs' (did you mean epochs=?)"),
     ({"accumulate_grad_batches": 4}, "'accumulate_grad_batches' (did you mean gradient_accumulation_steps=?)"),
-    ({"gradient_clip_val": 1.0}, "'gradient_clip_val' (did you mean callbacks=[GradClipCallback(max_value)]"),
+    ({"gradient_clip_val": 1.0},
+     "'gradient_clip_val' (did you mean callbacks=[GradClipCallback(max_norm, norm_type=2)]"),
     ({"epoch": 3}, "'epoch' (did you mean epochs=?)"),  # a typo: the closest of our names
 ])
 def test_other_libraries_keywords_name_our_argument(kwargs, ours):
