@@ -35,6 +35,9 @@ yours keeps other objects in its state). Keys:
                     name, 'params': per optimizer, its parameters' names in index order}`; `model` is
                     then empty and `optimizers` hold no tensors (they are in the shards). None in a
                     single file.
+`history`           dict or None: the run's records up to `epoch`, `{'train': {name: [per epoch]},
+                    'val': {...}}` (floats), so a resumed `fit()` returns the whole run's records.
+                    None in files of older versions (the resumed history then starts empty).
 ==================  ==========================================================================
 
 Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank
@@ -96,12 +99,14 @@ __all__ = [
     "load_into",
     "modified_ns",
     "monitors_in",
+    "plain_records",
     "monitors_of",
     "read_checkpoint",
     "read_weights",
     "remove",
     "remove_stale_temps",
     "resume_once",
+    "resume_scope",
     "save",
     "snapshot",
     "write_atomic",
@@ -157,6 +162,7 @@ class Checkpoint:
     order_seed: int | None = None
     position: Mapping | None = None
     shards: Mapping | None = None
+    history: Mapping | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""
@@ -257,7 +263,30 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) ->
         monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
         rng=rng_state() if trainer.world_size == 1 else None,  # under DDP every rank has its own
         order_seed=trainer._dist.order_seed,
+        history=plain_records(_run_records(trainer, position)),
     )
+
+
+def _run_records(trainer, position: Mapping | None) -> Mapping:
+    """The records of the epochs the file counts as completed. An epoch-end save runs before its epoch
+    commits (`save_checkpoints` precedes `commit_epoch`; `epoch_undo` is pending then), so that epoch's
+    metrics are added to the history here."""
+    ctx = trainer._ctx
+    if position is not None or not ctx.epoch_undo:
+        return ctx.history
+    records = {stage: {name: list(values) for name, values in metrics.items()}
+               for stage, metrics in ctx.history.items()}
+    for stage, metrics in ctx.last_metrics.items():
+        if stage in records:
+            for name, value in metrics.items():
+                records[stage].setdefault(name, []).append(value)
+    return records
+
+
+def plain_records(records: Mapping) -> dict:
+    """`{'train': {name: [...]}, 'val': {...}}` as new lists of floats (what a file may hold)."""
+    return {stage: {name: [float(v) for v in values] for name, values in metrics.items()}
+            for stage, metrics in records.items()}
 
 
 def save(trainer, path, position: Mapping | None = None) -> Path | None:
@@ -773,6 +802,10 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         state = ckpt.monitors.get(monitor.monitor_id)
         if state is not None:
             monitor.load_state_dict(state)
+    if ckpt.history is not None:  # the run's records so far: a resumed fit() returns the whole run's
+        history = trainer.history
+        history.clear()
+        history.update({"train": {}, "val": {}, **plain_records(ckpt.history)})
     if ckpt.order_seed is not None:  # the training order continues as it was (`sharding.DataOrder`)
         trainer._dist.order_seed = ckpt.order_seed
     if ckpt.rng is not None and trainer.world_size == 1:
@@ -832,36 +865,66 @@ def _hint_06_folder(dirs, candidates) -> str:
             " CheckCallback(..., ckpt_dir='./logs') to resume them")
 
 
-def resume_once(trainer) -> tuple[Path, int] | None:
-    """Honour `Trainer(resume=...)` at the first fit or test; a no-op afterwards. Returns the loaded file's
-    path and epoch, or None when nothing was loaded.
+def resume_scope(trainer) -> tuple[str | None, bool, str]:
+    """Which run `Trainer(resume=...)` may load, whether that run must exist, and why (for the console).
 
-    `resume=True` loads the newest checkpoint across the monitors' `ckpt_dir`s that this trainer can load
-    and starts fresh when there is none: a file it cannot use (unreadable, not a checkpoint, one of
-    another model or optimizer, a sharded folder with a missing or damaged shard) is skipped with a
-    `DeepEpochsWarning` naming it and why, so an old or foreign file in the folder never stops `fit()`.
-    `resume='<running id>'` loads that run's newest checkpoint or raises. The run folder's name becomes
-    `trainer.running_id`, so new checkpoints go on into the same (possibly renamed) folder. A failed
-    resume stays pending, so fixing the files and calling fit again retries it.
+    `resume='<run>'` names the run, which must have a checkpoint. `resume=True` with a `running_id` given
+    to the Trainer is that run only, started fresh when it has no files yet (the requeue pattern: the same
+    command line resumes its own run and never another job's). `resume=True` without a `running_id` takes
+    the newest checkpoint of any run under the monitors' folders.
+    """
+    resume = trainer.resume
+    if isinstance(resume, str):
+        return resume, True, f"resume={resume!r}"
+    if trainer._running_id_given:
+        return str(trainer.running_id), False, f"resume=True with running_id={str(trainer.running_id)!r}"
+    return None, False, "resume=True without a running_id: the newest checkpoint of any run"
+
+
+def _position_text(ckpt: Checkpoint, trainer) -> str:
+    """Where the loaded file continues: after a completed epoch, or inside an epoch (a mid-epoch snapshot)."""
+    pos = ckpt.position
+    if not isinstance(pos, Mapping) or not {"epoch", "batches_done", "task_index"} <= set(pos):
+        return f"{ckpt.epoch} epoch(s) completed, continuing with epoch {ckpt.epoch + 1}"
+    k = trainer.config.gradient_accumulation_steps
+    done = int(pos["batches_done"])
+    task = f" of training task {int(pos['task_index']) + 1}" if int(pos["task_index"]) > 0 else ""
+    return (f"{ckpt.epoch} epoch(s) completed, continuing epoch {int(pos['epoch'])}{task} at update"
+            f" {-(-done // k) + 1} (after {done} batch(es))")
+
+
+def resume_once(trainer) -> tuple[Path, int] | None:
+    """Honour `Trainer(resume=...)` at the first fit, test or predict; a no-op afterwards. Returns the
+    loaded file's path and epoch, or None when nothing was loaded.
+
+    The run searched is `resume_scope`'s. Among its checkpoints (under the monitors' `ckpt_dir`s) the
+    newest this trainer can load is loaded; with `resume=True` a file it cannot use (unreadable, not a
+    checkpoint, one of another model or optimizer, a sharded folder with a missing or damaged shard, a
+    mid-epoch snapshot whose position lies outside this fit's data) is skipped with a `DeepEpochsWarning`
+    naming it and why, so an old or foreign file in the folder never stops `fit()`, and no usable file means
+    a fresh start. `resume='<running id>'` loads that run's newest checkpoint or raises. The run folder's name
+    becomes `trainer.running_id`, so new checkpoints go on into the same (possibly renamed) folder. A
+    failed resume stays pending, so fixing the files and calling fit again retries it.
     """
     if not trainer.loop.resume_pending:
         return None
     loaded = None
-    run = trainer.resume if isinstance(trainer.resume, str) else None
+    run, required, why = resume_scope(trainer)
     dirs = [m.ckpt_dir for m in monitors_of(trainer)]
-    candidates = find_checkpoints(dirs, run)
-    if run is not None:
+    candidates = find_checkpoints(dirs, run) if required or run is None else _checkpoints_of_run(dirs, run)
+    if required:
         candidates = candidates[:1]  # the run was named: its newest file loads, or the error says why
-    path, ckpt = _load_newest_usable(trainer, candidates, strict=run is not None)
+    path, ckpt = _load_newest_usable(trainer, candidates, strict=required)
     if path is None:
-        searched = ", ".join(str(d) for d in dict.fromkeys(dirs)) or "nowhere: no CheckCallback"
+        folders = dict.fromkeys(Path(d) if run is None else Path(d) / run for d in dirs)
+        searched = ", ".join(map(str, folders)) or "nowhere: no CheckCallback"
         found = f"no checkpoint this trainer can load among {len(candidates)}" if candidates else "no checkpoint"
-        trainer._console.info(f"resume=True: {found} found (searched {searched}); starting fresh"
+        trainer._console.info(f"{why}: {found} found (searched {searched}); starting run {trainer.running_id} fresh"
                               + _hint_06_folder(dirs, candidates))
     else:
         trainer.running_id = path.parent.name
-        trainer._console.info(f"Resumed from {path}: {ckpt.epoch} epoch(s) completed,"
-                              f" running id {trainer.running_id}")
+        trainer._console.info(f"Resumed run {trainer.running_id} ({why}) from {path}:"
+                              f" {_position_text(ckpt, trainer)}")
         loaded = (path, ckpt.epoch)
     trainer.loop.resume_pending = False
     return loaded
@@ -897,3 +960,11 @@ def _load_newest_usable(trainer, candidates: list[Path], strict: bool) -> tuple[
                 raise
             warnings.warn(f"resume=True skipped {candidate}: {e}", DeepEpochsWarning, stacklevel=3)
     return None, None
+
+
+def _checkpoints_of_run(dirs, run: str) -> list[Path]:
+    """The run's checkpoints, newest first; none is no error (`resume=True` then starts the run fresh)."""
+    try:
+        return find_checkpoints(dirs, run)
+    except CheckpointError:
+        return []

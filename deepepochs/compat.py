@@ -124,7 +124,7 @@ def refuse_accelerate(device, opt, legacy: dict) -> None:
     """`Trainer` arguments of deepepochs 0.6's Accelerate integration, refused before anything is built,
     each with what replaces it: `device=Accelerator(...)`, `auto_traindata_to_device=`, and optimizers
     returned by `accelerator.prepare` (which the trainer cannot step correctly). `legacy` holds the
-    keyword arguments `Trainer` does not know; any other unknown name is a TypeError as Python gives it."""
+    keyword arguments `Trainer` does not know; the trainer names any other one with its own error."""
     if _from_accelerate(device, "Accelerator"):
         precision = {"fp16": "'fp16'", "bf16": "'bf16'"}.get(str(getattr(device, "mixed_precision", "no")), "'fp32'")
         steps = getattr(device, "gradient_accumulation_steps", 1)
@@ -138,9 +138,6 @@ def refuse_accelerate(device, opt, legacy: dict) -> None:
             "Trainer() got the deepepochs 0.6 argument auto_traindata_to_device, which is gone: the trainer"
             " moves every batch to its device itself (inside a custom step that splits a batch, the"
             " sub-batches are on the device already), so drop the argument. " + _MIGRATION)
-    if legacy:
-        name = next(iter(legacy))
-        raise TypeError(f"Trainer.__init__() got an unexpected keyword argument {name!r}")
     for item in opt if isinstance(opt, (list, tuple)) else [opt]:
         inner = getattr(item, "opt", item)  # a deepepochs.Optimizer wrapper
         if _from_accelerate(inner, "AcceleratedOptimizer") or _from_accelerate(item, "AcceleratedOptimizer"):

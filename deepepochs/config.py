@@ -8,10 +8,44 @@ import attrs
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["METRIC_PATCHES", "NONFINITE", "PRECISIONS", "STRATEGIES", "TrainerConfig", "check_choice",
-           "check_run_name"]
+__all__ = ["METRIC_PATCHES", "NONFINITE", "OTHER_NAMES", "PRECISIONS", "STRATEGIES", "TrainerConfig",
+           "check_choice", "check_run_name", "unknown_keywords"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+#: Other libraries' precision names (Lightning's, plain numbers) and what they are here.
+PRECISION_ALIASES = {
+    "16-mixed": "'fp16' (float16 autocast with a GradScaler)",
+    "16": "'fp16' (float16 autocast with a GradScaler)",
+    16: "'fp16' (float16 autocast with a GradScaler)",
+    "bf16-mixed": "'bf16' (bfloat16 autocast)",
+    "32-true": "'fp32'",
+    "32": "'fp32'",
+    32: "'fp32'",
+    "16-true": "'fp16' for autocast; for float16 weights convert the model yourself (model.half())",
+    "bf16-true": "'bf16' for autocast; for bfloat16 weights convert the model yourself (model.bfloat16())",
+}
+#: Other libraries' names for Trainer arguments (Lightning, Accelerate, ignite, Keras) and ours.
+OTHER_NAMES = {
+    "max_epochs": "epochs=",
+    "num_epochs": "epochs=",
+    "n_epochs": "epochs=",
+    "accumulate_grad_batches": "gradient_accumulation_steps=",
+    "grad_accum_steps": "gradient_accumulation_steps=",
+    "gradient_clip_val": ("callbacks=[GradClipCallback(max_norm, norm_type=2)] (clipping by norm, as Lightning does"
+                          " by default; GradClipCallback(max_value) clips by value)"),
+    "gradient_clip_algorithm": "callbacks=[GradClipCallback(max_value, norm_type)]",
+    "accelerator": "device= (e.g. 'cuda', 'cpu')",
+    "devices": "device= (one process), or deepepochs.launch(main, num_processes=n) for several",
+    "mixed_precision": "precision= ('fp32', 'fp16' or 'bf16')",
+    "optimizer": "opt=",
+    "optimizers": "opt= (a list)",
+    "loss_fn": "loss=",
+    "criterion": "loss=",
+    "ckpt_path": "resume= (True, or a running id), or trainer.load_checkpoint(path)",
+    "default_root_dir": "CheckCallback(ckpt_dir=...) and LogCallback(log_dir=...)",
+    "enable_progress_bar": "log_tqdm=",
+    "strategy_kwargs": "ddp_kwargs= or fsdp_kwargs=",
+}
 METRIC_PATCHES = ("tensor", "mean", "confusion")
 NONFINITE = ("raise", "skip")
 STRATEGIES = ("ddp", "fsdp")
@@ -22,6 +56,26 @@ def check_choice(name: str, value, choices, hint: str = "") -> None:
     if value not in choices:
         accepted = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"{name} must be one of {accepted} (got {value!r}){'; ' + hint if hint else ''}")
+
+
+def unknown_keywords(owner: str, unknown, known) -> TypeError:
+    """The error for keyword arguments `owner` does not take: each named with our argument when it is
+    another library's name for one (`OTHER_NAMES`), else with the closest of `known`, if any."""
+    import difflib  # only on this error path
+
+    parts = []
+    for name in unknown:
+        ours = OTHER_NAMES.get(name)
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = f" (did you mean {ours}?)" if ours else f" (did you mean {close[0]}=?)" if close else ""
+        parts.append(f"{name!r}{hint}")
+    return TypeError(f"{owner} got unexpected keyword argument(s): {', '.join(parts)}")
+
+
+def _precision(_instance, attribute, value):
+    alias = PRECISION_ALIASES.get(value) if isinstance(value, (str, int)) else None
+    hint = f"{value!r} is another library's name: use {alias}" if alias else "use 'fp16' for float16 autocast"
+    check_choice(attribute.name, value, PRECISIONS, hint)
 
 
 def check_run_name(name: str, argname: str) -> None:
@@ -82,7 +136,7 @@ class TrainerConfig:
 
     epochs: int = attrs.field(default=1000, validator=_positive_int)
     precision: str = attrs.field(
-        default="fp32", validator=_choice(PRECISIONS, "use 'fp16' for float16 autocast"))
+        default="fp32", validator=_precision)
     gradient_accumulation_steps: int = attrs.field(default=1, validator=_positive_int)
     metric_patch: str = attrs.field(default="tensor", validator=_choice(METRIC_PATCHES))
     nonfinite: str = attrs.field(default="raise", validator=_choice(NONFINITE))

@@ -21,6 +21,11 @@ the history and an early stop; `fit()` then trains nothing (the stop, or a reach
 once) and returns the run's records. A run that reached its target trains on when `epochs=` is raised;
 an early-stopped run stays stopped: to train it further, delete its `finished.pt` (or start a new run).
 The file is not a checkpoint (it does not end in `.ckpt`) and is never picked by resume as one.
+
+Progress: a `CheckCallback(save_best=True)` rewrites its checkpoint only when the metric improves, so a
+run that crashes after a worse epoch has no file of its last epoch. Such a monitor therefore records, at
+every epoch's end, `progress.pt` (`{'completed_epochs': int}`) next to its checkpoints; a resume that
+loads an older epoch than that says which epochs are trained again and why (`report_retrained`).
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from pathlib import Path
 
 import torch
 
-from deepepochs.checkpoint import write_atomic
+from deepepochs.checkpoint import plain_records, write_atomic
 
-__all__ = ["FINISHED_FILE", "apply_finished", "read_finished", "write_finished"]
+__all__ = ["FINISHED_FILE", "PROGRESS_FILE", "apply_finished", "read_finished", "report_retrained",
+           "write_finished", "write_progress"]
 
 FINISHED_FILE = "finished.pt"
+PROGRESS_FILE = "progress.pt"
 
 
 def write_finished(trainer, folder) -> Path:
@@ -46,8 +53,7 @@ def write_finished(trainer, folder) -> Path:
         "target_epochs": int(loop.target_epochs),
         "stop_reason": None if stop is None else str(stop.reason),
         "stop_source": "" if stop is None else str(stop.source),
-        "records": {stage: {name: [float(v) for v in values] for name, values in metrics.items()}
-                    for stage, metrics in trainer.history.items()},
+        "records": plain_records(trainer.history),
     }
     return write_atomic(data, Path(folder) / FINISHED_FILE)
 
@@ -98,3 +104,29 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> dict | None:
     trainer._console.info(f"Run {trainer.running_id} is finished ({how}); fit() returns its records without"
                           f" training. {on[0].upper()}{on[1:]}")
     return copy.deepcopy(records)
+
+
+def write_progress(trainer, folder) -> Path:
+    """Record in `folder` how many epochs the run has completed (at an epoch's end, on rank 0)."""
+    return write_atomic({"completed_epochs": int(trainer.loop.completed_epochs)}, Path(folder) / PROGRESS_FILE)
+
+
+def report_retrained(trainer, folder, ckpt_epoch: int) -> int:
+    """After a resume loaded a checkpoint of epoch `ckpt_epoch` from `folder`: when the run had completed
+    more epochs (its progress record says so), say which epochs will be trained again and why. Returns
+    how many."""
+    path = Path(folder) / PROGRESS_FILE
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+    except Exception:  # a damaged record must not block a resume: the checkpoint itself is what counts
+        data = None
+    done = data.get("completed_epochs") if isinstance(data, dict) else None
+    if not isinstance(done, int) or done <= ckpt_epoch or trainer.loop.completed_epochs >= done:
+        return 0
+    again = f"epoch {done}" if done == ckpt_epoch + 1 else f"epochs {ckpt_epoch + 1} to {done}"
+    trainer._console.info(
+        f"Run {trainer.running_id} had completed {done} epoch(s), but its newest checkpoint is of epoch"
+        f" {ckpt_epoch}: {again} will be trained again (a CheckCallback with save_best=True saves only"
+        " improving epochs; add CheckCallback(..., save_best=False) or a SnapshotCallback to resume from"
+        " the last epoch)")
+    return done - ckpt_epoch

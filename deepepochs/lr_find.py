@@ -7,8 +7,11 @@ training loop (the same steps, precision, accumulation and DDP handling as `fit`
 callbacks detached, so nothing is logged, checkpointed or early-stopped; afterwards the model, optimizers,
 schedulers, GradScaler, loop counters, history and random generators are put back as they were.
 
-The suggestion is the learning rate where the smoothed loss falls fastest against log(lr), looking only at
-the part of the curve before its minimum: a common rule of thumb for a starting learning rate.
+The suggestion (`suggest_lr`) is the learning rate where the loss falls fastest against log(lr), capped
+at a tenth of the rate where it is lowest (fastai's and Lightning's two rules of thumb, the safer of them).
+The curve it reads is the losses up to the first one above 4x the lowest so far (the divergence), smoothed
+forward and then backward by the sweep's moving average: a one-way average lags, which moves its steepest
+point and its minimum to higher rates, up to the cliff (the suggestion then diverged when trained with).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from deepepochs.callbacks.base import Callback
 from deepepochs.errors import ConfigError
 from deepepochs.utils import rng_state, set_rng_state
 
-__all__ = ["LRFindResult", "check_sweep_args", "run_sweep", "suggest_lr", "sweep_lrs"]
+__all__ = ["LRFindResult", "check_plot", "check_sweep_args", "run_sweep", "suggest_lr", "sweep_lrs"]
 
 
 @attrs.define(frozen=True)
@@ -36,7 +39,8 @@ class LRFindResult:
         lrs: the learning rate of each update, increasing exponentially.
         losses: each update's training loss (the mean over the update's batches, global under DDP).
         smoothed: `losses` smoothed by a bias-corrected exponential moving average.
-        suggestion: the suggested learning rate (None when fewer than 3 updates ran).
+        suggestion: the suggested learning rate (`suggest_lr`; None when fewer than 3 updates ran before
+            the loss diverged or bottomed out).
         stop_reason: why the sweep ended: 'max_lr reached' or 'diverged: ...'.
     """
 
@@ -88,17 +92,26 @@ def smooth(losses, beta: float) -> list[float]:
     return out
 
 
-def suggest_lr(lrs, smoothed) -> float | None:
-    """The learning rate of the steepest descent of `smoothed` against log10(lr), before its minimum."""
-    values = np.asarray(smoothed, dtype=np.float64)
+def suggest_lr(lrs, losses, beta: float = 0.9) -> float | None:
+    """The suggested learning rate from a sweep's raw `losses` (see the module docstring): the rate of the
+    steepest descent of the curve against log10(lr) before its minimum, at most a tenth of the rate at its
+    minimum; None when fewer than 3 updates precede the divergence or the minimum."""
+    values = np.asarray(losses, dtype=np.float64)
     finite = np.isfinite(values)
-    if finite.sum() < 3:
+    end = len(values) if finite.all() else int(np.argmin(finite))
+    values = values[:end]
+    diverged = np.nonzero(values > 4 * np.minimum.accumulate(values))[0] if end else []
+    values = values[:diverged[0] if len(diverged) else end]
+    if len(values) < 3:
         return None
-    end = int(np.nanargmin(np.where(finite, values, np.nan))) + 1
-    if end < 3:
+    # zero-phase smoothing: the moving average forward, then backward over its result
+    curve = np.asarray(smooth(smooth(values.tolist(), beta)[::-1], beta)[::-1])
+    low = int(np.argmin(curve))
+    if low < 2:
         return None
-    slopes = np.gradient(values[:end], np.log10(np.asarray(lrs[:end], dtype=np.float64)))
-    return float(lrs[int(np.argmin(slopes))])
+    rates = np.asarray(lrs[:low + 1], dtype=np.float64)
+    steepest = float(rates[int(np.argmin(np.gradient(curve[:low + 1], np.log10(rates))))])
+    return min(steepest, float(rates[low]) / 10)
 
 
 def check_sweep_args(min_lr, max_lr, num_steps, stop_factor, beta) -> None:
@@ -116,6 +129,21 @@ def check_sweep_args(min_lr, max_lr, num_steps, stop_factor, beta) -> None:
         raise ConfigError(f"stop_factor must be a number > 1, or None to sweep up to max_lr (got {stop_factor!r})")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
         raise ConfigError(f"smooth must be a number in [0, 1): the moving-average factor (got {beta!r})")
+
+
+def check_plot(plot) -> None:
+    """`plot` is True (draw when matplotlib is installed, else a note), False/None, or a file path, which
+    needs matplotlib: asking for a file that cannot be written is an error, before the sweep runs."""
+    if plot is None or isinstance(plot, bool):
+        return
+    if not isinstance(plot, (str, os.PathLike)):
+        raise ConfigError(f"plot must be True, False or a file path for the figure (got {type(plot).__name__})")
+    try:
+        import matplotlib  # noqa: F401  (optional dependency: only checked here)
+    except ImportError:
+        raise ConfigError(f"plot={os.fspath(plot)!r} saves the curve with matplotlib, which is not installed:"
+                          " pip install 'deepepochs[plot]' (or matplotlib), or pass plot=False and read"
+                          " result.lrs and result.losses") from None
 
 
 class _SweepDone(Exception):
@@ -244,4 +272,4 @@ def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta
     lrs = sweep.lrs[:len(sweep.losses)]
     smoothed = smooth(sweep.losses, beta)
     return LRFindResult(lrs=lrs, losses=list(sweep.losses), smoothed=smoothed,
-                        suggestion=suggest_lr(lrs, smoothed), stop_reason=sweep.stop_reason)
+                        suggestion=suggest_lr(lrs, sweep.losses, beta), stop_reason=sweep.stop_reason)

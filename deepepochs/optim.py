@@ -18,7 +18,15 @@ __all__ = ["Optimizer", "Optimizers"]
 
 def _is_optimizer(_instance, attribute, value):
     if not isinstance(value, torch.optim.Optimizer):
-        raise ConfigError(f"{attribute.name} must be a torch.optim.Optimizer (got {type(value).__name__})")
+        raise ConfigError(f"{attribute.name} must be a torch.optim.Optimizer (got {_what(value)})")
+
+
+def _what(value) -> str:
+    """What was passed instead of an optimizer; an optimizer class gets the fix (make an instance)."""
+    if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+        return (f"the class {value.__name__}, not an instance: pass an instance, e.g."
+                f" {value.__name__}(model.parameters())")
+    return type(value).__name__
 
 
 def _sched_on(_instance, attribute, value):
@@ -48,39 +56,46 @@ class Optimizer:
     """
 
     opt: torch.optim.Optimizer = attrs.field(validator=_is_optimizer)
-    scheduler: object = None
+    # Checked when set too: a step-wise schedule sized by `trainer.estimated_updates` is attached after
+    # the Trainer exists (`trainer.opt[0].scheduler = OneCycleLR(...)`); the update hook reads it then.
+    scheduler: object = attrs.field(default=None, validator=lambda self, _a, value: _check_scheduler(self.opt, value))
     sched_on: str = attrs.field(default="epoch", validator=_sched_on)
     sched_with_loss: bool = attrs.field(default=False, validator=_is_bool)
 
     def __attrs_post_init__(self):
         if self.sched_with_loss and self.sched_on != "epoch":
             raise ConfigError("sched_with_loss=True needs sched_on='epoch' (got sched_on='step')")
-        if self.scheduler is not None and not callable(getattr(self.scheduler, "step", None)):
-            raise ConfigError(f"scheduler must have a step() method (got {type(self.scheduler).__name__})")
-        owner = getattr(self.scheduler, "optimizer", self.opt)
-        if owner is not self.opt:
-            # The scheduler would change the learning rate of an optimizer this wrapper never steps, and its
-            # step-after-skip bookkeeping would follow the wrong optimizer.
-            raise ConfigError("scheduler must schedule the optimizer it is wrapped with (got a scheduler of"
-                              f" another {type(owner).__name__}); pass Optimizer(opt, scheduler_of_opt)")
+
+
+def _check_scheduler(opt, scheduler) -> None:
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise ConfigError(f"scheduler must have a step() method (got {type(scheduler).__name__})")
+    owner = getattr(scheduler, "optimizer", opt)
+    if owner is not opt:
+        # The scheduler would change the learning rate of an optimizer this wrapper never steps, and its
+        # step-after-skip bookkeeping would follow the wrong optimizer.
+        raise ConfigError("scheduler must schedule the optimizer it is wrapped with (got a scheduler of"
+                          f" another {type(owner).__name__}); pass Optimizer(opt, scheduler_of_opt)")
 
 
 class _MarkUpdate:
     """The step post-hook of `Optimizers.bind_updates`. An object rather than a closure: `copy.deepcopy` of
-    a trainer copies it with the optimizer, bound to the copy's loop and scheduler (a closure would be
-    shared, and keep stepping the original's scheduler)."""
+    a trainer copies it with the optimizer, bound to the copy's loop and optimizer entry (a closure would be
+    shared, and keep stepping the original's scheduler). The scheduler is read at each update, not at
+    binding: one may be attached after the Trainer is built."""
 
-    __slots__ = ("loop", "scheduler")
+    __slots__ = ("loop", "item")
 
-    def __init__(self, loop, scheduler):
-        self.loop, self.scheduler = loop, scheduler
+    def __init__(self, loop, item):
+        self.loop, self.item = loop, item
 
     def __call__(self, _optimizer, _args, _kwargs):
         if self.loop.stage != "train":
             return
         self.loop.window_updated = True
-        if self.scheduler is not None:
-            self.scheduler.step()
+        item = self.item
+        if item.scheduler is not None and item.sched_on == "step":
+            item.scheduler.step()
 
 
 class Optimizers(Sequence):
@@ -101,9 +116,9 @@ class Optimizers(Sequence):
                 else:
                     raise ConfigError(
                         f"opt[{i}] must be a torch.optim.Optimizer or deepepochs.Optimizer (got"
-                        f" {type(o).__name__})" if isinstance(opt, (list, tuple)) else
+                        f" {_what(o)})" if isinstance(opt, (list, tuple)) else
                         "opt must be None, a torch.optim.Optimizer, a deepepochs.Optimizer or a list of them"
-                        f" (got {type(o).__name__})"
+                        f" (got {_what(o)})"
                     )
         self.items: list[Optimizer] = items
         self.all_indices = tuple(range(len(items)))
@@ -175,8 +190,7 @@ class Optimizers(Sequence):
         """
 
         self._loop = loop
-        self._marks = [item.opt.register_step_post_hook(_MarkUpdate(loop, self.step_scheduler(i)))
-                       for i, item in enumerate(self.items)]
+        self._marks = [item.opt.register_step_post_hook(_MarkUpdate(loop, item)) for item in self.items]
 
     def __deepcopy__(self, memo):
         """A copy whose optimizers carry the hooks of `bind_updates`, bound to the copied loop (torch's

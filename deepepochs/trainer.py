@@ -7,6 +7,7 @@ the machine generated from `spec/loop.py`; the engine never calls back into this
 from __future__ import annotations
 
 import datetime
+import inspect
 import threading
 
 import attrs
@@ -16,17 +17,17 @@ from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.checkpoint import load_into, resume_once
 from deepepochs.compat import as_metric_values, refuse_accelerate
-from deepepochs.config import TrainerConfig, check_run_name
+from deepepochs.config import TrainerConfig, check_run_name, unknown_keywords
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
 from deepepochs.engine import compiled, steps
 from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.errors import ConfigError
-from deepepochs.finished import apply_finished
+from deepepochs.finished import apply_finished, report_retrained
 from deepepochs.fsdp import check_strategy_kwargs
 from deepepochs.fsm.render import auto_level, render
-from deepepochs.lr_find import LRFindResult, check_sweep_args, run_sweep
+from deepepochs.lr_find import LRFindResult, check_plot, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
 from deepepochs.tasks import STEP_NAMES, as_metric_list
@@ -158,8 +159,10 @@ class TrainerBase:
         dist_timeout: under DDP, seconds a collective waits for the other ranks before the run fails with
             `DistributedError` (a hung or far slower rank); default 600. Applies when the Trainer creates
             the process group (launch/torchrun); a group you created keeps its own timeout.
-        resume: True resumes from the newest checkpoint or snapshot of the monitors' folders, a run id
-            from that run's; False starts afresh.
+        resume: False; True resumes the run named by `running_id` when it has checkpoints and starts it
+            fresh when it has none (without `running_id`: the newest checkpoint of any run under the
+            monitors' `ckpt_dir`s); '<run id>' resumes that run, which must exist. Honoured at the first
+            `fit`, `test` or `predict`; the console says which run was loaded, from which file and why.
         running_id: the run's name, the folder of its checkpoints and logs (default: the start time).
         hyper_params: a dict written to TensorBoard with each test's results.
         log_long: print 7 digits instead of 4.
@@ -189,8 +192,11 @@ class TrainerBase:
                  metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, **legacy):
-        refuse_accelerate(device, opt, legacy)  # 0.6's Accelerate arguments, each with its replacement
+                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, **unknown):
+        refuse_accelerate(device, opt, unknown)  # 0.6's Accelerate arguments, each with its replacement
+        if unknown:  # other libraries' names for our arguments get ours named (max_epochs -> epochs=)
+            known = [n for n in inspect.signature(TrainerBase.__init__).parameters if n not in ("self", "unknown")]
+            raise unknown_keywords("Trainer()", unknown, known)
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
@@ -219,6 +225,7 @@ class TrainerBase:
         self.device = dist.device
         self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume
+        self._running_id_given = running_id is not None  # resume=True then means this run only
         # Under DDP rank 0's id: all ranks must name the same checkpoint and log folders.
         self.running_id = dist.broadcast_object(
             running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
@@ -323,13 +330,14 @@ class TrainerBase:
 
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None):
-        """Train toward the epoch target; returns `{'train': {name: [per epoch]}, 'val': {...}}` for the
-        epochs this call ran. An exception rolls the open window back and is re-raised with the flight
-        record; calling `fit` again continues where the run stopped.
+        """Train toward the epoch target; returns the whole run's records, `{'train': {name: [per epoch]},
+        'val': {...}}` (a copy of `trainer.history`: every epoch of the run, those of earlier fits and of
+        a resumed checkpoint included). An exception rolls the open window back and is re-raised with
+        the flight record; calling `fit` again continues where the run stopped.
 
         With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
         training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
-        that is finished (see `deepepochs.finished`) trains nothing and returns the run's records."""
+        that is finished (see `deepepochs.finished`) trains nothing."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
@@ -362,6 +370,37 @@ class TrainerBase:
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
         return as_metric_values(driver.guarded("test", lambda: driver.run_test(tasks)))
+
+    def estimated_updates(self, train_dl, epochs=None) -> int:
+        """The number of updates `fit(train_dl)` makes over `epochs` epochs (default: the trainer's
+        `epochs`), per process: `ceil(batches per process / gradient_accumulation_steps) * epochs`, the
+        batches per process being those of the shard each process trains on (a plain DataLoader is split
+        over the processes). This is the `total_steps` / `T_max` a step-wise scheduler (`sched_on='step'`)
+        such as `OneCycleLR` or `CosineAnnealingLR` needs; create the scheduler with it after the Trainer.
+
+        Every update steps the scheduler once, except those the fp16 GradScaler skips (a non-finite
+        gradient): then the schedule ends a few updates short, never past its end.
+
+        Example:
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> trainer = Trainer(model, F.cross_entropy, opt, epochs=5)
+            >>> total = trainer.estimated_updates(train_dl)
+            >>> trainer.opt[0].scheduler = OneCycleLR(opt, max_lr=0.1, total_steps=total)
+        """
+        self._check_open("estimated_updates")
+        epochs = self.config.epochs if epochs is None else epochs
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs must be a positive int (got {epochs!r})")
+        if train_dl is None:
+            raise ConfigError("estimated_updates() needs the training data: pass the DataLoader given to fit()")
+        data = self._dist.prepare_dataloader(train_dl, "train")
+        try:
+            batches = len(data)
+        except TypeError:
+            raise ConfigError(f"estimated_updates() needs data with a length (len()); {type(train_dl).__name__}"
+                              " has none, so count the updates yourself") from None
+        k = self.config.gradient_accumulation_steps
+        return -(-batches // k) * epochs  # windows never cross an epoch: a short tail window is one update
 
     def predict(self, dataloader, device="cpu", batch_size=None):
         """The model's outputs for every batch of `dataloader`, concatenated in order along dim 0.
@@ -417,13 +456,15 @@ class TrainerBase:
             stop_factor: divergence threshold on the smoothed loss; None sweeps up to `max_lr`.
             smooth: the loss's moving-average factor in [0, 1) (0: no smoothing).
             opt_index: the optimizer whose rate is swept; required with several optimizers.
-            plot: True draws the curve (matplotlib, when installed), a path saves it there, False draws
-                nothing.
+            plot: True draws the curve (matplotlib, when installed; else a note says how to get it), a path
+                saves it there (which needs matplotlib: without it, a `ConfigError` before the sweep),
+                False draws nothing.
             batch_size: as for `fit`.
 
         Returns:
-            `LRFindResult` with `lrs`, `losses`, `smoothed`, `suggestion` (the rate where the smoothed loss
-            falls fastest, before its minimum) and `stop_reason`.
+            `LRFindResult` with `lrs`, `losses`, `smoothed`, `suggestion` and `stop_reason`. The
+            suggestion is the rate where the loss falls fastest, at most a tenth of the rate where it is
+            lowest, read from the curve before it diverges, smoothed without lag (`deepepochs.lr_find`).
 
         Example:
             >>> result = trainer.find_lr(train_dl, min_lr=1e-5, max_lr=1.0, plot=False)
@@ -436,6 +477,7 @@ class TrainerBase:
     def _find_lr(self, train_dl, train_tasks, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
                  batch_size) -> LRFindResult:
         check_sweep_args(min_lr, max_lr, num_steps, stop_factor, smooth)
+        check_plot(plot)
         if train_dl is None and not train_tasks:
             raise ConfigError("find_lr needs training data: pass train_dl (a DataLoader or iterable of batches)")
         result = run_sweep(self, train_dl, train_tasks=train_tasks, min_lr=min_lr, max_lr=max_lr,
@@ -585,10 +627,12 @@ class TrainerBase:
         return False
 
     def _resume(self):
-        """The resume_checkpoint action: load what `resume=...` asks for; for a finished run (see
-        `deepepochs.finished`) the records `fit()` returns without training, else None."""
+        """The resume_checkpoint action: load what `resume=...` asks for (with the run's history); for a
+        finished run (see `deepepochs.finished`) also its end, so the next fit trains nothing."""
         loaded = resume_once(self)
-        return None if loaded is None else apply_finished(self, loaded[0].parent, loaded[1])
+        if loaded is not None:
+            apply_finished(self, loaded[0].parent, loaded[1])
+            report_retrained(self, loaded[0].parent, loaded[1])
 
     def _check_open(self, call: str):
         if self._closed:

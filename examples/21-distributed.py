@@ -83,6 +83,5 @@ if __name__ == "__main__":
     os.environ[_EPOCHS_ENV] = str(args.epochs or (2 if args.small else 5))
     os.environ[_STRATEGY_ENV] = args.strategy
     results = launch(main, num_processes=args.num_processes)
-    if results is not None:  # under torchrun every rank gets here; rank 0 prints
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"test results (world size {results['world_size']}): {results}")
+    if results is not None:  # rank 0's result; under torchrun the other ranks get None
+        print(f"test results (world size {results['world_size']}): {results}")

@@ -114,8 +114,8 @@ GUARDS = [
 
 A = Action
 ACTIONS = [
-    A("resume_checkpoint", "Load the newest checkpoint of the monitors' folders (or start fresh); a finished"
-      " run's records become fit()'s result."),
+    A("resume_checkpoint", "Load the checkpoint resume= asks for (or start fresh), with the run's records and,"
+      " for a finished run, its end."),
     A("start_epoch", "Advance the 1-based epoch counter and set distributed samplers' epoch."),
     A("report_early_stop", "Record and print why the fit stopped before its epoch target."),
     A("open_window", "Reset the window's sample count, loss sums and metric patches."),

@@ -20,7 +20,7 @@ from deepepochs import Callback, CheckCallback, CheckpointError, Optimizer, Trai
 from deepepochs.errors import DeepEpochsWarning
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
-        "monitors", "rng", "order_seed", "position", "shards"}
+        "history", "monitors", "rng", "order_seed", "position", "shards"}
 
 
 def _loader(n=64, batch_size=16, seed=0):
@@ -80,7 +80,7 @@ def test_resumed_run_trains_the_remaining_epochs_and_matches_an_uninterrupted_ru
     """3 epochs, then a fresh trainer with resume=True, epochs=5 runs epochs 4 and 5 only and ends where a
     plain 5-epoch PyTorch loop ends: same weights, momentum buffers, learning rate and schedule."""
     first = _trainer(tmp_path, epochs=3)
-    first.fit(_loader(), _loader(seed=1))
+    first_records = first.fit(_loader(), _loader(seed=1))
     first.close()
 
     recorder = EpochRecorder()
@@ -89,7 +89,8 @@ def test_resumed_run_trains_the_remaining_epochs_and_matches_an_uninterrupted_ru
     records = resumed.fit(_loader(), _loader(seed=1))
 
     assert recorder.epochs == [4, 5]
-    assert len(records["train"]["loss"]) == 2
+    assert len(records["train"]["loss"]) == 5  # the whole run's records, the resumed epochs included
+    assert records["train"]["loss"][:3] == first_records["train"]["loss"]
     assert resumed.running_id == first.running_id  # the run folder is reused
     model, opt, sched = _reference(5)
     for (name, got), want in zip(resumed.raw_model.state_dict().items(), model.state_dict().values()):
@@ -193,7 +194,8 @@ def test_a_process_killed_mid_save_leaves_the_last_good_checkpoint_for_resume(tm
     cb = CheckCallback("loss", save_best=False, ckpt_dir=tmp_path / "ckpt")
     trainer = Trainer(model, F.mse_loss, epochs=2, callbacks=[cb], resume=True, log_batch=False)
     dl = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=8)
-    assert len(trainer.fit(dl, dl)["train"]["loss"]) == 1  # epoch 2 only: epoch 1 came from the file
+    records = trainer.fit(dl, dl)  # epoch 2 only trains: epoch 1 (and its records) came from the file
+    assert len(records["train"]["loss"]) == 2 and trainer.loop.completed_epochs == 2
     assert trainer.running_id == run.name
     assert torch.load(run / "val-loss.latest.ckpt", weights_only=True)["epoch"] == 2
 
@@ -211,7 +213,7 @@ def test_a_moved_and_renamed_checkpoint_folder_resumes_into_the_renamed_run(tmp_
     resumed = _trainer(tmp_path, epochs=3, resume=True, seed=7, callbacks=[cb])
     resumed.fit(_loader(), _loader(seed=1))
 
-    assert "Resumed from" in capsys.readouterr().out
+    assert "Resumed run renamed-run" in capsys.readouterr().out
     assert resumed.running_id == "renamed-run"
     assert not old_run.exists()
     saved = torch.load(tmp_path / "moved" / "renamed-run" / "val-loss.latest.ckpt", weights_only=True)
@@ -236,7 +238,7 @@ def test_load_checkpoint_loads_a_single_renamed_file_and_continues_from_its_epoc
         assert torch.equal(got, want)
     assert fresh.opt[0].opt.param_groups[0]["lr"] == first.opt[0].opt.param_groups[0]["lr"]
     records = fresh.fit(_loader(), _loader(seed=1))
-    assert len(records["train"]["loss"]) == 1
+    assert len(records["train"]["loss"]) == 4  # the file's three epochs and the one trained now
 
 
 def test_resume_with_a_missing_run_id_names_the_paths_searched(tmp_path):
@@ -395,7 +397,7 @@ def test_a_two_process_ddp_checkpoint_loads_in_a_single_process(tmp_path):
         torch.testing.assert_close(value, out["state"][name], msg=name)
     x = torch.randn(16, 4)
     records = trainer.fit(DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
-    assert len(records["train"]["loss"]) == 1
+    assert len(records["train"]["loss"]) == 3 and trainer.loop.completed_epochs == 3  # two from the file
 
 
 class _Dropout(nn.Module):

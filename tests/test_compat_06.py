@@ -397,7 +397,7 @@ def test_int_running_id_and_resume_of_0_6_name_the_run_folder(tmp_path):
     second = make(resume=1)
     records = second.fit(data())
     second.close()
-    assert second.running_id == "1" and len(records["train"]["loss"]) == 1  # epoch 2 only
+    assert second.running_id == "1" and len(records["train"]["loss"]) == 2  # epoch 1 from the file, epoch 2
     with pytest.raises(ConfigError, match=r"resume must be False, True or a running id .* \(got 2\.5\)"):
         make(resume=2.5)
 

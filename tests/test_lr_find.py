@@ -132,7 +132,8 @@ def test_sweep_losses_and_rates_match_a_plain_pytorch_range_test():
 
 def test_sweep_stops_when_the_smoothed_loss_diverges_and_suggests_from_the_curve():
     """With a huge max_lr the sweep stops at the first update whose smoothed loss exceeds 4x its best; the
-    suggestion is the rate of steepest smoothed-loss descent (vs log lr) before the minimum."""
+    suggestion is the rate of steepest descent (vs log lr) of the forward-backward smoothed losses before
+    the divergence, before its minimum, at most a tenth of the minimum's rate."""
     x, y = _data()
     model = _model()
     with Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), **_quiet()) as trainer:
@@ -143,9 +144,13 @@ def test_sweep_stops_when_the_smoothed_loss_diverges_and_suggests_from_the_curve
     assert len(result.lrs) < 80 and result.stop_reason.startswith("diverged")
     first_bad = next(i for i, s in enumerate(smoothed) if not math.isfinite(s) or s > 4 * min(smoothed[:i + 1]))
     assert first_bad == len(smoothed) - 1
-    end = int(np.argmin(finite)) + 1
-    slopes = np.gradient(np.array(smoothed[:end]), np.log10(result.lrs[:end]))
-    assert result.suggestion == result.lrs[int(np.argmin(slopes))]
+    assert finite
+    raw = result.losses
+    cut = next((i for i, v in enumerate(raw) if not math.isfinite(v) or v > 4 * min(raw[:i + 1])), len(raw))
+    curve = _ema(_ema(raw[:cut], 0.9)[::-1], 0.9)[::-1]
+    low = int(np.argmin(curve))
+    slopes = np.gradient(np.array(curve[:low + 1]), np.log10(result.lrs[:low + 1]))
+    assert result.suggestion == min(result.lrs[int(np.argmin(slopes))], result.lrs[low] / 10)
     assert 1e-4 <= result.suggestion <= result.lrs[-1]
 
 
@@ -178,7 +183,8 @@ def test_lr_find_callback_makes_fit_a_sweep_as_in_0_6_then_training_resumes():
         assert trainer.fit(dl) == {"train": {}, "val": {}}
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert finder.done and 3 <= len(finder.lrs) == len(finder.losses) <= 12
-        assert finder.lrs[0] == pytest.approx(1e-4) and finder.suggestion in finder.lrs
+        assert finder.lrs[0] == pytest.approx(1e-4)
+        assert finder.suggestion in finder.lrs or finder.suggestion in [lr / 10 for lr in finder.lrs]
         records = trainer.fit(dl)
         assert len(records["train"]["loss"]) == 1
         assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -250,3 +256,54 @@ def test_find_lr_rejects_bad_arguments_naming_them():
         assert [o.opt.param_groups[0]["lr"] for o in trainer.opt] == [0.1, 0.1]
     with pytest.raises(ConfigError, match="max_batch"):
         LRFindCallback(max_batch=0)
+
+
+def _least_squares(scale, seed=0):
+    """A linear least-squares problem (one full batch, no bias) and its largest stable SGD rate: for the
+    mean squared error the Hessian is 2/n X^T X, and gradient descent is stable only below 2 / its largest
+    eigenvalue."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 8, generator=g) * scale * torch.tensor([3.0, 1, 1, 1, 0.5, 0.5, 0.2, 0.1])
+    y = x @ (10 * torch.randn(8, 1, generator=g)) + 0.1 * torch.randn(256, 1, generator=g)
+    hessian = 2 / len(x) * x.T @ x
+    return x, y, 2 / torch.linalg.eigvalsh(hessian.double()).max().item()
+
+
+@pytest.mark.parametrize("scale, num_steps", [(1.0, 30), (1.0, 100), (10.0, 30), (10.0, 60)])
+def test_the_suggestion_lies_in_the_stable_descending_region_of_a_least_squares_problem(scale, num_steps):
+    """Swept over eight decades around the largest stable rate, the suggestion is below half of it (not
+    at the cliff, where a lagging average put it) and above a thousandth of it, and plain gradient
+    descent at the suggested rate lowers the loss at every step."""
+    x, y, stable = _least_squares(scale)
+    model = nn.Linear(8, 1, bias=False)
+    with Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), **_quiet()) as trainer:
+        result = trainer.find_lr([(x, y)], min_lr=1e-6 * stable, max_lr=100 * stable, num_steps=num_steps,
+                                 plot=False)
+    assert stable / 1000 < result.suggestion < stable / 2
+    torch.manual_seed(1)
+    plain = nn.Linear(8, 1, bias=False)
+    opt = torch.optim.SGD(plain.parameters(), lr=result.suggestion)
+    losses = []
+    for _ in range(20):
+        loss = F.mse_loss(plain(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(b < a for a, b in zip(losses, losses[1:]))
+
+
+def test_a_plot_file_without_matplotlib_is_an_error_naming_the_plot_extra(monkeypatch):
+    """plot='lr.png' cannot be honoured without matplotlib: a ConfigError before the sweep, naming the
+    [plot] extra (plot=True only prints a note)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    x, y = _data()
+    model = _model()
+    with Trainer(model, F.cross_entropy, **_quiet()) as trainer:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ConfigError, match=r"plot='lr\.png' saves the curve with matplotlib, which is not"
+                                              r" installed: pip install 'deepepochs\[plot\]'"):
+            trainer.find_lr(DataLoader(TensorDataset(x, y), batch_size=BATCH), num_steps=5, plot="lr.png")
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ConfigError, match=r"deepepochs\[plot\]"):
+        LRFindCallback(plot="lr.png")

@@ -31,7 +31,7 @@ class CheckCallback(Callback):
     """Save the best (or latest) checkpoint by a monitored metric and stop after `patience` bad epochs.
 
     Args:
-        monitor: metric name as it appears in the stage's metrics, e.g. 'loss' or 'acc'.
+        monitor: metric name as it appears in the stage's metrics, e.g. 'loss' or 'accuracy'.
         on_stage: 'val' (the validation metrics) or 'train'.
         mode: 'min' (lower is better) or 'max'.
         patience: stop the fit after this many checks in a row without improvement; 0 never stops.
@@ -167,6 +167,8 @@ class CheckCallback(Callback):
         if improved or not self.save_best:
             self.saved_epoch = epoch  # before the save runs, so the file records itself
             trainer.request_save(lambda: self._save(trainer))
+        if self.save_best:  # the best file may be older than this epoch: a resume says what it trains again
+            trainer.request_save(lambda: self._save_progress(trainer))
         if self.patience and self.bad_epochs >= self.patience:
             best = "none" if self.best is None else f"{self.best:.6g} at epoch {self.best_epoch}"
             trainer.request_stop(f"{self.on_stage} {self.monitor} did not improve for {self.bad_epochs}"
@@ -183,6 +185,10 @@ class CheckCallback(Callback):
         # file carries all of their states. Every rank took the same decision and calls it (rank 0 writes
         # the file; under FSDP every rank writes its shards).
         checkpoint.save(trainer, self.path(trainer))
+
+    def _save_progress(self, trainer) -> None:
+        if trainer._dist.is_main:
+            finished.write_progress(trainer, self.path(trainer).parent)
 
     def on_before_test_epochs(self, trainer, tasks):
         """The first CheckCallback swaps in the weights of the first monitor that has a file."""

@@ -8,6 +8,10 @@ side in TensorBoard's `<metric>` section:
   returns; step: the 1-based epoch.
 - `lr` (one optimizer, one param group) or `lr/lr_<opt>_<group>`: the learning rates the epoch used;
   step: the 1-based epoch.
+- `lr/update` (one optimizer, one param group) or `lr/lr_<opt>_<group>_update`: for an optimizer with a
+  step-wise scheduler (`sched_on='step'`), the learning rate each applied update used; step: that
+  optimizer's updates so far (its scheduler's count, so a resumed run continues the curve). An update
+  skipped by the fp16 GradScaler is not logged (it was not applied).
 - `<metric>/train_batch` (`log_batch=True`): per-batch training metrics; step: training batches so far.
 - `<metric>/test`: the metrics of `test()`; step: the number of completed epochs.
 - `loop/state_graph`: the loop machine as Mermaid text (and a PNG image when Graphviz is installed),
@@ -102,6 +106,7 @@ class LogCallback(Callback):
     def _reset(self):
         self._graph_pending = self.log_graph
         self._state_graph_done = not self.state_graph
+        self._update_hooks = []
         self._batch_step = 0
         self._epoch_base = self._task_base = None
         self._stage_tasks = []
@@ -120,6 +125,14 @@ class LogCallback(Callback):
         self._begin_run(trainer)
         if self._graph_pending and self.example_input is not None:
             self._write_graph(trainer, to_device(self.example_input, trainer.device))
+        self._watch_updates(trainer)
+
+    def on_after_fit(self, trainer):
+        """Stop logging per-update learning rates (the optimizers may be used elsewhere after the fit)."""
+        self._unwatch_updates()
+
+    def on_close(self, trainer):
+        self._unwatch_updates()
 
     def on_before_test_epochs(self, trainer, tasks):
         """A test without a fit before it still records the state graph."""
@@ -190,6 +203,7 @@ class LogCallback(Callback):
 
     def on_interrupted(self, trainer, exception):
         """Record where the loop failed: the error, the flight record and the state graph at the crash."""
+        self._unwatch_updates()
         if not (self.state_graph and trainer.is_main_process):
             return
         writer = self.writer(trainer)
@@ -201,6 +215,37 @@ class LogCallback(Callback):
         writer.flush()
 
     # ---- helpers ----
+    def _watch_updates(self, trainer):
+        """Log the learning rate of every applied update of each optimizer with a step-wise scheduler.
+
+        An optimizer step pre-hook (no per-batch callback hook, so training keeps its fused path) reads
+        the rates just before `step()` applies them, i.e. those the update uses; the scheduler steps after
+        it. The GradScaler does not call `step()` for a skipped update, so none is logged for it."""
+        self._unwatch_updates()
+        if not trainer.is_main_process:
+            return
+        opts, loop = trainer.opt, trainer.loop
+        single = len(opts) == 1 and len(opts[0].opt.param_groups) == 1
+        for index, item in enumerate(opts):
+            scheduler = opts.step_scheduler(index)
+            if scheduler is None:
+                continue
+            tags = ["lr/update" if single else f"lr/lr_{index}_{j}_update" for j in range(len(item.opt.param_groups))]
+
+            def log(optimizer, _args, _kwargs, tags=tags, scheduler=scheduler):
+                if loop.stage != "train":  # a step outside this trainer's training is not its update
+                    return
+                writer, step = self.writer(trainer), int(scheduler.last_epoch) + 1
+                for tag, group in zip(tags, optimizer.param_groups):
+                    writer.add_scalar(tag, float(group["lr"]), step)
+
+            self._update_hooks.append(item.opt.register_step_pre_hook(log))
+
+    def _unwatch_updates(self):
+        for handle in self._update_hooks:
+            handle.remove()
+        self._update_hooks = []
+
     def _begin_run(self, trainer):
         if self._state_graph_done:
             return

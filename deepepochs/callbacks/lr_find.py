@@ -11,7 +11,7 @@ on the callback (`lrs`, `losses`, `suggestion`, `result`). `Trainer.find_lr` doe
 from __future__ import annotations
 
 from deepepochs.callbacks.base import Callback
-from deepepochs.lr_find import check_sweep_args
+from deepepochs.lr_find import check_plot, check_sweep_args
 
 __all__ = ["LRFindCallback"]
 
@@ -25,7 +25,8 @@ class LRFindCallback(Callback):
         opt_id: which optimizer's learning rate to sweep; required with several optimizers.
         stop_factor: stop when the smoothed loss exceeds this multiple of its best value (None: never).
         smooth: the loss's moving-average factor, in [0, 1).
-        plot: draw the curve when matplotlib is installed: True shows it, a path saves it, False skips it.
+        plot: True shows the curve when matplotlib is installed, a path saves it (matplotlib required:
+            `pip install 'deepepochs[plot]'`), False skips it.
 
     Example:
         >>> finder = LRFindCallback(max_batch=100, min_lr=1e-5, max_lr=1.0)
@@ -36,6 +37,7 @@ class LRFindCallback(Callback):
     def __init__(self, max_batch: int = 100, min_lr: float = 1e-6, max_lr: float = 5.0, opt_id: int | None = None,
                  stop_factor: float | None = 4.0, smooth: float = 0.9, plot=True):
         check_sweep_args(min_lr, max_lr, max_batch, stop_factor, smooth)
+        check_plot(plot)
         self.max_batch, self.min_lr, self.max_lr, self.opt_id = max_batch, min_lr, max_lr, opt_id
         self.stop_factor, self.smooth, self.plot = stop_factor, smooth, plot
         self.result = None  # the LRFindResult once the sweep ran

@@ -132,9 +132,9 @@ def stop_signalled(ctx: Context) -> bool:
 # ---- fit and epoch -----------------------------------------------------------------------------------
 @action
 def resume_checkpoint(ctx: Context) -> None:
-    records = ctx.parts.resume()
-    if records is not None:  # a finished run: fit() trains nothing and returns the run's records
-        ctx.fit_records = records
+    """Load what `resume=` asks for; the file (or a finished run's record) brings the run's history, which
+    is what `fit()` returns, so a finished run's fit trains nothing and returns its records."""
+    ctx.parts.resume()
 
 
 @action
@@ -181,9 +181,8 @@ def commit_epoch(ctx: Context) -> None:
     ctx.train_meters = None
     ctx.epoch_undo.clear()
     for stage, metrics in ctx.last_metrics.items():
-        if stage in ctx.fit_records:
+        if stage in ctx.history:
             for name, value in metrics.items():
-                ctx.fit_records[stage].setdefault(name, []).append(value)
                 ctx.history[stage].setdefault(name, []).append(value)
 
 

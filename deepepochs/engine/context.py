@@ -95,8 +95,8 @@ class Parts:
         console: the `Console`.
         facade: the object handed to hooks and step methods as `trainer`.
         resolve_step: `(task, stage) -> step method`, or None for the engine's default step.
-        resume: loads the checkpoint `Trainer(resume=...)` asked for (the `resume_checkpoint` action);
-            returns a finished run's records (what `fit()` then returns without training), else None.
+        resume: loads the checkpoint `Trainer(resume=...)` asked for (the `resume_checkpoint` action),
+            with the run's history and, for a finished run, its end (the next fit then trains nothing).
         running_id: the run's current name (a resume may change it).
         target_key: `Trainer(targets='<key>')`: the field of dict batches that holds the targets, or None.
         pick_targets: `Trainer(targets=callable)`: `(batch_x, model_out) -> (preds, targets)` for the
@@ -116,7 +116,7 @@ class Parts:
     console: object
     facade: object
     resolve_step: Callable
-    resume: Callable[[], dict | None]
+    resume: Callable[[], object]
     running_id: Callable[[], str]
     target_key: str | None = None
     pick_targets: Callable | None = None
@@ -143,7 +143,8 @@ class Context:
         task_index: the index of the running task within its stage.
         batch_counted: the current batch's loss and patches are in the meters already.
         train_meters: the epoch's training meters per task (committed work a resumed fit continues).
-        fit_records, history: per stage, per metric, the values of epochs this fit / this trainer committed.
+        history: per stage, per metric, the values of the epochs the run committed (those a resume
+            loaded included); `fit()` returns a copy.
         step_patches: the default step's metric patches, made before its update (committed with it).
         epoch_undo: how to undo the epoch-end work done before `commit_epoch`, in order (rollback).
         first_batch: the running task's first batch is yet to be checked (`steps.first_batch_checks`).
@@ -181,7 +182,6 @@ class Context:
     task_index: int = 0
     batch_counted: bool = False
     train_meters: list | None = None
-    fit_records: dict = attrs.Factory(dict)
     history: dict = attrs.Factory(lambda: {"train": {}, "val": {}})
     step_patches: dict | None = None
     epoch_undo: list = attrs.Factory(list)

@@ -9,6 +9,7 @@ that did not commit) is undone by the `interrupt` edge's `discard_window` action
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import threading
@@ -156,7 +157,6 @@ class Driver:
         parts, loop = ctx.parts, ctx.loop
         fire = ctx.machine.fire_cold
         loop.target_epochs = epochs
-        ctx.fit_records = {"train": {}, "val": {}}
         ctx.monitor_check = (train, val)
         ctx.snapshots = snapshots.find_writer(parts.hooks.callbacks)
         if ctx.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
@@ -195,7 +195,7 @@ class Driver:
         if ctx.snapshots is not None:
             snapshots.after_fit(ctx)
         fire("finish")
-        return ctx.fit_records
+        return copy.deepcopy(ctx.history)  # the whole run's records, resumed epochs included
 
     def _count_epoch(self, epoch):
         """The epoch counts as completed for its end's hooks and saves; until `commit_epoch` a rollback

@@ -224,8 +224,8 @@ class ActionName(str, enum.Enum):
     """Names of the loop's actions; each value is the name `spec/loop.py` gives it."""
 
     RESUME_CHECKPOINT = 'resume_checkpoint'
-    """Load the newest checkpoint of the monitors' folders (or start fresh); a finished run's records become fit()'s
-    result."""
+    """Load the checkpoint resume= asks for (or start fresh), with the run's records and, for a finished run, its
+    end."""
     START_EPOCH = 'start_epoch'
     """Advance the 1-based epoch counter and set distributed samplers' epoch."""
     REPORT_EARLY_STOP = 'report_early_stop'

@@ -117,8 +117,8 @@ GUARDS = (('epochs_remaining', 'Completed epochs are fewer than the epoch target
 # (name, commit, doc)
 ACTIONS = (('resume_checkpoint',
   False,
-  "Load the newest checkpoint of the monitors' folders (or start fresh); a finished run's records become "
-  "fit()'s result."),
+  "Load the checkpoint resume= asks for (or start fresh), with the run's records and, for a finished run, "
+  'its end.'),
  ('start_epoch', False, "Advance the 1-based epoch counter and set distributed samplers' epoch."),
  ('report_early_stop', False, 'Record and print why the fit stopped before its epoch target.'),
  ('open_window', False, "Reset the window's sample count, loss sums and metric patches."),

@@ -83,7 +83,8 @@ def test_monitors_in_one_folder_write_their_own_files_each_holding_every_monitor
     trainer = _trainer([best, latest])
     records = trainer.fit(*_loaders())
     run = tmp_path / trainer.running_id
-    assert sorted(p.name for p in run.iterdir()) == ["finished.pt", "train-loss.latest.ckpt", "val-loss.best.ckpt"]
+    assert sorted(p.name for p in run.iterdir()) == ["finished.pt", "progress.pt", "train-loss.latest.ckpt",
+                                                     "val-loss.best.ckpt"]
 
     val = records["val"]["loss"]
     best_epoch = val.index(min(val)) + 1
@@ -120,7 +121,7 @@ def test_a_resumed_monitor_keeps_counting_patience_from_the_checkpoint(tmp_path)
     resumed = _trainer([CheckCallback("loss", patience=3, save_best=False, ckpt_dir=tmp_path)], epochs=10,
                        lr=0.0, resume=True)
     records = resumed.fit(*_loaders())
-    assert len(records["val"]["loss"]) == 1
+    assert len(records["val"]["loss"]) == 4  # three from the checkpoint, one trained now
     assert resumed.loop.completed_epochs == 4
 
 
@@ -154,7 +155,7 @@ def test_test_evaluates_the_best_epoch_then_restores_the_pre_test_weights(tmp_pa
         assert torch.equal(value, before[name]), name
     assert trainer.loop.completed_epochs == 6
     assert trainer.opt[0].opt.state_dict() == momentum
-    assert len(trainer.fit(train, val, epochs=7)["val"]["loss"]) == 1
+    assert len(trainer.fit(train, val, epochs=7)["val"]["loss"]) == 7
 
 
 def test_a_failing_test_still_restores_the_pre_test_weights(tmp_path):

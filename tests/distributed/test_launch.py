@@ -38,7 +38,7 @@ pytestmark = pytest.mark.distributed
 # Runs one launch in a fresh interpreter and prints its outcome as JSON on the last stdout line.
 _DRIVER = textwrap.dedent(
     """
-    import json, sys, time
+    import json, sys, threading, time
     import launch_targets
     from deepepochs.launch import launch
 
@@ -48,6 +48,8 @@ _DRIVER = textwrap.dedent(
     except Exception as exc:
         outcome = {"error_type": type(exc).__name__, "message": str(exc)}
     outcome["elapsed"] = time.monotonic() - start
+    # the thread that copies the children's stderr must have seen its end, not been given up on
+    outcome["stderr_pump_alive"] = any(t.name == "deepepochs-launch-stderr" for t in threading.enumerate())
     print(json.dumps(outcome))
     """
 )
@@ -159,6 +161,15 @@ def test_caller_environment_is_unchanged_after_launch(two_process_run):
         assert name not in two_process_run.env_after
 
 
+def test_launch_ends_when_the_children_do_without_waiting_for_their_stderr(no_torchrun_env):
+    """A first launch in a fresh interpreter: the children's stderr pipe reaches its end when they exit
+    (multiprocessing's resource tracker, started by the first spawn, used to keep it open, so every
+    launch waited 2 s for it before returning)."""
+    outcome = _launch_in_subprocess("report_process")
+    assert outcome["result"]["env"]["RANK"] == "0"
+    assert outcome["stderr_pump_alive"] is False
+
+
 def test_caller_signal_handlers_are_unchanged_after_launch(two_process_run):
     """The SIGINT and SIGTERM handlers are the same objects before and after the launch."""
     assert two_process_run.handlers_before[signal.SIGTERM] is _caller_sigterm_handler
@@ -197,6 +208,23 @@ def test_torchrun_environment_runs_main_in_the_calling_process(monkeypatch, spaw
     report = launch(launch_targets.report_process, num_processes=2)
     assert report["pid"] == os.getpid()
     assert report["env"]["RANK"] == "0"
+
+
+def test_under_torchrun_only_rank_0_gets_the_result_and_every_rank_runs_main(monkeypatch, spawning_fails):
+    """Under torchrun every rank runs main(); rank 0 gets its result, the others None (as a launch caller
+    sees only rank 0's), so a script printing a non-None result prints it once."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ran = []
+
+    def main():  # under torchrun main runs in this process: no importability needed
+        ran.append(os.environ["RANK"])
+        return {"rank": os.environ["RANK"]}
+
+    results = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        results.append(launch(main, num_processes=2))
+    assert ran == ["0", "1"] and results == [{"rank": "0"}, None]
 
 
 def test_initialised_process_group_runs_main_in_the_calling_process(tmp_path, spawning_fails):
