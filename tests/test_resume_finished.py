@@ -79,7 +79,8 @@ def test_following_the_finished_message_trains_on_like_0_6(tmp_path):
     # patience 2 stops the run again
     assert counter.batches == 2 * 3
     assert again.loop.completed_epochs == 3 and again.loop.stop is not None
-    assert len(records["train"]["loss"]) == 2
+    # fit() returns the whole run's records: epoch 1 from the checkpoint, then epochs 2 and 3 trained again
+    assert len(records["train"]["loss"]) == 3 and records == again.history
 
 
 def test_a_run_that_reached_its_target_is_finished_until_the_target_is_raised(tmp_path, capsys):

@@ -750,12 +750,15 @@ def test_resume_true_skips_a_mid_epoch_snapshot_of_a_larger_dataset_for_an_older
     path = _crafted(every_update, tmp_path, name="snapshot-u000000011.ckpt")
     assert read_checkpoint(path).position["batches_done"] == 15
     os.utime(tmp_path / "run" / "snapshot-u000000006-epoch1.ckpt", ns=(10**18, 10**18))
+    epoch1 = read_checkpoint(tmp_path / "run" / "snapshot-u000000006-epoch1.ckpt").history["train"]["loss"]
     trainer, _ = _trainer(tmp_path, resume=True)
     train, val = _data()
     smaller = DataLoader(torch.utils.data.Subset(train.dataset, range(40)), batch_size=4, shuffle=True)
     with pytest.warns(DeepEpochsWarning, match=r"after 15 batches of training task 0, which has 10 batches here"):
         records = trainer.fit(smaller, val)
-    assert trainer.loop.completed_epochs == 3 and len(records["train"]["loss"]) == 2  # epochs 2 and 3 only
+    # the whole run's records: epoch 1's from the epoch-1 snapshot that loaded, then epochs 2 and 3 trained
+    assert trainer.loop.completed_epochs == 3 and len(records["train"]["loss"]) == 3
+    assert records["train"]["loss"][:1] == list(epoch1)
 
 
 def test_an_explicitly_loaded_snapshot_whose_position_lies_outside_the_data_is_an_error(tmp_path, every_update):
