@@ -12,7 +12,7 @@ __all__ = ["METRIC_PATCHES", "NONFINITE", "PRECISIONS", "STRATEGIES", "TrainerCo
            "check_run_name"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-METRIC_PATCHES = ("tensor", "mean", "confusion")
+METRIC_PATCHES = ("auto", "tensor", "mean", "confusion")
 NONFINITE = ("raise", "skip")
 STRATEGIES = ("ddp", "fsdp")
 
@@ -64,7 +64,9 @@ class TrainerConfig:
         epochs: total epoch target; a resumed or repeated fit continues up to it.
         precision: 'fp32', 'fp16' (autocast + GradScaler) or 'bf16' (autocast, no scaler).
         gradient_accumulation_steps: DataLoader batches per optimizer update.
-        metric_patch: how dataset-level metrics are aggregated: 'tensor', 'mean' or 'confusion'.
+        metric_patch: how dataset-level metrics are aggregated: 'auto' (counts for the library's
+            confusion-matrix metrics, other functions keep predictions), 'tensor', 'mean' or 'confusion';
+            metric objects (torchmetrics) are streamed under every setting.
         nonfinite: fp32/bf16 behaviour on an inf/NaN loss in an update window: 'raise' or 'skip' the
             update (one host read per update, by design; fp16 relies on the GradScaler instead).
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
@@ -84,7 +86,7 @@ class TrainerConfig:
     precision: str = attrs.field(
         default="fp32", validator=_choice(PRECISIONS, "use 'fp16' for float16 autocast"))
     gradient_accumulation_steps: int = attrs.field(default=1, validator=_positive_int)
-    metric_patch: str = attrs.field(default="tensor", validator=_choice(METRIC_PATCHES))
+    metric_patch: str = attrs.field(default="auto", validator=_choice(METRIC_PATCHES))
     nonfinite: str = attrs.field(default="raise", validator=_choice(NONFINITE))
     split_batches: bool = attrs.field(default=False, validator=_bool)
     log_long: bool = attrs.field(default=False, validator=_bool)
