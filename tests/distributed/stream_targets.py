@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from deepepochs import Trainer
 from deepepochs.metrics import accuracy, f1
 
-__all__ = ["CLASSES", "OUT_ENV", "auroc_fn", "main", "make_data", "make_model"]
+__all__ = ["CLASSES", "OUT_ENV", "auroc_fn", "main", "make_data", "make_model", "sample_count"]
 
 OUT_ENV = "DEEPEPOCHS_TEST_OUT"
 CLASSES = 4
@@ -39,11 +39,20 @@ def auroc_fn(preds, targets):
     return multiclass_auroc(preds, targets, num_classes=CLASSES)
 
 
+SEEN: list = []
+
+
+def sample_count(preds, targets):
+    """Records how many samples it is computed on, in this process."""
+    SEEN.append(len(targets))
+    return torch.tensor(float(len(targets)))
+
+
 def main():
     from torchmetrics.classification import MulticlassAUROC
 
     model = make_model()
-    metrics = [MulticlassAUROC(num_classes=CLASSES), auroc_fn, accuracy, f1]
+    metrics = [MulticlassAUROC(num_classes=CLASSES), auroc_fn, accuracy, f1, sample_count]
     with Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2, device="cpu",
                  metrics=metrics, log_batch=False, show_info=False) as trainer:
         records = trainer.fit(DataLoader(make_data(48, 1), batch_size=4, shuffle=True),
@@ -51,5 +60,5 @@ def main():
         test = trainer.test(DataLoader(make_data(37, 2), batch_size=5))
         tiny = trainer.test(DataLoader(TensorDataset(*make_data(37, 2)[:1]), batch_size=5))  # rank 1: no batch
         state = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
-    out = {"records": records, "test": test, "tiny": tiny, "state": state}
+    out = {"records": records, "test": test, "tiny": tiny, "state": state, "seen": list(SEEN)}
     torch.save(out, Path(os.environ[OUT_ENV]) / f"rank{os.environ['RANK']}.pt")

@@ -50,3 +50,13 @@ def test_metric_objects_and_counted_metrics_under_ddp_equal_the_whole_data_on_ev
         train = rank["records"]["train"]
         assert train["MulticlassAUROC"] == pytest.approx(train["auroc_fn"], abs=1e-6)
     assert ranks[0]["records"] == ranks[1]["records"] and ranks[0]["test"] == ranks[1]["test"]
+
+
+@pytest.mark.distributed
+def test_a_function_keeping_predictions_is_computed_on_rank_0_only(ranks):
+    """Its predictions travel to rank 0, which computes the value over all samples (48 training, 37
+    validation and test) and sends it to rank 1; rank 1 only ever computes on its own first batches."""
+    assert ranks[0]["records"]["train"]["sample_count"] == [48.0, 48.0]
+    assert ranks[1]["records"]["val"]["sample_count"] == [37.0, 37.0] and ranks[1]["test"]["sample_count"] == 37.0
+    assert {48, 37} <= set(ranks[0]["seen"])
+    assert max(ranks[1]["seen"]) <= 5  # its first batch per task (checked there), never the merged data
