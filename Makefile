@@ -46,6 +46,7 @@ bench: install
 .PHONY: bench-memory
 bench-memory: install
 	$(PYTHON) benchmarks/memory_steady.py
+	$(PYTHON) benchmarks/metric_memory.py
 
 clean:
 	rm -rf build dist *.egg-info $(STAMP) .pytest_cache .ruff_cache
