@@ -298,3 +298,12 @@ def test_stream_patches_merge_across_two_ranks_into_the_whole_data_value(tmp_pat
     expected = {"auroc": float(auroc_fn(preds, targets)), "f1": float(f1_macro_fn(preds, targets))}
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == pytest.approx(expected, abs=1e-6), f"rank {rank}"
+
+
+def test_a_stream_patch_of_something_that_is_not_a_metric_object_is_refused_naming_what_it_lacks():
+    """The error names the argument, what is accepted and what was given."""
+    from deepepochs.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"metric must be a metric object with update\(\), compute\(\) and reset\(\)"
+                                          r" methods, such as a torchmetrics.Metric \(got function, lacking"):
+        StreamPatch(auroc_fn, torch.randn(2, CLASSES), torch.tensor([0, 1]))
