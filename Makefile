@@ -91,6 +91,7 @@ bench: install
 
 bench-memory: install-runtime
 	$(PYTHON) benchmarks/memory_steady.py
+	$(PYTHON) benchmarks/metric_memory.py
 
 clean:
 	rm -rf build dist *.egg-info .install.stamp .pytest_cache .ruff_cache docs/_build

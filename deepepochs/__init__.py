@@ -39,6 +39,7 @@ from deepepochs.patches import (
     TensorPatch,
     ValuePatch,
 )
+from deepepochs.streaming import StreamPatch
 from deepepochs.tasks import EpochTask, rename
 from deepepochs.trainer import Trainer, TrainerBase
 from deepepochs.utils import set_seed
@@ -66,6 +67,7 @@ __all__ = [
     "PatchBase",
     "Preempted",
     "SnapshotCallback",
+    "StreamPatch",
     "TensorDict",
     "TensorPatch",
     "TensorTuple",

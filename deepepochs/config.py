@@ -46,7 +46,7 @@ OTHER_NAMES = {
     "enable_progress_bar": "log_tqdm=",
     "strategy_kwargs": "ddp_kwargs= or fsdp_kwargs=",
 }
-METRIC_PATCHES = ("tensor", "mean", "confusion")
+METRIC_PATCHES = ("auto", "tensor", "mean", "confusion")
 NONFINITE = ("raise", "skip")
 STRATEGIES = ("ddp", "fsdp")
 
@@ -118,7 +118,9 @@ class TrainerConfig:
         epochs: total epoch target; a resumed or repeated fit continues up to it.
         precision: 'fp32', 'fp16' (autocast + GradScaler) or 'bf16' (autocast, no scaler).
         gradient_accumulation_steps: DataLoader batches per optimizer update.
-        metric_patch: how dataset-level metrics are aggregated: 'tensor', 'mean' or 'confusion'.
+        metric_patch: how dataset-level metrics are aggregated: 'auto' (counts for the library's
+            confusion-matrix metrics, other functions keep predictions), 'tensor', 'mean' or 'confusion';
+            metric objects (torchmetrics) are streamed under every setting.
         nonfinite: fp32/bf16 behaviour on an inf/NaN loss in an update window: 'raise' or 'skip' the
             update (one host read per update, by design; fp16 relies on the GradScaler instead).
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
@@ -138,7 +140,7 @@ class TrainerConfig:
     precision: str = attrs.field(
         default="fp32", validator=_precision)
     gradient_accumulation_steps: int = attrs.field(default=1, validator=_positive_int)
-    metric_patch: str = attrs.field(default="tensor", validator=_choice(METRIC_PATCHES))
+    metric_patch: str = attrs.field(default="auto", validator=_choice(METRIC_PATCHES))
     nonfinite: str = attrs.field(default="raise", validator=_choice(NONFINITE))
     split_batches: bool = attrs.field(default=False, validator=_bool)
     log_long: bool = attrs.field(default=False, validator=_bool)

@@ -47,7 +47,8 @@ from torch.utils.data import (
 )
 
 from deepepochs.errors import ConfigError, DistributedError
-from deepepochs.patches import _map_tensors
+from deepepochs.patch_policy import merge_on_root
+from deepepochs.patches import TensorPatch, _map_tensors
 from deepepochs.sharding import ShortestShard, len_or_minus_one, shard
 
 __all__ = ["DDPPolicy", "SingleProcess", "check_ddp_kwargs", "is_dtensor", "select_policy"]
@@ -454,7 +455,11 @@ class DDPPolicy(_PolicyBase):
         return buffer.to(tensor.device)
 
     def sync_patch(self, patch):
-        """A copy of `patch` holding the merge of every rank's patch (the input is left unchanged)."""
+        """A copy of `patch` holding the merge of every rank's patch (the input is left unchanged). A
+        `TensorPatch` (with the generic `sync`) is computed on rank 0 from every rank's predictions and
+        its value sent to all (`merge_on_root`): no rank but 0 receives the others' predictions."""
+        if type(patch).sync is TensorPatch.sync and isinstance(patch, TensorPatch):
+            return merge_on_root(patch, self.device)
         return patch.copy().sync()
 
     def sync_patches(self, patches: dict) -> dict:

@@ -20,14 +20,16 @@ import abc
 import copy
 import math
 import numbers
+import warnings
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from deepepochs.errors import ConfigError
+from deepepochs.errors import ConfigError, DeepEpochsWarning
 
 __all__ = [
+    "TENSOR_PATCH_WARN_BYTES",
     "MeanPatch",
     "MeanState",
     "PatchBase",
@@ -101,10 +103,25 @@ def _check_total(instance, attribute, value) -> None:
 
 @attrs.define
 class TensorState:
-    """What a :class:`TensorPatch` holds: each loaded batch's detached preds and targets, in load order."""
+    """What a :class:`TensorPatch` holds: each loaded batch's detached preds and targets, in load order, and
+    the bytes their tensors take (``nbytes``, read from shapes: no sync)."""
 
     preds: list = attrs.field(factory=list, validator=attrs.validators.instance_of(list))
     targets: list = attrs.field(factory=list, validator=attrs.validators.instance_of(list))
+    nbytes: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+
+
+TENSOR_PATCH_WARN_BYTES = 1 << 30
+"""Stored predictions and targets (bytes, one patch, one process) past which a :class:`TensorPatch` warns,
+once per metric name and process, that its memory grows with the data (1 GiB)."""
+
+_warned_growth: set = set()
+
+
+def _nbytes(obj) -> int:
+    sizes = []
+    _map_tensors(lambda t: sizes.append(t.numel() * t.element_size()), obj)
+    return sum(sizes)
 
 
 @attrs.define
@@ -312,23 +329,42 @@ class TensorPatch(PatchBase):
 
     def load(self, batch_preds, batch_targets=None) -> TensorPatch:
         """Replace the state with one batch's preds and targets (detached, not copied); return self."""
-        self.state = TensorState(
-            [_map_tensors(torch.Tensor.detach, batch_preds)],
-            [_map_tensors(torch.Tensor.detach, batch_targets)],
-        )
+        preds = _map_tensors(torch.Tensor.detach, batch_preds)
+        targets = _map_tensors(torch.Tensor.detach, batch_targets)
+        self.state = TensorState([preds], [targets], _nbytes(preds) + _nbytes(targets))
         return self
 
     def add(self, other: TensorPatch) -> TensorPatch:
-        """Append the batches of ``other`` after those of self; return self."""
+        """Append the batches of ``other`` after those of self; return self.
+
+        Warns once per metric name (a :class:`~deepepochs.errors.DeepEpochsWarning`) when the stored
+        tensors pass :data:`TENSOR_PATCH_WARN_BYTES`."""
         self._check_same_kind(other)
-        self.state.preds.extend(other.state.preds)
-        self.state.targets.extend(other.state.targets)
+        state = self.state
+        state.preds.extend(other.state.preds)
+        state.targets.extend(other.state.targets)
+        before, state.nbytes = state.nbytes, state.nbytes + other.state.nbytes
+        if before <= TENSOR_PATCH_WARN_BYTES < state.nbytes:
+            self._warn_growth()
         return self
+
+    def _warn_growth(self) -> None:
+        name = _metric_name(self.metric)
+        if name in _warned_growth:
+            return
+        _warned_growth.add(name)
+        warnings.warn(
+            f"metric {name!r} keeps every prediction and target of the task to compute its value at the end;"
+            f" they now take {self.state.nbytes / 2**30:.1f} GiB in this process and grow with the data. To"
+            " bound the memory: pass a torchmetrics metric object instead of a function (it is updated per"
+            " batch and keeps only its own state), use metric_patch='mean' (exact for means over samples such"
+            " as accuracy), or compute it from a confusion matrix (metric_patch='confusion')",
+            DeepEpochsWarning, stacklevel=3)
 
     def copy(self) -> TensorPatch:
         """A copy with its own batch lists; the tensors are shared, as nothing writes into them."""
         new = copy.copy(self)
-        new.state = TensorState(list(self.state.preds), list(self.state.targets))
+        new.state = TensorState(list(self.state.preds), list(self.state.targets), self.state.nbytes)
         return new
 
     def forward(self):
@@ -337,7 +373,8 @@ class TensorPatch(PatchBase):
             raise ValueError(f"{self!r} is empty: load a batch or add a loaded patch before computing it")
         preds, targets = _concat(self.state.preds), _concat(self.state.targets)
         if len(self.state.preds) > 1 and _is_catable(preds) and _is_catable(targets):
-            self.state = TensorState([preds], [targets])  # the next forward need not concatenate again
+            # The next forward need not concatenate again.
+            self.state = TensorState([preds], [targets], self.state.nbytes)
         return self.metric(preds, targets)
 
     def __repr__(self) -> str:

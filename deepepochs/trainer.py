@@ -135,9 +135,12 @@ class TrainerBase:
         epochs: total epoch target; repeated or resumed fits continue up to it.
         device: None (CUDA if available, else CPU), a string or a `torch.device`.
         callbacks: a list of `Callback`.
-        metrics: metric functions `(preds, targets) -> scalar | dict` for every stage.
-        metric_patch: 'tensor' (keep all predictions), 'mean' (sample-weighted batch means) or
-            'confusion' (a confusion matrix; classification metrics only).
+        metrics: metric functions `(preds, targets) -> scalar | dict`, or torchmetrics metric objects
+            (updated per batch, computed at each task's end, fresh for every task), for every stage.
+        metric_patch: 'auto' (default: a confusion matrix for deepepochs' accuracy, precision, recall, f1
+            and confusion_matrix, every prediction kept for other functions), 'tensor' (keep all
+            predictions), 'mean' (sample-weighted batch means) or 'confusion' (a confusion matrix;
+            classification metrics only). Metric objects are streamed under every setting.
         precision: 'fp32', 'fp16' or 'bf16'.
         gradient_accumulation_steps: DataLoader batches per update.
         nonfinite: fp32/bf16: 'raise' FloatingPointError (with the flight record) when an update window
@@ -189,7 +192,7 @@ class TrainerBase:
     """
 
     def __init__(self, model, loss=None, opt=None, epochs=1000, device=None, callbacks=None, metrics=None,
-                 metric_patch="tensor", resume=False, running_id=None, hyper_params=None, log_long=False,
+                 metric_patch="auto", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
                  strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, **unknown):

@@ -89,7 +89,7 @@ ROWS = {
                      r" train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx\)"),
     "an unknown metric_patch": (
         lambda tmp: _trainer(metric_patch="avg"),
-        ConfigError, r"metric_patch must be one of 'tensor', 'mean', 'confusion' \(got 'avg'\)"),
+        ConfigError, r"metric_patch must be one of 'auto', 'tensor', 'mean', 'confusion' \(got 'avg'\)"),
     "an optimizer that is not one": (
         lambda tmp: Trainer(nn.Linear(4, 2), F.cross_entropy, opt="adam"),
         ConfigError, r"opt must be None, a torch.optim.Optimizer, a deepepochs.Optimizer or a list of them"),

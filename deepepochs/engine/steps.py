@@ -13,13 +13,14 @@ import contextlib
 import torch
 
 from deepepochs.checkpoint import monitors_in
-from deepepochs.confusion import ConfusionPatch
 from deepepochs.data import call_model
 from deepepochs.engine import actions
 from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
 from deepepochs.outputs import detached
-from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, ValuePatch
+from deepepochs.patch_policy import make_patches
+from deepepochs.patches import PatchBase, ValuePatch
+from deepepochs.streaming import is_metric_object
 from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 
 __all__ = [
@@ -388,14 +389,7 @@ def batch_patches(ctx: Context, model_out, batch_y, metrics=None) -> dict:
         return {}
     if batch_y is None and not getattr(ctx.task, "targets_checked", True):
         check_metrics_without_targets(ctx, model_out, metrics)
-    kind = ctx.parts.config.metric_patch
-    # name='': the keys of a dict result are shown as they are, also when a step returns these patches
-    # (a step's nameless patches are prefixed by their key, see name_by_key).
-    if kind == "confusion":
-        return {"confusion": ConfusionPatch(model_out, batch_y, metrics=metrics, name="")}
-    if kind == "mean":
-        return {metric_name(m): MeanPatch(m, model_out, batch_y, name="") for m in metrics}
-    return {metric_name(m): TensorPatch(m, model_out, batch_y, name="") for m in metrics}
+    return make_patches(ctx.parts.config.metric_patch, metrics, model_out, batch_y)
 
 
 def check_metrics_without_targets(ctx: Context, preds, metrics) -> None:
@@ -406,7 +400,7 @@ def check_metrics_without_targets(ctx: Context, preds, metrics) -> None:
     why = ("with loss=None every item of a batch is a model input" if ctx.loss_fn is None
            else "dict batches pass every field to the model")
     for metric in metrics:
-        if not callable(metric):
+        if not callable(metric) or is_metric_object(metric):  # an object's update would change its state
             continue
         try:
             metric(preds, None)
