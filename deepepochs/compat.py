@@ -24,8 +24,6 @@ __all__ = [
     "REMOVED",
     "TensorDict",
     "TensorTuple",
-    "MetricValue",
-    "as_metric_values",
     "batches",
     "concat",
     "flatten_dict",
@@ -146,33 +144,6 @@ def refuse_accelerate(device, opt, legacy: dict) -> None:
                 " cannot step, scale or skip correctly: pass the torch optimizer itself (e.g. its"
                 " .optimizer), and the scheduler unwrapped too; precision= and gradient_accumulation_steps="
                 " replace what Accelerate did. " + _MIGRATION)
-
-
-class MetricValue(float):
-    """A value of `fit()`/`test()` results: a plain float that also has `.item()` and `.tolist()`, which
-    deepepochs 0.6 code calls on the NumPy 0-d arrays 0.6 returned. It prints, rounds, compares and
-    serialises (JSON, pickle, `torch.save`) as a float; pickling stores a plain float."""
-
-    __slots__ = ()
-
-    def item(self) -> float:
-        return float(self)
-
-    tolist = item
-
-    def __reduce__(self):
-        return float, (float(self),)
-
-
-def as_metric_values(records):
-    """`fit()`/`test()` results with every float as a :class:`MetricValue`."""
-    if isinstance(records, float):
-        return MetricValue(records)
-    if isinstance(records, dict):
-        return {key: as_metric_values(value) for key, value in records.items()}
-    if isinstance(records, list):
-        return [as_metric_values(value) for value in records]
-    return records
 
 
 def run_tensorboard(log_dir, interactive: bool | None = None):

@@ -16,7 +16,7 @@ import torch
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.checkpoint import load_into, resume_once
-from deepepochs.compat import as_metric_values, refuse_accelerate
+from deepepochs.compat import refuse_accelerate
 from deepepochs.config import TrainerConfig, check_run_name, unknown_keywords
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
@@ -361,7 +361,7 @@ class TrainerBase:
             raise ConfigError("fit() needs training data: pass train_dl or train_tasks")
         val = driver.make_tasks("val", val_dl, val_tasks,
                                 [*common, *as_metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
-        return as_metric_values(driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs)))
+        return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are
@@ -372,7 +372,7 @@ class TrainerBase:
                                   do_loss, batch_size)
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
-        return as_metric_values(driver.guarded("test", lambda: driver.run_test(tasks)))
+        return driver.guarded("test", lambda: driver.run_test(tasks))
 
     def estimated_updates(self, train_dl, epochs=None) -> int:
         """The number of updates `fit(train_dl)` makes over `epochs` epochs (default: the trainer's

@@ -9,6 +9,7 @@ Run: `python examples/27-lr_find.py` (or `--small` for a few seconds' run).
 """
 
 import argparse
+import importlib.util
 
 import torch
 from torch import nn
@@ -42,7 +43,9 @@ def main():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     with Trainer(model, F.cross_entropy, opt, epochs=epochs, metrics=[accuracy], log_batch=False) as trainer:
-        result = trainer.find_lr(train_dl, min_lr=1e-5, max_lr=10.0, num_steps=steps, plot="lr_find.png")
+        # plot= saves the curve with matplotlib (pip install 'deepepochs[plot]'); without it, read result.lrs
+        plot = "lr_find.png" if importlib.util.find_spec("matplotlib") else False
+        result = trainer.find_lr(train_dl, min_lr=1e-5, max_lr=10.0, num_steps=steps, plot=plot)
         lr = result.suggestion or 1e-2  # None only when fewer than 3 updates ran
         print(f"swept {len(result.lrs)} rates ({result.stop_reason}); training with lr {lr:.3g}")
         for group in opt.param_groups:  # the sweep left the optimizer as it was: set the rate to use

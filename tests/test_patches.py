@@ -4,15 +4,13 @@ import datetime
 import functools
 import math
 import os
-import socket
-import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from processes import free_port, spawn_with_deadline  # noqa: E402  (tests/, on sys.path under pytest)
 
 from deepepochs import metrics as dm
 from deepepochs.confusion import ConfusionMetrics, ConfusionPatch
@@ -427,30 +425,11 @@ def _flat(results):
     return flat
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_sync_gives_every_rank_the_whole_dataset_metrics(tmp_path):
     """Two gloo processes with unequal shards: after sync every rank gets the whole-dataset values."""
     world_size = 2
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    context = mp.spawn(
-        _sync_worker,
-        args=(world_size, init_method, str(tmp_path)),
-        nprocs=world_size,
-        join=False,
-        daemon=True,
-    )
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the two sync processes did not finish within 120 s")
+    spawn_with_deadline(_sync_worker, (world_size, f"tcp://127.0.0.1:{free_port()}", str(tmp_path)), world_size)
 
     logits, targets = _dataset()
     preds = logits.argmax(1)

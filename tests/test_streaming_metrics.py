@@ -6,14 +6,11 @@ every prediction)."""
 import datetime
 import os
 import shutil
-import socket
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -26,6 +23,7 @@ from deepepochs.patches import merge_patches
 from deepepochs.streaming import StreamPatch
 
 tm = pytest.importorskip("torchmetrics")
+from processes import free_port, spawn_with_deadline  # noqa: E402  (tests/, on sys.path under pytest)
 from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score  # noqa: E402
 from torchmetrics.functional.classification import multiclass_auroc, multiclass_f1_score  # noqa: E402
 
@@ -258,12 +256,6 @@ def test_stored_predictions_past_the_documented_size_warn_once_naming_the_metric
 
 
 # ---- two processes -------------------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _sync_worker(rank, world_size, init_method, out_dir):
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
@@ -285,14 +277,7 @@ def _sync_worker(rank, world_size, init_method, out_dir):
 @pytest.mark.distributed
 def test_stream_patches_merge_across_two_ranks_into_the_whole_data_value(tmp_path):
     """Two gloo ranks with unequal shards: after one sync, every rank holds the whole-data value."""
-    context = mp.spawn(_sync_worker, args=(2, f"tcp://127.0.0.1:{_free_port()}", str(tmp_path)), nprocs=2,
-                       join=False, daemon=True)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the two sync processes did not finish within 120 s")
+    spawn_with_deadline(_sync_worker, (2, f"tcp://127.0.0.1:{free_port()}", str(tmp_path)))
     g = torch.Generator().manual_seed(21)
     preds, targets = torch.randn(70, CLASSES, generator=g).softmax(1), torch.randint(0, CLASSES, (70,), generator=g)
     expected = {"auroc": float(auroc_fn(preds, targets)), "f1": float(f1_macro_fn(preds, targets))}
