@@ -310,6 +310,22 @@ class TrainerBase:
         return self._precision.scaler
 
     @property
+    def dist(self):
+        """The distributed policy (`SingleProcess`, `DDPPolicy` or `FSDPPolicy`): rank, world size, barriers,
+        gathers and broadcasts for callbacks and extensions."""
+        return self._dist
+
+    @property
+    def console(self):
+        """The console (`deepepochs.console.Console`): progress bars and messages, printed on rank 0 only."""
+        return self._console
+
+    @property
+    def precision(self):
+        """The mixed-precision policy (`deepepochs.precision.Precision`): autocast and the fp16 GradScaler."""
+        return self._precision
+
+    @property
     def is_main_process(self) -> bool:
         """True on rank 0 (and in a single process)."""
         return self._dist.is_main
