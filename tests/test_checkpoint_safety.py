@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import deepepochs.checkpoint as ckpt_mod
+import deepepochs.checkpoint.write as ckpt_write
 from deepepochs import CheckCallback, CheckpointError, ConfigError, Trainer
 from deepepochs.errors import DeepEpochsWarning
 
@@ -279,7 +280,7 @@ class _FullDisk(io.RawIOBase):
 def test_a_save_on_a_full_disk_says_no_space_is_left_and_keeps_the_previous_file(tmp_path, monkeypatch):
     """torch reports the failed write as an 'enforce fail ... unexpected pos'; the error names the cause."""
     path, before = _saved_checkpoint(tmp_path)
-    monkeypatch.setattr(ckpt_mod, "open", lambda file, mode: io.BufferedWriter(_FullDisk(64), 64), raising=False)
+    monkeypatch.setattr(ckpt_write, "open", lambda file, mode: io.BufferedWriter(_FullDisk(64), 64), raising=False)
     with pytest.raises(CheckpointError) as info:
         ckpt_mod.write_atomic({"model": {"w": torch.zeros(10_000)}}, path)
     message = str(info.value)
