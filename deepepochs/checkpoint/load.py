@@ -54,7 +54,7 @@ def load_model_state(trainer, state: Mapping, path="<memory>") -> None:
     model = trainer.raw_model
     state = _unwrap_keys(state, set(model.state_dict()))
     try:
-        trainer._dist.load_model_state_dict(model, state)
+        trainer.dist.load_model_state_dict(model, state)
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit the model: {e}") from e
 
@@ -147,7 +147,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
             ckpt = _read_shards(ckpt, path, trainer)
         _apply(trainer, ckpt, path)
         if ckpt.position is not None:  # a mid-epoch snapshot: the next fit continues inside its epoch
-            position.restore(trainer._ctx, ckpt.position, trainer._dist.rank)
+            position.restore(trainer._ctx, ckpt.position, trainer.dist.rank)
     except BaseException as exc:
         _apply(trainer, backup, "<the state before loading>")
         if isinstance(exc, CheckpointError):
@@ -177,13 +177,13 @@ def _backup(trainer) -> Checkpoint:
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
     """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors and (one process) generator states."""
     load_model_state(trainer, ckpt.model, path)
-    dist, model = trainer._dist, trainer.raw_model
+    dist, model = trainer.dist, trainer.raw_model
     try:
         trainer.opt.load_state_dict({"optimizers": ckpt.optimizers, "schedulers": ckpt.schedulers},
                                     lambda opt, state: dist.load_optimizer_state_dict(model, opt, state))
     except (ValueError, RuntimeError, KeyError, IndexError) as e:
         raise CheckpointError(f"checkpoint {path}: optimizer or scheduler state does not fit: {e}") from e
-    trainer._precision.load_state_dict(ckpt.scaler)
+    trainer.precision.load_state_dict(ckpt.scaler)
     for monitor in monitors_of(trainer):
         state = ckpt.monitors.get(monitor.monitor_id)
         if state is not None:
@@ -193,7 +193,7 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         history.clear()
         history.update({"train": {}, "val": {}, **plain_records(ckpt.history)})
     if ckpt.order_seed is not None:  # the training order continues as it was (`sharding.DataOrder`)
-        trainer._dist.order_seed = ckpt.order_seed
+        trainer.dist.order_seed = ckpt.order_seed
     if ckpt.rng is not None and trainer.world_size == 1:
         try:
             set_rng_state(ckpt.rng)

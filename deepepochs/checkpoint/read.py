@@ -142,7 +142,7 @@ def _read_shards(ckpt: Checkpoint, path, trainer=None, model_only: bool = False)
     specs = sharded.tensor_specs(shards)
     if model_only:
         specs = {key: spec for key, spec in specs.items() if key.startswith("model/")}
-    distributed = trainer is not None and trainer._dist.shards_model
+    distributed = trainer is not None and trainer.dist.shards_model
     likes = {}
     if distributed:  # a DTensor target of the parameter's placement reads just this rank's shard
         likes = {f"model/{k}": v for k, v in trainer.raw_model.state_dict().items()}

@@ -48,7 +48,7 @@ def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
     """The trainer's current training state as a `Checkpoint` for one file (tensors are not copied);
     `position`: where inside the epoch it was taken (`deepepochs.engine.position.capture`), None at an
     epoch's end. Under FSDP, where every rank holds shards, `save` writes a sharded checkpoint instead."""
-    if trainer._dist.shards_model:
+    if trainer.dist.shards_model:
         raise CheckpointError("under strategy='fsdp' every rank holds shards of the states, so there is no one-file"
                               " snapshot; call deepepochs.checkpoint.save(trainer, path) on every rank (a sharded"
                               " checkpoint folder) and consolidate(path, file) for one file")
@@ -66,10 +66,10 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) ->
         model=model,
         optimizers=opts["optimizers"],
         schedulers=opts["schedulers"],
-        scaler=trainer._precision.state_dict(),
+        scaler=trainer.precision.state_dict(),
         monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
         rng=rng_state() if trainer.world_size == 1 else None,  # under DDP every rank has its own
-        order_seed=trainer._dist.order_seed,
+        order_seed=trainer.dist.order_seed,
         history=plain_records(_run_records(trainer, position)),
     )
 
@@ -97,7 +97,7 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
     folder of that name written by every rank (`deepepochs.sharded`). `path` is replaced whichever form it
     had before. `position` as for `snapshot`. When the save fails, every rank raises (see `_agreed`).
     """
-    path, dist = Path(path), trainer._dist
+    path, dist = Path(path), trainer.dist
     if not dist.shards_model:
         ckpt = snapshot(trainer, position)
         _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
