@@ -459,3 +459,12 @@ def test_the_checkpoint_package_reads_the_trainers_public_dist_console_and_preci
                 found.append(f"{module.name}:{node.lineno} trainer.{node.attr}")
     assert len(modules) >= 5  # the package's modules were read
     assert found == []
+
+
+def test_the_user_guide_lists_every_key_a_checkpoint_file_holds():
+    """docs/guide/checkpoints.md's key table names exactly the keys `torch.save` writes (no key undocumented,
+    none documented that files lack)."""
+    guide = Path(__file__).resolve().parents[1] / "docs" / "guide" / "checkpoints.md"
+    table = guide.read_text().split("| key | content |", 1)[1].split("\n\n", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))
+    assert documented == set(ckpt_mod.Checkpoint().to_dict()) == KEYS
