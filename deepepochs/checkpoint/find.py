@@ -25,6 +25,8 @@ __all__ = [
 
 
 def _checkpoints_in(folder: Path) -> list[Path]:
+    """The checkpoints in one run folder: `.ckpt` files and committed sharded folders, never a hidden
+    temporary file of a save in progress."""
     if not folder.is_dir():
         return []
     return [p for p in folder.iterdir() if p.suffix == SUFFIX and not p.name.startswith(".") and exists(p)]

@@ -87,17 +87,20 @@ CONVERT_HINT = (" (convert it with torch.save({'format_version': 1, 'epoch': <co
 
 
 def _non_negative_int(_instance, attribute, value):
+    """attrs validator: an int >= 0 (not a bool), else `CheckpointError` naming the key."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CheckpointError(f"checkpoint key {attribute.name!r} must be a non-negative int (got {value!r})")
 
 
 def _mapping(_instance, attribute, value):
+    """attrs validator: a mapping, else `CheckpointError` naming the key."""
     if not isinstance(value, Mapping):
         raise CheckpointError(f"checkpoint key {attribute.name!r} must be a dict"
                               f" (got {type(value).__name__})")
 
 
 def _list(_instance, attribute, value):
+    """attrs validator: a list or tuple, else `CheckpointError` naming the key."""
     if not isinstance(value, (list, tuple)):
         raise CheckpointError(f"checkpoint key {attribute.name!r} must be a list"
                               f" (got {type(value).__name__})")

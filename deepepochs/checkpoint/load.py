@@ -70,6 +70,7 @@ def copied_to_cpu(state: Mapping) -> dict:
 
 
 def _shape(value):
+    """A state entry's shape for the fit check: a tensor's shape, else its type's name."""
     return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 

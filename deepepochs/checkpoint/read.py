@@ -80,6 +80,8 @@ def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
 
 
 def _read_file(path: Path, trusted: bool) -> Checkpoint:
+    """One file as a validated `Checkpoint` (weights only unless `trusted`); `CheckpointError` says whether
+    it is missing, holds an object that is not plain data (naming its type), or is truncated or corrupt."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
@@ -99,6 +101,8 @@ def _read_file(path: Path, trusted: bool) -> Checkpoint:
 
 
 def _check_shards(ckpt: Checkpoint, folder: Path) -> None:
+    """`CheckpointError` unless the `shards` entry read from `folder`'s side file is well formed and names a
+    shard folder inside `folder`."""
     shards = ckpt.shards
     ok = (isinstance(shards, Mapping) and isinstance(shards.get("folder"), str)
           and isinstance(shards.get("params"), list)
@@ -130,6 +134,7 @@ def _completed(ckpt: Checkpoint, folder: Path, flat: Mapping) -> Checkpoint:
 
 
 def _folder_of(path: Path) -> Path:
+    """The sharded checkpoint folder of `path`: the folder itself, or the folder around its `checkpoint.pt`."""
     return path if path.is_dir() else path.parent
 
 
