@@ -24,6 +24,26 @@ from deepepochs.metrics.scores import (
 __all__ = ["accuracy", "f1", "fbeta", "precision", "recall"]
 
 
+# The arguments the metrics share, described once: `_shares_arguments` writes them into each docstring in
+# place of its `{inputs}` and `{options}` lines, so help() and the API pages show every argument.
+_INPUTS = """preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
+targets: Class indices ``[N]`` or one-hot labels ``[N, C]``."""
+_OPTIONS = """average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
+    'micro', 'macro' or 'weighted'.
+num_classes: The class count; None infers it (see :func:`confusion_matrix`).
+threshold: The probability at or above which a 1-D float pred predicts class 1.
+conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
+    e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``."""
+
+
+def _shares_arguments(fn):
+    """Write :data:`_INPUTS` and :data:`_OPTIONS` into ``fn``'s docstring, indented as its Args section."""
+    indent = "\n" + " " * 8
+    fn.__doc__ = (fn.__doc__.replace("{inputs}", _INPUTS.replace("\n", indent))
+                  .replace("{options}", _OPTIONS.replace("\n", indent)))
+    return fn
+
+
 def _given_matrix(preds, targets, conf_mat, name: str):
     """0.6's `conf_mat=` keyword: the matrix to score, or None when (preds, targets) are to be counted."""
     if conf_mat is None:
@@ -36,14 +56,22 @@ def _given_matrix(preds, targets, conf_mat, name: str):
     return conf_mat
 
 
+def _matrix_to_score(name: str, preds, targets, conf_mat, num_classes, threshold, average) -> torch.Tensor:
+    """The confusion matrix metric ``name`` scores: ``conf_mat`` as given, else counted from (preds, targets)
+    (after ``average`` is checked, so a bad value fails before any counting)."""
+    _check_average(average)
+    cm = _given_matrix(preds, targets, conf_mat, name)
+    return confusion_matrix(preds, targets, num_classes, threshold) if cm is None else cm
+
+
+@_shares_arguments
 def accuracy(preds=None, targets=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """Fraction of samples whose predicted class equals the target class.
 
     Computed without a confusion matrix, so it never syncs with the host and ignores class counts.
 
     Args:
-        preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
-        targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
+        {inputs}
         threshold: The probability at or above which a 1-D float pred predicts class 1.
         conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword).
 
@@ -63,91 +91,62 @@ def accuracy(preds=None, targets=None, threshold=0.5, *, conf_mat=None) -> torch
     return (pred_idx == target_idx).sum().to(torch.get_default_dtype()) / n
 
 
+@_shares_arguments
 def precision(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *,
               conf_mat=None) -> torch.Tensor:
     """Precision tp / (tp + fp), scikit-learn's definition with ``zero_division=0``.
 
     Args:
-        preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
-        targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
-        average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
-            'micro', 'macro' or 'weighted'.
-        num_classes: The class count; None infers it (see :func:`confusion_matrix`).
-        threshold: The probability at or above which a 1-D float pred predicts class 1.
-        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
-            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
+        {inputs}
+        {options}
 
     Returns:
         A 0-d float tensor.
     """
-    _check_average(average)
-    cm = _given_matrix(preds, targets, conf_mat, "precision")
-    if cm is None:
-        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    cm = _matrix_to_score("precision", preds, targets, conf_mat, num_classes, threshold, average)
     return precision_from_confusion(cm, average)
 
 
+@_shares_arguments
 def recall(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """Recall tp / (tp + fn), scikit-learn's definition with ``zero_division=0``.
 
     Args:
-        preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
-        targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
-        average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
-            'micro', 'macro' or 'weighted'.
-        num_classes: The class count; None infers it (see :func:`confusion_matrix`).
-        threshold: The probability at or above which a 1-D float pred predicts class 1.
-        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
-            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
+        {inputs}
+        {options}
 
     Returns:
         A 0-d float tensor.
     """
-    _check_average(average)
-    cm = _given_matrix(preds, targets, conf_mat, "recall")
-    if cm is None:
-        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    cm = _matrix_to_score("recall", preds, targets, conf_mat, num_classes, threshold, average)
     return recall_from_confusion(cm, average)
 
 
+@_shares_arguments
 def fbeta(preds=None, targets=None, beta=1.0, average=None, num_classes=None, threshold=0.5, *,
           conf_mat=None) -> torch.Tensor:
     """F-beta score (1 + b²)·tp / ((1 + b²)·tp + b²·fn + fp), as scikit-learn with ``zero_division=0``.
 
     Args:
-        preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
-        targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
+        {inputs}
         beta: Weight of recall relative to precision (>= 0; 1 gives F1).
-        average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
-            'micro', 'macro' or 'weighted'.
-        num_classes: The class count; None infers it (see :func:`confusion_matrix`).
-        threshold: The probability at or above which a 1-D float pred predicts class 1.
-        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
-            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
+        {options}
 
     Returns:
         A 0-d float tensor.
     """
     _check_beta(beta)
-    _check_average(average)
-    cm = _given_matrix(preds, targets, conf_mat, "fbeta")
-    if cm is None:
-        cm = confusion_matrix(preds, targets, num_classes, threshold)
+    cm = _matrix_to_score("fbeta", preds, targets, conf_mat, num_classes, threshold, average)
     return fbeta_from_confusion(cm, beta, average)
 
 
+@_shares_arguments
 def f1(preds=None, targets=None, average=None, num_classes=None, threshold=0.5, *, conf_mat=None) -> torch.Tensor:
     """F1 score, the harmonic mean of precision and recall (:func:`fbeta` with ``beta=1``).
 
     Args:
-        preds: Class indices ``[N]``, scores ``[N, C]`` or binary probabilities ``[N]`` (see the module doc).
-        targets: Class indices ``[N]`` or one-hot labels ``[N, C]``.
-        average: None (the default, 0.6's: 'binary' for two classes, 'micro' for more), 'binary' (class 1),
-            'micro', 'macro' or 'weighted'.
-        num_classes: The class count; None infers it (see :func:`confusion_matrix`).
-        threshold: The probability at or above which a 1-D float pred predicts class 1.
-        conf_mat: Instead of preds and targets, a ``[C, C]`` confusion matrix to score (0.6's keyword),
-            e.g. ``f1(conf_mat=confusion_matrix(preds, targets, 10), average='macro')``.
+        {inputs}
+        {options}
 
     Returns:
         A 0-d float tensor.
