@@ -19,7 +19,6 @@ from deepepochs.checkpoint import load_into, resume_once
 from deepepochs.compat import refuse_accelerate
 from deepepochs.config import TrainerConfig, check_run_name, unknown_keywords
 from deepepochs.console import Console
-from deepepochs.distributed import check_ddp_kwargs, select_policy
 from deepepochs.engine import compiled, steps
 from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
@@ -30,6 +29,7 @@ from deepepochs.fsm.render import auto_level, render
 from deepepochs.lr_find import LRFindResult, check_plot, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
+from deepepochs.strategy import check_ddp_kwargs, select_policy
 from deepepochs.tasks import STEP_NAMES, as_metric_list
 from deepepochs.writer import RunWriters
 
