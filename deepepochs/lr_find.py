@@ -24,8 +24,8 @@ import attrs
 import numpy as np
 import torch
 
-from deepepochs.callbacks.base import Callback
 from deepepochs.errors import ConfigError
+from deepepochs.fsm.events import CallbackHooks
 from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["LRFindResult", "check_plot", "check_sweep_args", "run_sweep", "suggest_lr", "sweep_lrs"]
@@ -150,9 +150,12 @@ class _SweepDone(Exception):
     """Raised from the sweep's hook to end the sweep's fit mid-epoch (caught by `run_sweep`)."""
 
 
-class _Sweep(Callback):
+class _Sweep(CallbackHooks):
     """The sweep's only callback while it runs: sets each update's learning rate before the optimizer
-    steps, records the update's loss after its last micro-batch, and ends the sweep."""
+    steps, records the update's loss after its last micro-batch, and ends the sweep.
+
+    It derives from the generated `CallbackHooks` (what the hook table accepts), not from
+    `deepepochs.callbacks.Callback`: the finder is a policy below the callbacks layer."""
 
     def __init__(self, lrs, indices, stop_factor, beta):
         self.lrs = lrs
@@ -183,7 +186,7 @@ class _Sweep(Callback):
             return  # accumulation: the update comes with the window's last micro-batch
         self.updated = False
         total = torch.tensor([sum(self.window), len(self.window)], dtype=torch.float64, device=trainer.device)
-        total = trainer._dist.reduce_sum(total)  # every rank sees the same loss and stops at the same update
+        total = trainer.dist.reduce_sum(total)  # every rank sees the same loss and stops at the same update
         self.window = []
         loss = float(total[0] / total[1])
         self.losses.append(loss)
@@ -213,13 +216,13 @@ def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta
         raise ConfigError(f"opt_index (opt_id) must be an int in 0..{len(opts) - 1} (got {opt_index!r})")
     else:
         indices = (opt_index,)
-    ctx, driver, hooks, console = trainer._ctx, trainer._driver, trainer._hooks, trainer._console
+    ctx, driver, hooks, console = trainer._ctx, trainer._driver, trainer._hooks, trainer.console
     ctx.parts.resume()  # a pending resume=... happens before the snapshot, so the restore keeps it
     loop = ctx.loop
     saved = {
         "model": {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()},
         "opts": copy.deepcopy(opts.state_dict()),
-        "scaler": copy.deepcopy(trainer._precision.state_dict()),
+        "scaler": copy.deepcopy(trainer.precision.state_dict()),
         "rng": rng_state(),
         "loop": (loop.completed_epochs, loop.epoch, loop.target_epochs, loop.stop, copy.deepcopy(loop.resume),
                  loop.last_error_state),
@@ -260,7 +263,7 @@ def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta
         trainer.raw_model.load_state_dict(saved["model"])
         opts.load_state_dict(saved["opts"])
         opts.zero_grad(opts.all_indices)
-        trainer._precision.load_state_dict(saved["scaler"])
+        trainer.precision.load_state_dict(saved["scaler"])
         set_rng_state(saved["rng"])
         (loop.completed_epochs, loop.epoch, loop.target_epochs, loop.stop, loop.resume,
          loop.last_error_state) = saved["loop"]

@@ -65,6 +65,7 @@ from collections.abc import Mapping
 import attrs
 
 from deepepochs.errors import CheckpointError
+from deepepochs.protocols import monitors_in  # re-exported: `from deepepochs.checkpoint import monitors_in`
 
 __all__ = [
     "CONVERT_HINT",
@@ -189,11 +190,6 @@ class Checkpoint:
             raise CheckpointError(f"{path}: the 0.6 checkpoint's model_state must be a state dict (got"
                                   f" {type(model).__name__}){hint}")
         return cls(epoch=epoch + 1, model=model, optimizers=optimizers, schedulers=schedulers)
-
-
-def monitors_in(callbacks) -> list:
-    """The checkpoint monitors (e.g. `CheckCallback`s) among `callbacks`, in declaration order."""
-    return [cb for cb in callbacks if isinstance(getattr(cb, "monitor_id", None), str)]
 
 
 def monitors_of(trainer) -> list:

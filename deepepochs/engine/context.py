@@ -13,6 +13,16 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from deepepochs.config import TrainerConfig
+from deepepochs.protocols import (
+    ConsoleLike,
+    DistPolicy,
+    Facade,
+    HookTableLike,
+    OptimizerSet,
+    PrecisionPolicy,
+)
+
 __all__ = ["Context", "LoopState", "Parts", "ResumePoint", "StopRequest"]
 
 
@@ -103,18 +113,18 @@ class Parts:
             metrics, or None (the metrics get the model output and the batch's label).
     """
 
-    config: object
+    config: TrainerConfig
     device: torch.device
     raw_model: torch.nn.Module
     train_model: torch.nn.Module
     eval_model: torch.nn.Module
-    opts: object
-    precision: object
-    dist: object
-    hooks: object
-    clippers: list
-    console: object
-    facade: object
+    opts: OptimizerSet
+    precision: PrecisionPolicy
+    dist: DistPolicy
+    hooks: HookTableLike
+    clippers: list[Callable[[object, tuple, dict], None]]
+    console: ConsoleLike
+    facade: Facade
     resolve_step: Callable
     resume: Callable[[], object]
     running_id: Callable[[], str]

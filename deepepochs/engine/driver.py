@@ -16,7 +16,6 @@ import threading
 
 import torch
 
-from deepepochs.checkpoint import monitors_in
 from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
 from deepepochs.engine import actions, batches, position, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
@@ -26,6 +25,7 @@ from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
 from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.patches import TensorPatch
+from deepepochs.protocols import monitors_in
 from deepepochs.sharding import iterate_past, skip_batches
 from deepepochs.tasks import (
     TASK_SUFFIX_NOTE,
