@@ -1,8 +1,10 @@
 """Loop overhead: deepepochs against a raw PyTorch loop (and Ignite / Lightning when installed).
 
 Every variant trains the same model (one copy per block, shared by all variants, so that their tensors
-sit in the same memory) with its own optimizer of the same settings on the same list of pre-batched
-(x, y) tensors (so no DataLoader cost), on the CPU with one thread. In every round each
+sit in the same memory) with its own optimizer of the same settings on the same batches, on the CPU
+with one thread. Two feeds (`--feeds`): the batches through one `DataLoader(TensorDataset(x, y),
+batch_size)`, as users feed data, or as a list of pre-batched (x, y) tensors (no DataLoader cost); see
+`common.FEEDS`. In every round each
 variant runs one epoch (a fit() call or the raw loop), in a random order, so drift of a shared machine
 hits all variants alike; time per batch = epoch time / batches. The rounds are split into blocks, and
 each block builds all variants on a fresh model copy (memory placement alone can shift one copy's speed
@@ -17,7 +19,7 @@ one update as the time per batch does; "p5" is the 5th percentile of those inter
 rounds (a batch that nothing else on the machine slowed down). The
 fixed cost of one fit() is the epoch's time beyond batches x its mean interval, over the raw loop's.
 
-    python benchmarks/loop_overhead.py            # full run (a couple of minutes), writes JSON
+    python benchmarks/loop_overhead.py            # full run (~4 min of CPU), prints the summary, writes JSON
     python benchmarks/loop_overhead.py --quick    # seconds; for smoke tests
 """
 
