@@ -84,10 +84,14 @@ graph: install-runtime
 	  $(PYTHON) -m deepepochs graph --level $$level --format svg --output docs/img/state-graph-$$level.svg || exit 1; \
 	done
 
+# loop_overhead: both feeds, raw loop / deepepochs / ignite / Lightning interleaved, the summary table for the
+# docs; then the per-call breakdown (tiny model, MLP) and the finite check's cost per update (~8 min in all)
 bench: install
 	$(PIP) install -q -e ".[bench]"
 	$(PYTHON) benchmarks/loop_overhead.py
 	$(PYTHON) benchmarks/batch_segments.py
+	$(PYTHON) benchmarks/batch_segments.py --model mlp
+	$(PYTHON) benchmarks/finite_check.py
 
 bench-memory: install-runtime
 	$(PYTHON) benchmarks/memory_steady.py

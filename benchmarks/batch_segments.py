@@ -1,5 +1,6 @@
 """Where one training batch's time goes, segment by segment: deepepochs against the raw loop (PERF-1's
-"what costs what", on the tiny model where the loop's own cost shows most).
+"what costs what"): on the tiny model the loop's own cost shows most; on the MLP (`--model mlp`) what
+grows with the model shows (the finite check's pass over the gradients).
 
 Both loops are timed with the same clock reads around the work they share: the model's forward, the loss
 function, backward, the optimizer's step and zero_grad. deepepochs is also timed around every call the
@@ -18,7 +19,8 @@ median over all batches of all rounds (every round runs one epoch of each loop, 
 wrappers reach into internals (`steps.call_model`, the registry, `compiled.bind`, `actions.random_state`,
 `torch_private.grads_finite_on_host`), so this script follows the package's implementation.
 
-    python benchmarks/batch_segments.py [--rounds 40] [--batches 200] [--output FILE]   (also part of `make bench`)
+    python benchmarks/batch_segments.py [--model tiny|mlp] [--rounds N] [--batches N] [--output FILE]
+    (both models are part of `make bench`)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import RESULTS_DIR, machine_info, median, quiet_stdout, write_json  # noqa: E402
-from loop_overhead import adam, make_batches, tiny_model  # noqa: E402
+from loop_overhead import MODELS, adam, make_batches  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import deepepochs  # noqa: E402
@@ -168,13 +170,28 @@ def segments(stamps, skip: int = 5) -> dict[str, list[float]]:
 
 
 ORDER = ["forward", "loss function", "backward", "optimizer step", "zero_grad"]
+#: deepepochs' own rows, grouped: the two per-update guarantees, then by the kind of call (label prefix).
+GUARANTEES = ["finite check (unscale_gradients)", "generator copy (commit_update)"]
+KINDS = ["action ", "guard ", "step ", "compiled micro-batch"]
 
 
-def run(rounds: int, batches: int) -> dict:
-    data = Handouts(make_batches(16, 2, 32, batches))
-    init = tiny_model()
+def _own_order(labels) -> list[str]:
+    """deepepochs' own rows in reading order: the guarantees, then actions, guards, step pieces and the
+    generated function's own lines, each group by name."""
+    rest = [label for label in labels if label not in GUARANTEES]
+    grouped = [g for g in GUARANTEES if g in labels]
+    for kind in KINDS:
+        grouped += sorted(label for label in rest if label.startswith(kind))
+    return grouped + sorted(label for label in rest if label not in grouped)
+
+
+def run(rounds: int, batches: int, model_name: str = "tiny") -> dict:
+    factory, features, classes, batch_size = MODELS[model_name]
+    data = Handouts(make_batches(features, classes, batch_size, batches))
+    torch.manual_seed(0)
+    init = factory()
     loops = {"raw": raw_loop(init, data), "deepepochs": None}
-    de_model = tiny_model()
+    de_model = factory()
     de_model.load_state_dict(init.state_dict())
     loops["deepepochs"] = deepepochs_loop(de_model, data)
     found = {name: collections.defaultdict(list) for name in loops}
@@ -189,8 +206,8 @@ def run(rounds: int, batches: int) -> dict:
                     undo()
             for label, values in segments(STAMPS).items():
                 found[name][label].extend(values)
-    labels = ORDER + sorted(label for label in found["deepepochs"] if label not in ORDER
-                            and label not in ("loop code between", "batch (hand-out to hand-out)"))
+    labels = ORDER + _own_order([label for label in found["deepepochs"] if label not in ORDER
+                                 and label not in ("loop code between", "batch (hand-out to hand-out)")])
     labels += ["loop code between", "batch (hand-out to hand-out)"]
     return {label: {name: (median(found[name][label]) if found[name].get(label) else None) for name in loops}
             for label in labels}
@@ -198,26 +215,39 @@ def run(rounds: int, batches: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="one training batch's time, segment by segment")
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--batches", type=int, default=200, help="batches per epoch")
-    parser.add_argument("--output", default=str(RESULTS_DIR / "batch_segments.json"), help="JSON file ('' for none)")
+    parser.add_argument("--model", default="tiny", choices=list(MODELS),
+                        help="tiny (Linear 16->2, batch 32) or mlp (784-512-512-10, batch 128)")
+    parser.add_argument("--rounds", type=int, default=None, help="default: 40 (tiny), 8 (mlp)")
+    parser.add_argument("--batches", type=int, default=None, help="batches per epoch; default: 200 (tiny), 30 (mlp)")
+    parser.add_argument("--output", default=None,
+                        help="JSON file ('' for none; default results/batch_segments.json, _mlp for the MLP)")
     args = parser.parse_args(argv)
+    tiny = args.model == "tiny"
+    rounds = args.rounds if args.rounds is not None else (40 if tiny else 8)
+    batches = args.batches if args.batches is not None else (200 if tiny else 30)
+    output = args.output if args.output is not None else str(
+        RESULTS_DIR / ("batch_segments.json" if tiny else f"batch_segments_{args.model}.json"))
     torch.set_num_threads(1)
-    table = run(args.rounds, args.batches)
+    table = run(rounds, batches, args.model)
     info = machine_info()
-    print(f"## One tiny-model training batch, segment by segment: {info['cpu']}, torch {info['torch']},"
-          f" 1 thread, {args.rounds} rounds x {args.batches} batches; medians, µs")
+    print(f"## One {args.model} training batch, segment by segment ({info['date']}): {info['cpu']}, torch"
+          f" {info['torch']}, 1 thread, {rounds} rounds x {batches} batches; medians, µs")
     print()
     print("| segment | raw loop | deepepochs | difference |")
     print("|---|---:|---:|---:|")
+    own = 0.0
     for label, values in table.items():
         raw, de = values["raw"], values["deepepochs"]
         cells = [f"{v:.1f}" if v is not None else "—" for v in (raw, de)]
         diff = f"{de - (raw or 0.0):+.1f}" if de is not None else ""
+        if raw is None and de is not None:
+            own += de
         print(f"| {label} | {cells[0]} | {cells[1]} | {diff} |")
-    if args.output:
-        write_json(args.output, {"machine": info, "rounds": args.rounds, "batches": args.batches,
-                                 "median_us": table})
+    print(f"\ndeepepochs' own calls (the rows without a raw figure) sum to {own:.1f} µs per batch; each timed call"
+          " also pays its wrapper's clock reads (~1 µs), so the sum runs above loop_overhead.py's own cost.")
+    if output:
+        write_json(output, {"machine": info, "model": args.model, "rounds": rounds, "batches": batches,
+                            "median_us": table, "own_calls_us": own})
     return 0
 
 

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-__all__ = ["RESULTS_DIR", "Stamped", "devnull", "machine_info", "median", "quiet_stdout", "write_json"]
+__all__ = ["FEEDS", "RESULTS_DIR", "Stamped", "StampedLoader", "devnull", "machine_info", "median", "quantile",
+           "quiet_stdout", "write_json"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -68,12 +70,16 @@ class Stamped:
 
     Every loop under test (raw, deepepochs, peers) iterates the same object, so the cost of the stamp is
     identical for all of them; the stamps give a steady-state time per batch that leaves out per-epoch
-    fixed costs (setup, end-of-epoch metrics, a framework's fit() preparation).
+    fixed costs (setup, end-of-epoch metrics, a framework's fit() preparation). `data` is what the loops
+    are given (this object: pre-batched tensors, no DataLoader cost).
     """
+
+    feed = "tensors"
 
     def __init__(self, batches: list):
         self.batches = batches
         self.stamps: list[float] = []
+        self.data = self
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -85,6 +91,10 @@ class Stamped:
         for batch in self.batches:
             stamps.append(clock())
             yield batch
+
+    def reset(self) -> None:
+        """Forget the stamps (before an epoch)."""
+        self.stamps.clear()
 
     def intervals_us(self, skip: int = 5, window: int = 1) -> list[float]:
         """Intervals between batch hand-outs after the first `skip` batches (all of them in a short epoch),
@@ -105,6 +115,34 @@ class Stamped:
         if len(s) < 2:
             return float("nan")
         return (s[-1] - s[skip]) / (len(s) - 1 - skip) * 1e6
+
+
+class StampedLoader(Stamped):
+    """The same batches fed as users feed them: `data` is a `DataLoader(TensorDataset(x, y),
+    batch_size=...)` (one process, no workers), so every batch pays the DataLoader's indexing and collation
+    (~120 µs for the tiny model's 32 samples). The stamp is taken by its `collate_fn` (torch's
+    `default_collate` and one clock read), the last thing the DataLoader does before handing a batch out;
+    a loop that rebuilds the DataLoader (deepepochs does, to own the training order) keeps the
+    `collate_fn`. Call `reset()` before each epoch."""
+
+    feed = "loader"
+
+    def __init__(self, batches: list):
+        super().__init__(batches)
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        self.data = DataLoader(TensorDataset(x, y), batch_size=len(batches[0][0]), collate_fn=self._collate)
+
+    def __iter__(self):
+        raise TypeError("iterate StampedLoader.data (the DataLoader), not the feed itself")
+
+    def _collate(self, samples):
+        batch = default_collate(samples)
+        self.stamps.append(time.perf_counter())
+        return batch
+
+
+FEEDS = {"loader": StampedLoader, "tensors": Stamped}
 
 
 _DEVNULL = None

@@ -1,8 +1,10 @@
 """Loop overhead: deepepochs against a raw PyTorch loop (and Ignite / Lightning when installed).
 
 Every variant trains the same model (one copy per block, shared by all variants, so that their tensors
-sit in the same memory) with its own optimizer of the same settings on the same list of pre-batched
-(x, y) tensors (so no DataLoader cost), on the CPU with one thread. In every round each
+sit in the same memory) with its own optimizer of the same settings on the same batches, on the CPU
+with one thread. Two feeds (`--feeds`): the batches through one `DataLoader(TensorDataset(x, y),
+batch_size)`, as users feed data, or as a list of pre-batched (x, y) tensors (no DataLoader cost); see
+`common.FEEDS`. In every round each
 variant runs one epoch (a fit() call or the raw loop), in a random order, so drift of a shared machine
 hits all variants alike; time per batch = epoch time / batches. The rounds are split into blocks, and
 each block builds all variants on a fresh model copy (memory placement alone can shift one copy's speed
@@ -17,7 +19,7 @@ one update as the time per batch does; "p5" is the 5th percentile of those inter
 rounds (a batch that nothing else on the machine slowed down). The
 fixed cost of one fit() is the epoch's time beyond batches x its mean interval, over the raw loop's.
 
-    python benchmarks/loop_overhead.py            # full run (a couple of minutes), writes JSON
+    python benchmarks/loop_overhead.py            # full run (~4 min of CPU), prints the summary, writes JSON
     python benchmarks/loop_overhead.py --quick    # seconds; for smoke tests
 """
 
@@ -28,6 +30,7 @@ import contextlib
 import copy
 import gc
 import logging
+import os
 import random
 import shutil
 import sys
@@ -39,14 +42,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import RESULTS_DIR, Stamped, machine_info, median, quantile, quiet_stdout, write_json  # noqa: E402
+from common import FEEDS, RESULTS_DIR, machine_info, median, quantile, quiet_stdout, write_json  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import deepepochs  # noqa: E402
 
-#: PERF-1 limits per batch on the tiny model: console off (aim 1.03), default console, every edge.
-PERF1_OFF, PERF1_DEFAULT, PERF1_EVERY_EDGE = 1.05, 1.10, 1.15
+#: The performance budget (PERF-1), per batch against the raw loop of the same run: tiny model fed by a
+#: DataLoader, console off; MLP; `fuse_steps=False`; k=4 accumulation against the raw k=4 loop; the
+#: default console over console off; the slack allowed over pytorch-ignite on the MLP.
+TINY_LIMIT, MLP_LIMIT, EVERY_EDGE_LIMIT, ACC_LIMIT = 1.10, 1.02, 1.20, 1.03
+CONSOLE_SLACK, MLP_IGNITE_SLACK = 0.02, 0.005
 
 
 # ---- models and data ------------------------------------------------------------------------------
@@ -56,13 +62,15 @@ def tiny_model() -> nn.Module:
 
 
 def mlp_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    """The issue's MLP (784-512-512-10, MNIST-sized): the part of the loop's cost that grows with the model
+    (a pass over the gradients) shows here."""
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
 MODELS = {
     # name: (factory, input features, classes, batch size)
     "tiny": (tiny_model, 16, 2, 32),
-    "mlp": (mlp_model, 128, 10, 64),
+    "mlp": (mlp_model, 784, 10, 128),
 }
 
 
@@ -326,7 +334,7 @@ def paired_ratio(values: list[float], refs: list[float], seed: int = 0) -> tuple
 
 
 def run_model(model_name: str, variants: list[str], rounds: int, batches: int, blocks: int,
-              gc_each_epoch: bool = False) -> list[dict]:
+              gc_each_epoch: bool = False, feed: str = "tensors") -> list[dict]:
     """`rounds` interleaved rounds, split into `blocks`; each block builds every variant afresh (optimizer,
     trainer) on one new model copy that all of them train: where a copy's tensors land in memory can shift
     its speed by several percent for a whole block, so variants on separate copies would differ by that
@@ -337,11 +345,15 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
     the timed rounds. A `gc.collect()` walks every tracked object and leaves the CPU caches cold, so the
     epoch after it pays a start-up cost that grows with the code it runs (a 1-batch deepepochs fit takes
     ~2.0 ms after one instead of ~0.9 ms here); `gc_each_epoch=True` restores the older protocol that
-    collected before every timed epoch."""
+    collected before every timed epoch.
+
+    `feed`: "tensors" hands every loop the same list of pre-batched tensors; "loader" the same batches
+    through one `DataLoader(TensorDataset, batch_size)` (`common.FEEDS`)."""
     factory, features, classes, batch_size = MODELS[model_name]
     torch.manual_seed(0)
     init = factory()
-    data = Stamped(make_batches(features, classes, batch_size, batches))
+    stamped = FEEDS[feed](make_batches(features, classes, batch_size, batches))
+    data = stamped.data
     wall = {name: [] for name in variants}
     cpu = {name: [] for name in variants}
     steady = {name: [] for name in variants}
@@ -369,14 +381,15 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
                         prepare[name]()
                         if gc_each_epoch:
                             gc.collect()
+                        stamped.reset()
                         start, start_cpu = time.perf_counter(), time.process_time()
                         runner.epoch(data)
                         elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
                     wall[name].append(elapsed / len(data) * 1e6)
                     cpu[name].append(elapsed_cpu / len(data) * 1e6)
-                    steady[name].append(data.steady_us())
+                    steady[name].append(stamped.steady_us())
                     fixed[name].append(elapsed * 1e6 - len(data) * steady[name][-1])
-                    per_batch = data.intervals_us(window=getattr(VARIANTS[name], "window", 1))
+                    per_batch = stamped.intervals_us(window=getattr(VARIANTS[name], "window", 1))
                     typical[name].append(median(per_batch))
                     intervals[name] += per_batch
         for runner in runners.values():
@@ -385,7 +398,7 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
     for name in variants:
         ref = VARIANTS[name].reference
         row = {
-            "model": model_name, "variant": name, "reference": ref, "note": VARIANTS[name].note,
+            "model": model_name, "feed": feed, "variant": name, "reference": ref, "note": VARIANTS[name].note,
             "batch_size": batch_size, "batches": batches, "rounds": rounds, "blocks": blocks,
             "params": sum(p.numel() for p in init.parameters()),
             "us_per_batch": median(wall[name]), "cpu_us_per_batch": median(cpu[name]),
@@ -402,6 +415,8 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
             row["p5_ratio"] = row["p5_interval_us"] / quantile(intervals[ref], 0.05)
             row["paired_batch_ratio"], row["paired_batch_ci_low"], row["paired_batch_ci_high"] = paired_ratio(
                 typical[name], typical[ref])
+            row["own_us_per_batch"] = median(a - b for a, b in zip(typical[name], typical[ref]))
+            row["ref_us_per_batch"] = median(typical[ref])
             row["fixed_us_over_ref"] = median(a - b for a, b in zip(fixed[name], fixed[ref]))
             row["paired_ratio"] = paired_ratio(wall[name], wall[ref])[0]
             row["paired_cpu_ratio"], row["paired_cpu_ci_low"], row["paired_cpu_ci_high"] = paired_ratio(
@@ -411,9 +426,11 @@ def run_model(model_name: str, variants: list[str], rounds: int, batches: int, b
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| model | variant | wall µs/batch | whole epochs: paired CPU ratio (95% CI)"
-             " | per batch: paired median-interval ratio (95% CI) | p5 ratio | fixed µs per fit over ref |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    """Every row of the run with all its figures (the JSON holds the per-round values too)."""
+    lines = ["| model | feed | variant | wall µs/batch | whole epochs: paired CPU ratio (95% CI)"
+             " | per batch: paired median-interval ratio (95% CI) | own µs/batch | p5 ratio"
+             " | fixed µs per fit over ref |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
 
     def paired(row, key):
         if key not in row:
@@ -424,39 +441,96 @@ def format_table(rows: list[dict]) -> str:
         ref = f" (vs {row['reference']})" if row["reference"] not in (None, "raw") else ""
         p5 = f"{row['p5_ratio']:.3f}" if "p5_ratio" in row else "—"
         fixed = f"{row['fixed_us_over_ref']:.0f}" if "fixed_us_over_ref" in row else "—"
-        lines.append(f"| {row['model']} | {row['variant']}{ref} | {row['us_per_batch']:.0f} |"
-                     f" {paired(row, 'paired_cpu_ratio')} | {paired(row, 'paired_batch_ratio')} | {p5} |"
+        own = f"{row['own_us_per_batch']:+.1f}" if "own_us_per_batch" in row else "—"
+        lines.append(f"| {row['model']} | {row['feed']} | {row['variant']}{ref} | {row['us_per_batch']:.0f} |"
+                     f" {paired(row, 'paired_cpu_ratio')} | {paired(row, 'paired_batch_ratio')} | {own} | {p5} |"
                      f" {fixed} |")
     return "\n".join(lines)
 
 
-def perf1_verdict(rows: list[dict]) -> dict:
-    """PERF-1 on the tiny model. Its quantity is the time per batch: judged on the paired per-batch ratio
-    (each round's median batch-to-batch interval after the first five, over the raw loop's in the same
-    round), which leaves out what one fit() call costs once (start, end-of-epoch metrics, the epoch line,
-    the cold triggers), reported beside it in µs. The whole-epoch ratio (a fit() per 100-batch epoch, that
-    fixed cost included) is judged too, and the p5 per-batch ratio shown."""
-    tiny = {row["variant"]: row for row in rows if row["model"] == "tiny"}
-    verdict = {}
-    for variant, limit in (("deepepochs", PERF1_OFF), ("deepepochs_console", PERF1_DEFAULT),
-                           ("deepepochs_every_edge", PERF1_EVERY_EDGE)):
-        if variant in tiny:
-            row = tiny[variant]
-            verdict[variant] = {"per_batch_ratio": row["paired_batch_ratio"],
-                                "per_batch_ci95": [row["paired_batch_ci_low"], row["paired_batch_ci_high"]],
-                                "fixed_us_per_fit": row["fixed_us_over_ref"],
-                                "whole_epoch_ratio": row["paired_cpu_ratio"],
-                                "whole_epoch_ci95": [row["paired_cpu_ci_low"], row["paired_cpu_ci_high"]],
-                                "wall_ratio": row["ratio"], "p5_ratio": row["p5_ratio"], "limit": limit,
-                                "per_batch_met": row["paired_batch_ratio"] <= limit,
-                                "whole_epoch_met": row["paired_cpu_ratio"] <= limit}
-    return verdict
+#: The columns of the summary table: (variant, header).
+SUMMARY_COLUMNS = [("deepepochs", "deepepochs, console off"), ("deepepochs_console", "default console"),
+                   ("deepepochs_every_edge", "`fuse_steps=False`"), ("deepepochs_acc4", "k=4 (vs raw k=4)"),
+                   ("ignite", "pytorch-ignite"), ("lightning", "Lightning")]
+MODEL_TITLES = {"tiny": "tiny (Linear 16→2, batch 32)", "mlp": "MLP 784-512-512-10, batch 128"}
+FEED_TITLES = {"loader": "DataLoader", "tensors": "pre-batched tensors"}
+
+
+def summary_table(rows: list[dict]) -> str:
+    """One line per model and feed: the raw loop's µs per batch, then each variant's paired per-batch ratio
+    (deepepochs' own µs per batch beside its console-off ratio). The table for docs/benchmarks.md and the
+    README."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["feed"]), {})[row["variant"]] = row
+    columns = [(v, h) for v, h in SUMMARY_COLUMNS if any(v in g for g in groups.values())]
+    lines = ["| model | data | raw loop µs/batch | " + " | ".join(h for _, h in columns) + " |",
+             "|---|---|---:|" + "---:|" * len(columns)]
+    for (model, feed), found in groups.items():
+        raw = found.get("raw")
+        cells = []
+        for variant, _ in columns:
+            row = found.get(variant)
+            if row is None or "paired_batch_ratio" not in row:
+                cells.append("—")
+            elif variant == "deepepochs":
+                cells.append(f"{row['paired_batch_ratio']:.3f}× ({row['own_us_per_batch']:+.0f} µs)")
+            else:
+                cells.append(f"{row['paired_batch_ratio']:.3f}×")
+        raw_us = f"{median(raw['rounds_steady']):.0f}" if raw else "—"
+        lines.append(f"| {MODEL_TITLES.get(model, model)} | {FEED_TITLES.get(feed, feed)} | {raw_us} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def budget_verdict(rows: list[dict]) -> list[dict]:
+    """The performance budget, judged on the paired per-batch ratios of this run (each round's median
+    batch-to-batch interval over the raw loop's in the same round; a fit() call's fixed cost is reported
+    apart). Returns one record per budget line that this run measured."""
+    by = {(r["model"], r["feed"], r["variant"]): r for r in rows if "paired_batch_ratio" in r}
+    out = []
+
+    def ratio(model, feed, variant):
+        row = by.get((model, feed, variant))
+        return None if row is None else row["paired_batch_ratio"]
+
+    def add(what, value, limit, met):
+        out.append({"budget": what, "value": value, "limit": limit, "met": bool(met)})
+
+    for feed in FEED_TITLES:
+        de, ig, li = (ratio("tiny", feed, v) for v in ("deepepochs", "ignite", "lightning"))
+        if de is not None and feed == "loader":
+            add("tiny, DataLoader, console off <= 1.10x", de, TINY_LIMIT, de <= TINY_LIMIT)
+        if de is not None and ig is not None:
+            add(f"tiny, {FEED_TITLES[feed]}, console off below pytorch-ignite", de, ig, de < ig)
+        con = ratio("tiny", feed, "deepepochs_console")
+        if de is not None and con is not None:
+            add(f"tiny, {FEED_TITLES[feed]}, default console <= console off + 0.02", con, de + CONSOLE_SLACK,
+                con <= de + CONSOLE_SLACK)
+        every = ratio("tiny", feed, "deepepochs_every_edge")
+        if every is not None:
+            add(f"tiny, {FEED_TITLES[feed]}, fuse_steps=False <= 1.20x", every, EVERY_EDGE_LIMIT,
+                every <= EVERY_EDGE_LIMIT)
+        acc = ratio("tiny", feed, "deepepochs_acc4")
+        if acc is not None:
+            add(f"tiny, {FEED_TITLES[feed]}, k=4 <= 1.03x", acc, ACC_LIMIT, acc <= ACC_LIMIT)
+        if de is not None and li is not None:
+            add(f"tiny, {FEED_TITLES[feed]}, Lightning behind", li, de, li > de)
+        de, ig, li = (ratio("mlp", feed, v) for v in ("deepepochs", "ignite", "lightning"))
+        if de is not None:
+            add(f"MLP, {FEED_TITLES[feed]}, console off <= 1.02x", de, MLP_LIMIT, de <= MLP_LIMIT)
+        if de is not None and ig is not None:
+            add(f"MLP, {FEED_TITLES[feed]}, <= pytorch-ignite + 0.005", de, ig + MLP_IGNITE_SLACK,
+                de <= ig + MLP_IGNITE_SLACK)
+        if de is not None and li is not None:
+            add(f"MLP, {FEED_TITLES[feed]}, Lightning behind", li, de, li > de)
+    return out
 
 
 def snapshot_costs(rows: list[dict]) -> dict:
     """What SnapshotCallback adds on the tiny model, per batch (= per update: k=1): armed with nothing due,
     and writing a file at every update (issue 17: reported, no budget; snapshots off is PERF-1's case)."""
-    tiny = {row["variant"]: row for row in rows if row["model"] == "tiny"}
+    tiny = {row["variant"]: row for row in rows if row["model"] == "tiny" and row["feed"] == "tensors"}
     base = tiny.get("deepepochs")
     out = {}
     for variant in ("deepepochs_snapshots_armed", "deepepochs_snapshot_every_update"):
@@ -468,18 +542,30 @@ def snapshot_costs(rows: list[dict]) -> dict:
     return out
 
 
+#: Variants measured by default: all budget lines on the tiny model, the main ones on the MLP (its
+#: batches cost ~15 ms on a 2-core box, so each variant adds a minute per feed). The others (fp16, the
+#: seeded k=4 loop, snapshots) run with --variants.
+DEFAULT_VARIANTS = {
+    "tiny": ["raw", "deepepochs", "deepepochs_console", "deepepochs_every_edge", "raw_acc4", "deepepochs_acc4",
+             "ignite", "lightning"],
+    "mlp": ["raw", "deepepochs", "deepepochs_console", "raw_acc4", "deepepochs_acc4", "ignite", "lightning"],
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="deepepochs loop overhead against a raw PyTorch loop")
-    parser.add_argument("--rounds", type=int, default=50, help="interleaved rounds, tiny model")
-    parser.add_argument("--mlp-rounds", type=int, default=15, help="interleaved rounds, MLP")
-    parser.add_argument("--blocks", type=int, default=5,
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds, tiny model")
+    parser.add_argument("--mlp-rounds", type=int, default=12, help="interleaved rounds, MLP")
+    parser.add_argument("--blocks", type=int, default=4,
                         help="rebuild every variant (fresh model copies) this many times per model")
     parser.add_argument("--tiny-batches", type=int, default=100, help="batches per epoch, tiny model")
-    parser.add_argument("--mlp-batches", type=int, default=30, help="batches per epoch, MLP")
-    parser.add_argument("--models", default="tiny,mlp", help="comma-separated: tiny, mlp")
+    parser.add_argument("--mlp-batches", type=int, default=24, help="batches per epoch, MLP")
+    parser.add_argument("--models", default="tiny,mlp", help=f"comma-separated subset of {list(MODELS)}")
+    parser.add_argument("--feeds", default="loader,tensors",
+                        help="comma-separated: loader (a DataLoader over a TensorDataset, as users feed data),"
+                             " tensors (a list of pre-batched tensors)")
     parser.add_argument("--variants", default="",
-                        help=f"comma-separated subset of {list(VARIANTS)} (default: all on the tiny model;"
-                             " all but the fp16 pair on the MLP, where CPU fp16 matmuls are slow)")
+                        help=f"comma-separated subset of {list(VARIANTS)} (default: {DEFAULT_VARIANTS})")
     parser.add_argument("--no-fsm", action="store_true", help="skip the FSM dispatch micro-benchmark")
     parser.add_argument("--gc-each-epoch", action="store_true",
                         help="gc.collect() before every timed epoch (cold caches each time; see run_model)")
@@ -491,6 +577,7 @@ def main(argv=None) -> int:
         args.rounds, args.mlp_rounds, args.blocks, args.tiny_batches, args.mlp_batches = 2, 2, 1, 8, 4
     torch.set_num_threads(1)  # one thread: stable numbers, and the Python overhead is what we measure
     warnings.filterwarnings("ignore", module=r"(lightning|pytorch_lightning|lightning_fabric)(\.|$)")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # Lightning on a DataLoader
     requested = [v for v in args.variants.split(",") if v]
     unknown = [v for v in requested if v not in VARIANTS]
     if unknown:
@@ -499,39 +586,41 @@ def main(argv=None) -> int:
     for model in models:
         if model not in MODELS:
             parser.error(f"unknown model {model!r}; choose from {list(MODELS)}")
+    feeds = [f for f in args.feeds.split(",") if f]
+    for feed in feeds:
+        if feed not in FEEDS:
+            parser.error(f"unknown feed {feed!r}; choose from {list(FEEDS)}")
     rows, skipped = [], {}
     t0 = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     for model in models:
-        wanted = requested or [v for v in VARIANTS if model == "tiny" or "fp16" not in v]
-        variants, skipped_now = available_variants(wanted)
-        skipped.update(skipped_now)
-        batches = args.tiny_batches if model == "tiny" else args.mlp_batches
-        rounds = args.rounds if model == "tiny" else args.mlp_rounds
-        print(f"measuring {model}: {len(variants)} variants x {rounds} rounds ({args.blocks} blocks) x"
-              f" {batches} batches",
-              file=sys.stderr)
-        rows += run_model(model, variants, rounds, batches, args.blocks, args.gc_each_epoch)
+        for feed in feeds:
+            variants, skipped_now = available_variants(requested or DEFAULT_VARIANTS[model])
+            skipped.update(skipped_now)
+            batches = args.tiny_batches if model == "tiny" else args.mlp_batches
+            rounds = args.rounds if model == "tiny" else args.mlp_rounds
+            print(f"measuring {model} fed by {feed}: {len(variants)} variants x {rounds} rounds ({args.blocks}"
+                  f" blocks) x {batches} batches", file=sys.stderr)
+            rows += run_model(model, variants, rounds, batches, args.blocks, args.gc_each_epoch, feed)
     info = machine_info()
-    print(f"## Loop overhead: {info['cpu']}, torch {info['torch']}, 1 thread\n")
-    print("Per round every variant runs one epoch (one fit() call for deepepochs), in random order; ratios"
-          " are medians of per-round ratios to the variant's raw loop (95% bootstrap CI). Whole epochs:"
-          " process time of the epoch. Per batch: the epoch's median batch-to-batch interval after the"
-          " first five. Fixed per fit: the epoch's time beyond batches x its mean interval, over the raw"
-          " loop's.\n")
+    info["load_average_at_start"] = load
+    verdict = budget_verdict(rows)
+    loaded = f"; load average {load:.1f} at the start" if load is not None else ""
+    print(f"## Loop overhead ({info['date']}): {info['cpu']}, {info['cpu_count']} cores{loaded}, torch"
+          f" {info['torch']}, 1 thread, Adam\n")
+    print("Per batch against a plain PyTorch loop in the same run, interleaved rounds (each round's median"
+          " batch-to-batch interval over the raw loop's, median over rounds); deepepochs' own µs per batch"
+          " beside its ratio. Reproduce with `make bench`.\n")
+    print(summary_table(rows))
+    print("\n### Budget\n")
+    for v in verdict:
+        print(f"- {v['budget']}: {v['value']:.3f} against {v['limit']:.3f}: {'met' if v['met'] else 'NOT met'}")
+    print("\n### Every figure\n")
     print(format_table(rows))
     for name, why in skipped.items():
         print(f"\n_{name} skipped: {why}_")
     payload = {"benchmark": "loop_overhead", "machine": info, "settings": vars(args), "skipped": skipped,
-               "results": rows}
-    verdict = perf1_verdict(rows)
-    if verdict:
-        payload["perf1"] = verdict
-        print("\nPERF-1 (tiny model): " + "; ".join(
-            f"{k} {v['per_batch_ratio']:.3f}x per batch (95% CI {v['per_batch_ci95'][0]:.3f}-"
-            f"{v['per_batch_ci95'][1]:.3f}; limit {v['limit']:.2f}x): {'met' if v['per_batch_met'] else 'NOT met'},"
-            f" plus {v['fixed_us_per_fit']:.0f} µs once per fit(); whole 100-batch epochs"
-            f" {v['whole_epoch_ratio']:.3f}x CPU: {'met' if v['whole_epoch_met'] else 'NOT met'}"
-            for k, v in verdict.items()))
+               "summary": summary_table(rows), "budget": verdict, "results": rows}
     snapshots = snapshot_costs(rows)
     if snapshots:
         payload["snapshots"] = snapshots

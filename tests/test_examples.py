@@ -55,12 +55,31 @@ def _run(args, tmp_path, timeout=150):
 
 
 def test_loop_overhead_benchmark_runs_quickly(tmp_path):
-    """loop_overhead.py --quick prints the ratio table and the FSM dispatch table and writes JSON."""
+    """loop_overhead.py --quick measures both feeds (a DataLoader and pre-batched tensors), prints the
+    summary table, the budget lines and the FSM dispatch table, and writes JSON."""
+    import json
+
     out = tmp_path / "loop.json"
     text = _run([BENCH / "loop_overhead.py", "--quick", "--models", "tiny", "--variants", "raw,deepepochs",
                  "--output", out], tmp_path)
-    assert "| tiny | deepepochs |" in text and "FSM dispatch" in text, text
-    assert out.exists()
+    assert "| tiny | loader | deepepochs |" in text and "| tiny | tensors | deepepochs |" in text, text
+    assert "| tiny (Linear 16→2, batch 32) | DataLoader |" in text and "FSM dispatch" in text, text
+    assert "tiny, DataLoader, console off <= 1.10x" in text, text
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["feed"], r["variant"]) for r in rows} == {(f, v) for f in ("loader", "tensors")
+                                                         for v in ("raw", "deepepochs")}
+
+
+def test_finite_check_benchmark_runs_quickly(tmp_path):
+    """finite_check.py times the library's non-finite gradient check inside a plain update and writes JSON."""
+    import json
+
+    out = tmp_path / "finite.json"
+    text = _run([BENCH / "finite_check.py", "--rounds", "2", "--updates", "1", "--models", "tiny",
+                 "--output", out], tmp_path)
+    assert "| tiny | deepepochs |" in text, text
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"none", "deepepochs", "fused", "isfinite"} and rows["deepepochs"]["check_us"] > 0
 
 
 def test_profile_script_runs_quickly(tmp_path):
