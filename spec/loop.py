@@ -118,7 +118,10 @@ ACTIONS = [
       " for a finished run, its end."),
     A("start_epoch", "Advance the 1-based epoch counter and set distributed samplers' epoch."),
     A("report_early_stop", "Record and print why the fit stopped before its epoch target."),
-    A("open_window", "Reset the window's sample count, loss sums and metric patches."),
+    A("open_window", "Reset the window's counters, sample count and update flags (the window's meters open with"
+      " its first batch)."),
+    A("count_micro_batch", "Count the micro-batch in its window: its position, the window's samples and the size"
+      " of the window's first batch (the loss share's base)."),
     A("sync_gradients", "DDP: synchronise gradients in this backward (the window's updating micro-batch)."),
     A("skip_gradient_sync", "DDP: no_sync for this backward; gradients accumulate locally."),
     A("unscale_gradients", "Unscale fp16 gradients, normalise by the window's samples, check finiteness."),
@@ -166,9 +169,9 @@ TRANSITIONS = [
     E("begin_task", "stage_train", "task_train", "A training task starts."),
     E("begin_window", "task_train", "window_open", "A window opens.", actions=["open_window"]),
     E("begin_batch", "window_open", "step_forward", "The window's last micro-batch: gradients sync.",
-      conditions=["window_boundary"], actions=["sync_gradients"]),
+      conditions=["window_boundary"], actions=["count_micro_batch", "sync_gradients"]),
     E("begin_batch", "window_open", "step_forward", "An inner micro-batch: no gradient sync.",
-      unless=["window_boundary"], actions=["skip_gradient_sync"]),
+      unless=["window_boundary"], actions=["count_micro_batch", "skip_gradient_sync"]),
     E("backward", "step_forward", "step_backward", "The first loss of the step is backpropagated."),
     E("backward", "step_backward", "step_backward", "Another loss of the same step is backpropagated."),
     E("backward", "step_optimized", "step_backward", "A loss after this step's update (e.g. a GAN)."),

@@ -27,7 +27,7 @@ from deepepochs.errors import Preempted
 from deepepochs.fsm.machine import load_spec
 
 __all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded",
-           "reads_on_host", "window_finite"]
+           "reads_on_host", "reset_window", "window_finite"]
 
 GUARDS: dict[str, Callable[[Context], bool]] = {}
 ACTIONS: dict[str, Callable[[Context], None]] = {}
@@ -189,13 +189,30 @@ def commit_epoch(ctx: Context) -> None:
 # ---- the accumulation window -------------------------------------------------------------------------
 @action
 def open_window(ctx: Context) -> None:
-    loop = ctx.loop
+    """A new window: no micro-batch, sample or update in it yet (`reset_window`)."""
+    reset_window(ctx.loop)
+
+
+def reset_window(loop) -> None:
+    """Empty the window's counters and flags: what opening a window and a rollback's reset both start from."""
     loop.window_pos = 0
     loop.window_samples = 0
     loop.window_first_size = 0
     loop.window_updated = False
     loop.window_committed = False
     loop.finite.clear()
+
+
+@action
+def count_micro_batch(ctx: Context) -> None:
+    """Count the micro-batch `steps.read_batch` read (`ctx.batch_n` samples) in its window: its 1-based
+    position, the window's sample count (the update's normaliser) and, for the first, the size the loss
+    shares are based on (`steps.backpropagate`)."""
+    loop, n = ctx.loop, ctx.batch_n
+    loop.window_pos += 1
+    if loop.window_pos == 1:
+        loop.window_first_size = n
+    loop.window_samples += n
 
 
 @action
@@ -379,12 +396,11 @@ def discard_window(ctx: Context) -> None:
 
 @action
 def reset_loop(ctx: Context) -> None:
+    """After a rollback: no stage, task or window is open, so the next fit or test starts afresh."""
     loop = ctx.loop
     loop.stage = None
     loop.meters = None
-    loop.window_pos = 0
-    loop.window_updated = loop.window_committed = False
-    loop.finite.clear()
+    reset_window(loop)
     ctx.task = None
     ctx.model = ctx.parts.train_model
 

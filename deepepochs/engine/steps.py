@@ -82,17 +82,14 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
 
 
 def read_batch(ctx: Context, split, batch, is_last: bool):
-    """Count a training micro-batch in its window and its task (1-based `batch_idx`, `window_pos`), decide
-    whether it closes its window (`is_last`: the task's last batch, or the window's k-th), split it with
-    `split` (`data.batch_splitter`) and clear the batch's scratch. Returns `(batch_x, batch_y, n)`."""
+    """Count a training micro-batch in its task (1-based `batch_idx`), decide whether it closes its window
+    (`window_boundary`, which the `begin_batch` edge asks: `is_last`, the task's last batch, or the window's
+    k-th), split it with `split` (`data.batch_splitter`) and clear the batch's scratch. Its place in the
+    window is counted by the `begin_batch` edge (`count_micro_batch`). Returns `(batch_x, batch_y, n)`."""
     loop = ctx.loop
-    loop.window_pos += 1
     loop.batch_idx += 1
-    loop.window_boundary = is_last or loop.window_pos == loop.window_size
+    loop.window_boundary = is_last or loop.window_pos + 1 == loop.window_size
     batch_x, batch_y, n = split(batch)
-    if loop.window_pos == 1:
-        loop.window_first_size = n
-    loop.window_samples += n
     ctx.batch_n, ctx.step_loss, ctx.step_patches, ctx.batch_counted = n, None, None, False
     return batch_x, batch_y, n
 

@@ -231,7 +231,10 @@ class ActionName(str, enum.Enum):
     REPORT_EARLY_STOP = 'report_early_stop'
     """Record and print why the fit stopped before its epoch target."""
     OPEN_WINDOW = 'open_window'
-    """Reset the window's sample count, loss sums and metric patches."""
+    """Reset the window's counters, sample count and update flags (the window's meters open with its first batch)."""
+    COUNT_MICRO_BATCH = 'count_micro_batch'
+    """Count the micro-batch in its window: its position, the window's samples and the size of the window's first batch
+    (the loss share's base)."""
     SYNC_GRADIENTS = 'sync_gradients'
     """DDP: synchronise gradients in this backward (the window's updating micro-batch)."""
     SKIP_GRADIENT_SYNC = 'skip_gradient_sync'
