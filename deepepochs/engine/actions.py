@@ -285,10 +285,30 @@ def clip_gradients(ctx: Context) -> None:
 
 @action
 def step_optimizer(ctx: Context) -> None:
-    """Step optimizer `opt_index`. Its step post-hook (`Optimizers.bind_updates`) steps the step-wise
-    scheduler and sets `window_updated` the moment the update is applied, even if a later post-hook
-    raises, so a rollback never replays an applied update."""
-    ctx.parts.opts.items[ctx.loop.opt_index].opt.step()
+    """Step optimizer `opt_index`, then its step-wise scheduler (sched_on='step'), as one unit.
+
+    The scheduler follows exactly the applied updates. When `opt.step()` raises, the optimizer's post-hook
+    (`Optimizers.bind_updates`, which marks `window_updated` the moment the update is applied) tells whether
+    the update happened: after it (a later post-hook raised) the scheduler is stepped all the same and the
+    error goes on to the rollback, which keeps the update; before it (a pre-hook), not at all."""
+    loop = ctx.loop
+    opts = ctx.parts.opts
+    scheduler = opts.step_scheduler(loop.opt_index)
+    opt = opts.items[loop.opt_index].opt
+    if scheduler is None:
+        opt.step()
+        return
+    updated, loop.window_updated = loop.window_updated, False
+    try:
+        opt.step()
+    except BaseException:
+        applied = loop.window_updated
+        loop.window_updated = updated or applied
+        if applied:
+            scheduler.step()
+        raise
+    loop.window_updated = True
+    scheduler.step()
 
 
 @action
