@@ -21,8 +21,10 @@ guard outcomes along them; `Spec.validate` walks that path. `fuse_steps=False` t
 
 Commit points: an action marked `commit=True` (`commit_update` after a window's update, `commit_epoch` at
 the epoch's end) is where work becomes permanent: rollback after an interrupt discards only what was done
-since the last commit, never anything before it. A commit action is the last action of its edge
-(`Spec.validate` checks it); `Spec.commit_edges()` lists the edges that commit, fused ones included.
+since the last commit, never anything before it. A commit action is the last action of its edge but for
+actions marked `after_commit=True` (`release_interrupts`, which raises a Ctrl-C held during the update once
+the update is committed); `Spec.validate` checks it. `Spec.commit_edges()` lists the edges that commit,
+fused ones included.
 
 Snapshots: with a `SnapshotCallback` attached, every commit point (after a committed window, in `task_train`;
 after an epoch's commit, in `fit_running`) fires the hot trigger `snapshot`: `save_snapshot` runs when
@@ -130,8 +132,12 @@ ACTIONS = [
     A("skip_optimizer", "Leave the optimizer and its step-wise scheduler untouched; run skip hooks."),
     A("update_scaler", "Hand this update's inf checks to the GradScaler; its scale changes once per iteration."),
     A("zero_grad", "Zero the updated optimizers' gradients (set_to_none)."),
+    A("remember_position", "Keep what a refit continues from besides the batch count: torch's generator states"
+      " and a stateful DataLoader's position, as they are after the window's update."),
     A("commit_update", "Commit the window's update: the data position moves past the window and its loss sums"
       " and patches join the task's; rollback never undoes it.", commit=True),
+    A("release_interrupts", "End the update's critical section: a Ctrl-C held since unscale_gradients is raised"
+      " now, after the commit.", after_commit=True),
     A("close_window", "Fold the window's loss sums and metric patches into the task's."),
     A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured)."),
     A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end."),
@@ -185,7 +191,8 @@ TRANSITIONS = [
     *(E("apply_update", source, "optimize_skipped", "inf/NaN gradients: the step is skipped.",
         unless=["grads_finite"], actions=["skip_optimizer"]) for source in OPTIMIZING),
     *(E("finish_update", source, "step_optimized", "The update is complete.",
-        actions=["update_scaler", "zero_grad", "commit_update"]) for source in OPTIMIZING),
+        actions=["update_scaler", "zero_grad", "remember_position", "commit_update", "release_interrupts"])
+      for source in OPTIMIZING),
     E("optimize", "step_optimized", "optimize_unscaled",
       "Another optimizer of the same step updates (e.g. optimize(0) then optimize(1) after one backward).",
       actions=["unscale_gradients"]),

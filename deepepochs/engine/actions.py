@@ -6,9 +6,11 @@ calls the same functions directly, looked up here when a trainer's task starts. 
 fails when a spec name has no implementation or the registry has one the spec does not name;
 registering a name twice fails at import.
 
-Commit points (spec actions marked `commit=True`, always last on their edge): `commit_update` after an
-update was applied with its step-wise scheduler (or skipped and the scale updated), `commit_epoch` after an
-epoch's end. Rollback (`discard_window`) returns the trainer to the last of them.
+Commit points (spec actions marked `commit=True`, last on their edge but for after-commit actions):
+`commit_update` after an update was applied with its step-wise scheduler (or skipped and the scale
+updated), then `release_interrupts` raises a Ctrl-C held during the update; `commit_epoch` after an
+epoch's end. Rollback (`discard_window`) returns the trainer to the last of them. No action reads the
+machine's state: what differs between edges is which actions the spec puts on them.
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ def close_window(ctx: Context) -> None:
 def unscale_gradients(ctx: Context) -> None:
     """Unscale (fp16), decide finiteness per optimizer, and normalise by the window's real sample count.
 
-    This begins the update, a critical section for SIGINT (held until `commit_update` of `finish_update`).
+    This begins the update, a critical section for SIGINT (held until `release_interrupts`).
     Each micro-batch backpropagated `loss * n_i / (k * n_first)` (`steps.loss`); the window's gradient is
     `sum(n_i * loss_i) / N` with N the window's samples over all ranks, so the factor here is
     `w * k * n_first / N` (DDP already averaged over the w ranks): exactly 1 for full windows of equal
@@ -336,29 +338,33 @@ def zero_grad(ctx: Context) -> None:
 
 
 @action
-def commit_update(ctx: Context) -> None:
-    """The window's update is committed: the task's position moves past the window. On `finish_update`
-    (the update's end) the SIGINT critical section ends and a held Ctrl-C is raised."""
-    loop = ctx.loop
-    if not loop.window_committed and ctx.snapshots is not None:
-        # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
-        # below, before it, and the window is committed all the same
-        ctx.snapshots.count_update()
-    loop.window_committed = True
-    point = loop.resume
-    point.batches_done = loop.batch_idx  # the driver set it to (epoch, task) when the task began
-    if ctx.machine.model.state == "step_optimized":  # finish_update: the update is complete
-        _remember_position(ctx)
-        ctx.signals.release()
-
-
-def _remember_position(ctx: Context) -> None:
+def remember_position(ctx: Context) -> None:
     """What a refit continues from besides the batch count: torch's generators and a stateful loader's
     position, both as they are right after the window's update (no batch is read ahead of a window's end)."""
     remember_random_state(ctx)
     if ctx.data_source is not None:
         point = ctx.loop.resume
-        ctx.data_state = (point.epoch, point.task_index, point.batches_done, ctx.data_source.state_dict())
+        ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, ctx.data_source.state_dict())
+
+
+@action
+def commit_update(ctx: Context) -> None:
+    """The window's update is committed: the task's position moves past the window (the driver set the
+    point to (epoch, task) when the task began) and the update is counted for snapshots, once per window."""
+    loop = ctx.loop
+    if not loop.window_committed and ctx.snapshots is not None:
+        # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
+        # after this (release_interrupts), before it, and the window is committed all the same
+        ctx.snapshots.count_update()
+    loop.window_committed = True
+    loop.resume.batches_done = loop.batch_idx
+
+
+@action
+def release_interrupts(ctx: Context) -> None:
+    """The update's critical section ends (it began in `unscale_gradients`): a Ctrl-C held since then is
+    raised now, with the update committed."""
+    ctx.signals.release()
 
 
 # ---- snapshots (deepepochs.engine.snapshots) -------------------------------------------------------------
@@ -399,9 +405,9 @@ def discard_window(ctx: Context) -> None:
     meters = loop.meters
     if meters is not None and loop.stage == "train" and loop.window_pos:
         if loop.window_updated:  # applied: the update's commit point is completed now, with the position after it
+            remember_position(ctx)
             if not loop.window_committed:
                 commit_update(ctx)
-            _remember_position(ctx)
         if loop.window_committed:
             # The step's own loss is counted once the window committed; its patches never came back.
             if ctx.step_loss is not None and not ctx.batch_counted:

@@ -43,8 +43,8 @@ def render_tables(spec: Spec) -> str:
         _literal("TRIGGERS", tuple((t.name, t.hot, t.doc) for t in spec.triggers)),
         "\n# (name, doc)\n",
         _literal("GUARDS", tuple((g.name, g.doc) for g in spec.guards)),
-        "\n# (name, commit, doc)\n",
-        _literal("ACTIONS", tuple((a.name, a.commit, a.doc) for a in spec.actions)),
+        "\n# (name, commit, after_commit, doc)\n",
+        _literal("ACTIONS", tuple((a.name, a.commit, a.after_commit, a.doc) for a in spec.actions)),
         "\n# (trigger, source, dest, conditions, unless, actions, error, fuses, assuming, doc)\n",
         _literal("TRANSITIONS", tuple(
             (t.trigger, t.source, t.dest, t.conditions, t.unless, t.actions, t.error, t.fuses, t.assuming, t.doc)

@@ -251,9 +251,14 @@ class ActionName(str, enum.Enum):
     """Hand this update's inf checks to the GradScaler; its scale changes once per iteration."""
     ZERO_GRAD = 'zero_grad'
     """Zero the updated optimizers' gradients (set_to_none)."""
+    REMEMBER_POSITION = 'remember_position'
+    """Keep what a refit continues from besides the batch count: torch's generator states and a stateful DataLoader's
+    position, as they are after the window's update."""
     COMMIT_UPDATE = 'commit_update'
     """Commit the window's update: the data position moves past the window and its loss sums and patches join the
     task's; rollback never undoes it."""
+    RELEASE_INTERRUPTS = 'release_interrupts'
+    """End the update's critical section: a Ctrl-C held since unscale_gradients is raised now, after the commit."""
     CLOSE_WINDOW = 'close_window'
     """Fold the window's loss sums and metric patches into the task's."""
     STEP_EPOCH_SCHEDULERS = 'step_epoch_schedulers'

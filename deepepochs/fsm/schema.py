@@ -89,13 +89,15 @@ class Action:
     """A named effect run when an edge is taken (after the state changes).
 
     A commit action (`commit=True`) marks the point after which the work done so far is committed: rollback
-    never undoes it. It is the last action of every edge that runs it (checked by `Spec.validate`), so an
-    edge either commits everything it did or, interrupted before its commit, nothing.
+    never undoes it. Only actions marked `after_commit=True` may follow it on an edge, and those only follow
+    one (checked by `Spec.validate`), so an edge either commits everything it did or, interrupted before its
+    commit, nothing; an after-commit action (e.g. raising a Ctrl-C held during an update) finds it committed.
     """
 
     name: str = attrs.field(validator=_identifier)
     doc: str = attrs.field(validator=_one_line)
     commit: bool = False
+    after_commit: bool = False
 
 
 @attrs.frozen
@@ -242,10 +244,22 @@ class Spec:
                 unknown = [n for n in names if n not in known[kind]]
                 if unknown:
                     raise SpecError(f"{where}: unknown {kind} {unknown}; known: {sorted(known[kind])}")
-            early = [a for a in t.actions[:-1] if a in commit]
+            after = {a.name for a in self.actions if a.after_commit}
+            tail = len(t.actions)
+            while tail and t.actions[tail - 1] in after:  # the after-commit actions that end the edge
+                tail -= 1
+            early = [a for a in t.actions[:tail - 1] if a in commit]
             if early:
-                raise SpecError(f"{where}: commit action {early[0]!r} must be the edge's last action (got actions"
-                                f" {list(t.actions)}); move it to the end so that nothing runs after the commit")
+                raise SpecError(f"{where}: commit action {early[0]!r} must be the edge's last action but for"
+                                f" after-commit ones (got actions {list(t.actions)}); move it to the end so that"
+                                " nothing runs after the commit")
+            if tail < len(t.actions) and (not tail or t.actions[tail - 1] not in commit):
+                raise SpecError(f"{where}: after-commit action {t.actions[tail]!r} must follow a commit action"
+                                f" (got actions {list(t.actions)})")
+            misplaced = [a for a in t.actions[:tail] if a in after]
+            if misplaced:
+                raise SpecError(f"{where}: after-commit action {misplaced[0]!r} must follow the edge's commit"
+                                f" action (got actions {list(t.actions)})")
         hot = {t.name for t in self.triggers if t.hot}
         for t in self.transitions:
             if t.fuses:
