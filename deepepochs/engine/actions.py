@@ -25,7 +25,9 @@ import torch
 from deepepochs import torch_private
 from deepepochs.engine import position
 from deepepochs.engine.context import Context
+from deepepochs.engine.emit import emit
 from deepepochs.errors import Preempted
+from deepepochs.fsm.events import Event
 from deepepochs.fsm.machine import load_spec
 
 __all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded",
@@ -316,9 +318,7 @@ def step_optimizer(ctx: Context) -> None:
 @action
 def skip_optimizer(ctx: Context) -> None:
     """Leave optimizer `opt_index` and its scheduler untouched; tell the callbacks."""
-    facade, index = ctx.parts.facade, ctx.loop.opt_index
-    for hook in ctx.parts.hooks["on_skip_optimize"]:
-        hook(facade, index)
+    emit(ctx, Event.SKIP_OPTIMIZE.value, ctx.loop.opt_index)
 
 
 @action

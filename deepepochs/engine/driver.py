@@ -20,8 +20,10 @@ from deepepochs.checkpoint import monitors_in
 from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
 from deepepochs.engine import actions, batches, position, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
+from deepepochs.fsm.events import Event
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
 from deepepochs.outputs import concat_batches, detached, merge_shards
@@ -39,9 +41,12 @@ from deepepochs.tasks import (
 
 __all__ = ["Driver"]
 
-#: Per stage, the hooks the driver runs around stages and tasks.
-STAGE_HOOKS = {stage: (f"on_before_{stage}_epochs", f"on_after_{stage}_epochs", f"on_before_{stage}_epoch",
-                       f"on_after_{stage}_epoch") for stage in ("train", "val", "test")}
+#: Per stage, the hooks the driver fires around stages and tasks.
+STAGE_HOOKS = {
+    "train": (Event.BEFORE_TRAIN_EPOCHS, Event.AFTER_TRAIN_EPOCHS, Event.BEFORE_TRAIN_EPOCH, Event.AFTER_TRAIN_EPOCH),
+    "val": (Event.BEFORE_VAL_EPOCHS, Event.AFTER_VAL_EPOCHS, Event.BEFORE_VAL_EPOCH, Event.AFTER_VAL_EPOCH),
+    "test": (Event.BEFORE_TEST_EPOCHS, Event.AFTER_TEST_EPOCHS, Event.BEFORE_TEST_EPOCH, Event.AFTER_TEST_EPOCH),
+}
 
 
 class Driver:
@@ -135,8 +140,7 @@ class Driver:
             if machine.spec.state(state).running:
                 machine.fire_cold("interrupt")
             try:
-                for hook in parts.hooks["on_rollback"]:
-                    hook(parts.facade, exc, state)
+                emit(ctx, Event.ROLLBACK, exc, state)
             finally:
                 if machine.state != "idle":
                     machine.fire_cold("recover")
@@ -147,8 +151,7 @@ class Driver:
             raise
         finally:
             parts.raw_model.train()
-        for hook in parts.hooks["on_interrupted"]:
-            hook(parts.facade, exc)
+        emit(ctx, Event.INTERRUPTED, exc)
 
     # ---- fit ----
     def run_fit(self, train, val, val_freq, epochs):
@@ -166,7 +169,7 @@ class Driver:
         actions.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
         fire("fit")
         self._header()
-        self._run_hooks("on_before_fit", epochs)
+        self._run_hooks(Event.BEFORE_FIT, epochs)
         if not self._started:
             self._started = True
             parts.dist.broadcast_model(parts.raw_model)  # after init callbacks: every rank starts equal (DDP-5)
@@ -174,7 +177,7 @@ class Driver:
         while fire("next_epoch") == "epoch_running":
             epoch = loop.epoch
             epoch_idx = epoch - 1  # hooks get 0-based epoch indices, as in 0.6; the loop counts from 1
-            self._run_hooks("on_before_epoch", train, val, epoch_idx)
+            self._run_hooks(Event.BEFORE_EPOCH, train, val, epoch_idx)
             fire("begin_train")
             train_metrics = self._train_stage(train, epoch)
             fire("end_stage")
@@ -184,14 +187,14 @@ class Driver:
                 val_metrics = self._eval_stage("val", val, epoch)
                 fire("end_stage")
             self._count_epoch(epoch)
-            self._run_hooks("on_after_epoch", train, val, train_metrics, val_metrics, epoch_idx)
+            self._run_hooks(Event.AFTER_EPOCH, train, val, train_metrics, val_metrics, epoch_idx)
             skipped = sum(meters.skipped for meters in ctx.train_meters or ())
             parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped)
             fire("end_epoch")
             if ctx.snapshots is not None:
                 snapshots.commit_point(ctx, epoch_end=True)
         loop.stage = None
-        self._run_hooks("on_after_fit")
+        self._run_hooks(Event.AFTER_FIT)
         if ctx.snapshots is not None:
             snapshots.after_fit(ctx)
         fire("finish")
@@ -223,7 +226,7 @@ class Driver:
         loop.stage = "train"
         ctx.model = parts.train_model
         parts.raw_model.train()
-        self._run_hooks("on_before_train_epochs", tasks, epoch - 1)
+        self._run_hooks(Event.BEFORE_TRAIN_EPOCHS, tasks, epoch - 1)
         meters_list = ctx.train_meters = []
         for index, task in enumerate(tasks):
             skip = 0
@@ -242,7 +245,7 @@ class Driver:
         loop.resume = ResumePoint(epoch, -1, 0)
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics["train"] = metrics
-        self._run_hooks("on_after_train_epochs", tasks, metrics, epoch - 1)
+        self._run_hooks(Event.AFTER_TRAIN_EPOCHS, tasks, metrics, epoch - 1)
         return metrics
 
     def _eval_stage(self, stage, tasks, epoch):
@@ -436,9 +439,8 @@ class Driver:
 
     # ---- misc ----
     def _run_hooks(self, event, *args):
-        parts = self.ctx.parts
-        for hook in parts.hooks[event]:
-            hook(parts.facade, *args)
+        """Fire hook `event` (`emit`)."""
+        emit(self.ctx, event, *args)
 
     def _header(self):
         if self._header_done:

@@ -16,7 +16,9 @@ from deepepochs.checkpoint import monitors_in
 from deepepochs.data import call_model
 from deepepochs.engine import actions
 from deepepochs.engine.context import Context
+from deepepochs.engine.emit import emit
 from deepepochs.errors import ConfigError
+from deepepochs.fsm.events import Event
 from deepepochs.outputs import detached
 from deepepochs.patch_policy import make_patches
 from deepepochs.patches import PatchBase, ValuePatch
@@ -30,9 +32,14 @@ __all__ = [
     "step_metrics", "step_patches", "user_loss",
 ]
 
-#: Per stage, the hooks a step runs (derived names of the spec's hook table).
-STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
-              for stage in ("train", "val", "test")}
+#: Per stage, the hooks a step fires: before and after the forward pass, before the metrics.
+STEP_HOOKS = {
+    "train": (Event.BEFORE_TRAIN_FORWARD.value, Event.AFTER_TRAIN_FORWARD.value, Event.TRAIN_METRICS.value),
+    "val": (Event.BEFORE_VAL_FORWARD.value, Event.AFTER_VAL_FORWARD.value, Event.VAL_METRICS.value),
+    "test": (Event.BEFORE_TEST_FORWARD.value, Event.AFTER_TEST_FORWARD.value, Event.TEST_METRICS.value),
+}
+BEFORE_BACKWARD, AFTER_BACKWARD = Event.BEFORE_BACKWARD.value, Event.AFTER_BACKWARD.value
+BEFORE_OPTIMIZE, AFTER_OPTIMIZE = Event.BEFORE_OPTIMIZE.value, Event.AFTER_OPTIMIZE.value
 
 
 def default_step(ctx: Context, batch_x, batch_y, stage: str):
@@ -52,13 +59,10 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
 
 def forward(ctx: Context, batch_x, stage: str):
     """The step's forward pass between the stage's forward hooks; returns the model's output."""
-    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
     before_forward, after_forward, _ = STEP_HOOKS[stage]
-    for hook in hooks[before_forward]:
-        hook(facade)
+    emit(ctx, before_forward)
     model_out = call_model(ctx.model, batch_x)  # under the step's autocast (batches.train_batches)
-    for hook in hooks[after_forward]:
-        hook(facade, model_out)
+    emit(ctx, after_forward, model_out)
     return model_out
 
 
@@ -66,9 +70,8 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
     """The default step's metrics: the stage's `on_*_metrics` hooks, then the task's metric patches (and,
     at a task's first batch, `first_batch_checks`); in training they are kept in `ctx.step_patches`, so a
     rollback after the update commits them. Returns the patches (None without metrics)."""
-    facade, hooks, task = ctx.parts.facade, ctx.parts.hooks.by_event, ctx.task
-    for hook in hooks[STEP_HOOKS[stage][2]]:
-        hook(facade, value, model_out, batch_y, task)
+    task = ctx.task
+    emit(ctx, STEP_HOOKS[stage][2], value, model_out, batch_y, task)
     patches = None
     if task.all_metrics or ctx.first_batch:
         pick = ctx.parts.pick_targets
@@ -221,9 +224,7 @@ def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None
     """Backpropagate the micro-batch's share of its window's loss, between the backward hooks (the
     `backward` edge was taken just before)."""
     loop = ctx.loop
-    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
-    for hook in hooks["on_before_backward"]:
-        hook(facade, value)
+    emit(ctx, BEFORE_BACKWARD, value)
     # This micro-batch's share of the window: n_i / (k * n_first); 1/k for a window of k equal batches.
     # The update (unscale_gradients) multiplies by k * n_first / N once, so a short tail window or a ragged
     # batch weighs each sample as a full window does. Dividing here, not at the update, keeps fp16
@@ -240,8 +241,7 @@ def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None
         with precision.no_autocast():
             scaled = precision.scale(value if share == 1.0 else value * share, actions.batch_token(ctx))
             backward(ctx, scaled, 1.0)
-    for hook in hooks["on_after_backward"]:
-        hook(facade, value)
+    emit(ctx, AFTER_BACKWARD, value)
 
 
 def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool,
@@ -279,9 +279,7 @@ def step_metrics(ctx: Context, value, model_out, batch_y) -> None:
     task = ctx.task
     if task is None:
         raise RuntimeError("metrics can only be made inside a step of fit() or test()")
-    facade = ctx.parts.facade
-    for hook in ctx.parts.hooks.by_event[STEP_HOOKS[ctx.loop.stage][2]]:
-        hook(facade, value, model_out, batch_y, task)
+    emit(ctx, STEP_HOOKS[ctx.loop.stage][2], value, model_out, batch_y, task)
     if task.all_metrics:
         made, have = batch_patches(ctx, model_out, batch_y), ctx.step_patches
         if have:  # several calls in one step: their patches add up
@@ -354,16 +352,13 @@ def optimize(ctx: Context, optimize_index) -> None:
     select_update(ctx, optimize_index)
     if hop("optimize") != "optimize_unscaled":
         return  # an inner micro-batch: gradients keep accumulating
-    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
-    for hook in hooks["on_before_optimize"]:
-        hook(facade, optimize_index)
+    emit(ctx, BEFORE_OPTIMIZE, optimize_index)
     hop("clip")
     for i in loop.update_indices:
         loop.opt_index = i
         hop("apply_update")  # grads_finite picks the step or the skip edge for optimizer i
     hop("finish_update")
-    for hook in hooks["on_after_optimize"]:
-        hook(facade, optimize_index)
+    emit(ctx, AFTER_OPTIMIZE, optimize_index)
 
 
 @contextlib.contextmanager

@@ -50,8 +50,8 @@ def render_tables(spec: Spec) -> str:
             (t.trigger, t.source, t.dest, t.conditions, t.unless, t.actions, t.error, t.fuses, t.assuming, t.doc)
             for t in spec.transitions
         )),
-        "\n# (name, args, states, doc)\n",
-        _literal("HOOKS", tuple((h.name, h.args, h.states, h.doc) for h in spec.hooks)),
+        "\n# (name, args, states, after, before, doc)\n",
+        _literal("HOOKS", tuple((h.name, h.args, h.states, h.after, h.before, h.doc) for h in spec.hooks)),
     ]
     return "".join(parts)
 
@@ -105,7 +105,7 @@ def render_events(spec: Spec) -> str:
     for h in spec.hooks:
         args = "".join(f", {a}" for a in h.args)
         lines.append(f"\n    def {h.name}(self, trainer{args}):\n")
-        lines.append(_docstring(h.doc, "        "))
+        lines.append(_docstring(f"{h.doc} Runs {h.place}.", "        "))
     return "".join(lines)
 
 

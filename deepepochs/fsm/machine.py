@@ -45,7 +45,8 @@ def load_spec() -> Spec:
             Transition(trig, src, dst, doc, conditions=c, unless=u, actions=a, error=err, fuses=f, assuming=g)
             for trig, src, dst, c, u, a, err, f, g, doc in tables.TRANSITIONS
         ],
-        hooks=[Hook(n, args, states, doc) for n, args, states, doc in tables.HOOKS],
+        hooks=[Hook(n, args, states, doc, after=after, before=before)
+               for n, args, states, after, before, doc in tables.HOOKS],
         initial=tables.INITIAL,
         rollback=tables.ROLLBACK,
         interrupt=tables.INTERRUPT,

@@ -145,12 +145,23 @@ class Hook:
         args: argument names after `trainer`.
         states: the states the machine may be in when the hook runs (checked by conformance tests).
         doc: one line.
+        after: the trigger whose edge the hook runs after (the last edge taken when it runs), or None.
+        before: the trigger whose edge the hook runs before (the next edge taken after it), or None;
+            exactly one of `after` and `before` is given (checked by `Spec.validate`; the conformance test
+            checks real runs against it).
     """
 
     name: str = attrs.field(validator=_identifier)
     args: tuple[str, ...] = attrs.field(converter=tuple)
     states: tuple[str, ...] = attrs.field(converter=tuple)
     doc: str = attrs.field(validator=_one_line)
+    after: str | None = None
+    before: str | None = None
+
+    @property
+    def place(self) -> str:
+        """Where the hook fires, in words: `after begin_batch`, `before end_task`."""
+        return f"after {self.after}" if self.after is not None else f"before {self.before}"
 
     @property
     def is_after(self) -> bool:
@@ -274,6 +285,10 @@ class Spec:
         for h in self.hooks:
             if not h.name.startswith("on_") or not set(h.states) <= states:
                 raise SpecError(f"hook {h.name}: name must start with on_ and states must exist")
+            edge = [name for name in (h.after, h.before) if name is not None]
+            if len(edge) != 1 or edge[0] not in known["trigger"]:
+                raise SpecError(f"hook {h.name}: give exactly one of after= and before=, naming a trigger (got"
+                                f" after={h.after!r}, before={h.before!r})")
         pairs = sorted({(t.source, t.trigger) for t in self.transitions})
         for source, trigger in pairs:
             self._check_exclusive(source, trigger)

@@ -375,4 +375,4 @@ def test_raw_tables_have_the_documented_shapes():
     assert all(len(row) == 5 for row in tables.STATES)
     assert all(len(row) == 4 and isinstance(row[1], bool) and isinstance(row[2], bool) for row in tables.ACTIONS)
     assert all(len(row) == 10 for row in tables.TRANSITIONS)
-    assert all(len(row) == 4 for row in tables.HOOKS)
+    assert all(len(row) == 6 for row in tables.HOOKS)
