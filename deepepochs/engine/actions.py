@@ -16,22 +16,22 @@ machine's state: what differs between edges is which actions the spec puts on th
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections.abc import Callable
 
 import torch
 
-from deepepochs import torch_private
 from deepepochs.engine import position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
+from deepepochs.engine.finite import window_finite
+from deepepochs.engine.generators import remember_random_state
 from deepepochs.errors import Preempted
 from deepepochs.fsm.events import Event
 from deepepochs.fsm.machine import load_spec
 
 __all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded",
-           "reads_on_host", "reset_window", "window_finite"]
+           "reset_window"]
 
 GUARDS: dict[str, Callable[[Context], bool]] = {}
 ACTIONS: dict[str, Callable[[Context], None]] = {}
@@ -444,110 +444,7 @@ def _fold_window(loop) -> None:
         loop.meters.close_window()
 
 
-def random_state(ctx: Context) -> tuple:
-    """torch's generator states: the CPU's, and the training GPU's (None elsewhere), as copies of the
-    generators (`Generator.clone_state`: no state tensor is made; `state_tensor` makes one)."""
-    device = ctx.parts.device
-    return torch.default_generator.clone_state(), _gpu_copy(device) if device.type == "cuda" else None
-
-
-def _gpu_copy(device: torch.device):
-    """A copy of the CUDA generator of `device`; its state tensor where no copy can be made (CUDA not
-    initialised yet, or generators that cannot be cloned)."""
-    try:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[index].clone_state()
-    except (IndexError, RuntimeError, NotImplementedError):
-        return torch.cuda.get_rng_state(device)
-
-
-def state_tensor(state) -> torch.Tensor:
-    """A generator state as `get_rng_state()` gives it: from a copy `random_state` made, or as it is."""
-    return state.get_state() if isinstance(state, torch.Generator) else state
-
-
-def set_random_state(ctx: Context, state: tuple) -> None:
-    """Put back generator states `random_state` returned (or their `state_tensor`s)."""
-    cpu, gpu = state
-    torch.set_rng_state(state_tensor(cpu))
-    if gpu is not None:
-        torch.cuda.set_rng_state(state_tensor(gpu), ctx.parts.device)
-
-
-def remember_random_state(ctx: Context) -> None:
-    """Keep torch's generator states as of this commit point: the fit after a rollback (a refit) starts
-    from them, so it draws the random numbers (dropout, augmentation in torch) the uninterrupted run drew.
-    Once per update; a copy of each generator is kept rather than its state tensor, which costs a third
-    as much inside a training loop. Python's and NumPy's generators are not kept (10-70x dearer to read)."""
-    ctx.random_state = random_state(ctx)
-
-
 def batch_token(ctx: Context) -> tuple:
     """Identifies the current training iteration for the scaler (all losses of one batch share a scale)."""
     loop = ctx.loop
     return (loop.epoch, loop.batch_idx, id(loop.meters))
-
-
-def reads_on_host(value: torch.Tensor) -> bool:
-    """Whether reading `value` costs no device sync (a CPU tensor); elsewhere the fp32 finite check with
-    nonfinite='raise' stays on the device until the task's end (PERF-2)."""
-    return value.is_cpu
-
-
-def window_finite(ctx: Context, grads: list[torch.Tensor]) -> bool:
-    """Whether the update window's losses and the update's gradients `grads` are all finite (fp32/bf16;
-    fp16 asks the scaler, whose unscale checks the gradients).
-
-    On the CPU the losses were read as floats when computed (`steps.loss`) and the gradients' flag is read
-    at no sync cost: one fused pass over the gradients (`torch_private.grads_nonfinite`). Elsewhere the
-    losses' and gradients' flags are combined on the device and read once per update (the guard needs a
-    Python bool), or not at all with nonfinite='raise': the flag is kept and checked at the task's end
-    (PERF-2). Under DDP the flag is summed over the ranks first, so every rank takes the same step/skip
-    edge. Raises FloatingPointError with nonfinite='raise'.
-    """
-    parts, loop = ctx.parts, ctx.loop
-    dist, raise_ = parts.dist, parts.config.nonfinite == "raise"
-    window, step_loss = loop.meters.window_losses, ctx.step_loss
-    flag = None  # a device-side flag, when the losses were not read on the host
-    if not window and type(step_loss) is float:  # the common case: one loss, read on the host already
-        bad = not math.isfinite(step_loss)
-    else:
-        values = [loss for loss, _ in window]
-        if step_loss is not None:
-            values.append(step_loss)
-        if all(type(v) is float for v in values):  # read on the host already (or no loss at all)
-            bad = not all(map(math.isfinite, values))
-        else:  # detached tensors on an accelerator
-            bad = False
-            flags = [~torch.isfinite(v.detach().reshape(())) for v in values]
-            flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-    if bad:
-        return _finite_or_raise(ctx, bad, raise_, dist, "loss")
-    if grads:
-        grads = dist.local_shards(grads)  # FSDP: this rank's shards; the flag is agreed over the ranks below
-        if flag is None and grads[0].is_cpu:
-            bad = not torch_private.grads_finite_on_host(grads, parts.opts.sum_check)  # no sync on the CPU
-        else:
-            found = torch_private.grads_nonfinite(grads).reshape(()) != 0.0
-            flag = found if flag is None else flag | found.to(flag.device)
-    if flag is not None:
-        if dist.world_size == 1 and raise_:
-            ctx.pending_nonfinite = flag if ctx.pending_nonfinite is None else ctx.pending_nonfinite | flag
-            return True
-        bad = bool(flag) if dist.world_size == 1 else dist.reduce_sum(flag.float().reshape(1)).item() != 0.0
-        return _finite_or_raise(ctx, bad, raise_, None, "loss or gradient")
-    return _finite_or_raise(ctx, bad, raise_, dist, "gradient (the loss is finite)")
-
-
-def _finite_or_raise(ctx: Context, bad: bool, raise_: bool, dist, what: str) -> bool:
-    """`not bad` (agreed over the ranks first when `dist` is given), or FloatingPointError naming `what`
-    was non-finite with nonfinite='raise'."""
-    loop, parts = ctx.loop, ctx.parts
-    if dist is not None and dist.world_size > 1:  # every rank takes the same step/skip edge
-        bad = dist.reduce_sum(torch.tensor([float(bad)], device=parts.device)).item() != 0.0
-    if bad and raise_:
-        raise FloatingPointError(
-            f"non-finite {what} in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
-            f" (precision={parts.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
-        )
-    return not bad

@@ -18,7 +18,7 @@ import torch
 
 from deepepochs.checkpoint import monitors_in
 from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
-from deepepochs.engine import actions, batches, position, snapshots, steps
+from deepepochs.engine import actions, batches, generators, position, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
@@ -165,8 +165,8 @@ class Driver:
         if ctx.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
             ctx.random_restore_due = False
             ctx.random_replay = (ctx.task_random_state, ctx.random_state)
-            actions.set_random_state(ctx, ctx.random_state)
-        actions.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
+            generators.set_random_state(ctx, ctx.random_state)
+        generators.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
         fire("fit")
         self._header()
         self._run_hooks(Event.BEFORE_FIT, epochs)
@@ -365,11 +365,11 @@ class Driver:
                 # (DataLoader worker seeds) and reads the batches it iterates past (whose augmentation in
                 # the main process draws too), then the batches continue from the last commit point's state.
                 ctx.task_random_state = replay[0]
-                actions.set_random_state(ctx, replay[0])
+                generators.set_random_state(ctx, replay[0])
                 data = iterate_past(iter(data), past)
-                actions.set_random_state(ctx, replay[1])
+                generators.set_random_state(ctx, replay[1])
             else:
-                ctx.task_random_state = actions.random_state(ctx)
+                ctx.task_random_state = generators.random_state(ctx)
                 data = iterate_past(iter(data), past)
             batches.train_batches(ctx, data, meters, exact)
             if not skip and loop.batch_idx == 0:

@@ -14,7 +14,7 @@ import torch
 
 from deepepochs.checkpoint import monitors_in
 from deepepochs.data import call_model
-from deepepochs.engine import actions
+from deepepochs.engine import actions, finite
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.errors import ConfigError
@@ -213,7 +213,7 @@ def loss_value(ctx: Context, model_out, batch_y, loss_adjust: float) -> torch.Te
     value = compute_loss(ctx, model_out, batch_y)
     # On the CPU read as a float now (no device to wait for; the finite check and the meters need no
     # further tensor op); on an accelerator kept as a detached tensor, so no host sync is forced (PERF-2).
-    reported = value.item() if actions.reads_on_host(value) else value.detach()
+    reported = value.item() if finite.reads_on_host(value) else value.detach()
     if loss_adjust != 1.0:
         reported = reported * loss_adjust
     ctx.step_loss = reported if ctx.step_loss is None else ctx.step_loss + reported

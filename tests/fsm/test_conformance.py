@@ -343,7 +343,7 @@ def test_on_an_accelerator_the_finite_check_stays_on_the_device_until_the_task_e
     """Where a value read per update would sync a device (CUDA), nonfinite='raise' keeps the finite check on
     the device and reads it once per task (PERF-2). Forced here on the CPU: fused and every-edge runs give
     the same weights and loss, and an inf loss raises at the task's end instead of at its update."""
-    from deepepochs.engine import actions
+    from deepepochs.engine import finite
 
     def run(fuse, bad_batch=None):
         torch.manual_seed(0)
@@ -359,7 +359,7 @@ def test_on_an_accelerator_the_finite_check_stays_on_the_device_until_the_task_e
         t._console.enabled = False
         return t
 
-    monkeypatch.setattr(actions, "reads_on_host", lambda value: False)
+    monkeypatch.setattr(finite, "reads_on_host", lambda value: False)
     device_sums, plain = run(True), run(False)
     records, plain_records = device_sums.fit(_data(52, 8)), plain.fit(_data(52, 8))
     assert isinstance(device_sums.history["train"]["loss"][0], float)
