@@ -27,7 +27,7 @@ from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
 from deepepochs.engine.generators import remember_random_state
 from deepepochs.errors import Preempted
-from deepepochs.fsm.events import Event
+from deepepochs.fsm.events import ActionName, Event
 from deepepochs.fsm.machine import load_spec
 
 __all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded",
@@ -75,10 +75,12 @@ def bind(ctx: Context) -> tuple[dict, dict]:
 #: why. A compiled micro-batch (`deepepochs.engine.compiled`) leaves them out, with the reason as a
 #: comment; every other path calls them (each also returns early on its own when it has nothing to do).
 FOLDS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "sync_gradients": (lambda parts: parts.dist.world_size == 1, "one process: no gradient sync to switch"),
-    "skip_gradient_sync": (lambda parts: parts.dist.world_size == 1, "one process: no gradient sync to switch"),
-    "clip_gradients": (lambda parts: not parts.clippers, "no gradient clipper is attached"),
-    "update_scaler": (lambda parts: parts.precision.scaler is None, "no GradScaler (fp32/bf16)"),
+    ActionName.SYNC_GRADIENTS.value: (lambda parts: parts.dist.world_size == 1,
+                                      "one process: no gradient sync to switch"),
+    ActionName.SKIP_GRADIENT_SYNC.value: (lambda parts: parts.dist.world_size == 1,
+                                          "one process: no gradient sync to switch"),
+    ActionName.CLIP_GRADIENTS.value: (lambda parts: not parts.clippers, "no gradient clipper is attached"),
+    ActionName.UPDATE_SCALER.value: (lambda parts: parts.precision.scaler is None, "no GradScaler (fp32/bf16)"),
 }
 
 

@@ -20,12 +20,16 @@ from deepepochs.data import batch_splitter, lookahead
 from deepepochs.engine import compiled, snapshots, steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
-from deepepochs.fsm.events import Event
+from deepepochs.fsm.events import Event, TriggerName
 from deepepochs.fsm.machine import load_spec
 from deepepochs.sharding import PaddingBatch
 from deepepochs.tasks import BatchMetrics, step_kwargs
 
 __all__ = ["BATCH_HOOKS", "FUSED_OBSERVERS", "eval_batches", "fuses", "train_batches"]
+
+# The hot triggers of the batch loops, as plain strings (an Enum member costs ~0.5 us per lookup).
+BEGIN_WINDOW, BEGIN_BATCH = TriggerName.BEGIN_WINDOW.value, TriggerName.BEGIN_BATCH.value
+END_BATCH = TriggerName.END_BATCH.value
 
 #: Per stage, the hooks fired around a batch (before its step, after it), as the spec names them.
 BATCH_HOOKS = {
@@ -73,7 +77,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     # window opens on its own edge, then each micro-batch runs the function from `window_open`.
     micro_batch = None
     if fuses(ctx):
-        micro_batch = compiled.bind(ctx)["task_train" if k == 1 else "window_open"]
+        micro_batch = compiled.bind(ctx)[compiled.ONE_BATCH_WINDOW if k == 1 else compiled.IN_WINDOW]
     split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
                            parts.target_key)
     step_fn, step_args = task.step_fn, step_kwargs(task.step_fn, task.step_args)
@@ -95,13 +99,13 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     for batch, is_last in batches:
         if micro_batch is not None:
             if k > 1 and loop.window_pos == 0:
-                hop("begin_window")
+                hop(BEGIN_WINDOW)
             value, patches = micro_batch(ctx, meters, split, batch, is_last)
         else:
             if loop.window_pos == 0:
-                hop("begin_window")
+                hop(BEGIN_WINDOW)
             batch_x, batch_y, n = steps.read_batch(ctx, split, batch, is_last)
-            hop("begin_batch")
+            hop(BEGIN_BATCH)
             emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)  # hooks get 0-based indices, as in 0.6
             if autocast is None:
                 result = step_fn(batch_x, batch_y, **step_args)
@@ -109,7 +113,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
                 with autocast():  # forward and loss of default and custom steps alike (AMP-1)
                     result = step_fn(batch_x, batch_y, **step_args)
             value, patches = steps.count_batch(ctx, meters, result, n)
-            hop("end_batch")
+            hop(END_BATCH)
         if after_hooks:
             emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
         if log_batch:
@@ -147,7 +151,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
         loop.batch_idx += 1
         batch_x, batch_y, n = split(batch)
         ctx.batch_n, ctx.step_loss = n, None
-        fire("begin_batch")
+        fire(BEGIN_BATCH)
         if observed:
             emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)  # 0-based, as in training
         with autocast():
@@ -156,7 +160,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
         value = None if (patches and "loss" in patches) else ctx.step_loss
         meters.add_batch(value, n, patches)
         meters.close_window()
-        fire("end_batch")
+        fire(END_BATCH)
         if after_hooks:
             emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
         if observed:

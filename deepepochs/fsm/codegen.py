@@ -72,9 +72,13 @@ def _name_enums(spec: Spec) -> list[tuple[str, str, tuple]]:
             ("GuardName", "guards", spec.guards), ("ActionName", "actions", spec.actions)]
 
 
-def _enum(name: str, doc: str, members: list[tuple[str, str, str]]) -> list[str]:
-    """A `str` Enum's source lines: one `MEMBER = 'value'` line and one docstring line per member."""
+def _enum(name: str, doc: str, members: list[tuple[str, str, str]], plain: bool = False) -> list[str]:
+    """A `str` Enum's source lines: one `MEMBER = 'value'` line and one docstring line per member. `plain`:
+    a member prints as its value (`str`, f-strings), so the names the engine passes to the machine read in
+    flight records and messages as the spec writes them."""
     lines = [f"class {name}(str, enum.Enum):\n", f'    """{doc}"""\n\n']
+    if plain:
+        lines += ["    __str__ = str.__str__\n", "    __format__ = str.__format__\n\n"]
     for member, value, member_doc in members:
         lines.append(f"    {member} = {value!r}\n")
         lines.append(_docstring(member_doc, "    "))
@@ -95,7 +99,7 @@ def render_events(spec: Spec) -> str:
     for cls, kind, records in enums:
         lines.append("\n\n")
         lines += _enum(cls, f"Names of the loop's {kind}; each value is the name `spec/loop.py` gives it.",
-                       [(r.name.upper(), r.name, r.doc) for r in records])
+                       [(r.name.upper(), r.name, r.doc) for r in records], plain=True)
     lines += [
         "\n\nclass CallbackHooks:\n",
         '    """One no-op method per loop event; `Callback` subclasses override the ones they need.\n\n'

@@ -90,6 +90,9 @@ class Event(str, enum.Enum):
 class StateName(str, enum.Enum):
     """Names of the loop's states; each value is the name `spec/loop.py` gives it."""
 
+    __str__ = str.__str__
+    __format__ = str.__format__
+
     IDLE = 'idle'
     """No fit or test is running; fit() and test() may be called."""
     FIT_RUNNING = 'fit_running'
@@ -140,6 +143,9 @@ class StateName(str, enum.Enum):
 
 class TriggerName(str, enum.Enum):
     """Names of the loop's triggers; each value is the name `spec/loop.py` gives it."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     FIT = 'fit'
     """fit() was called."""
@@ -199,6 +205,9 @@ class TriggerName(str, enum.Enum):
 class GuardName(str, enum.Enum):
     """Names of the loop's guards; each value is the name `spec/loop.py` gives it."""
 
+    __str__ = str.__str__
+    __format__ = str.__format__
+
     EPOCHS_REMAINING = 'epochs_remaining'
     """Completed epochs are fewer than the epoch target."""
     STOP_REQUESTED = 'stop_requested'
@@ -222,6 +231,9 @@ class GuardName(str, enum.Enum):
 
 class ActionName(str, enum.Enum):
     """Names of the loop's actions; each value is the name `spec/loop.py` gives it."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     RESUME_CHECKPOINT = 'resume_checkpoint'
     """Load the checkpoint resume= asks for (or start fresh), with the run's records and, for a finished run, its
