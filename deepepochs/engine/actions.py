@@ -30,8 +30,7 @@ from deepepochs.errors import Preempted
 from deepepochs.fsm.events import ActionName, Event
 from deepepochs.fsm.machine import load_spec
 
-__all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded",
-           "reset_window"]
+__all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded"]
 
 GUARDS: dict[str, Callable[[Context], bool]] = {}
 ACTIONS: dict[str, Callable[[Context], None]] = {}
@@ -195,12 +194,9 @@ def commit_epoch(ctx: Context) -> None:
 # ---- the accumulation window -------------------------------------------------------------------------
 @action
 def open_window(ctx: Context) -> None:
-    """A new window: no micro-batch, sample or update in it yet (`reset_window`)."""
-    reset_window(ctx.loop)
-
-
-def reset_window(loop) -> None:
-    """Empty the window's counters and flags: what opening a window and a rollback's reset both start from."""
+    """A new window: no micro-batch, sample or update in it yet. The one function that empties a window's
+    counters and flags: the rollback's `reset_loop` calls it too."""
+    loop = ctx.loop
     loop.window_pos = 0
     loop.window_samples = 0
     loop.window_first_size = 0
@@ -299,9 +295,12 @@ def step_optimizer(ctx: Context) -> None:
     error goes on to the rollback, which keeps the update; before it (a pre-hook), not at all."""
     loop = ctx.loop
     opts = ctx.parts.opts
-    scheduler = opts.step_scheduler(loop.opt_index)
-    opt = opts.items[loop.opt_index].opt
-    if scheduler is None:
+    item = opts.items[loop.opt_index]
+    if item.scheduler is None:  # the common case: no scheduler to ask about
+        item.opt.step()
+        return
+    scheduler, opt = opts.step_scheduler(loop.opt_index), item.opt
+    if scheduler is None:  # an epoch-wise one
         opt.step()
         return
     updated, loop.window_updated = loop.window_updated, False
@@ -428,7 +427,7 @@ def reset_loop(ctx: Context) -> None:
     loop = ctx.loop
     loop.stage = None
     loop.meters = None
-    reset_window(loop)
+    open_window(ctx)
     ctx.task = None
     ctx.model = ctx.parts.train_model
 

@@ -69,6 +69,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
     task = ctx.task
     before_batch, after_batch = BATCH_HOOKS["train"]
+    before_hooks = parts.hooks.by_event[before_batch]  # no emit call for a hook nobody handles
     after_hooks = parts.hooks.by_event[after_batch]  # BatchMetrics is made only when a callback reads it
     k = parts.config.gradient_accumulation_steps
     loop.window_size = k
@@ -106,7 +107,8 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
                 hop(BEGIN_WINDOW)
             batch_x, batch_y, n = steps.read_batch(ctx, split, batch, is_last)
             hop(BEGIN_BATCH)
-            emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)  # hooks get 0-based indices, as in 0.6
+            if before_hooks:  # hooks get 0-based indices, as in 0.6
+                emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)
             if autocast is None:
                 result = step_fn(batch_x, batch_y, **step_args)
             else:

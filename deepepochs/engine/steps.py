@@ -64,10 +64,13 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
 
 def forward(ctx: Context, batch_x, stage: str):
     """The step's forward pass between the stage's forward hooks; returns the model's output."""
+    hooks = ctx.parts.hooks.by_event  # asked here first: a micro-batch no hook watches makes no emit call
     before_forward, after_forward, _ = STEP_HOOKS[stage]
-    emit(ctx, before_forward)
+    if hooks[before_forward]:
+        emit(ctx, before_forward)
     model_out = call_model(ctx.model, batch_x)  # under the step's autocast (batches.train_batches)
-    emit(ctx, after_forward, model_out)
+    if hooks[after_forward]:
+        emit(ctx, after_forward, model_out)
     return model_out
 
 
@@ -75,8 +78,9 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
     """The default step's metrics: the stage's `on_*_metrics` hooks, then the task's metric patches (and,
     at a task's first batch, `first_batch_checks`); in training they are kept in `ctx.step_patches`, so a
     rollback after the update commits them. Returns the patches (None without metrics)."""
-    task = ctx.task
-    emit(ctx, STEP_HOOKS[stage][2], value, model_out, batch_y, task)
+    task, metrics_hook = ctx.task, STEP_HOOKS[stage][2]
+    if ctx.parts.hooks.by_event[metrics_hook]:
+        emit(ctx, metrics_hook, value, model_out, batch_y, task)
     patches = None
     if task.all_metrics or ctx.first_batch:
         pick = ctx.parts.pick_targets
@@ -228,8 +232,9 @@ def loss_value(ctx: Context, model_out, batch_y, loss_adjust: float) -> torch.Te
 def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None:
     """Backpropagate the micro-batch's share of its window's loss, between the backward hooks (the
     `backward` edge was taken just before)."""
-    loop = ctx.loop
-    emit(ctx, BEFORE_BACKWARD, value)
+    loop, hooks = ctx.loop, ctx.parts.hooks.by_event
+    if hooks[BEFORE_BACKWARD]:
+        emit(ctx, BEFORE_BACKWARD, value)
     # This micro-batch's share of the window: n_i / (k * n_first); 1/k for a window of k equal batches.
     # The update (unscale_gradients) multiplies by k * n_first / N once, so a short tail window or a ragged
     # batch weighs each sample as a full window does. Dividing here, not at the update, keeps fp16
@@ -246,7 +251,8 @@ def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None
         with precision.no_autocast():
             scaled = precision.scale(value if share == 1.0 else value * share, actions.batch_token(ctx))
             backward(ctx, scaled, 1.0)
-    emit(ctx, AFTER_BACKWARD, value)
+    if hooks[AFTER_BACKWARD]:
+        emit(ctx, AFTER_BACKWARD, value)
 
 
 def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool,
@@ -357,13 +363,16 @@ def optimize(ctx: Context, optimize_index) -> None:
     select_update(ctx, optimize_index)
     if hop(OPTIMIZE) != OPTIMIZE_UNSCALED:
         return  # an inner micro-batch: gradients keep accumulating
-    emit(ctx, BEFORE_OPTIMIZE, optimize_index)
+    hooks = ctx.parts.hooks.by_event
+    if hooks[BEFORE_OPTIMIZE]:
+        emit(ctx, BEFORE_OPTIMIZE, optimize_index)
     hop(CLIP)
     for i in loop.update_indices:
         loop.opt_index = i
         hop(APPLY_UPDATE)  # grads_finite picks the step or the skip edge for optimizer i
     hop(FINISH_UPDATE)
-    emit(ctx, AFTER_OPTIMIZE, optimize_index)
+    if hooks[AFTER_OPTIMIZE]:
+        emit(ctx, AFTER_OPTIMIZE, optimize_index)
 
 
 @contextlib.contextmanager
