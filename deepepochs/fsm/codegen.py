@@ -109,23 +109,26 @@ def render_events(spec: Spec) -> str:
     for h in spec.hooks:
         args = "".join(f", {a}" for a in h.args)
         lines.append(f"\n    def {h.name}(self, trainer{args}):\n")
-        lines.append(_docstring(f"{h.doc} Runs {h.place}.", "        "))
+        lines.append(_docstring(h.doc, "        "))
     return "".join(lines)
 
 
 def render_micro_batch(spec: Spec, code: Mapping[str, str] | None = None) -> str:
     """The source text of `docs/micro-batch.md`: the edges a training micro-batch takes, in order, with
-    the guard each edge needs, its actions (commit points marked) and the hooks that may run in the state
-    it leads to. Fused or every-edge, these are the same edges and the same action functions. `code`:
+    the guard each edge needs, its actions (commit points marked) and the hooks the spec fires just before
+    and after it. Fused or every-edge, these are the same edges and the same action functions. `code`:
     `{configuration: the compiled micro-batch's source}` (`deepepochs.engine.compiled.generate_all`),
     shown after the tables."""
     commit = {a.name for a in spec.actions if a.commit}
     action_doc = {a.name: a.doc for a in spec.actions}
-    hooks = {}
-    for h in spec.hooks:
-        if "_val_" not in h.name and "_test_" not in h.name:
-            for state in h.states:
-                hooks.setdefault(state, []).append(h.name)
+    train_hooks = [h for h in spec.hooks if "_val_" not in h.name and "_test_" not in h.name]
+
+    def fired(hop) -> str:
+        """The hooks the spec fires just before this hop (`Hook.before`) and just after it (`Hook.after`)."""
+        before = [f"before: `{h.name}`" for h in train_hooks if h.before == hop.trigger and hop.source in h.states]
+        after = [f"after: `{h.name}`" for h in train_hooks if h.after == hop.trigger and hop.dest in h.states]
+        return ", ".join(before + after) or "—"
+
     fused = {t.trigger: t for t in spec.transitions if t.fuses}
     lines = [
         "# Life of a training micro-batch\n\n",
@@ -139,13 +142,12 @@ def render_micro_batch(spec: Spec, code: Mapping[str, str] | None = None) -> str
     ]
     for trigger, edge in fused.items():  # every fused edge, in spec order, described by the spec
         lines.append(f"\n## `{edge.source} --{trigger}--> {edge.dest}`: {edge.doc}\n\n")
-        lines.append("| # | trigger | from → to | guards | actions | hooks in the new state |\n")
+        lines.append("| # | trigger | from → to | guards | actions | hooks fired before / after the edge |\n")
         lines.append("|---|---|---|---|---|---|\n")
         for i, hop in enumerate(spec.fused_path(edge), start=1):
             acts = ", ".join(f"`{a}` (**commit**)" if a in commit else f"`{a}`" for a in hop.actions) or "—"
             guards = hop.guard_label.strip("[]") or "—"
-            seen = ", ".join(f"`{h}`" for h in hooks.get(hop.dest, [])) or "—"
-            lines.append(f"| {i} | `{hop.trigger}` | {hop.source} → {hop.dest} | {guards} | {acts} | {seen} |\n")
+            lines.append(f"| {i} | `{hop.trigger}` | {hop.source} → {hop.dest} | {guards} | {acts} | {fired(hop)} |\n")
     lines.append("\n## Actions\n\n")
     for name in dict.fromkeys(a for edge in fused.values() for hop in spec.fused_path(edge) for a in hop.actions):
         lines.append(f"- `{name}`{' (commit)' if name in commit else ''}: {action_doc[name]}\n")

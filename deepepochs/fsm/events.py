@@ -299,117 +299,115 @@ class CallbackHooks:
     """
 
     def on_before_fit(self, trainer, epochs):
-        """fit() starts; `epochs` is the epoch target. Runs after fit."""
+        """fit() starts; `epochs` is the epoch target."""
 
     def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
-        """An epoch starts (0-based `epoch_idx`, as in 0.6; `trainer.loop.epoch` is 1-based). Runs after next_epoch."""
+        """An epoch starts (0-based `epoch_idx`, as in 0.6; `trainer.loop.epoch` is 1-based)."""
 
     def on_before_train_epochs(self, trainer, tasks, epoch_idx):
-        """The training stage starts. Runs after begin_train."""
+        """The training stage starts."""
 
     def on_before_train_epoch(self, trainer, task):
-        """A training task starts. Runs after begin_task."""
+        """A training task starts."""
 
     def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
-        """A training batch is on the device; `batch_idx` is 0-based within the task (loop.batch_idx: 1-based). Runs
-        after begin_batch."""
+        """A training batch is on the device; `batch_idx` is 0-based within the task (loop.batch_idx: 1-based)."""
 
     def on_before_train_forward(self, trainer):
-        """The model's forward pass is about to run. Runs after begin_batch."""
+        """The model's forward pass is about to run."""
 
     def on_after_train_forward(self, trainer, model_out):
-        """The forward pass returned `model_out`. Runs before backward."""
+        """The forward pass returned `model_out`."""
 
     def on_before_backward(self, trainer, loss):
-        """`loss` is about to be backpropagated. Runs after backward."""
+        """`loss` is about to be backpropagated."""
 
     def on_after_backward(self, trainer, loss):
-        """`loss` was backpropagated. Runs after backward."""
+        """`loss` was backpropagated."""
 
     def on_before_optimize(self, trainer, optimize_index):
-        """Gradients are unscaled and normalised; optimizers `optimize_index` are about to step. Runs after optimize."""
+        """Gradients are unscaled and normalised; optimizers `optimize_index` are about to step."""
 
     def on_skip_optimize(self, trainer, optimize_index):
-        """Optimizer `optimize_index` skipped its step (inf/NaN gradients). Runs after apply_update."""
+        """Optimizer `optimize_index` skipped its step (inf/NaN gradients)."""
 
     def on_after_optimize(self, trainer, optimize_index):
-        """The update was applied. Runs after finish_update."""
+        """The update was applied."""
 
     def on_train_metrics(self, trainer, loss, model_out, batch_y, task):
-        """Training metrics of a batch are about to be computed. Runs before optimize."""
+        """Training metrics of a batch are about to be computed."""
 
     def on_after_train_batch(self, trainer, metrics, batch_idx):
-        """A training batch finished with its batch `metrics`. Runs after end_batch."""
+        """A training batch finished with its batch `metrics`."""
 
     def on_after_train_epoch(self, trainer, task, metrics):
-        """A training task finished. Runs before end_task."""
+        """A training task finished."""
 
     def on_after_train_epochs(self, trainer, tasks, metrics, epoch_idx):
-        """The training stage finished with its `metrics`. Runs before end_stage."""
+        """The training stage finished with its `metrics`."""
 
     def on_before_val_epochs(self, trainer, tasks, epoch_idx):
-        """The validation stage starts. Runs after validate."""
+        """The validation stage starts."""
 
     def on_before_val_epoch(self, trainer, task):
-        """A validation task starts. Runs after begin_task."""
+        """A validation task starts."""
 
     def on_before_val_batch(self, trainer, batch_x, batch_y, batch_idx):
-        """A validation batch is on the device. Runs after begin_batch."""
+        """A validation batch is on the device."""
 
     def on_before_val_forward(self, trainer):
-        """The validation forward pass is about to run. Runs after begin_batch."""
+        """The validation forward pass is about to run."""
 
     def on_after_val_forward(self, trainer, model_out):
-        """The validation forward pass returned. Runs before end_batch."""
+        """The validation forward pass returned."""
 
     def on_val_metrics(self, trainer, loss, model_out, batch_y, task):
-        """Validation metrics of a batch are about to be computed. Runs before end_batch."""
+        """Validation metrics of a batch are about to be computed."""
 
     def on_after_val_batch(self, trainer, metrics, batch_idx):
-        """A validation batch finished. Runs after end_batch."""
+        """A validation batch finished."""
 
     def on_after_val_epoch(self, trainer, task, metrics):
-        """A validation task finished. Runs before end_task."""
+        """A validation task finished."""
 
     def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
-        """The validation stage finished with its `metrics`. Runs before end_stage."""
+        """The validation stage finished with its `metrics`."""
 
     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
-        """An epoch finished; callbacks may request checkpoints or a stop here. Runs before end_epoch."""
+        """An epoch finished; callbacks may request checkpoints or a stop here."""
 
     def on_after_fit(self, trainer):
-        """fit() finished (target reached or stopped early). Runs before finish."""
+        """fit() finished (target reached or stopped early)."""
 
     def on_before_test_epochs(self, trainer, tasks):
-        """The test stage starts. Runs after test."""
+        """The test stage starts."""
 
     def on_before_test_epoch(self, trainer, task):
-        """A test task starts. Runs after begin_task."""
+        """A test task starts."""
 
     def on_before_test_batch(self, trainer, batch_x, batch_y, batch_idx):
-        """A test batch is on the device. Runs after begin_batch."""
+        """A test batch is on the device."""
 
     def on_before_test_forward(self, trainer):
-        """The test forward pass is about to run. Runs after begin_batch."""
+        """The test forward pass is about to run."""
 
     def on_after_test_forward(self, trainer, model_out):
-        """The test forward pass returned. Runs before end_batch."""
+        """The test forward pass returned."""
 
     def on_test_metrics(self, trainer, loss, model_out, batch_y, task):
-        """Test metrics of a batch are about to be computed. Runs before end_batch."""
+        """Test metrics of a batch are about to be computed."""
 
     def on_after_test_batch(self, trainer, metrics, batch_idx):
-        """A test batch finished. Runs after end_batch."""
+        """A test batch finished."""
 
     def on_after_test_epoch(self, trainer, task, metrics):
-        """A test task finished. Runs before end_task."""
+        """A test task finished."""
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
-        """The test stage finished. Runs before end_stage."""
+        """The test stage finished."""
 
     def on_rollback(self, trainer, exception, state):
-        """An exception interrupted the loop in `state`; the open window was discarded. Runs after interrupt."""
+        """An exception interrupted the loop in `state`; the open window was discarded."""
 
     def on_interrupted(self, trainer, exception):
-        """fit() or test() was interrupted and rolled back; `exception` is re-raised after this hook. Runs after
-        recover."""
+        """fit() or test() was interrupted and rolled back; `exception` is re-raised after this hook."""
