@@ -16,7 +16,7 @@ to the next; what no timed call covers is the loops' own code between them (deep
 The clock reads and wrappers cost both loops something (deepepochs more: it has more timed calls), so the
 totals here run a little above `loop_overhead.py`'s; the segments are what to compare. Each figure is the
 median over all batches of all rounds (every round runs one epoch of each loop, in a random order). The
-wrappers reach into internals (`steps.call_model`, the registry, `compiled.bind`, `actions.random_state`,
+wrappers reach into internals (`steps.call_model`, the registry, `compiled.bind`, `generators.random_state`,
 `torch_private.grads_finite_on_host`), so this script follows the package's implementation.
 
     python benchmarks/batch_segments.py [--model tiny|mlp] [--rounds N] [--batches N] [--output FILE]
@@ -41,7 +41,7 @@ from torch.nn import functional as F  # noqa: E402
 
 import deepepochs  # noqa: E402
 from deepepochs import torch_private  # noqa: E402
-from deepepochs.engine import actions, compiled, steps  # noqa: E402
+from deepepochs.engine import actions, compiled, generators, steps  # noqa: E402
 
 clock = time.perf_counter_ns
 #: (label, start ns, end ns) of every timed call of the running loop; label "batch" marks a hand-out.
@@ -114,14 +114,14 @@ def patch_deepepochs():
     """Stamp deepepochs' calls: the registry's guards and actions and the step pieces the compiled
     micro-batch calls (looked up when a task starts), the compiled micro-batch itself, and the finite check
     and generator copy inside the actions; returns an undo."""
-    saved = [(steps, "call_model"), (torch.autograd, "backward"), (actions, "random_state"),
+    saved = [(steps, "call_model"), (torch.autograd, "backward"), (generators, "random_state"),
              (torch_private, "grads_finite_on_host"), (compiled, "bind"),
              *((steps, name) for name in compiled.STEP_HELPERS)]
     old = [getattr(owner, name) for owner, name in saved]
     registry = [(table, dict(table)) for table in (actions.ACTIONS, actions.GUARDS)]
     steps.call_model = timed("forward", steps.call_model)
     torch.autograd.backward = timed("backward", torch.autograd.backward)
-    actions.random_state = timed("generator copy (commit_update)", actions.random_state)
+    generators.random_state = timed("generator copy (remember_position)", generators.random_state)
     torch_private.grads_finite_on_host = timed("finite check (unscale_gradients)", torch_private.grads_finite_on_host)
     for name in compiled.STEP_HELPERS:
         setattr(steps, name, timed(f"step {name}", getattr(steps, name)))

@@ -57,7 +57,7 @@ class Optimizer:
 
     opt: torch.optim.Optimizer = attrs.field(validator=_is_optimizer)
     # Checked when set too: a step-wise schedule sized by `trainer.estimated_updates` is attached after
-    # the Trainer exists (`trainer.opt[0].scheduler = OneCycleLR(...)`); the update hook reads it then.
+    # the Trainer exists (`trainer.opt[0].scheduler = OneCycleLR(...)`); each update reads it then.
     scheduler: object = attrs.field(default=None, validator=lambda self, _a, value: _check_scheduler(self.opt, value))
     sched_on: str = attrs.field(default="epoch", validator=_sched_on)
     sched_with_loss: bool = attrs.field(default=False, validator=_is_bool)
@@ -79,23 +79,19 @@ def _check_scheduler(opt, scheduler) -> None:
 
 
 class _MarkUpdate:
-    """The step post-hook of `Optimizers.bind_updates`. An object rather than a closure: `copy.deepcopy` of
-    a trainer copies it with the optimizer, bound to the copy's loop and optimizer entry (a closure would be
-    shared, and keep stepping the original's scheduler). The scheduler is read at each update, not at
-    binding: one may be attached after the Trainer is built."""
+    """The step post-hook of `Optimizers.bind_updates`: records on the loop that an update was applied
+    (`window_updated`), the moment it is, even if a later post-hook raises or the step was a user's own
+    `opt.step()` inside a custom step. An object rather than a closure: `copy.deepcopy` of a trainer copies
+    it with the optimizer, bound to the copy's loop (a closure would be shared and mark the original's)."""
 
-    __slots__ = ("loop", "item")
+    __slots__ = ("loop",)
 
-    def __init__(self, loop, item):
-        self.loop, self.item = loop, item
+    def __init__(self, loop):
+        self.loop = loop
 
     def __call__(self, _optimizer, _args, _kwargs):
-        if self.loop.stage != "train":
-            return
-        self.loop.window_updated = True
-        item = self.item
-        if item.scheduler is not None and item.sched_on == "step":
-            item.scheduler.step()
+        if self.loop.stage == "train":
+            self.loop.window_updated = True
 
 
 class Optimizers(Sequence):
@@ -177,20 +173,18 @@ class Optimizers(Sequence):
         return [g for group in self.items[index].opt.param_groups for p in group["params"] if (g := p.grad) is not None]
 
     def bind_updates(self, loop) -> None:
-        """Make an applied update and its step-wise scheduler step one unit, marked on `loop`.
+        """Mark every applied update on `loop` (`loop.window_updated`), so a rollback never replays it.
 
         A step post-hook, registered when the trainer is built so that it runs before any post-hook
-        registered later, advances the optimizer's step-wise scheduler and sets `loop.window_updated` the
-        moment the update is applied. A fault after that (another post-hook, a callback) then cannot
-        replay the update or leave the scheduler behind. A skipped update (fp16 overflow) never calls
-        `opt.step`, so neither happens, and PyTorch's "lr_scheduler.step() before optimizer.step()"
-        warning cannot fire. The hook acts only while its own trainer trains (`loop.stage == 'train'`):
-        an optimizer stepped by user code between fits, or shared with a later trainer while this one is
-        not closed, does not advance this trainer's scheduler. `unbind_updates` removes the hooks.
+        registered later, sets the flag the moment the update is applied: a fault after that (another
+        post-hook, a callback) then cannot replay the update. A skipped update (fp16 overflow) never calls
+        `opt.step`. The step-wise scheduler is stepped by the `step_optimizer` action, not here. The hook
+        acts only while its own trainer trains (`loop.stage == 'train'`): an optimizer stepped by user code
+        between fits, or shared with a later trainer, marks nothing. `unbind_updates` removes the hooks.
         """
 
         self._loop = loop
-        self._marks = [item.opt.register_step_post_hook(_MarkUpdate(loop, item)) for item in self.items]
+        self._marks = [item.opt.register_step_post_hook(_MarkUpdate(loop)) for item in self.items]
 
     def __deepcopy__(self, memo):
         """A copy whose optimizers carry the hooks of `bind_updates`, bound to the copied loop (torch's

@@ -266,7 +266,7 @@ def test_a_fault_inside_a_fused_step_is_recovered_exactly(scenario, point, exc_t
         sgd.register_step_pre_hook(lambda opt, args, kwargs: fail())
     elif point == "optimizer after update":
         sgd.register_step_post_hook(lambda opt, args, kwargs: fail())
-    elif point == "step-wise scheduler":  # fp32: stepped by the fused loop itself, fp16: in the post-hook
+    elif point == "step-wise scheduler":  # stepped by the step_optimizer action, after the update
         scheduler = t.opt[0].scheduler
         step = scheduler.step
         scheduler.step = lambda *a, **k: (step(*a, **k), fail())

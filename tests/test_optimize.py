@@ -557,3 +557,42 @@ def test_a_step_scheduler_advances_once_per_update_of_the_trainer_that_trains(fu
     assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 5)
     first.close()
     second.close()
+
+
+@pytest.mark.parametrize("fuse_steps", [True, False])
+def test_the_step_scheduler_is_stepped_by_the_update_itself_not_by_an_optimizer_hook(fuse_steps):
+    """With the trainer's optimizer hooks removed, a step-wise scheduler still advances once per update
+    (the `step_optimizer` action steps it): after 2 epochs of 7 batches in windows of 2, 8 updates."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.9)
+    t = Trainer(model, F.mse_loss, Optimizer(sgd, sched, sched_on="step"), epochs=2, fuse_steps=fuse_steps,
+                gradient_accumulation_steps=2, **QUIET)
+    t.opt.unbind_updates()
+    t.fit(make_dl(56))
+    updates = 2 * math.ceil(7 / 2)
+    assert sched.last_epoch == updates
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.9 ** updates)
+
+
+def test_a_post_hook_failing_after_the_update_still_steps_the_scheduler_once_and_keeps_the_update():
+    """A user's optimizer post-hook that raises after the update was applied: the update and its scheduler
+    step count as one (kept by the rollback); the refit continues to the same learning rate as a clean run."""
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    t = Trainer(model, F.mse_loss, Optimizer(sgd, sched, sched_on="step"), epochs=1, fuse_steps=False, **QUIET)
+    calls = []
+
+    def fail_once(*_):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("post-hook failed")
+
+    sgd.register_step_post_hook(fail_once)
+    with pytest.raises(RuntimeError, match="post-hook failed"):
+        t.fit(make_dl(48))
+    assert sched.last_epoch == 2 and t.loop.resume.batches_done == 2
+    t.fit(make_dl(48))
+    assert sched.last_epoch == 6
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 6)

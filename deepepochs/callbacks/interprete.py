@@ -18,6 +18,7 @@ from deepepochs.callbacks.base import Callback
 from deepepochs.compat import run_tensorboard as _run_tensorboard
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
+from deepepochs.fsm.events import Event
 from deepepochs.metrics import confusion_matrix
 from deepepochs.writer import DEFAULT_LOG_DIR
 
@@ -26,8 +27,8 @@ __all__ = ["InterpreteCallback"]
 STAGES = ("train", "val", "test")
 DEFAULT_STAGES = ("val", "test")  # 'train' adds per-batch hooks to training, which then leaves the fused edges
 #: The hooks that watch the training stage, idle unless 'train' is among the stages.
-TRAIN_HOOKS = frozenset({"on_before_train_epochs", "on_before_train_batch", "on_train_metrics",
-                         "on_after_train_epochs"})
+TRAIN_HOOKS = frozenset({Event.BEFORE_TRAIN_EPOCHS.value, Event.BEFORE_TRAIN_BATCH.value, Event.TRAIN_METRICS.value,
+                         Event.AFTER_TRAIN_EPOCHS.value})
 
 
 class InterpreteCallback(Callback):

@@ -35,6 +35,7 @@ from deepepochs.callbacks.base import Callback
 from deepepochs.compat import run_tensorboard as _run_tensorboard
 from deepepochs.data import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
+from deepepochs.fsm.events import Event
 from deepepochs.fsm.render import render
 from deepepochs.writer import DEFAULT_LOG_DIR, add_hparams_record, add_png
 
@@ -100,8 +101,8 @@ class LogCallback(Callback):
     def idle_hooks(self) -> frozenset[str]:
         """The per-batch hooks the current settings leave unused (read when attached to a trainer): without
         them training batches take the fused edges."""
-        return frozenset(name for name, used in (("on_before_train_batch", self.log_graph),
-                                                 ("on_after_train_batch", self.log_batch)) if not used)
+        return frozenset(name for name, used in ((Event.BEFORE_TRAIN_BATCH.value, self.log_graph),
+                                                 (Event.AFTER_TRAIN_BATCH.value, self.log_batch)) if not used)
 
     def _reset(self):
         self._graph_pending = self.log_graph

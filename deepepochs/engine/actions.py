@@ -6,28 +6,31 @@ calls the same functions directly, looked up here when a trainer's task starts. 
 fails when a spec name has no implementation or the registry has one the spec does not name;
 registering a name twice fails at import.
 
-Commit points (spec actions marked `commit=True`, always last on their edge): `commit_update` after an
-update was applied with its step-wise scheduler (or skipped and the scale updated), `commit_epoch` after an
-epoch's end. Rollback (`discard_window`) returns the trainer to the last of them.
+Commit points (spec actions marked `commit=True`, last on their edge but for after-commit actions):
+`commit_update` after an update was applied with its step-wise scheduler (or skipped and the scale
+updated), then `release_interrupts` raises a Ctrl-C held during the update; `commit_epoch` after an
+epoch's end. Rollback (`discard_window`) returns the trainer to the last of them. No action reads the
+machine's state: what differs between edges is which actions the spec puts on them.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections.abc import Callable
 
 import torch
 
-from deepepochs import torch_private
 from deepepochs.engine import position
 from deepepochs.engine.context import Context
+from deepepochs.engine.emit import emit
+from deepepochs.engine.finite import window_finite
+from deepepochs.engine.generators import remember_random_state
 from deepepochs.errors import Preempted
+from deepepochs.fsm.events import ActionName, Event
 from deepepochs.fsm.machine import load_spec
 
-__all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded",
-           "reads_on_host", "window_finite"]
+__all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded"]
 
 GUARDS: dict[str, Callable[[Context], bool]] = {}
 ACTIONS: dict[str, Callable[[Context], None]] = {}
@@ -71,10 +74,12 @@ def bind(ctx: Context) -> tuple[dict, dict]:
 #: why. A compiled micro-batch (`deepepochs.engine.compiled`) leaves them out, with the reason as a
 #: comment; every other path calls them (each also returns early on its own when it has nothing to do).
 FOLDS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "sync_gradients": (lambda parts: parts.dist.world_size == 1, "one process: no gradient sync to switch"),
-    "skip_gradient_sync": (lambda parts: parts.dist.world_size == 1, "one process: no gradient sync to switch"),
-    "clip_gradients": (lambda parts: not parts.clippers, "no gradient clipper is attached"),
-    "update_scaler": (lambda parts: parts.precision.scaler is None, "no GradScaler (fp32/bf16)"),
+    ActionName.SYNC_GRADIENTS.value: (lambda parts: parts.dist.world_size == 1,
+                                      "one process: no gradient sync to switch"),
+    ActionName.SKIP_GRADIENT_SYNC.value: (lambda parts: parts.dist.world_size == 1,
+                                          "one process: no gradient sync to switch"),
+    ActionName.CLIP_GRADIENTS.value: (lambda parts: not parts.clippers, "no gradient clipper is attached"),
+    ActionName.UPDATE_SCALER.value: (lambda parts: parts.precision.scaler is None, "no GradScaler (fp32/bf16)"),
 }
 
 
@@ -189,6 +194,8 @@ def commit_epoch(ctx: Context) -> None:
 # ---- the accumulation window -------------------------------------------------------------------------
 @action
 def open_window(ctx: Context) -> None:
+    """A new window: no micro-batch, sample or update in it yet. The one function that empties a window's
+    counters and flags: the rollback's `reset_loop` calls it too."""
     loop = ctx.loop
     loop.window_pos = 0
     loop.window_samples = 0
@@ -196,6 +203,18 @@ def open_window(ctx: Context) -> None:
     loop.window_updated = False
     loop.window_committed = False
     loop.finite.clear()
+
+
+@action
+def count_micro_batch(ctx: Context) -> None:
+    """Count the micro-batch `steps.read_batch` read (`ctx.batch_n` samples) in its window: its 1-based
+    position, the window's sample count (the update's normaliser) and, for the first, the size the loss
+    shares are based on (`steps.backpropagate`)."""
+    loop, n = ctx.loop, ctx.batch_n
+    loop.window_pos += 1
+    if loop.window_pos == 1:
+        loop.window_first_size = n
+    loop.window_samples += n
 
 
 @action
@@ -225,7 +244,7 @@ def close_window(ctx: Context) -> None:
 def unscale_gradients(ctx: Context) -> None:
     """Unscale (fp16), decide finiteness per optimizer, and normalise by the window's real sample count.
 
-    This begins the update, a critical section for SIGINT (held until `commit_update` of `finish_update`).
+    This begins the update, a critical section for SIGINT (held until `release_interrupts`).
     Each micro-batch backpropagated `loss * n_i / (k * n_first)` (`steps.loss`); the window's gradient is
     `sum(n_i * loss_i) / N` with N the window's samples over all ranks, so the factor here is
     `w * k * n_first / N` (DDP already averaged over the w ranks): exactly 1 for full windows of equal
@@ -268,18 +287,39 @@ def clip_gradients(ctx: Context) -> None:
 
 @action
 def step_optimizer(ctx: Context) -> None:
-    """Step optimizer `opt_index`. Its step post-hook (`Optimizers.bind_updates`) steps the step-wise
-    scheduler and sets `window_updated` the moment the update is applied, even if a later post-hook
-    raises, so a rollback never replays an applied update."""
-    ctx.parts.opts.items[ctx.loop.opt_index].opt.step()
+    """Step optimizer `opt_index`, then its step-wise scheduler (sched_on='step'), as one unit.
+
+    The scheduler follows exactly the applied updates. When `opt.step()` raises, the optimizer's post-hook
+    (`Optimizers.bind_updates`, which marks `window_updated` the moment the update is applied) tells whether
+    the update happened: after it (a later post-hook raised) the scheduler is stepped all the same and the
+    error goes on to the rollback, which keeps the update; before it (a pre-hook), not at all."""
+    loop = ctx.loop
+    opts = ctx.parts.opts
+    item = opts.items[loop.opt_index]
+    if item.scheduler is None:  # the common case: no scheduler to ask about
+        item.opt.step()
+        return
+    scheduler, opt = opts.step_scheduler(loop.opt_index), item.opt
+    if scheduler is None:  # an epoch-wise one
+        opt.step()
+        return
+    updated, loop.window_updated = loop.window_updated, False
+    try:
+        opt.step()
+    except BaseException:
+        applied = loop.window_updated
+        loop.window_updated = updated or applied
+        if applied:
+            scheduler.step()
+        raise
+    loop.window_updated = True
+    scheduler.step()
 
 
 @action
 def skip_optimizer(ctx: Context) -> None:
     """Leave optimizer `opt_index` and its scheduler untouched; tell the callbacks."""
-    facade, index = ctx.parts.facade, ctx.loop.opt_index
-    for hook in ctx.parts.hooks["on_skip_optimize"]:
-        hook(facade, index)
+    emit(ctx, Event.SKIP_OPTIMIZE.value, ctx.loop.opt_index)
 
 
 @action
@@ -299,29 +339,33 @@ def zero_grad(ctx: Context) -> None:
 
 
 @action
-def commit_update(ctx: Context) -> None:
-    """The window's update is committed: the task's position moves past the window. On `finish_update`
-    (the update's end) the SIGINT critical section ends and a held Ctrl-C is raised."""
-    loop = ctx.loop
-    if not loop.window_committed and ctx.snapshots is not None:
-        # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
-        # below, before it, and the window is committed all the same
-        ctx.snapshots.count_update()
-    loop.window_committed = True
-    point = loop.resume
-    point.batches_done = loop.batch_idx  # the driver set it to (epoch, task) when the task began
-    if ctx.machine.model.state == "step_optimized":  # finish_update: the update is complete
-        _remember_position(ctx)
-        ctx.signals.release()
-
-
-def _remember_position(ctx: Context) -> None:
+def remember_position(ctx: Context) -> None:
     """What a refit continues from besides the batch count: torch's generators and a stateful loader's
     position, both as they are right after the window's update (no batch is read ahead of a window's end)."""
     remember_random_state(ctx)
     if ctx.data_source is not None:
         point = ctx.loop.resume
-        ctx.data_state = (point.epoch, point.task_index, point.batches_done, ctx.data_source.state_dict())
+        ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, ctx.data_source.state_dict())
+
+
+@action
+def commit_update(ctx: Context) -> None:
+    """The window's update is committed: the task's position moves past the window (the driver set the
+    point to (epoch, task) when the task began) and the update is counted for snapshots, once per window."""
+    loop = ctx.loop
+    if not loop.window_committed and ctx.snapshots is not None:
+        # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
+        # after this (release_interrupts), before it, and the window is committed all the same
+        ctx.snapshots.count_update()
+    loop.window_committed = True
+    loop.resume.batches_done = loop.batch_idx
+
+
+@action
+def release_interrupts(ctx: Context) -> None:
+    """The update's critical section ends (it began in `unscale_gradients`): a Ctrl-C held since then is
+    raised now, with the update committed."""
+    ctx.signals.release()
 
 
 # ---- snapshots (deepepochs.engine.snapshots) -------------------------------------------------------------
@@ -362,9 +406,9 @@ def discard_window(ctx: Context) -> None:
     meters = loop.meters
     if meters is not None and loop.stage == "train" and loop.window_pos:
         if loop.window_updated:  # applied: the update's commit point is completed now, with the position after it
+            remember_position(ctx)
             if not loop.window_committed:
                 commit_update(ctx)
-            _remember_position(ctx)
         if loop.window_committed:
             # The step's own loss is counted once the window committed; its patches never came back.
             if ctx.step_loss is not None and not ctx.batch_counted:
@@ -379,12 +423,11 @@ def discard_window(ctx: Context) -> None:
 
 @action
 def reset_loop(ctx: Context) -> None:
+    """After a rollback: no stage, task or window is open, so the next fit or test starts afresh."""
     loop = ctx.loop
     loop.stage = None
     loop.meters = None
-    loop.window_pos = 0
-    loop.window_updated = loop.window_committed = False
-    loop.finite.clear()
+    open_window(ctx)
     ctx.task = None
     ctx.model = ctx.parts.train_model
 
@@ -402,110 +445,7 @@ def _fold_window(loop) -> None:
         loop.meters.close_window()
 
 
-def random_state(ctx: Context) -> tuple:
-    """torch's generator states: the CPU's, and the training GPU's (None elsewhere), as copies of the
-    generators (`Generator.clone_state`: no state tensor is made; `state_tensor` makes one)."""
-    device = ctx.parts.device
-    return torch.default_generator.clone_state(), _gpu_copy(device) if device.type == "cuda" else None
-
-
-def _gpu_copy(device: torch.device):
-    """A copy of the CUDA generator of `device`; its state tensor where no copy can be made (CUDA not
-    initialised yet, or generators that cannot be cloned)."""
-    try:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[index].clone_state()
-    except (IndexError, RuntimeError, NotImplementedError):
-        return torch.cuda.get_rng_state(device)
-
-
-def state_tensor(state) -> torch.Tensor:
-    """A generator state as `get_rng_state()` gives it: from a copy `random_state` made, or as it is."""
-    return state.get_state() if isinstance(state, torch.Generator) else state
-
-
-def set_random_state(ctx: Context, state: tuple) -> None:
-    """Put back generator states `random_state` returned (or their `state_tensor`s)."""
-    cpu, gpu = state
-    torch.set_rng_state(state_tensor(cpu))
-    if gpu is not None:
-        torch.cuda.set_rng_state(state_tensor(gpu), ctx.parts.device)
-
-
-def remember_random_state(ctx: Context) -> None:
-    """Keep torch's generator states as of this commit point: the fit after a rollback (a refit) starts
-    from them, so it draws the random numbers (dropout, augmentation in torch) the uninterrupted run drew.
-    Once per update; a copy of each generator is kept rather than its state tensor, which costs a third
-    as much inside a training loop. Python's and NumPy's generators are not kept (10-70x dearer to read)."""
-    ctx.random_state = random_state(ctx)
-
-
 def batch_token(ctx: Context) -> tuple:
     """Identifies the current training iteration for the scaler (all losses of one batch share a scale)."""
     loop = ctx.loop
     return (loop.epoch, loop.batch_idx, id(loop.meters))
-
-
-def reads_on_host(value: torch.Tensor) -> bool:
-    """Whether reading `value` costs no device sync (a CPU tensor); elsewhere the fp32 finite check with
-    nonfinite='raise' stays on the device until the task's end (PERF-2)."""
-    return value.is_cpu
-
-
-def window_finite(ctx: Context, grads: list[torch.Tensor]) -> bool:
-    """Whether the update window's losses and the update's gradients `grads` are all finite (fp32/bf16;
-    fp16 asks the scaler, whose unscale checks the gradients).
-
-    On the CPU the losses were read as floats when computed (`steps.loss`) and the gradients' flag is read
-    at no sync cost: one fused pass over the gradients (`torch_private.grads_nonfinite`). Elsewhere the
-    losses' and gradients' flags are combined on the device and read once per update (the guard needs a
-    Python bool), or not at all with nonfinite='raise': the flag is kept and checked at the task's end
-    (PERF-2). Under DDP the flag is summed over the ranks first, so every rank takes the same step/skip
-    edge. Raises FloatingPointError with nonfinite='raise'.
-    """
-    parts, loop = ctx.parts, ctx.loop
-    dist, raise_ = parts.dist, parts.config.nonfinite == "raise"
-    window, step_loss = loop.meters.window_losses, ctx.step_loss
-    flag = None  # a device-side flag, when the losses were not read on the host
-    if not window and type(step_loss) is float:  # the common case: one loss, read on the host already
-        bad = not math.isfinite(step_loss)
-    else:
-        values = [loss for loss, _ in window]
-        if step_loss is not None:
-            values.append(step_loss)
-        if all(type(v) is float for v in values):  # read on the host already (or no loss at all)
-            bad = not all(map(math.isfinite, values))
-        else:  # detached tensors on an accelerator
-            bad = False
-            flags = [~torch.isfinite(v.detach().reshape(())) for v in values]
-            flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-    if bad:
-        return _finite_or_raise(ctx, bad, raise_, dist, "loss")
-    if grads:
-        grads = dist.local_shards(grads)  # FSDP: this rank's shards; the flag is agreed over the ranks below
-        if flag is None and grads[0].is_cpu:
-            bad = not torch_private.grads_finite_on_host(grads, parts.opts.sum_check)  # no sync on the CPU
-        else:
-            found = torch_private.grads_nonfinite(grads).reshape(()) != 0.0
-            flag = found if flag is None else flag | found.to(flag.device)
-    if flag is not None:
-        if dist.world_size == 1 and raise_:
-            ctx.pending_nonfinite = flag if ctx.pending_nonfinite is None else ctx.pending_nonfinite | flag
-            return True
-        bad = bool(flag) if dist.world_size == 1 else dist.reduce_sum(flag.float().reshape(1)).item() != 0.0
-        return _finite_or_raise(ctx, bad, raise_, None, "loss or gradient")
-    return _finite_or_raise(ctx, bad, raise_, dist, "gradient (the loss is finite)")
-
-
-def _finite_or_raise(ctx: Context, bad: bool, raise_: bool, dist, what: str) -> bool:
-    """`not bad` (agreed over the ranks first when `dist` is given), or FloatingPointError naming `what`
-    was non-finite with nonfinite='raise'."""
-    loop, parts = ctx.loop, ctx.parts
-    if dist is not None and dist.world_size > 1:  # every rank takes the same step/skip edge
-        bad = dist.reduce_sum(torch.tensor([float(bad)], device=parts.device)).item() != 0.0
-    if bad and raise_:
-        raise FloatingPointError(
-            f"non-finite {what} in the update window ending at epoch {loop.epoch} batch {loop.batch_idx}"
-            f" (precision={parts.config.precision!r}); pass nonfinite='skip' to Trainer to skip such updates"
-        )
-    return not bad

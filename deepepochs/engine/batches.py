@@ -19,11 +19,24 @@ import itertools
 from deepepochs.data import batch_splitter, lookahead
 from deepepochs.engine import compiled, snapshots, steps
 from deepepochs.engine.context import Context
+from deepepochs.engine.emit import emit
+from deepepochs.fsm.events import Event, TriggerName
 from deepepochs.fsm.machine import load_spec
 from deepepochs.sharding import PaddingBatch
 from deepepochs.tasks import BatchMetrics, step_kwargs
 
-__all__ = ["FUSED_OBSERVERS", "eval_batches", "fuses", "train_batches"]
+__all__ = ["BATCH_HOOKS", "FUSED_OBSERVERS", "eval_batches", "fuses", "train_batches"]
+
+# The hot triggers of the batch loops, as plain strings (an Enum member costs ~0.5 us per lookup).
+BEGIN_WINDOW, BEGIN_BATCH = TriggerName.BEGIN_WINDOW.value, TriggerName.BEGIN_BATCH.value
+END_BATCH = TriggerName.END_BATCH.value
+
+#: Per stage, the hooks fired around a batch (before its step, after it), as the spec names them.
+BATCH_HOOKS = {
+    "train": (Event.BEFORE_TRAIN_BATCH.value, Event.AFTER_TRAIN_BATCH.value),
+    "val": (Event.BEFORE_VAL_BATCH.value, Event.AFTER_VAL_BATCH.value),
+    "test": (Event.BEFORE_TEST_BATCH.value, Event.AFTER_TEST_BATCH.value),
+}
 
 
 def _fused_edge_observers() -> tuple[str, ...]:
@@ -54,9 +67,10 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     else, with accumulation, one batch is read ahead to know it, except at a window's end
     (`data.lookahead`)."""
     parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
-    task, facade = ctx.task, parts.facade
-    hooks = parts.hooks.by_event
-    before_batch, after_batch = hooks["on_before_train_batch"], hooks["on_after_train_batch"]
+    task = ctx.task
+    before_batch, after_batch = BATCH_HOOKS["train"]
+    before_hooks = parts.hooks.by_event[before_batch]  # no emit call for a hook nobody handles
+    after_hooks = parts.hooks.by_event[after_batch]  # BatchMetrics is made only when a callback reads it
     k = parts.config.gradient_accumulation_steps
     loop.window_size = k
     ctx.hop = hop = machine.fire
@@ -64,7 +78,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     # window opens on its own edge, then each micro-batch runs the function from `window_open`.
     micro_batch = None
     if fuses(ctx):
-        micro_batch = compiled.bind(ctx)["task_train" if k == 1 else "window_open"]
+        micro_batch = compiled.bind(ctx)[compiled.ONE_BATCH_WINDOW if k == 1 else compiled.IN_WINDOW]
     split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
                            parts.target_key)
     step_fn, step_args = task.step_fn, step_kwargs(task.step_fn, task.step_args)
@@ -86,26 +100,24 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     for batch, is_last in batches:
         if micro_batch is not None:
             if k > 1 and loop.window_pos == 0:
-                hop("begin_window")
+                hop(BEGIN_WINDOW)
             value, patches = micro_batch(ctx, meters, split, batch, is_last)
         else:
             if loop.window_pos == 0:
-                hop("begin_window")
+                hop(BEGIN_WINDOW)
             batch_x, batch_y, n = steps.read_batch(ctx, split, batch, is_last)
-            hop("begin_batch")
-            for hook in before_batch:  # hooks get the 0-based batch index, as in 0.6
-                hook(facade, batch_x, batch_y, loop.batch_idx - 1)
+            hop(BEGIN_BATCH)
+            if before_hooks:  # hooks get 0-based indices, as in 0.6
+                emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)
             if autocast is None:
                 result = step_fn(batch_x, batch_y, **step_args)
             else:
                 with autocast():  # forward and loss of default and custom steps alike (AMP-1)
                     result = step_fn(batch_x, batch_y, **step_args)
             value, patches = steps.count_batch(ctx, meters, result, n)
-            hop("end_batch")
-        if after_batch:
-            metrics = BatchMetrics(value, patches)
-            for hook in after_batch:
-                hook(facade, metrics, loop.batch_idx - 1)
+            hop(END_BATCH)
+        if after_hooks:
+            emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
         if log_batch:
             console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches),
                           meters.skipped)
@@ -120,11 +132,10 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     default batch splitting (`data.batch_splitter`). A `PaddingBatch` the policy adds (FSDP: every rank
     runs as many forwards as the others) runs the model's forward only: it is no batch of the task, so
     it fires no trigger, runs no step or hook and counts in no loss, metric or prediction."""
-    parts, loop, task, facade = ctx.parts, ctx.loop, ctx.task, ctx.parts.facade
+    parts, loop, task = ctx.parts, ctx.loop, ctx.task
     fire = ctx.machine.fire
-    hooks = parts.hooks.by_event
-    before_batch, after_batch = ((hooks[f"on_before_{stage}_batch"], hooks[f"on_after_{stage}_batch"]) if observed
-                                 else ((), ()))
+    before_batch, after_batch = BATCH_HOOKS[stage]
+    after_hooks = parts.hooks.by_event[after_batch] if observed else ()
     if split is None:
         split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
                                parts.target_key)
@@ -142,19 +153,17 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
         loop.batch_idx += 1
         batch_x, batch_y, n = split(batch)
         ctx.batch_n, ctx.step_loss = n, None
-        fire("begin_batch")
-        for hook in before_batch:  # 0-based, as in training
-            hook(facade, batch_x, batch_y, loop.batch_idx - 1)
+        fire(BEGIN_BATCH)
+        if observed:
+            emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)  # 0-based, as in training
         with autocast():
             result = step_fn(batch_x, batch_y, **step_args)
         patches = None if result is None else steps.check_step_result(result, n)
         value = None if (patches and "loss" in patches) else ctx.step_loss
         meters.add_batch(value, n, patches)
         meters.close_window()
-        fire("end_batch")
-        if after_batch:
-            metrics = BatchMetrics(value, patches)
-            for hook in after_batch:
-                hook(facade, metrics, loop.batch_idx - 1)
+        fire(END_BATCH)
+        if after_hooks:
+            emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
         if observed:
             console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))

@@ -17,9 +17,9 @@ the functions are made per trainer from the registry as it is then (a test may w
 The source is registered in `linecache` under a file name that names the configuration, so tracebacks
 and `inspect.getsource` show the generated lines; `explain` returns it for people to read.
 
-Compiled functions run only where fusing is allowed (`batches.fuses`: `fuse_steps=True`, the default
-step, one optimizer, no callback hook inside a micro-batch); every other micro-batch fires its edges one
-by one (`LoopMachine.fire`), calling the same registry and the same step pieces.
+Compiled functions run only where `batches.fuses` (the one statement of the fusing condition) allows;
+every other micro-batch fires its edges one by one (`LoopMachine.fire`), calling the same registry and the
+same step pieces. The states they start in (`ONE_BATCH_WINDOW`, `IN_WINDOW`) are read from the fused edges.
 """
 
 from __future__ import annotations
@@ -31,33 +31,50 @@ from collections.abc import Callable
 
 from deepepochs.engine import actions, steps
 from deepepochs.engine.context import Context
+from deepepochs.fsm.events import TriggerName
 from deepepochs.fsm.machine import load_spec
 from deepepochs.fsm.schema import Transition
 
-__all__ = ["STEP_CODE", "STEP_HELPERS", "bind", "configuration", "describe", "explain", "function_name", "generate",
-           "generate_all"]
+__all__ = ["IN_WINDOW", "ONE_BATCH_WINDOW", "STEP_CODE", "STEP_HELPERS", "bind", "configuration", "describe",
+           "explain", "function_name", "generate", "generate_all"]
 
 #: The default training step's code around the hops, by trigger: (lines before the hop, lines after it).
 #: The same calls the hand-fired path makes (`steps.default_step`, `steps.loss`, `steps.optimize`,
 #: `batches.train_batches`), in the same order.
 STEP_CODE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "begin_batch": (("batch_x, batch_y, n = read_batch(ctx, split, batch, is_last)"
+    TriggerName.BEGIN_BATCH.value: (("batch_x, batch_y, n = read_batch(ctx, split, batch, is_last)"
                      "  # count it in its window and task; split it",), ()),
-    "backward": (("model_out = forward(ctx, batch_x, 'train')",
+    TriggerName.BACKWARD.value: (("model_out = forward(ctx, batch_x, 'train')",
                   "value = loss_value(ctx, model_out, batch_y, 1.0)  # also the batch's reported loss"),
                  ("backpropagate(ctx, value, 1.0)  # the micro-batch's share of its window",)),
-    "optimize": (("patches = step_patches(ctx, 'train', batch_x, model_out, batch_y, value)"
+    TriggerName.OPTIMIZE.value: (("patches = step_patches(ctx, 'train', batch_x, model_out, batch_y, value)"
                   "  # before the update, which commits them",
                   "select_update(ctx, None)  # the one optimizer"), ()),
-    "apply_update": (("loop.opt_index = loop.update_indices[0]",), ()),
-    "end_batch": (("value, patches = count_batch(ctx, meters, patches, n)  # into the task's meters",), ()),
+    TriggerName.APPLY_UPDATE.value: (("loop.opt_index = loop.update_indices[0]",), ()),
+    TriggerName.END_BATCH.value: (("value, patches = count_batch(ctx, meters, patches, n)"
+                                   "  # into the task's meters",), ()),
 }
 #: The step runs (under autocast, when the precision has one) from the code before this trigger's hop ...
-STEP_OPENS = "backward"
+STEP_OPENS = TriggerName.BACKWARD.value
 #: ... to the code before this one's.
-STEP_CLOSES = "end_batch"
+STEP_CLOSES = TriggerName.END_BATCH.value
 #: The functions of `deepepochs.engine.steps` that `STEP_CODE` calls (looked up when a trainer binds).
 STEP_HELPERS = ("read_batch", "forward", "loss_value", "backpropagate", "step_patches", "select_update", "count_batch")
+
+
+def _entry_states(spec) -> tuple[str, str]:
+    """The states compiled micro-batches start in, from the spec's fused edges: `(one-batch window, inside a
+    window)`: the source of the fused edges whose path opens the window (`begin_window`: with k=1 every
+    micro-batch is a whole window), and the source of the others (a micro-batch of a k-batch window, whose
+    window the batch loop opens on its own edge)."""
+    opening = {f.source for f in spec.transitions if f.fuses and f.fuses[0] == TriggerName.BEGIN_WINDOW.value}
+    inner = {f.source for f in spec.transitions if f.fuses and f.fuses[0] != TriggerName.BEGIN_WINDOW.value}
+    assert len(opening) == len(inner) == 1, (opening, inner)
+    return opening.pop(), inner.pop()
+
+
+#: The state the compiled function of a one-batch window starts in, and that of a k-batch window's micro-batch.
+ONE_BATCH_WINDOW, IN_WINDOW = _entry_states(load_spec())
 
 
 def function_name(source: str) -> str:

@@ -170,7 +170,7 @@ class Context:
             fires the `snapshot` trigger (`deepepochs.engine.snapshots`).
         snapshot_path: the snapshot the last `save_snapshot` wrote (None on ranks other than 0).
         data_source: the running training task's stateful DataLoader (torchdata's `StatefulDataLoader`),
-            whose position `commit_update` keeps; None for other data.
+            whose position `remember_position` keeps; None for other data.
         data_state: `(epoch, task index, batches done, state_dict())` of that loader at the last complete
             commit point: a refit or a resumed snapshot continues it with `load_state_dict` instead of
             skipping batches.

@@ -17,10 +17,12 @@ import threading
 import torch
 
 from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
-from deepepochs.engine import actions, batches, position, snapshots, steps
+from deepepochs.engine import actions, batches, generators, position, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
+from deepepochs.fsm.events import ActionName, Event, StateName, TriggerName
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
 from deepepochs.outputs import concat_batches, detached, merge_shards
@@ -39,9 +41,12 @@ from deepepochs.tasks import (
 
 __all__ = ["Driver"]
 
-#: Per stage, the hooks the driver runs around stages and tasks.
-STAGE_HOOKS = {stage: (f"on_before_{stage}_epochs", f"on_after_{stage}_epochs", f"on_before_{stage}_epoch",
-                       f"on_after_{stage}_epoch") for stage in ("train", "val", "test")}
+#: Per stage, the hooks the driver fires around stages and tasks.
+STAGE_HOOKS = {
+    "train": (Event.BEFORE_TRAIN_EPOCHS, Event.AFTER_TRAIN_EPOCHS, Event.BEFORE_TRAIN_EPOCH, Event.AFTER_TRAIN_EPOCH),
+    "val": (Event.BEFORE_VAL_EPOCHS, Event.AFTER_VAL_EPOCHS, Event.BEFORE_VAL_EPOCH, Event.AFTER_VAL_EPOCH),
+    "test": (Event.BEFORE_TEST_EPOCHS, Event.AFTER_TEST_EPOCHS, Event.BEFORE_TEST_EPOCH, Event.AFTER_TEST_EPOCH),
+}
 
 
 class Driver:
@@ -133,22 +138,20 @@ class Driver:
             ctx.random_restore_due = True  # from `random_state` as the rollback leaves it (`discard_window`)
         try:
             if machine.spec.state(state).running:
-                machine.fire_cold("interrupt")
+                machine.fire_cold(TriggerName.INTERRUPT)
             try:
-                for hook in parts.hooks["on_rollback"]:
-                    hook(parts.facade, exc, state)
+                emit(ctx, Event.ROLLBACK, exc, state)
             finally:
-                if machine.state != "idle":
-                    machine.fire_cold("recover")
+                if machine.state != StateName.IDLE:
+                    machine.fire_cold(TriggerName.RECOVER)
         except BaseException:  # never leave a half-rolled-back trainer behind
             machine.reset()
-            actions.ACTIONS["reset_loop"](ctx)
+            actions.ACTIONS[ActionName.RESET_LOOP](ctx)
             parts.opts.zero_grad(parts.opts.all_indices)
             raise
         finally:
             parts.raw_model.train()
-        for hook in parts.hooks["on_interrupted"]:
-            hook(parts.facade, exc)
+        emit(ctx, Event.INTERRUPTED, exc)
 
     # ---- fit ----
     def run_fit(self, train, val, val_freq, epochs):
@@ -162,39 +165,39 @@ class Driver:
         if ctx.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
             ctx.random_restore_due = False
             ctx.random_replay = (ctx.task_random_state, ctx.random_state)
-            actions.set_random_state(ctx, ctx.random_state)
-        actions.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
-        fire("fit")
+            generators.set_random_state(ctx, ctx.random_state)
+        generators.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
+        fire(TriggerName.FIT)
         self._header()
-        self._run_hooks("on_before_fit", epochs)
+        self._run_hooks(Event.BEFORE_FIT, epochs)
         if not self._started:
             self._started = True
             parts.dist.broadcast_model(parts.raw_model)  # after init callbacks: every rank starts equal (DDP-5)
         parts.opts.drop_stale_grads()
-        while fire("next_epoch") == "epoch_running":
+        while fire(TriggerName.NEXT_EPOCH) == StateName.EPOCH_RUNNING:
             epoch = loop.epoch
             epoch_idx = epoch - 1  # hooks get 0-based epoch indices, as in 0.6; the loop counts from 1
-            self._run_hooks("on_before_epoch", train, val, epoch_idx)
-            fire("begin_train")
+            self._run_hooks(Event.BEFORE_EPOCH, train, val, epoch_idx)
+            fire(TriggerName.BEGIN_TRAIN)
             train_metrics = self._train_stage(train, epoch)
-            fire("end_stage")
+            fire(TriggerName.END_STAGE)
             loop.val_due = bool(val) and epoch % val_freq == 0
             val_metrics = {}
-            if fire("validate") == "stage_val":
+            if fire(TriggerName.VALIDATE) == StateName.STAGE_VAL:
                 val_metrics = self._eval_stage("val", val, epoch)
-                fire("end_stage")
+                fire(TriggerName.END_STAGE)
             self._count_epoch(epoch)
-            self._run_hooks("on_after_epoch", train, val, train_metrics, val_metrics, epoch_idx)
+            self._run_hooks(Event.AFTER_EPOCH, train, val, train_metrics, val_metrics, epoch_idx)
             skipped = sum(meters.skipped for meters in ctx.train_meters or ())
             parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped)
-            fire("end_epoch")
+            fire(TriggerName.END_EPOCH)
             if ctx.snapshots is not None:
                 snapshots.commit_point(ctx, epoch_end=True)
         loop.stage = None
-        self._run_hooks("on_after_fit")
+        self._run_hooks(Event.AFTER_FIT)
         if ctx.snapshots is not None:
             snapshots.after_fit(ctx)
-        fire("finish")
+        fire(TriggerName.FINISH)
         return copy.deepcopy(ctx.history)  # the whole run's records, resumed epochs included
 
     def _count_epoch(self, epoch):
@@ -223,7 +226,7 @@ class Driver:
         loop.stage = "train"
         ctx.model = parts.train_model
         parts.raw_model.train()
-        self._run_hooks("on_before_train_epochs", tasks, epoch - 1)
+        self._run_hooks(Event.BEFORE_TRAIN_EPOCHS, tasks, epoch - 1)
         meters_list = ctx.train_meters = []
         for index, task in enumerate(tasks):
             skip = 0
@@ -242,7 +245,7 @@ class Driver:
         loop.resume = ResumePoint(epoch, -1, 0)
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics["train"] = metrics
-        self._run_hooks("on_after_train_epochs", tasks, metrics, epoch - 1)
+        self._run_hooks(Event.AFTER_TRAIN_EPOCHS, tasks, metrics, epoch - 1)
         return metrics
 
     def _eval_stage(self, stage, tasks, epoch):
@@ -274,11 +277,11 @@ class Driver:
 
     def run_test(self, tasks):
         ctx = self.ctx
-        ctx.machine.fire_cold("test")
+        ctx.machine.fire_cold(TriggerName.TEST)
         self._header()
         metrics = self._eval_stage("test", tasks, 1)
         ctx.loop.stage = None
-        ctx.machine.fire_cold("end_stage")
+        ctx.machine.fire_cold(TriggerName.END_STAGE)
         ctx.parts.console.test(metrics)
         return metrics
 
@@ -301,11 +304,11 @@ class Driver:
         task.step_args = {}
         split = input_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda",
                                task.batch_size or _uncounted, parts.target_key)
-        machine.fire_cold("test")
+        machine.fire_cold(TriggerName.TEST)
         loop.stage = "predict"
         ctx.task, ctx.task_index = task, 0
         loop.meters = meters = TaskMeters(())
-        machine.fire_cold("begin_task")
+        machine.fire_cold(TriggerName.BEGIN_TASK)
         loop.batch_idx = 0
         ctx.model = parts.eval_model
         parts.raw_model.eval()
@@ -315,10 +318,10 @@ class Driver:
         finally:
             ctx.model = parts.train_model
             parts.raw_model.train()
-        machine.fire_cold("end_task")
+        machine.fire_cold(TriggerName.END_TASK)
         ctx.task = None
         loop.stage = None
-        machine.fire_cold("end_stage")
+        machine.fire_cold(TriggerName.END_STAGE)
         result = concat_batches(outputs)
         if sharded:  # every rank ran its strided shard (EvalShardSampler); rank 0 puts them back in order
             shards = dist.all_gather_object(result)
@@ -339,7 +342,7 @@ class Driver:
         ctx.task = task
         ctx.first_batch = True
         loop.meters = meters
-        machine.fire_cold("begin_task")
+        machine.fire_cold(TriggerName.BEGIN_TASK)
         self._run_hooks(before_task, task)
         data = task.data
         total = _len_or_none(data)
@@ -362,11 +365,11 @@ class Driver:
                 # (DataLoader worker seeds) and reads the batches it iterates past (whose augmentation in
                 # the main process draws too), then the batches continue from the last commit point's state.
                 ctx.task_random_state = replay[0]
-                actions.set_random_state(ctx, replay[0])
+                generators.set_random_state(ctx, replay[0])
                 data = iterate_past(iter(data), past)
-                actions.set_random_state(ctx, replay[1])
+                generators.set_random_state(ctx, replay[1])
             else:
-                ctx.task_random_state = actions.random_state(ctx)
+                ctx.task_random_state = generators.random_state(ctx)
                 data = iterate_past(iter(data), past)
             batches.train_batches(ctx, data, meters, exact)
             if not skip and loop.batch_idx == 0:
@@ -382,7 +385,7 @@ class Driver:
         parts.dist.check_batch_counts(loop.batch_idx, stage)
         metrics = self._task_metrics(meters)
         self._run_hooks(after_task, task, metrics)
-        machine.fire_cold("end_task")
+        machine.fire_cold(TriggerName.END_TASK)
         ctx.task = None
         return metrics
 
@@ -436,9 +439,8 @@ class Driver:
 
     # ---- misc ----
     def _run_hooks(self, event, *args):
-        parts = self.ctx.parts
-        for hook in parts.hooks[event]:
-            hook(parts.facade, *args)
+        """Fire hook `event` (`emit`)."""
+        emit(self.ctx, event, *args)
 
     def _header(self):
         if self._header_done:

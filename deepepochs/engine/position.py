@@ -17,7 +17,7 @@ continue from there, besides the training state every checkpoint holds:
                     before the resume; 'random': {'commit': torch's generator states at the commit
                     point, 'task': those just before the task made its data iterator, 'host':
                     Python's, NumPy's and torch's generators when the snapshot was written},
-                    (`actions.random_state`), so dropout and DataLoader worker seeds replay exactly;
+                    (`generators.random_state`), so dropout and DataLoader worker seeds replay exactly;
                     'data': a stateful DataLoader's `state_dict()` at the commit point, or None}`.
 ==================  ==========================================================================
 
@@ -36,7 +36,7 @@ import warnings
 import attrs
 import torch
 
-from deepepochs.engine import actions
+from deepepochs.engine import generators
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 from deepepochs.patches import PatchBase
@@ -166,7 +166,7 @@ def restore(ctx: Context, position: dict, rank: int) -> None:
     ctx.random_replay = (task, commit)
     ctx.random_restore_due = False
     if commit is not None:
-        actions.set_random_state(ctx, commit)
+        generators.set_random_state(ctx, commit)
 
 
 def _merged(parts: list[TaskMeters]) -> TaskMeters:
@@ -197,7 +197,7 @@ def _derived_random_state(ctx: Context, position: dict, rank: int) -> tuple:
 
 
 def _states(state):
-    return None if state is None else [None if s is None else actions.state_tensor(s) for s in state]
+    return None if state is None else [None if s is None else generators.state_tensor(s) for s in state]
 
 
 def _tuple(state):

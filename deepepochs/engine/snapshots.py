@@ -17,8 +17,11 @@ from __future__ import annotations
 import torch
 
 from deepepochs.engine.context import Context
+from deepepochs.fsm.events import TriggerName
 
 __all__ = ["after_fit", "commit_point", "find_writer"]
+
+SNAPSHOT = TriggerName.SNAPSHOT.value  # a plain str: fired per commit point (see batches.py)
 
 
 def find_writer(callbacks):
@@ -56,4 +59,4 @@ def _fire(ctx: Context, due: bool, signal: str | None, only_signal: bool = False
         return
     loop.snapshot_due = not only_signal and (due or signal is not None)
     loop.stop_signal = signal
-    ctx.machine.fire("snapshot")
+    ctx.machine.fire(SNAPSHOT)

@@ -13,9 +13,11 @@ import contextlib
 import torch
 
 from deepepochs.data import call_model
-from deepepochs.engine import actions
+from deepepochs.engine import actions, finite
 from deepepochs.engine.context import Context
+from deepepochs.engine.emit import emit
 from deepepochs.errors import ConfigError
+from deepepochs.fsm.events import Event, StateName, TriggerName
 from deepepochs.outputs import detached
 from deepepochs.patch_policy import make_patches
 from deepepochs.patches import PatchBase, ValuePatch
@@ -30,9 +32,19 @@ __all__ = [
     "step_metrics", "step_patches", "user_loss",
 ]
 
-#: Per stage, the hooks a step runs (derived names of the spec's hook table).
-STEP_HOOKS = {stage: (f"on_before_{stage}_forward", f"on_after_{stage}_forward", f"on_{stage}_metrics")
-              for stage in ("train", "val", "test")}
+#: Per stage, the hooks a step fires: before and after the forward pass, before the metrics.
+STEP_HOOKS = {
+    "train": (Event.BEFORE_TRAIN_FORWARD.value, Event.AFTER_TRAIN_FORWARD.value, Event.TRAIN_METRICS.value),
+    "val": (Event.BEFORE_VAL_FORWARD.value, Event.AFTER_VAL_FORWARD.value, Event.VAL_METRICS.value),
+    "test": (Event.BEFORE_TEST_FORWARD.value, Event.AFTER_TEST_FORWARD.value, Event.TEST_METRICS.value),
+}
+BEFORE_BACKWARD, AFTER_BACKWARD = Event.BEFORE_BACKWARD.value, Event.AFTER_BACKWARD.value
+BEFORE_OPTIMIZE, AFTER_OPTIMIZE = Event.BEFORE_OPTIMIZE.value, Event.AFTER_OPTIMIZE.value
+# The hot triggers a step fires and the state it tests, as plain strings: looking a member up on an Enum
+# class costs ~0.5 us, and hashing one in the machine's table as much again, per use.
+BACKWARD, OPTIMIZE, CLIP = TriggerName.BACKWARD.value, TriggerName.OPTIMIZE.value, TriggerName.CLIP.value
+APPLY_UPDATE, FINISH_UPDATE = TriggerName.APPLY_UPDATE.value, TriggerName.FINISH_UPDATE.value
+OPTIMIZE_UNSCALED = StateName.OPTIMIZE_UNSCALED.value
 
 
 def default_step(ctx: Context, batch_x, batch_y, stage: str):
@@ -52,13 +64,13 @@ def default_step(ctx: Context, batch_x, batch_y, stage: str):
 
 def forward(ctx: Context, batch_x, stage: str):
     """The step's forward pass between the stage's forward hooks; returns the model's output."""
-    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
+    hooks = ctx.parts.hooks.by_event  # asked here first: a micro-batch no hook watches makes no emit call
     before_forward, after_forward, _ = STEP_HOOKS[stage]
-    for hook in hooks[before_forward]:
-        hook(facade)
+    if hooks[before_forward]:
+        emit(ctx, before_forward)
     model_out = call_model(ctx.model, batch_x)  # under the step's autocast (batches.train_batches)
-    for hook in hooks[after_forward]:
-        hook(facade, model_out)
+    if hooks[after_forward]:
+        emit(ctx, after_forward, model_out)
     return model_out
 
 
@@ -66,9 +78,9 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
     """The default step's metrics: the stage's `on_*_metrics` hooks, then the task's metric patches (and,
     at a task's first batch, `first_batch_checks`); in training they are kept in `ctx.step_patches`, so a
     rollback after the update commits them. Returns the patches (None without metrics)."""
-    facade, hooks, task = ctx.parts.facade, ctx.parts.hooks.by_event, ctx.task
-    for hook in hooks[STEP_HOOKS[stage][2]]:
-        hook(facade, value, model_out, batch_y, task)
+    task, metrics_hook = ctx.task, STEP_HOOKS[stage][2]
+    if ctx.parts.hooks.by_event[metrics_hook]:
+        emit(ctx, metrics_hook, value, model_out, batch_y, task)
     patches = None
     if task.all_metrics or ctx.first_batch:
         pick = ctx.parts.pick_targets
@@ -82,17 +94,14 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
 
 
 def read_batch(ctx: Context, split, batch, is_last: bool):
-    """Count a training micro-batch in its window and its task (1-based `batch_idx`, `window_pos`), decide
-    whether it closes its window (`is_last`: the task's last batch, or the window's k-th), split it with
-    `split` (`data.batch_splitter`) and clear the batch's scratch. Returns `(batch_x, batch_y, n)`."""
+    """Count a training micro-batch in its task (1-based `batch_idx`), decide whether it closes its window
+    (`window_boundary`, which the `begin_batch` edge asks: `is_last`, the task's last batch, or the window's
+    k-th), split it with `split` (`data.batch_splitter`) and clear the batch's scratch. Its place in the
+    window is counted by the `begin_batch` edge (`count_micro_batch`). Returns `(batch_x, batch_y, n)`."""
     loop = ctx.loop
-    loop.window_pos += 1
     loop.batch_idx += 1
-    loop.window_boundary = is_last or loop.window_pos == loop.window_size
+    loop.window_boundary = is_last or loop.window_pos + 1 == loop.window_size
     batch_x, batch_y, n = split(batch)
-    if loop.window_pos == 1:
-        loop.window_first_size = n
-    loop.window_samples += n
     ctx.batch_n, ctx.step_loss, ctx.step_patches, ctx.batch_counted = n, None, None, False
     return batch_x, batch_y, n
 
@@ -200,7 +209,7 @@ def loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool
     value = loss_value(ctx, model_out, batch_y, loss_adjust)
     if ctx.loop.stage != "train":
         return value
-    ctx.hop("backward")
+    ctx.hop(BACKWARD)
     backpropagate(ctx, value, loss_adjust)
     if do_optimize:
         optimize(ctx, None)
@@ -213,7 +222,7 @@ def loss_value(ctx: Context, model_out, batch_y, loss_adjust: float) -> torch.Te
     value = compute_loss(ctx, model_out, batch_y)
     # On the CPU read as a float now (no device to wait for; the finite check and the meters need no
     # further tensor op); on an accelerator kept as a detached tensor, so no host sync is forced (PERF-2).
-    reported = value.item() if actions.reads_on_host(value) else value.detach()
+    reported = value.item() if finite.reads_on_host(value) else value.detach()
     if loss_adjust != 1.0:
         reported = reported * loss_adjust
     ctx.step_loss = reported if ctx.step_loss is None else ctx.step_loss + reported
@@ -223,10 +232,9 @@ def loss_value(ctx: Context, model_out, batch_y, loss_adjust: float) -> torch.Te
 def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None:
     """Backpropagate the micro-batch's share of its window's loss, between the backward hooks (the
     `backward` edge was taken just before)."""
-    loop = ctx.loop
-    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
-    for hook in hooks["on_before_backward"]:
-        hook(facade, value)
+    loop, hooks = ctx.loop, ctx.parts.hooks.by_event
+    if hooks[BEFORE_BACKWARD]:
+        emit(ctx, BEFORE_BACKWARD, value)
     # This micro-batch's share of the window: n_i / (k * n_first); 1/k for a window of k equal batches.
     # The update (unscale_gradients) multiplies by k * n_first / N once, so a short tail window or a ragged
     # batch weighs each sample as a full window does. Dividing here, not at the update, keeps fp16
@@ -243,8 +251,8 @@ def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None
         with precision.no_autocast():
             scaled = precision.scale(value if share == 1.0 else value * share, actions.batch_token(ctx))
             backward(ctx, scaled, 1.0)
-    for hook in hooks["on_after_backward"]:
-        hook(facade, value)
+    if hooks[AFTER_BACKWARD]:
+        emit(ctx, AFTER_BACKWARD, value)
 
 
 def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool,
@@ -282,9 +290,7 @@ def step_metrics(ctx: Context, value, model_out, batch_y) -> None:
     task = ctx.task
     if task is None:
         raise RuntimeError("metrics can only be made inside a step of fit() or test()")
-    facade = ctx.parts.facade
-    for hook in ctx.parts.hooks.by_event[STEP_HOOKS[ctx.loop.stage][2]]:
-        hook(facade, value, model_out, batch_y, task)
+    emit(ctx, STEP_HOOKS[ctx.loop.stage][2], value, model_out, batch_y, task)
     if task.all_metrics:
         made, have = batch_patches(ctx, model_out, batch_y), ctx.step_patches
         if have:  # several calls in one step: their patches add up
@@ -355,18 +361,18 @@ def optimize(ctx: Context, optimize_index) -> None:
         return
     hop = ctx.hop
     select_update(ctx, optimize_index)
-    if hop("optimize") != "optimize_unscaled":
+    if hop(OPTIMIZE) != OPTIMIZE_UNSCALED:
         return  # an inner micro-batch: gradients keep accumulating
-    facade, hooks = ctx.parts.facade, ctx.parts.hooks.by_event
-    for hook in hooks["on_before_optimize"]:
-        hook(facade, optimize_index)
-    hop("clip")
+    hooks = ctx.parts.hooks.by_event
+    if hooks[BEFORE_OPTIMIZE]:
+        emit(ctx, BEFORE_OPTIMIZE, optimize_index)
+    hop(CLIP)
     for i in loop.update_indices:
         loop.opt_index = i
-        hop("apply_update")  # grads_finite picks the step or the skip edge for optimizer i
-    hop("finish_update")
-    for hook in hooks["on_after_optimize"]:
-        hook(facade, optimize_index)
+        hop(APPLY_UPDATE)  # grads_finite picks the step or the skip edge for optimizer i
+    hop(FINISH_UPDATE)
+    if hooks[AFTER_OPTIMIZE]:
+        emit(ctx, AFTER_OPTIMIZE, optimize_index)
 
 
 @contextlib.contextmanager

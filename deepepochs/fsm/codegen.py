@@ -43,15 +43,15 @@ def render_tables(spec: Spec) -> str:
         _literal("TRIGGERS", tuple((t.name, t.hot, t.doc) for t in spec.triggers)),
         "\n# (name, doc)\n",
         _literal("GUARDS", tuple((g.name, g.doc) for g in spec.guards)),
-        "\n# (name, commit, doc)\n",
-        _literal("ACTIONS", tuple((a.name, a.commit, a.doc) for a in spec.actions)),
+        "\n# (name, commit, after_commit, doc)\n",
+        _literal("ACTIONS", tuple((a.name, a.commit, a.after_commit, a.doc) for a in spec.actions)),
         "\n# (trigger, source, dest, conditions, unless, actions, error, fuses, assuming, doc)\n",
         _literal("TRANSITIONS", tuple(
             (t.trigger, t.source, t.dest, t.conditions, t.unless, t.actions, t.error, t.fuses, t.assuming, t.doc)
             for t in spec.transitions
         )),
-        "\n# (name, args, states, doc)\n",
-        _literal("HOOKS", tuple((h.name, h.args, h.states, h.doc) for h in spec.hooks)),
+        "\n# (name, args, states, after, before, doc)\n",
+        _literal("HOOKS", tuple((h.name, h.args, h.states, h.after, h.before, h.doc) for h in spec.hooks)),
     ]
     return "".join(parts)
 
@@ -72,9 +72,13 @@ def _name_enums(spec: Spec) -> list[tuple[str, str, tuple]]:
             ("GuardName", "guards", spec.guards), ("ActionName", "actions", spec.actions)]
 
 
-def _enum(name: str, doc: str, members: list[tuple[str, str, str]]) -> list[str]:
-    """A `str` Enum's source lines: one `MEMBER = 'value'` line and one docstring line per member."""
+def _enum(name: str, doc: str, members: list[tuple[str, str, str]], plain: bool = False) -> list[str]:
+    """A `str` Enum's source lines: one `MEMBER = 'value'` line and one docstring line per member. `plain`:
+    a member prints as its value (`str`, f-strings), so the names the engine passes to the machine read in
+    flight records and messages as the spec writes them."""
     lines = [f"class {name}(str, enum.Enum):\n", f'    """{doc}"""\n\n']
+    if plain:
+        lines += ["    __str__ = str.__str__\n", "    __format__ = str.__format__\n\n"]
     for member, value, member_doc in members:
         lines.append(f"    {member} = {value!r}\n")
         lines.append(_docstring(member_doc, "    "))
@@ -95,7 +99,7 @@ def render_events(spec: Spec) -> str:
     for cls, kind, records in enums:
         lines.append("\n\n")
         lines += _enum(cls, f"Names of the loop's {kind}; each value is the name `spec/loop.py` gives it.",
-                       [(r.name.upper(), r.name, r.doc) for r in records])
+                       [(r.name.upper(), r.name, r.doc) for r in records], plain=True)
     lines += [
         "\n\nclass CallbackHooks:\n",
         '    """One no-op method per loop event; `Callback` subclasses override the ones they need.\n\n'
@@ -111,17 +115,20 @@ def render_events(spec: Spec) -> str:
 
 def render_micro_batch(spec: Spec, code: Mapping[str, str] | None = None) -> str:
     """The source text of `docs/micro-batch.md`: the edges a training micro-batch takes, in order, with
-    the guard each edge needs, its actions (commit points marked) and the hooks that may run in the state
-    it leads to. Fused or every-edge, these are the same edges and the same action functions. `code`:
+    the guard each edge needs, its actions (commit points marked) and the hooks the spec fires just before
+    and after it. Fused or every-edge, these are the same edges and the same action functions. `code`:
     `{configuration: the compiled micro-batch's source}` (`deepepochs.engine.compiled.generate_all`),
     shown after the tables."""
     commit = {a.name for a in spec.actions if a.commit}
     action_doc = {a.name: a.doc for a in spec.actions}
-    hooks = {}
-    for h in spec.hooks:
-        if "_val_" not in h.name and "_test_" not in h.name:
-            for state in h.states:
-                hooks.setdefault(state, []).append(h.name)
+    train_hooks = [h for h in spec.hooks if "_val_" not in h.name and "_test_" not in h.name]
+
+    def fired(hop) -> str:
+        """The hooks the spec fires just before this hop (`Hook.before`) and just after it (`Hook.after`)."""
+        before = [f"before: `{h.name}`" for h in train_hooks if h.before == hop.trigger and hop.source in h.states]
+        after = [f"after: `{h.name}`" for h in train_hooks if h.after == hop.trigger and hop.dest in h.states]
+        return ", ".join(before + after) or "—"
+
     fused = {t.trigger: t for t in spec.transitions if t.fuses}
     lines = [
         "# Life of a training micro-batch\n\n",
@@ -135,13 +142,12 @@ def render_micro_batch(spec: Spec, code: Mapping[str, str] | None = None) -> str
     ]
     for trigger, edge in fused.items():  # every fused edge, in spec order, described by the spec
         lines.append(f"\n## `{edge.source} --{trigger}--> {edge.dest}`: {edge.doc}\n\n")
-        lines.append("| # | trigger | from → to | guards | actions | hooks in the new state |\n")
+        lines.append("| # | trigger | from → to | guards | actions | hooks fired before / after the edge |\n")
         lines.append("|---|---|---|---|---|---|\n")
         for i, hop in enumerate(spec.fused_path(edge), start=1):
             acts = ", ".join(f"`{a}` (**commit**)" if a in commit else f"`{a}`" for a in hop.actions) or "—"
             guards = hop.guard_label.strip("[]") or "—"
-            seen = ", ".join(f"`{h}`" for h in hooks.get(hop.dest, [])) or "—"
-            lines.append(f"| {i} | `{hop.trigger}` | {hop.source} → {hop.dest} | {guards} | {acts} | {seen} |\n")
+            lines.append(f"| {i} | `{hop.trigger}` | {hop.source} → {hop.dest} | {guards} | {acts} | {fired(hop)} |\n")
     lines.append("\n## Actions\n\n")
     for name in dict.fromkeys(a for edge in fused.values() for hop in spec.fused_path(edge) for a in hop.actions):
         lines.append(f"- `{name}`{' (commit)' if name in commit else ''}: {action_doc[name]}\n")

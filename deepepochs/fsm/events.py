@@ -90,6 +90,9 @@ class Event(str, enum.Enum):
 class StateName(str, enum.Enum):
     """Names of the loop's states; each value is the name `spec/loop.py` gives it."""
 
+    __str__ = str.__str__
+    __format__ = str.__format__
+
     IDLE = 'idle'
     """No fit or test is running; fit() and test() may be called."""
     FIT_RUNNING = 'fit_running'
@@ -140,6 +143,9 @@ class StateName(str, enum.Enum):
 
 class TriggerName(str, enum.Enum):
     """Names of the loop's triggers; each value is the name `spec/loop.py` gives it."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     FIT = 'fit'
     """fit() was called."""
@@ -199,6 +205,9 @@ class TriggerName(str, enum.Enum):
 class GuardName(str, enum.Enum):
     """Names of the loop's guards; each value is the name `spec/loop.py` gives it."""
 
+    __str__ = str.__str__
+    __format__ = str.__format__
+
     EPOCHS_REMAINING = 'epochs_remaining'
     """Completed epochs are fewer than the epoch target."""
     STOP_REQUESTED = 'stop_requested'
@@ -223,6 +232,9 @@ class GuardName(str, enum.Enum):
 class ActionName(str, enum.Enum):
     """Names of the loop's actions; each value is the name `spec/loop.py` gives it."""
 
+    __str__ = str.__str__
+    __format__ = str.__format__
+
     RESUME_CHECKPOINT = 'resume_checkpoint'
     """Load the checkpoint resume= asks for (or start fresh), with the run's records and, for a finished run, its
     end."""
@@ -231,7 +243,10 @@ class ActionName(str, enum.Enum):
     REPORT_EARLY_STOP = 'report_early_stop'
     """Record and print why the fit stopped before its epoch target."""
     OPEN_WINDOW = 'open_window'
-    """Reset the window's sample count, loss sums and metric patches."""
+    """Reset the window's counters, sample count and update flags (the window's meters open with its first batch)."""
+    COUNT_MICRO_BATCH = 'count_micro_batch'
+    """Count the micro-batch in its window: its position, the window's samples and the size of the window's first batch
+    (the loss share's base)."""
     SYNC_GRADIENTS = 'sync_gradients'
     """DDP: synchronise gradients in this backward (the window's updating micro-batch)."""
     SKIP_GRADIENT_SYNC = 'skip_gradient_sync'
@@ -248,9 +263,14 @@ class ActionName(str, enum.Enum):
     """Hand this update's inf checks to the GradScaler; its scale changes once per iteration."""
     ZERO_GRAD = 'zero_grad'
     """Zero the updated optimizers' gradients (set_to_none)."""
+    REMEMBER_POSITION = 'remember_position'
+    """Keep what a refit continues from besides the batch count: torch's generator states and a stateful DataLoader's
+    position, as they are after the window's update."""
     COMMIT_UPDATE = 'commit_update'
     """Commit the window's update: the data position moves past the window and its loss sums and patches join the
     task's; rollback never undoes it."""
+    RELEASE_INTERRUPTS = 'release_interrupts'
+    """End the update's critical section: a Ctrl-C held since unscale_gradients is raised now, after the commit."""
     CLOSE_WINDOW = 'close_window'
     """Fold the window's loss sums and metric patches into the task's."""
     STEP_EPOCH_SCHEDULERS = 'step_epoch_schedulers'

@@ -40,12 +40,13 @@ def load_spec() -> Spec:
         states=[State(n, layer, doc, idle=idle, running=running) for n, layer, idle, running, doc in tables.STATES],
         triggers=[Trigger(n, doc, hot=hot) for n, hot, doc in tables.TRIGGERS],
         guards=[Guard(n, doc) for n, doc in tables.GUARDS],
-        actions=[Action(n, doc, commit=commit) for n, commit, doc in tables.ACTIONS],
+        actions=[Action(n, doc, commit=commit, after_commit=after) for n, commit, after, doc in tables.ACTIONS],
         transitions=[
             Transition(trig, src, dst, doc, conditions=c, unless=u, actions=a, error=err, fuses=f, assuming=g)
             for trig, src, dst, c, u, a, err, f, g, doc in tables.TRANSITIONS
         ],
-        hooks=[Hook(n, args, states, doc) for n, args, states, doc in tables.HOOKS],
+        hooks=[Hook(n, args, states, doc, after=after, before=before)
+               for n, args, states, after, before, doc in tables.HOOKS],
         initial=tables.INITIAL,
         rollback=tables.ROLLBACK,
         interrupt=tables.INTERRUPT,

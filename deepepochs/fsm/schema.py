@@ -89,13 +89,15 @@ class Action:
     """A named effect run when an edge is taken (after the state changes).
 
     A commit action (`commit=True`) marks the point after which the work done so far is committed: rollback
-    never undoes it. It is the last action of every edge that runs it (checked by `Spec.validate`), so an
-    edge either commits everything it did or, interrupted before its commit, nothing.
+    never undoes it. Only actions marked `after_commit=True` may follow it on an edge, and those only follow
+    one (checked by `Spec.validate`), so an edge either commits everything it did or, interrupted before its
+    commit, nothing; an after-commit action (e.g. raising a Ctrl-C held during an update) finds it committed.
     """
 
     name: str = attrs.field(validator=_identifier)
     doc: str = attrs.field(validator=_one_line)
     commit: bool = False
+    after_commit: bool = False
 
 
 @attrs.frozen
@@ -143,12 +145,23 @@ class Hook:
         args: argument names after `trainer`.
         states: the states the machine may be in when the hook runs (checked by conformance tests).
         doc: one line.
+        after: the trigger whose edge the hook runs after (the last edge taken when it runs), or None.
+        before: the trigger whose edge the hook runs before (the next edge taken after it), or None;
+            exactly one of `after` and `before` is given (checked by `Spec.validate`; the conformance test
+            checks real runs against it).
     """
 
     name: str = attrs.field(validator=_identifier)
     args: tuple[str, ...] = attrs.field(converter=tuple)
     states: tuple[str, ...] = attrs.field(converter=tuple)
     doc: str = attrs.field(validator=_one_line)
+    after: str | None = None
+    before: str | None = None
+
+    @property
+    def place(self) -> str:
+        """Where the hook fires, in words: `after begin_batch`, `before end_task`."""
+        return f"after {self.after}" if self.after is not None else f"before {self.before}"
 
     @property
     def is_after(self) -> bool:
@@ -242,10 +255,22 @@ class Spec:
                 unknown = [n for n in names if n not in known[kind]]
                 if unknown:
                     raise SpecError(f"{where}: unknown {kind} {unknown}; known: {sorted(known[kind])}")
-            early = [a for a in t.actions[:-1] if a in commit]
+            after = {a.name for a in self.actions if a.after_commit}
+            tail = len(t.actions)
+            while tail and t.actions[tail - 1] in after:  # the after-commit actions that end the edge
+                tail -= 1
+            early = [a for a in t.actions[:tail - 1] if a in commit]
             if early:
-                raise SpecError(f"{where}: commit action {early[0]!r} must be the edge's last action (got actions"
-                                f" {list(t.actions)}); move it to the end so that nothing runs after the commit")
+                raise SpecError(f"{where}: commit action {early[0]!r} must be the edge's last action but for"
+                                f" after-commit ones (got actions {list(t.actions)}); move it to the end so that"
+                                " nothing runs after the commit")
+            if tail < len(t.actions) and (not tail or t.actions[tail - 1] not in commit):
+                raise SpecError(f"{where}: after-commit action {t.actions[tail]!r} must follow a commit action"
+                                f" (got actions {list(t.actions)})")
+            misplaced = [a for a in t.actions[:tail] if a in after]
+            if misplaced:
+                raise SpecError(f"{where}: after-commit action {misplaced[0]!r} must follow the edge's commit"
+                                f" action (got actions {list(t.actions)})")
         hot = {t.name for t in self.triggers if t.hot}
         for t in self.transitions:
             if t.fuses:
@@ -260,6 +285,10 @@ class Spec:
         for h in self.hooks:
             if not h.name.startswith("on_") or not set(h.states) <= states:
                 raise SpecError(f"hook {h.name}: name must start with on_ and states must exist")
+            edge = [name for name in (h.after, h.before) if name is not None]
+            if len(edge) != 1 or edge[0] not in known["trigger"]:
+                raise SpecError(f"hook {h.name}: give exactly one of after= and before=, naming a trigger (got"
+                                f" after={h.after!r}, before={h.before!r})")
         pairs = sorted({(t.source, t.trigger) for t in self.transitions})
         for source, trigger in pairs:
             self._check_exclusive(source, trigger)

@@ -58,3 +58,15 @@ def test_a_side_effect_added_to_an_action_is_seen_by_every_path(monkeypatch, fus
                 log_batch=False, show_info=False, gradient_accumulation_steps=2, fuse_steps=fuse_steps)
     t.fit(data)
     assert opened == [0, 2, 4]  # three windows: batches 1-2, 3-4, 5
+
+
+def test_no_guard_or_action_reads_the_machines_state():
+    """What an action does depends on the edge only through which actions the spec puts on it: no registered
+    guard or action (nor a helper it calls by name in this module) reads the machine or its state."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(actions))
+    reads = [(node.lineno, node.attr) for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in ("machine", "state")]
+    assert reads == []

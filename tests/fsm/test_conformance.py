@@ -343,7 +343,7 @@ def test_on_an_accelerator_the_finite_check_stays_on_the_device_until_the_task_e
     """Where a value read per update would sync a device (CUDA), nonfinite='raise' keeps the finite check on
     the device and reads it once per task (PERF-2). Forced here on the CPU: fused and every-edge runs give
     the same weights and loss, and an inf loss raises at the task's end instead of at its update."""
-    from deepepochs.engine import actions
+    from deepepochs.engine import finite
 
     def run(fuse, bad_batch=None):
         torch.manual_seed(0)
@@ -359,7 +359,7 @@ def test_on_an_accelerator_the_finite_check_stays_on_the_device_until_the_task_e
         t._console.enabled = False
         return t
 
-    monkeypatch.setattr(actions, "reads_on_host", lambda value: False)
+    monkeypatch.setattr(finite, "reads_on_host", lambda value: False)
     device_sums, plain = run(True), run(False)
     records, plain_records = device_sums.fit(_data(52, 8)), plain.fit(_data(52, 8))
     assert isinstance(device_sums.history["train"]["loss"][0], float)
@@ -370,3 +370,62 @@ def test_on_an_accelerator_the_finite_check_stays_on_the_device_until_the_task_e
     with pytest.raises(FloatingPointError, match="checks at the task's end"):
         flagged.fit(_data(52, 8))
     assert flagged.machine.state == "idle"
+
+
+class PlaceRecorder(HookRecorder):
+    """Records (hook, how many transitions were recorded when it fired)."""
+
+    def __getattribute__(self, name):
+        if name.startswith("on_") and name not in ("on_attach", "on_close"):
+            seen = object.__getattribute__(self, "seen")
+
+            def record(trainer, *args):
+                seen.append((name, len(trainer.machine.history)))
+
+            return record
+        return object.__getattribute__(self, name)
+
+
+def _check_places(trainer, seen):
+    """Each hook fired right after the edge its spec record names (`after`), or right before it (`before`)."""
+    history = list(trainer.machine.history)
+    hooks = {h.name: h for h in SPEC.hooks}
+    assert seen
+    for name, at in seen:
+        hook = hooks[name]
+        if hook.after is not None:
+            assert at > 0 and history[at - 1][3] == hook.after, (name, history[at - 1] if at else None)
+        else:
+            assert at < len(history) and history[at][3] == hook.before, (name, history[at:at + 1])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_hook_fires_at_the_edge_the_spec_names(k):
+    """Each hook fires after (or before) the edge its spec record names, in fit, validation and test."""
+    rec = PlaceRecorder()
+    t = _trainer(epochs=2, callbacks=[rec], gradient_accumulation_steps=k)
+    t.fit(_data(24, 8), _data(16, 8))
+    t.test(_data(16, 8))
+    _check_places(t, rec.seen)
+    assert {h.name for h in SPEC.hooks} - {n for n, _ in rec.seen} == {"on_skip_optimize", "on_rollback",
+                                                                       "on_interrupted"}
+
+
+def test_the_skip_and_rollback_hooks_fire_at_the_edges_the_spec_names():
+    """A skipped update fires its hook after apply_update; a fault fires on_rollback after interrupt and
+    on_interrupted after recover."""
+    rec = PlaceRecorder()
+    t = _trainer(epochs=1, callbacks=[rec], nonfinite="skip")
+    loss_fn = t.loss_fn
+    t.loss_fn = lambda out, y: loss_fn(out, y) * (float("nan") if t.loop.batch_idx == 2 else 1.0)
+
+    def fail(module, args):
+        if t.loop.batch_idx == 3:
+            raise KeyError("injected")
+
+    t.raw_model.register_forward_pre_hook(fail)
+    with pytest.raises(KeyError):
+        t.fit(_data(32, 8))
+    _check_places(t, rec.seen)
+    names = [n for n, _ in rec.seen]
+    assert {"on_skip_optimize", "on_rollback", "on_interrupted"} <= set(names)

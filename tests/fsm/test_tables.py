@@ -239,7 +239,7 @@ def test_fused_edges_stand_for_whole_micro_batches():
     assert fused["window_step"] == [("task_train", "begin_window", "window_open"), *fused["update_step"]]
     actions = {trigger: [a for t in SPEC.transitions if t.trigger == trigger and t.fuses
                          for e in SPEC.fused_path(t) for a in e.actions] for trigger in fused}
-    assert actions["accumulate_step"] == ["skip_gradient_sync"]
+    assert actions["accumulate_step"] == ["count_micro_batch", "skip_gradient_sync"]
     assert "step_optimizer" in actions["update_step"] and "skip_optimizer" not in actions["update_step"]
     assert "skip_optimizer" in actions["skip_step"] and "step_optimizer" not in actions["skip_step"]
 
@@ -272,17 +272,22 @@ def _runs_commit(edge):
 
 
 def test_commit_actions_are_last_on_the_edges_that_commit_updates_and_epochs():
-    """A commit action ends every edge that runs it: the stepping apply_update edges and finish_update edges
-    end with commit_update, the end_epoch edges with commit_epoch; no other edge commits."""
+    """A commit action ends every edge that runs it, but for after-commit actions (a held Ctrl-C raised once
+    the update is committed): the stepping apply_update edges and finish_update edges end with
+    commit_update, the end_epoch edges with commit_epoch; no other edge commits."""
     commit = {a.name for a in SPEC.actions if a.commit}
-    assert commit == {"commit_update", "commit_epoch"}
+    after = {a.name for a in SPEC.actions if a.after_commit}
+    assert commit == {"commit_update", "commit_epoch"} and after == {"release_interrupts"}
     for t in SPEC.transitions:
-        assert not set(t.actions[:-1]) & commit, (t.source, t.trigger, t.actions)
+        body = [a for a in t.actions if a not in after]
+        assert not set(body[:-1]) & commit, (t.source, t.trigger, t.actions)
+        assert t.actions[:len(body)] == tuple(body), (t.source, t.trigger, t.actions)
     ends = {(t.source, t.trigger, t.actions) for t in SPEC.transitions if _runs_commit(t)}
     optimizing = ("optimize_clipped", "optimize_skipped")
+    finish = ("update_scaler", "zero_grad", "remember_position", "commit_update", "release_interrupts")
     assert ends == {
         *((source, "apply_update", ("step_optimizer", "commit_update")) for source in optimizing),
-        *((source, "finish_update", ("update_scaler", "zero_grad", "commit_update")) for source in optimizing),
+        *((source, "finish_update", finish) for source in optimizing),
         ("epoch_end", "end_epoch", ("step_epoch_schedulers", "save_checkpoints", "commit_epoch")),
         ("epoch_end", "end_epoch", ("step_epoch_schedulers", "commit_epoch")),
     }
@@ -307,8 +312,24 @@ def test_spec_validation_rejects_a_commit_action_that_is_not_last():
 
     assert spec(["x", "c"]).validate().commit_edges()[0].trigger == "both"
     with pytest.raises(SpecError, match=r"edge idle --both--> b: commit action 'c' must be the edge's last action"
-                                        r" \(got actions \['c', 'x'\]\)"):
+                                        r" but for after-commit ones \(got actions \['c', 'x'\]\)"):
         spec(["c", "x"]).validate()
+
+
+def test_an_after_commit_action_may_only_follow_a_commit_action():
+    """An action marked after_commit may end an edge after its commit action, and nowhere else."""
+
+    def spec(edge_actions):
+        return attrs.evolve(_fused_spec(actions=edge_actions), actions=[
+            Action("x", "X."), Action("c", "C.", commit=True), Action("r", "R.", after_commit=True)])
+
+    assert spec(["x", "c", "r"]).validate().commit_edges()[0].trigger == "both"
+    with pytest.raises(SpecError, match="after-commit action 'r' must follow a commit action"):
+        spec(["x", "r"]).validate()
+    with pytest.raises(SpecError, match="after-commit action 'r' must follow the edge's commit action"):
+        spec(["r", "c"]).validate()
+    with pytest.raises(SpecError, match="commit action 'c' must be the edge's last action"):
+        spec(["c", "x", "r"]).validate()
 
 
 def test_name_enums_list_the_spec_names_in_spec_order():
@@ -352,6 +373,6 @@ def test_hook_names_keep_the_06_api():
 def test_raw_tables_have_the_documented_shapes():
     """The generated literals keep the column order documented in their comments."""
     assert all(len(row) == 5 for row in tables.STATES)
-    assert all(len(row) == 3 and isinstance(row[1], bool) for row in tables.ACTIONS)
+    assert all(len(row) == 4 and isinstance(row[1], bool) and isinstance(row[2], bool) for row in tables.ACTIONS)
     assert all(len(row) == 10 for row in tables.TRANSITIONS)
-    assert all(len(row) == 4 for row in tables.HOOKS)
+    assert all(len(row) == 6 for row in tables.HOOKS)

@@ -1,0 +1,53 @@
+"""torch's generator states at commit points: copied, put back, and turned into tensors for snapshots.
+
+A commit point keeps a copy of torch's generators (`remember_random_state`), so the fit after a rollback
+(a refit) draws the random numbers the uninterrupted run drew; `engine.position` stores them in snapshots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepepochs.engine.context import Context
+
+__all__ = ["random_state", "remember_random_state", "set_random_state", "state_tensor"]
+
+
+def random_state(ctx: Context) -> tuple:
+    """torch's generator states: the CPU's, and the training GPU's (None elsewhere), as copies of the
+    generators (`Generator.clone_state`: no state tensor is made; `state_tensor` makes one)."""
+    device = ctx.parts.device
+    return torch.default_generator.clone_state(), _gpu_copy(device) if device.type == "cuda" else None
+
+
+def _gpu_copy(device: torch.device):
+    """A copy of the CUDA generator of `device`; its state tensor where no copy can be made (CUDA not
+    initialised yet, or generators that cannot be cloned)."""
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index].clone_state()
+    except (IndexError, RuntimeError, NotImplementedError):
+        return torch.cuda.get_rng_state(device)
+
+
+def state_tensor(state) -> torch.Tensor:
+    """A generator state as `get_rng_state()` gives it: from a copy `random_state` made, or as it is."""
+    return state.get_state() if isinstance(state, torch.Generator) else state
+
+
+def set_random_state(ctx: Context, state: tuple) -> None:
+    """Put back generator states `random_state` returned (or their `state_tensor`s)."""
+    cpu, gpu = state
+    torch.set_rng_state(state_tensor(cpu))
+    if gpu is not None:
+        torch.cuda.set_rng_state(state_tensor(gpu), ctx.parts.device)
+
+
+def remember_random_state(ctx: Context) -> None:
+    """Keep torch's generator states as of this commit point: the fit after a rollback (a refit) starts
+    from them, so it draws the random numbers (dropout, augmentation in torch) the uninterrupted run drew.
+    Once per update; a copy of each generator is kept rather than its state tensor, which costs a third
+    as much inside a training loop. Python's and NumPy's generators are not kept (10-70x dearer to read)."""
+    ctx.random_state = random_state(ctx)
+
+
