@@ -13,47 +13,41 @@ from collections.abc import Callable
 import attrs
 import torch
 
-__all__ = ["Context", "LoopState", "Parts", "ResumePoint", "StopRequest"]
+from deepepochs.engine.runstate import ResumePoint, RunState, StopRequest
+
+__all__ = ["Context", "LoopState", "Parts", "ResumePoint", "RunState", "StopRequest"]
 
 
-@attrs.define(frozen=True)
-class StopRequest:
-    """A request to end the fit after the current epoch (e.g. early stopping)."""
+def _run_alias(name: str, owner: str) -> property:
+    """A property of `LoopState` / `Context` reading and writing field `name` of the run state, which owns
+    it (`deepepochs.engine.runstate`): the loop's and the engine's code keep their names for it."""
+    if owner == "loop":
+        def get(self):
+            return getattr(self.run, name)
 
-    reason: str
-    source: str = ""
+        def set_(self, value):
+            setattr(self.run, name, value)
+    else:
+        def get(self):
+            return getattr(self.loop.run, name)
 
-
-@attrs.define(slots=True)
-class ResumePoint:
-    """The last commit point inside an epoch: where an interrupted fit continues (moved forward in place by
-    each committed update).
-
-    Attributes:
-        epoch: 1-based epoch the point belongs to.
-        task_index: the training task in progress (0-based), or -1 once the epoch's training stage is done.
-        batches_done: that task's batches whose windows were committed (their updates applied).
-        samples: for a snapshot resumed on another world size, the samples the task consumed over all
-            ranks (the task then skips `samples / world size` of its shard); None otherwise.
-    """
-
-    epoch: int
-    task_index: int
-    batches_done: int
-    samples: int | None = None
+        def set_(self, value):
+            setattr(self.loop.run, name, value)
+    return property(get, set_, doc=f"The run state's `{name}` (`RunState.{name}`).")
 
 
 @attrs.define(slots=True)
 class LoopState:
     """Counters and flags of a running loop (guards read these; actions update them).
 
-    Epochs are 1-based (`epoch` 0 means none has started); `batch_idx` is 1-based within the task;
-    `window_pos` counts the open window's micro-batches (0: no window is open).
+    `run` is the run state (`RunState`: what the run committed); `epoch`, `completed_epochs`,
+    `target_epochs`, `stop`, `resume` and `last_error_state` read and write its fields. The rest is the
+    loop's scratch: the stage, the batch, the open window, requests. Epochs are 1-based (`epoch` 0 means
+    none has started); `batch_idx` is 1-based within the task; `window_pos` counts the open window's
+    micro-batches (0: no window is open).
     """
 
-    target_epochs: int = 0
-    completed_epochs: int = 0
-    epoch: int = 0
+    run: RunState = attrs.Factory(RunState)
     stage: str | None = None
     batch_idx: int = 0
     window_size: int = 1
@@ -64,17 +58,21 @@ class LoopState:
     window_updated: bool = False
     window_committed: bool = False
     val_due: bool = False
-    stop: StopRequest | None = None
     save_requests: list = attrs.Factory(list)
     update_indices: tuple = ()
     finite: dict = attrs.Factory(dict)
     opt_index: int = 0
     meters: object = None
-    resume: ResumePoint | None = None
     resume_pending: bool = False
-    last_error_state: str | None = None
     snapshot_due: bool = False
     stop_signal: str | None = None
+
+    target_epochs = _run_alias("target_epochs", "loop")
+    completed_epochs = _run_alias("completed_epochs", "loop")
+    epoch = _run_alias("epoch", "loop")
+    stop = _run_alias("stop", "loop")
+    resume = _run_alias("resume", "loop")
+    last_error_state = _run_alias("last_error_state", "loop")
 
 
 @attrs.define(frozen=True, eq=False)
@@ -126,6 +124,11 @@ class Parts:
 class Context:
     """One trainer's run-time context: its parts, its loop state, and what the current batch holds.
 
+    The run state (`run`, owned by `loop.run`) is read and written under its own names here too:
+    `train_meters`, `history`, `last_metrics`, `random_state`, `random_restore_due`, `task_random_state`,
+    `random_replay`, `data_state` (see `RunState`). Everything else is scratch of the current fit, task or
+    batch.
+
     Attributes:
         parts: see `Parts`.
         loop: see `LoopState`.
@@ -136,24 +139,14 @@ class Context:
         batch_n: the current batch's sample count.
         hop: how a step moves the machine (`LoopMachine.fire`); a compiled micro-batch moves it itself.
         machine: the `LoopMachine` built from the registry for this context (`Driver`).
-        last_metrics: the current epoch's metrics per stage, read by epoch-wise schedulers.
         pending_nonfinite: a device-side inf/NaN flag checked at the task's end (accelerators, PERF-2).
         seeds: gradients that backward starts from, per micro-batch share (`steps.backward`).
         signals: the SIGINT guard that holds a Ctrl-C during an update (`signals.InterruptGuard`).
         task_index: the index of the running task within its stage.
         batch_counted: the current batch's loss and patches are in the meters already.
-        train_meters: the epoch's training meters per task (committed work a resumed fit continues).
-        history: per stage, per metric, the values of the epochs the run committed (those a resume
-            loaded included); `fit()` returns a copy.
         step_patches: the default step's metric patches, made before its update (committed with it).
         epoch_undo: how to undo the epoch-end work done before `commit_epoch`, in order (rollback).
         first_batch: the running task's first batch is yet to be checked (`steps.first_batch_checks`).
-        random_state: torch's generator states at the last commit point of the running fit.
-        random_restore_due: a fit failed; the next fit starts from `random_state` (a refit).
-        task_random_state: the generator states just before the running training task made its data
-            iterator (which draws DataLoader worker seeds).
-        random_replay: for a refit resuming a task mid-way, (its `task_random_state`, `random_state`):
-            the iterator is made from the first, the batches continue from the second.
         monitor_check: the fit's (train tasks, val tasks) until the first training batch has checked the
             checkpoint monitors' names; None after.
         snapshots: the running fit's snapshot writer (a `SnapshotCallback`), or None: then no commit point
@@ -161,9 +154,6 @@ class Context:
         snapshot_path: the snapshot the last `save_snapshot` wrote (None on ranks other than 0).
         data_source: the running training task's stateful DataLoader (torchdata's `StatefulDataLoader`),
             whose position `commit_update` keeps; None for other data.
-        data_state: `(epoch, task index, batches done, state_dict())` of that loader at the last complete
-            commit point: a refit or a resumed snapshot continues it with `load_state_dict` instead of
-            skipping batches.
     """
 
     parts: Parts
@@ -175,23 +165,29 @@ class Context:
     batch_n: int = 0
     hop: Callable | None = None
     machine: object = None
-    last_metrics: dict = attrs.Factory(dict)
     pending_nonfinite: torch.Tensor | None = None
     seeds: dict = attrs.Factory(dict)
     signals: object = None
     task_index: int = 0
     batch_counted: bool = False
-    train_meters: list | None = None
-    history: dict = attrs.Factory(lambda: {"train": {}, "val": {}})
     step_patches: dict | None = None
     epoch_undo: list = attrs.Factory(list)
     first_batch: bool = False
-    random_state: tuple | None = None
-    random_restore_due: bool = False
-    task_random_state: tuple | None = None
-    random_replay: tuple | None = None
     monitor_check: tuple | None = None
     snapshots: object = None
     snapshot_path: object = None
     data_source: object = None
-    data_state: tuple | None = None
+
+    @property
+    def run(self) -> RunState:
+        """The run state (`loop.run`): what the run committed, with one capture and one restore."""
+        return self.loop.run
+
+    train_meters = _run_alias("train_meters", "ctx")
+    history = _run_alias("history", "ctx")
+    last_metrics = _run_alias("last_metrics", "ctx")
+    random_state = _run_alias("random_state", "ctx")
+    random_restore_due = _run_alias("random_restore_due", "ctx")
+    task_random_state = _run_alias("task_random_state", "ctx")
+    random_replay = _run_alias("random_replay", "ctx")
+    data_state = _run_alias("data_state", "ctx")
