@@ -16,7 +16,6 @@ point and its minimum to higher rates, up to the cliff (the suggestion then dive
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 
@@ -26,7 +25,6 @@ import torch
 
 from deepepochs.callbacks.base import Callback
 from deepepochs.errors import ConfigError
-from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["LRFindResult", "check_plot", "check_sweep_args", "run_sweep", "suggest_lr", "sweep_lrs"]
 
@@ -183,7 +181,7 @@ class _Sweep(Callback):
             return  # accumulation: the update comes with the window's last micro-batch
         self.updated = False
         total = torch.tensor([sum(self.window), len(self.window)], dtype=torch.float64, device=trainer.device)
-        total = trainer._dist.reduce_sum(total)  # every rank sees the same loss and stops at the same update
+        total = trainer.dist.reduce_sum(total)  # every rank sees the same loss and stops at the same update
         self.window = []
         loss = float(total[0] / total[1])
         self.losses.append(loss)
@@ -200,10 +198,15 @@ class _Sweep(Callback):
             raise _SweepDone
 
 
-def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta, opt_index, train_tasks=None,
-              batch_size=None) -> LRFindResult:
-    """Run the range test on `trainer` (see the module docstring) and restore its state afterwards."""
-    opts = trainer.opt
+def run_sweep(opts, make_tasks, trial_fit, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta, opt_index,
+              train_tasks=None, batch_size=None) -> LRFindResult:
+    """Run the range test (see the module docstring) with the optimizers `opts`; the trainer is left as
+    it was.
+
+    `make_tasks(train_dl, train_tasks, batch_size)` makes the sweep's training tasks;
+    `trial_fit(tasks, callbacks, epochs)` trains them for up to `epochs` more epochs with only `callbacks`
+    attached and nothing printed, then puts the model, optimizers, schedulers, scaler, generators and run
+    state back (`deepepochs.engine.trial`). The sweep's callback ends it by raising `_SweepDone`."""
     if opt_index is None:
         if len(opts) > 1:
             raise ConfigError(f"the trainer has {len(opts)} optimizers: pass opt_index (opt_id) = 0..{len(opts) - 1}"
@@ -213,62 +216,19 @@ def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta
         raise ConfigError(f"opt_index (opt_id) must be an int in 0..{len(opts) - 1} (got {opt_index!r})")
     else:
         indices = (opt_index,)
-    ctx, driver, hooks, console = trainer._ctx, trainer._driver, trainer._hooks, trainer._console
-    ctx.parts.resume()  # a pending resume=... happens before the snapshot, so the restore keeps it
-    loop = ctx.loop
-    saved = {
-        "model": {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()},
-        "opts": copy.deepcopy(opts.state_dict()),
-        "scaler": copy.deepcopy(trainer._precision.state_dict()),
-        "rng": rng_state(),
-        "loop": (loop.completed_epochs, loop.epoch, loop.target_epochs, loop.stop, copy.deepcopy(loop.resume),
-                 loop.last_error_state),
-        "ctx": (ctx.train_meters, copy.deepcopy(ctx.history), ctx.last_metrics),
-        # the refit bookkeeping (engine.actions.remember_random_state): the sweep ends by an exception,
-        # which must not make the next fit rewind the generators to the sweep's last update
-        "random": (ctx.random_state, ctx.random_restore_due, ctx.task_random_state, ctx.random_replay),
-        "console": (console.enabled, console.log_batch, console.log_tqdm, console.show_info,
-                    driver._header_done),
-    }
-    # The sweep starts a fresh epoch whatever the trainer's state: no early stop pending, no interrupted
-    # epoch to continue (both come back afterwards).
-    loop.stop, loop.resume, ctx.train_meters = None, None, None
     sweep = _Sweep(sweep_lrs(min_lr, max_lr, num_steps), indices, stop_factor, beta)
-    callbacks = list(hooks.callbacks)
-    hooks.remove(callbacks)
-    hooks.extend([sweep])
-    console.enabled = console.log_batch = console.log_tqdm = console.show_info = False
+    tasks = make_tasks(train_dl, train_tasks, batch_size)
+    if not tasks:
+        raise ConfigError("find_lr needs training data: pass a DataLoader or another iterable of batches")
     try:
-        tasks = driver.make_tasks("train", train_dl, train_tasks, [], True, batch_size)
-        if not tasks:
-            raise ConfigError("find_lr needs training data: pass a DataLoader or another iterable of batches")
         # Enough epochs for num_steps updates however short the data; the sweep ends itself before that.
-        epochs = loop.completed_epochs + num_steps
-        try:
-            driver.guarded("fit", lambda: driver.run_fit(tasks, [], 1, epochs))
-        except _SweepDone:
-            pass
-        except FloatingPointError as e:  # nonfinite='raise': an inf/NaN update is divergence to a sweep
-            if not sweep.losses:
-                raise
-            sweep.stop_reason = f"diverged: {str(e).splitlines()[0]}"
-    finally:
-        hooks.remove([sweep])
-        hooks.extend(callbacks)
-        (console.enabled, console.log_batch, console.log_tqdm, console.show_info,
-         driver._header_done) = saved["console"]
-        trainer.raw_model.load_state_dict(saved["model"])
-        opts.load_state_dict(saved["opts"])
-        opts.zero_grad(opts.all_indices)
-        trainer._precision.load_state_dict(saved["scaler"])
-        set_rng_state(saved["rng"])
-        (loop.completed_epochs, loop.epoch, loop.target_epochs, loop.stop, loop.resume,
-         loop.last_error_state) = saved["loop"]
-        ctx.train_meters, history, ctx.last_metrics = saved["ctx"]
-        ctx.random_state, ctx.random_restore_due, ctx.task_random_state, ctx.random_replay = saved["random"]
-        for stage in ctx.history:  # the same dict objects: trainer.history may be held by the user
-            ctx.history[stage].clear()
-            ctx.history[stage].update(history.get(stage, {}))
+        trial_fit(tasks, [sweep], num_steps)
+    except _SweepDone:
+        pass
+    except FloatingPointError as e:  # nonfinite='raise': an inf/NaN update is divergence to a sweep
+        if not sweep.losses:
+            raise
+        sweep.stop_reason = f"diverged: {str(e).splitlines()[0]}"
     lrs = sweep.lrs[:len(sweep.losses)]
     smoothed = smooth(sweep.losses, beta)
     return LRFindResult(lrs=lrs, losses=list(sweep.losses), smoothed=smoothed,

@@ -7,6 +7,7 @@ the machine generated from `spec/loop.py`; the engine never calls back into this
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import threading
 
@@ -23,6 +24,7 @@ from deepepochs.distributed import check_ddp_kwargs, select_policy
 from deepepochs.engine import compiled, steps
 from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
 from deepepochs.engine.driver import Driver
+from deepepochs.engine.trial import trial_fit
 from deepepochs.errors import ConfigError
 from deepepochs.finished import apply_finished, report_retrained
 from deepepochs.fsdp import check_strategy_kwargs
@@ -499,9 +501,11 @@ class TrainerBase:
         check_plot(plot)
         if train_dl is None and not train_tasks:
             raise ConfigError("find_lr needs training data: pass train_dl (a DataLoader or iterable of batches)")
-        result = run_sweep(self, train_dl, train_tasks=train_tasks, min_lr=min_lr, max_lr=max_lr,
-                           num_steps=num_steps, stop_factor=stop_factor, beta=smooth, opt_index=opt_index,
-                           batch_size=batch_size)
+        driver = self._driver
+        result = run_sweep(self._opts, lambda dl, tasks, size: driver.make_tasks("train", dl, tasks, [], True, size),
+                           functools.partial(trial_fit, driver), train_dl, train_tasks=train_tasks, min_lr=min_lr,
+                           max_lr=max_lr, num_steps=num_steps, stop_factor=stop_factor, beta=smooth,
+                           opt_index=opt_index, batch_size=batch_size)
         suggestion = "none (fewer than 3 updates)" if result.suggestion is None else f"{result.suggestion:.3g}"
         self._console.info(f"lr finder: {len(result.lrs)} updates, lr {result.lrs[0]:.3g} to {result.lrs[-1]:.3g}"
                            f" ({result.stop_reason}); suggested lr: {suggestion}; model, optimizers and"

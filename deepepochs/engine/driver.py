@@ -18,7 +18,7 @@ import torch
 
 from deepepochs.checkpoint import monitors_in
 from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
-from deepepochs.engine import actions, batches, position, snapshots, steps
+from deepepochs.engine import actions, batches, position, runstate, snapshots, steps
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.signals import InterruptGuard
 from deepepochs.errors import ConfigError
@@ -55,7 +55,7 @@ class Driver:
         ctx.machine = LoopMachine(guards, acts, ctx.loop)
         ctx.model = ctx.parts.train_model
         self._started = False
-        self._header_done = False
+        self.header_done = False
         self.running: str | None = None  # 'fit' or 'test' while one runs (the facade refuses re-entry)
         self.running_thread: threading.Thread | None = None  # the thread it runs in
 
@@ -126,11 +126,9 @@ class Driver:
         ctx = self.ctx
         parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
         state = machine.state
-        loop.last_error_state = state
+        loop.last_error_state = state  # for the rollback hooks; set again once the run state is restored
         self._failed_stage = loop.stage
         ctx.pending_nonfinite = None
-        if self.running == "fit":  # the refit continues from the last commit point: so do the random numbers
-            ctx.random_restore_due = True  # from `random_state` as the rollback leaves it (`discard_window`)
         try:
             if machine.spec.state(state).running:
                 machine.fire_cold("interrupt")
@@ -147,6 +145,12 @@ class Driver:
             raise
         finally:
             parts.raw_model.train()
+            # After the run state is back at the last commit point (`discard_window` restores it when an
+            # epoch's end did not commit): where the fault was, and that the refit continues from that
+            # commit point's random numbers (`random_state` as the rollback leaves it).
+            loop.last_error_state = state
+            if self.running == "fit":
+                ctx.random_restore_due = True
         for hook in parts.hooks["on_interrupted"]:
             hook(parts.facade, exc)
 
@@ -199,19 +203,19 @@ class Driver:
 
     def _count_epoch(self, epoch):
         """The epoch counts as completed for its end's hooks and saves; until `commit_epoch` a rollback
-        undoes that, and the monitors' state the hooks change."""
+        undoes that: the run state comes back as it was before the epoch's end (`runstate.capture`: the
+        count, an early stop, anything a hook changed in it), and so does the monitors' state."""
         ctx = self.ctx
-        loop = ctx.loop
         states = [(m, m.state_dict()) for m in monitors_in(ctx.parts.hooks.callbacks)]
-        before = loop.completed_epochs
+        before = runstate.capture(ctx.run)
 
         def undo():
-            loop.completed_epochs = before
+            runstate.restore(ctx.run, before)
             for monitor, state in states:
                 monitor.load_state_dict(state)
 
         ctx.epoch_undo.append(undo)
-        loop.completed_epochs = epoch
+        ctx.loop.completed_epochs = epoch
 
     def _train_stage(self, tasks, epoch):
         ctx = self.ctx
@@ -441,15 +445,16 @@ class Driver:
             hook(parts.facade, *args)
 
     def _header(self):
-        if self._header_done:
+        if self.header_done:
             return
-        self._header_done = True
-        parts = self.ctx.parts
+        self.header_done = True
+        ctx = self.ctx
+        parts = ctx.parts
         n = sum(p.numel() for p in parts.raw_model.parameters())
         now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         world = parts.dist.world_size
         extra = f" | world size: {world}" if world > 1 else ""
-        parts.console.info(f"{now} | device: {parts.device} | running id: {parts.running_id()} | parameters:"
+        parts.console.info(f"{now} | device: {parts.device} | running id: {ctx.run.running_id} | parameters:"
                            f" {n:,} | precision: {parts.config.precision}{extra}")
 
 
