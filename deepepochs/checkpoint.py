@@ -80,7 +80,7 @@ import torch
 
 from deepepochs import sharded
 from deepepochs.distributed import is_dtensor
-from deepepochs.engine import position
+from deepepochs.engine import position, runstate
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 from deepepochs.utils import rng_state, set_rng_state
 
@@ -271,12 +271,13 @@ def _run_records(trainer, position: Mapping | None) -> Mapping:
     """The records of the epochs the file counts as completed. An epoch-end save runs before its epoch
     commits (`save_checkpoints` precedes `commit_epoch`; `epoch_undo` is pending then), so that epoch's
     metrics are added to the history here."""
-    ctx = trainer._ctx
-    if position is not None or not ctx.epoch_undo:
-        return ctx.history
+    loop = trainer.loop
+    run = loop.run
+    if position is not None or not loop.epoch_undo:
+        return run.history
     records = {stage: {name: list(values) for name, values in metrics.items()}
-               for stage, metrics in ctx.history.items()}
-    for stage, metrics in ctx.last_metrics.items():
+               for stage, metrics in run.history.items()}
+    for stage, metrics in run.last_metrics.items():
         if stage in records:
             for name, value in metrics.items():
                 records[stage].setdefault(name, []).append(value)
@@ -756,14 +757,17 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     ckpt = read_checkpoint(path, trusted) if ckpt is None else ckpt
     check_fits(trainer, ckpt, path)  # all or nothing: every mismatch is found before anything changes
     backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
+    run = trainer.loop.run
+    run_backup = runstate.capture(run)  # the run state (history, position, random state) as well
     try:
         if ckpt.shards is not None:
             ckpt = _read_shards(ckpt, path, trainer)
         _apply(trainer, ckpt, path)
         if ckpt.position is not None:  # a mid-epoch snapshot: the next fit continues inside its epoch
-            position.restore(trainer._ctx, ckpt.position, trainer._dist.rank)
+            position.restore(run, ckpt.position, trainer.dist.rank, trainer.device, trainer.world_size)
     except BaseException as exc:
         _apply(trainer, backup, "<the state before loading>")
+        runstate.restore(run, run_backup)
         if isinstance(exc, CheckpointError):
             raise
         first_line = (str(exc).strip().splitlines() or [""])[0]
@@ -775,8 +779,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     loop.stop = None
     if ckpt.position is None:
         loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
-        ctx = trainer._ctx  # and so do the generator states a refit after it would have restored
-        ctx.random_restore_due, ctx.random_replay = False, None
+        run.random_restore_due, run.random_replay = False, None  # and so do the generators a refit restores
     return ckpt
 
 
@@ -791,13 +794,13 @@ def _backup(trainer) -> Checkpoint:
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
     """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors and (one process) generator states."""
     load_model_state(trainer, ckpt.model, path)
-    dist, model = trainer._dist, trainer.raw_model
+    dist, model = trainer.dist, trainer.raw_model
     try:
         trainer.opt.load_state_dict({"optimizers": ckpt.optimizers, "schedulers": ckpt.schedulers},
                                     lambda opt, state: dist.load_optimizer_state_dict(model, opt, state))
     except (ValueError, RuntimeError, KeyError, IndexError) as e:
         raise CheckpointError(f"checkpoint {path}: optimizer or scheduler state does not fit: {e}") from e
-    trainer._precision.load_state_dict(ckpt.scaler)
+    trainer.precision.load_state_dict(ckpt.scaler)
     for monitor in monitors_of(trainer):
         state = ckpt.monitors.get(monitor.monitor_id)
         if state is not None:
@@ -807,7 +810,7 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         history.clear()
         history.update({"train": {}, "val": {}, **plain_records(ckpt.history)})
     if ckpt.order_seed is not None:  # the training order continues as it was (`sharding.DataOrder`)
-        trainer._dist.order_seed = ckpt.order_seed
+        trainer.dist.order_seed = ckpt.order_seed
     if ckpt.rng is not None and trainer.world_size == 1:
         try:
             set_rng_state(ckpt.rng)
@@ -876,7 +879,7 @@ def resume_scope(trainer) -> tuple[str | None, bool, str]:
     resume = trainer.resume
     if isinstance(resume, str):
         return resume, True, f"resume={resume!r}"
-    if trainer._running_id_given:
+    if trainer.loop.run.running_id_given:
         return str(trainer.running_id), False, f"resume=True with running_id={str(trainer.running_id)!r}"
     return None, False, "resume=True without a running_id: the newest checkpoint of any run"
 
@@ -919,12 +922,12 @@ def resume_once(trainer) -> tuple[Path, int] | None:
         folders = dict.fromkeys(Path(d) if run is None else Path(d) / run for d in dirs)
         searched = ", ".join(map(str, folders)) or "nowhere: no CheckCallback"
         found = f"no checkpoint this trainer can load among {len(candidates)}" if candidates else "no checkpoint"
-        trainer._console.info(f"{why}: {found} found (searched {searched}); starting run {trainer.running_id} fresh"
-                              + _hint_06_folder(dirs, candidates))
+        trainer.console.info(f"{why}: {found} found (searched {searched}); starting run {trainer.running_id} fresh"
+                             + _hint_06_folder(dirs, candidates))
     else:
         trainer.running_id = path.parent.name
-        trainer._console.info(f"Resumed run {trainer.running_id} ({why}) from {path}:"
-                              f" {_position_text(ckpt, trainer)}")
+        trainer.console.info(f"Resumed run {trainer.running_id} ({why}) from {path}:"
+                             f" {_position_text(ckpt, trainer)}")
         loaded = (path, ckpt.epoch)
     trainer.loop.resume_pending = False
     return loaded
@@ -933,9 +936,7 @@ def resume_once(trainer) -> tuple[Path, int] | None:
 def _fit_train_tasks(trainer) -> list | None:
     """The training tasks of the fit that is resuming (None when a test or predict resumes): what a
     snapshot's mid-epoch position is checked against."""
-    if trainer._driver.running != "fit" or trainer._ctx.monitor_check is None:
-        return None
-    return trainer._ctx.monitor_check[0]
+    return trainer.loop.resume_tasks
 
 
 def _load_newest_usable(trainer, candidates: list[Path], strict: bool) -> tuple[Path | None,

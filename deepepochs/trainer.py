@@ -16,23 +16,24 @@ import torch
 
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback
-from deepepochs.checkpoint import load_into, resume_once
+from deepepochs.checkpoint import load_into
 from deepepochs.compat import refuse_accelerate
 from deepepochs.config import TrainerConfig, check_run_name, unknown_keywords
 from deepepochs.console import Console
 from deepepochs.distributed import check_ddp_kwargs, select_policy
 from deepepochs.engine import compiled, steps
-from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
+from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
+from deepepochs.engine.stage_tasks import default_step
 from deepepochs.engine.trial import trial_fit
 from deepepochs.errors import ConfigError
-from deepepochs.finished import apply_finished, report_retrained
 from deepepochs.fsdp import check_strategy_kwargs
 from deepepochs.fsm.render import auto_level, render
 from deepepochs.lr_find import LRFindResult, check_plot, check_sweep_args, run_sweep
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
-from deepepochs.tasks import STEP_NAMES, as_metric_list
+from deepepochs.resuming import resume_run
+from deepepochs.tasks import as_metric_list
 from deepepochs.writer import RunWriters
 
 __all__ = ["Trainer", "TrainerBase"]
@@ -230,10 +231,10 @@ class TrainerBase:
         self.device = dist.device
         self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume
-        self._running_id_given = running_id is not None  # resume=True then means this run only
-        # Under DDP rank 0's id: all ranks must name the same checkpoint and log folders.
-        self.running_id = dist.broadcast_object(
-            running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
+        # Under DDP rank 0's id: all ranks must name the same checkpoint and log folders. A name given
+        # means that resume=True resumes this run only.
+        run = RunState(running_id=dist.broadcast_object(running_id or datetime.datetime.now().strftime(
+            "%Y%m%d-%H%M%S-%f")), running_id_given=running_id is not None)
         self.hyper_params = dict(hyper_params or {})
         self._precision = Precision(self.config.precision, self.device)
         model = model.to(self.device)
@@ -246,15 +247,14 @@ class TrainerBase:
         self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=dist.is_main)
         self._hooks = HookTable()
         self._clippers = []
-        loop = LoopState(resume_pending=resume is not False)  # honoured once, at the first fit or test
+        loop = LoopState(run=run, resume_pending=resume is not False)  # honoured once, at the first fit or test
         self._opts.bind_updates(loop)
         parts = Parts(
             config=self.config, device=self.device, raw_model=model,
             train_model=dist.wrap_model(compiled, ddp_kwargs),
             eval_model=compiled,  # not DDP-wrapped: evaluation issues no DDP collectives (DDP-7)
             opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
-            console=self._console, facade=self, resolve_step=self._resolve_step,
-            resume=self._resume, running_id=lambda: self.running_id, target_key=target_key,
+            console=self._console, facade=self, resumer=resume_run, target_key=target_key,
             pick_targets=pick_targets)
         self._ctx = Context(parts, loop, loss_fn=loss)
         self._driver = Driver(self._ctx)
@@ -268,6 +268,16 @@ class TrainerBase:
         """The loop's counters: `epoch` (1-based), `completed_epochs`, `target_epochs`, `stage`,
         `batch_idx` (1-based), `stop`, ..."""
         return self._ctx.loop
+
+    @property
+    def running_id(self) -> str:
+        """The run's name: the folder of its checkpoints and logs (a resume names it after the run it
+        loaded)."""
+        return self._ctx.run.running_id
+
+    @running_id.setter
+    def running_id(self, value) -> None:
+        self._ctx.run.running_id = str(value)
 
     @property
     def machine(self):
@@ -649,14 +659,6 @@ class TrainerBase:
         self.close()
         return False
 
-    def _resume(self):
-        """The resume_checkpoint action: load what `resume=...` asks for (with the run's history); for a
-        finished run (see `deepepochs.finished`) also its end, so the next fit trains nothing."""
-        loaded = resume_once(self)
-        if loaded is not None:
-            apply_finished(self, loaded[0].parent, loaded[1])
-            report_retrained(self, loaded[0].parent, loaded[1])
-
     def _check_open(self, call: str):
         if self._closed:
             raise RuntimeError("this Trainer was closed; create a new one")
@@ -670,10 +672,12 @@ class TrainerBase:
                                " can ask for a stop (trainer.request_stop) or a save (trainer.request_save)")
 
     # ---- step methods (override in a subclass or an EpochTask) ----
+    @default_step
     def train_step(self, batch_x, batch_y, **step_args):
         """Default training step: forward, loss and backward, metric patches, the update."""
         return steps.default_step(self._ctx, batch_x, batch_y, "train")
 
+    @default_step
     def evaluate_step(self, batch_x, batch_y, **step_args):
         """Default validation/test step: forward, loss, metric patches (no gradients)."""
         return steps.default_step(self._ctx, batch_x, batch_y, self.loop.stage)
@@ -681,17 +685,6 @@ class TrainerBase:
     def batch_patches(self, model_out, batch_y, metrics=None) -> dict:
         """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""
         return steps.batch_patches(self._ctx, model_out, batch_y, metrics)
-
-    def _resolve_step(self, task, stage):
-        """The step method of `task` in `stage`: `step`, then the stage's method, then `evaluate_step`; per
-        name the task's before the trainer's. None when none is overridden: the engine's default step."""
-        for name in STEP_NAMES[stage]:
-            if getattr(type(task), name, None) is not None:
-                return getattr(task, name)
-            method = getattr(type(self), name, None)
-            if method is not None and method is not getattr(TrainerBase, name, None):
-                return getattr(self, name)
-        return None
 
 
 class Trainer(TrainerBase):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from deepepochs import torch_private
-from deepepochs.engine import position
+from deepepochs.engine import position, resume
 from deepepochs.engine.context import Context
 from deepepochs.errors import Preempted
 from deepepochs.fsm.machine import load_spec
@@ -134,7 +134,7 @@ def stop_signalled(ctx: Context) -> bool:
 def resume_checkpoint(ctx: Context) -> None:
     """Load what `resume=` asks for; the file (or a finished run's record) brings the run's history, which
     is what `fit()` returns, so a finished run's fit trains nothing and returns its records."""
-    ctx.parts.resume()
+    resume.honour_resume(ctx)
 
 
 @action
@@ -426,10 +426,15 @@ def state_tensor(state) -> torch.Tensor:
 
 def set_random_state(ctx: Context, state: tuple) -> None:
     """Put back generator states `random_state` returned (or their `state_tensor`s)."""
+    set_generators(ctx.parts.device, state)
+
+
+def set_generators(device: torch.device, state: tuple) -> None:
+    """`set_random_state` for the training device `device` (loading a checkpoint has no context)."""
     cpu, gpu = state
     torch.set_rng_state(state_tensor(cpu))
     if gpu is not None:
-        torch.cuda.set_rng_state(state_tensor(gpu), ctx.parts.device)
+        torch.cuda.set_rng_state(state_tensor(gpu), device)
 
 
 def remember_random_state(ctx: Context) -> None:

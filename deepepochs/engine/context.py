@@ -44,7 +44,10 @@ class LoopState:
     `target_epochs`, `stop`, `resume` and `last_error_state` read and write its fields. The rest is the
     loop's scratch: the stage, the batch, the open window, requests. Epochs are 1-based (`epoch` 0 means
     none has started); `batch_idx` is 1-based within the task; `window_pos` counts the open window's
-    micro-batches (0: no window is open).
+    micro-batches (0: no window is open). `resume_tasks`: the training tasks of the fit whose start honours
+    a pending `resume=...` (a snapshot's position is checked against them), None otherwise. `epoch_undo`:
+    how to undo the epoch-end work done before `commit_epoch`, in order (rollback; empty outside an
+    epoch's end).
     """
 
     run: RunState = attrs.Factory(RunState)
@@ -64,6 +67,8 @@ class LoopState:
     opt_index: int = 0
     meters: object = None
     resume_pending: bool = False
+    resume_tasks: list | None = None
+    epoch_undo: list = attrs.Factory(list)
     snapshot_due: bool = False
     stop_signal: str | None = None
 
@@ -91,11 +96,11 @@ class Parts:
         hooks: the `HookTable` of the attached callbacks.
         clippers: gradient clippers, `clip(trainer, indices, finite)`.
         console: the `Console`.
-        facade: the object handed to hooks and step methods as `trainer`.
-        resolve_step: `(task, stage) -> step method`, or None for the engine's default step.
-        resume: loads the checkpoint `Trainer(resume=...)` asked for (the `resume_checkpoint` action),
-            with the run's history and, for a finished run, its end (the next fit then trains nothing).
-        running_id: the run's current name (a resume may change it).
+        facade: the object handed to hooks and step methods as `trainer` (and to `resumer`); its step
+            methods are found by `stage_tasks.resolve_step`.
+        resumer: the checkpoint layer's resume policy, `resumer(facade)`: loads what `Trainer(resume=...)`
+            asks for (the `resume_checkpoint` action, `resume.honour_resume`), writing the run state and
+            clearing `loop.resume_pending`; None where nothing can be resumed.
         target_key: `Trainer(targets='<key>')`: the field of dict batches that holds the targets, or None.
         pick_targets: `Trainer(targets=callable)`: `(batch_x, model_out) -> (preds, targets)` for the
             metrics, or None (the metrics get the model output and the batch's label).
@@ -113,9 +118,7 @@ class Parts:
     clippers: list
     console: object
     facade: object
-    resolve_step: Callable
-    resume: Callable[[], object]
-    running_id: Callable[[], str]
+    resumer: Callable[[object], None] | None = None
     target_key: str | None = None
     pick_targets: Callable | None = None
 
@@ -145,7 +148,7 @@ class Context:
         task_index: the index of the running task within its stage.
         batch_counted: the current batch's loss and patches are in the meters already.
         step_patches: the default step's metric patches, made before its update (committed with it).
-        epoch_undo: how to undo the epoch-end work done before `commit_epoch`, in order (rollback).
+        epoch_undo: `loop.epoch_undo`.
         first_batch: the running task's first batch is yet to be checked (`steps.first_batch_checks`).
         monitor_check: the fit's (train tasks, val tasks) until the first training batch has checked the
             checkpoint monitors' names; None after.
@@ -171,7 +174,6 @@ class Context:
     task_index: int = 0
     batch_counted: bool = False
     step_patches: dict | None = None
-    epoch_undo: list = attrs.Factory(list)
     first_batch: bool = False
     monitor_check: tuple | None = None
     snapshots: object = None
@@ -182,6 +184,11 @@ class Context:
     def run(self) -> RunState:
         """The run state (`loop.run`): what the run committed, with one capture and one restore."""
         return self.loop.run
+
+    @property
+    def epoch_undo(self) -> list:
+        """`loop.epoch_undo`."""
+        return self.loop.epoch_undo
 
     train_meters = _run_alias("train_meters", "ctx")
     history = _run_alias("history", "ctx")
