@@ -44,6 +44,8 @@ class Driver:
     """Runs `fit` and `test` for one trainer's `Context`, and builds its machine."""
 
     def __init__(self, ctx: Context):
+        """Bind the registry's guards and actions to `ctx` and build its machine (the spec's registry is
+        checked once per process first: a missing implementation fails here, not mid-fit)."""
         actions.check_registry_once()
         self.ctx = ctx
         ctx.signals = InterruptGuard()
@@ -94,6 +96,10 @@ class Driver:
             ctx.signals.uninstall()
 
     def _rollback(self, exc):
+        """Return to the last commit point after `exc` escaped: the `interrupt` edge (its `discard_window`
+        drops the open window and undoes an epoch end that did not commit), the `on_rollback` hooks, then
+        `recover` to idle. If the rollback itself fails, the machine and the loop are reset to idle so the
+        trainer stays usable. Records where the fault was, and makes a refit replay the random numbers."""
         ctx = self.ctx
         parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
         state = machine.state
@@ -186,6 +192,7 @@ class Driver:
         before = runstate.capture(ctx.run)
 
         def undo():
+            """Put back the run state and the monitors as they were before this epoch's end."""
             runstate.restore(ctx.run, before)
             for monitor, state in states:
                 monitor.load_state_dict(state)
@@ -220,6 +227,9 @@ class Driver:
         return metrics
 
     def _eval_stage(self, stage, tasks, epoch):
+        """A validation or test stage: each task on the evaluation model (no DDP wrapper: no collective per
+        batch) without gradients, with the stage's hooks (0.6's arguments: `val` hooks get the 0-based
+        epoch, `test` hooks none). Returns the stage's metrics (global under DDP)."""
         ctx = self.ctx
         parts, loop = ctx.parts, ctx.loop
         before_stage, after_stage = STAGE_HOOKS[stage][:2]
@@ -247,6 +257,8 @@ class Driver:
         return metrics
 
     def run_test(self, tasks):
+        """`test`: the `test` edge (a pending `resume=...` loads on it), the run header, the test stage and
+        `end_stage`; prints and returns the metrics."""
         ctx = self.ctx
         ctx.machine.fire_cold("test")
         self._header()
@@ -376,6 +388,8 @@ class Driver:
         return out
 
     def _stage_metrics(self, meters_list) -> dict:
+        """A stage's metrics from its tasks' (`tasks.merge_stage_metrics`), noting once how names of several
+        tasks are told apart when they clash."""
         per_task = [self._task_metrics(meters) for meters in meters_list]
         if len(per_task) > 1 and len({name for m in per_task for name in m}) < sum(len(m) for m in per_task):
             self.ctx.parts.console.note_once("task-suffix", TASK_SUFFIX_NOTE)
@@ -396,11 +410,13 @@ class Driver:
 
     # ---- misc ----
     def _run_hooks(self, event, *args):
+        """Call the attached callbacks' `event` hooks (the order `HookTable` fixed) with the facade."""
         parts = self.ctx.parts
         for hook in parts.hooks[event]:
             hook(parts.facade, *args)
 
     def _header(self):
+        """Print the run's header once per trainer (time, device, running id, parameters, precision)."""
         if self.header_done:
             return
         self.header_done = True

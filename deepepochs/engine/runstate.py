@@ -77,6 +77,7 @@ class ResumePoint:
 
 
 def _empty_history() -> dict:
+    """A run's records before its first epoch: no metric yet for either stage."""
     return {"train": {}, "val": {}}
 
 
