@@ -8,6 +8,7 @@ argument of callback hooks and step methods, which are user code.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import attrs
@@ -19,21 +20,16 @@ __all__ = ["Context", "LoopState", "Parts", "ResumePoint", "RunState", "StopRequ
 
 
 def _run_alias(name: str, owner: str) -> property:
-    """A property of `LoopState` / `Context` reading and writing field `name` of the run state, which owns
-    it (`deepepochs.engine.runstate`): the loop's and the engine's code keep their names for it."""
-    if owner == "loop":
-        def get(self):
-            return getattr(self.run, name)
+    """A property of `LoopState` (`owner` 'loop') or `Context` ('ctx') reading and writing field `name` of
+    the run state, which owns it (`deepepochs.engine.runstate`): the loop's and the engine's code keep
+    their names for it. The getter is an `attrgetter` (no Python frame: some are read per micro-batch)."""
+    path = "run" if owner == "loop" else "loop.run"
+    run_of = operator.attrgetter(path)
 
-        def set_(self, value):
-            setattr(self.run, name, value)
-    else:
-        def get(self):
-            return getattr(self.loop.run, name)
+    def set_(self, value):
+        setattr(run_of(self), name, value)
 
-        def set_(self, value):
-            setattr(self.loop.run, name, value)
-    return property(get, set_, doc=f"The run state's `{name}` (`RunState.{name}`).")
+    return property(operator.attrgetter(f"{path}.{name}"), set_, doc=f"The run state's `{name}` (`RunState.{name}`).")
 
 
 @attrs.define(slots=True)
