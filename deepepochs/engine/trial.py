@@ -34,12 +34,12 @@ def trial_fit(driver, tasks, callbacks, more_epochs: int):
     scaler = copy.deepcopy(parts.precision.state_dict())
     generators = rng_state()
     shown = (console.enabled, console.log_batch, console.log_tqdm, console.show_info, driver.header_done)
-    run.stop, run.resume, run.train_meters = None, None, None
     attached = list(hooks.callbacks)
-    hooks.remove(attached)
-    hooks.extend(callbacks)
-    console.enabled = console.log_batch = console.log_tqdm = console.show_info = False
     try:
+        run.stop, run.resume, run.train_meters = None, None, None
+        hooks.remove(attached)
+        hooks.extend(callbacks)
+        console.enabled = console.log_batch = console.log_tqdm = console.show_info = False
         epochs = run.completed_epochs + more_epochs
         return driver.guarded("fit", lambda: driver.run_fit(tasks, [], 1, epochs))
     finally:
