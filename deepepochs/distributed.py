@@ -4,10 +4,10 @@ The trainer holds one policy object and calls the same methods whatever the worl
 
 - `SingleProcess` is the policy of an ordinary run: every method is a cheap no-op or identity, so the
   trainer calls them unconditionally and the per-batch path has no `if distributed` branches.
-- `DDPPolicy` is chosen by `select_policy` when the environment describes a job of several processes
-  (`RANK`/`WORLD_SIZE`, as set by `torchrun` or `deepepochs.launch`) or a process group of several ranks is
-  already initialised. It joins the group, wraps the model in `DistributedDataParallel`, shards plain
-  DataLoaders and turns local counts, loss sums and metric patches into global ones.
+- `DDPPolicy` is chosen (`deepepochs.strategy.select_policy`) when the environment describes a job of
+  several processes (`RANK`/`WORLD_SIZE`, as set by `torchrun` or `deepepochs.launch`) or a process group of
+  several ranks is already initialised. It joins the group, wraps the model in `DistributedDataParallel`,
+  shards plain DataLoaders and turns local counts, loss sums and metric patches into global ones.
 - `FSDPPolicy` (`deepepochs.fsdp`, with `Trainer(strategy='fsdp')`) is `DDPPolicy` with the model sharded
   by FSDP2 instead of replicated; it replaces the model-facing methods (`shard_model`, `set_grad_sync`,
   the full-state methods checkpoints use, `pad_eval`) and adds its own collectives (see its module).
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import inspect
 import os
 import weakref
 from collections.abc import Mapping
@@ -46,12 +45,12 @@ from torch.utils.data import (
     DistributedSampler,
 )
 
-from deepepochs.errors import ConfigError, DistributedError
+from deepepochs.errors import DistributedError
 from deepepochs.patch_policy import merge_on_root
 from deepepochs.patches import TensorPatch, _map_tensors
 from deepepochs.sharding import ShortestShard, len_or_minus_one, shard
 
-__all__ = ["DDPPolicy", "SingleProcess", "check_ddp_kwargs", "is_dtensor", "select_policy"]
+__all__ = ["DDPPolicy", "SingleProcess", "env_int", "is_dtensor"]
 
 
 class _PolicyBase:
@@ -173,62 +172,8 @@ class SingleProcess(_PolicyBase):
         return None
 
 
-# Set by the trainer: the wrapped module, its device and the process group are the trainer's to choose.
-_DDP_RESERVED = ("module", "device_ids", "output_device", "process_group", "device_mesh")
-
-
-def check_ddp_kwargs(ddp_kwargs) -> dict:
-    """`Trainer(ddp_kwargs=...)` validated against `DistributedDataParallel`'s own keyword arguments (e.g.
-    `find_unused_parameters`, `static_graph`, `gradient_as_bucket_view`, `broadcast_buffers`), so a
-    typo is caught in a single-process run too, where the arguments are otherwise unused."""
-    if ddp_kwargs is None:
-        return {}
-    if not isinstance(ddp_kwargs, Mapping) or not all(isinstance(k, str) for k in ddp_kwargs):
-        raise ConfigError(f"ddp_kwargs must be None or a dict of DistributedDataParallel keyword arguments,"
-                          f" e.g. {{'find_unused_parameters': True}} (got {ddp_kwargs!r})")
-    accepted = sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters)
-                      - {"self", *_DDP_RESERVED})
-    reserved = sorted(set(ddp_kwargs) & set(_DDP_RESERVED))
-    if reserved:
-        raise ConfigError(f"ddp_kwargs may not set {reserved}: the trainer sets the module, its device and"
-                          f" the process group; accepted keys: {accepted}")
-    unknown = sorted(set(ddp_kwargs) - set(accepted))
-    if unknown:
-        raise ConfigError(f"ddp_kwargs has keys DistributedDataParallel does not take: {unknown}; accepted"
-                          f" keys: {accepted}")
-    return dict(ddp_kwargs)
-
-
-def select_policy(device: torch.device, split_batches: bool = False, timeout: float = 600, fsdp=None,
-                  precision: str = "fp32"):
-    """The policy for this process: `DDPPolicy` (or `FSDPPolicy` when `fsdp`, an `FSDPConfig`, is given) in a
-    job of several processes, else `SingleProcess` (one process: the strategy makes no difference).
-
-    A job of several processes is recognised by `RANK` and `WORLD_SIZE` in the environment with
-    `WORLD_SIZE > 1` (torchrun, `deepepochs.launch`), or by an initialised default process group of
-    several ranks (the caller set it up; it stays the caller's to destroy). `timeout`: seconds a
-    collective of a group created here waits for the other ranks (`Trainer(dist_timeout=...)`).
-    `precision` picks FSDP's mixed-precision policy.
-    """
-    several = False
-    if dist.is_available() and dist.is_initialized():
-        several = dist.get_world_size() > 1
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and _env_int("WORLD_SIZE") > 1:
-        if not dist.is_available():
-            raise DistributedError(
-                f"WORLD_SIZE={os.environ['WORLD_SIZE']} asks for distributed training, but this torch build "
-                "has no torch.distributed support; run a single process or install a build with it"
-            )
-        several = True
-    if not several:
-        return SingleProcess(device, split_batches)
-    if fsdp is not None:
-        from deepepochs.fsdp import FSDPPolicy  # noqa: PLC0415 (deepepochs.fsdp builds on this module)
-        return FSDPPolicy(device, split_batches, timeout, fsdp, precision)
-    return DDPPolicy(device, split_batches, timeout)
-
-
-def _env_int(name: str) -> int:
+def env_int(name: str) -> int:
+    """The integer value of environment variable `name` (RANK, WORLD_SIZE, LOCAL_RANK), or a clear error."""
     value = os.environ[name]
     try:
         return int(value)
@@ -266,7 +211,7 @@ def _init_group_from_env(backend: str, timeout: float) -> None:
             ) from exc
     store = dist.PrefixStore(f"deepepochs/group-{_groups_initialised}", _env_store)
     _groups_initialised += 1
-    dist.init_process_group(backend, store=store, rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"),
+    dist.init_process_group(backend, store=store, rank=env_int("RANK"), world_size=env_int("WORLD_SIZE"),
                             timeout=datetime.timedelta(seconds=timeout))
 
 
@@ -313,7 +258,7 @@ class DDPPolicy(_PolicyBase):
         if device.type != "cuda":
             return device
         if "LOCAL_RANK" in os.environ:
-            index = _env_int("LOCAL_RANK")
+            index = env_int("LOCAL_RANK")
         elif device.index is not None:
             index = device.index
         else:

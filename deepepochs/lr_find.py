@@ -23,8 +23,8 @@ import attrs
 import numpy as np
 import torch
 
-from deepepochs.callbacks.base import Callback
 from deepepochs.errors import ConfigError
+from deepepochs.fsm.events import CallbackHooks
 
 __all__ = ["LRFindResult", "check_plot", "check_sweep_args", "run_sweep", "suggest_lr", "sweep_lrs"]
 
@@ -148,9 +148,12 @@ class _SweepDone(Exception):
     """Raised from the sweep's hook to end the sweep's fit mid-epoch (caught by `run_sweep`)."""
 
 
-class _Sweep(Callback):
+class _Sweep(CallbackHooks):
     """The sweep's only callback while it runs: sets each update's learning rate before the optimizer
-    steps, records the update's loss after its last micro-batch, and ends the sweep."""
+    steps, records the update's loss after its last micro-batch, and ends the sweep.
+
+    It derives from the generated `CallbackHooks` (what the hook table accepts), not from
+    `deepepochs.callbacks.Callback`: the finder is a policy below the callbacks layer."""
 
     def __init__(self, lrs, indices, stop_factor, beta):
         self.lrs = lrs
@@ -198,15 +201,14 @@ class _Sweep(Callback):
             raise _SweepDone
 
 
-def run_sweep(opts, make_tasks, trial_fit, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta, opt_index,
-              train_tasks=None, batch_size=None) -> LRFindResult:
+def run_sweep(opts, trial, *, min_lr, max_lr, num_steps, stop_factor, beta, opt_index) -> LRFindResult:
     """Run the range test (see the module docstring) with the optimizers `opts`; the trainer is left as
     it was.
 
-    `make_tasks(train_dl, train_tasks, batch_size)` makes the sweep's training tasks;
-    `trial_fit(tasks, callbacks, epochs)` trains them for up to `epochs` more epochs with only `callbacks`
+    `trial(callbacks, epochs)` trains the sweep's data for up to `epochs` more epochs with only `callbacks`
     attached and nothing printed, then puts the model, optimizers, schedulers, scaler, generators and run
-    state back (`deepepochs.engine.trial`). The sweep's callback ends it by raising `_SweepDone`."""
+    state back (`Trainer.run_trial`, `deepepochs.engine.trial`). The sweep's callback ends it by raising
+    `_SweepDone`."""
     if opt_index is None:
         if len(opts) > 1:
             raise ConfigError(f"the trainer has {len(opts)} optimizers: pass opt_index (opt_id) = 0..{len(opts) - 1}"
@@ -217,12 +219,9 @@ def run_sweep(opts, make_tasks, trial_fit, train_dl, *, min_lr, max_lr, num_step
     else:
         indices = (opt_index,)
     sweep = _Sweep(sweep_lrs(min_lr, max_lr, num_steps), indices, stop_factor, beta)
-    tasks = make_tasks(train_dl, train_tasks, batch_size)
-    if not tasks:
-        raise ConfigError("find_lr needs training data: pass a DataLoader or another iterable of batches")
     try:
         # Enough epochs for num_steps updates however short the data; the sweep ends itself before that.
-        trial_fit(tasks, [sweep], num_steps)
+        trial([sweep], num_steps)
     except _SweepDone:
         pass
     except FloatingPointError as e:  # nonfinite='raise': an inf/NaN update is divergence to a sweep

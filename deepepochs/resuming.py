@@ -1,5 +1,5 @@
-"""The resume policy: what the engine's resume step (`deepepochs.engine.resume.honour_resume`, the spec's
-`resume_checkpoint` action) calls to honour `Trainer(resume=...)`.
+"""The resume policy: what the engine's resume step (the spec's `resume_checkpoint` action) calls to
+honour `Trainer(resume=...)`.
 
 It sits above the checkpoint layer, which it uses, and is handed to the engine as `Parts.resumer`: the
 engine calls it with the facade (checkpoints load into a trainer) and never imports the checkpoint layer.

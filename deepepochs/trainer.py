@@ -7,122 +7,35 @@ the machine generated from `spec/loop.py`; the engine never calls back into this
 from __future__ import annotations
 
 import datetime
-import functools
-import inspect
-import threading
 
 import attrs
 import torch
 
 from deepepochs.callbacks.base import HookTable
-from deepepochs.callbacks.lr_find import LRFindCallback
+from deepepochs.callbacks.lr_find import LRFindCallback, run_finder
 from deepepochs.checkpoint import load_into
-from deepepochs.compat import refuse_accelerate
-from deepepochs.config import TrainerConfig, check_run_name, unknown_keywords
+from deepepochs.config import TrainerConfig
 from deepepochs.console import Console
-from deepepochs.distributed import check_ddp_kwargs, select_policy
-from deepepochs.engine import compiled, steps
+from deepepochs.engine import compiled
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
-from deepepochs.engine.stage_tasks import default_step
 from deepepochs.engine.trial import trial_fit
 from deepepochs.errors import ConfigError
-from deepepochs.fsdp import check_strategy_kwargs
 from deepepochs.fsm.render import auto_level, render
-from deepepochs.lr_find import LRFindResult, check_plot, check_sweep_args, run_sweep
+from deepepochs.lr_find import LRFindResult
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
 from deepepochs.resuming import resume_run
+from deepepochs.step_methods import StepMethods
+from deepepochs.strategy import select_policy
 from deepepochs.tasks import as_metric_list
+from deepepochs.trainer_args import check_arguments, check_call, check_int, check_keywords, to_device
 from deepepochs.writer import RunWriters
 
 __all__ = ["Trainer", "TrainerBase"]
 
 
-def _resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device must be a torch.device or a string like 'cpu', 'cuda', 'cuda:1', 'mps'"
-                          f" (got {device!r})") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r} but CUDA is not available; use device='cpu' or None")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        available = ", ".join(["'cpu'", *(["'cuda'"] if torch.cuda.is_available() else [])])
-        raise ConfigError(f"device={device!r} but MPS is not available here; available: {available}")
-    return dev
-
-
-def _check_targets(targets):
-    """`Trainer(targets=...)` as (target_key, pick_targets)."""
-    if targets is None:
-        return None, None
-    if isinstance(targets, str):
-        if not targets:
-            raise ConfigError("targets must be None, a non-empty dict-batch key or a callable (got '')")
-        return targets, None
-    if not callable(targets):
-        raise ConfigError(f"targets must be None, the key of the label field of dict batches (a str), or a callable"
-                          f" fn(batch_x, model_out) -> (preds, targets) (got {type(targets).__name__})")
-
-    def pick(batch_x, model_out):
-        pair = targets(batch_x, model_out)
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            size = f" of length {len(pair)}" if isinstance(pair, (tuple, list)) else ""
-            raise ConfigError(f"the targets callable must return a (preds, targets) pair (got"
-                              f" {type(pair).__name__}{size})")
-        return pair
-
-    return None, pick
-
-
-class _Loss:
-    """What `trainer.loss` returns: call it in a step; 0.6's `self.loss.optimize()`,
-    `self.loss.do_metric(loss, model_out, batch_y)` and `self.loss.on_metric_callback(...)` work too."""
-
-    __slots__ = ("_ctx",)
-
-    def __init__(self, ctx: Context):
-        self._ctx = ctx
-
-    def __call__(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True,
-                 do_metric: bool | None = None, grad_accumulate: bool | None = None):
-        """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
-
-        `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
-        splits its batch by hand; the update then happens once per window via `self.optimize()`.
-        `grad_accumulate=True` is older 0.6's name for `do_optimize=False`.
-
-        As in 0.6, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step that
-        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks. `do_metric` says
-        whether it does: by default it does except for a training call with `do_optimize=False` (a
-        sub-batch, whose metrics come from `self.do_metric(...)` on the whole batch, or add up over the
-        calls with `do_metric=True`). In validation/test with `do_loss=False` it computes no loss and
-        returns None.
-        """
-        if grad_accumulate is not None:
-            do_optimize = not grad_accumulate
-        if do_metric is not None and not isinstance(do_metric, bool):
-            raise ConfigError(f"do_metric must be True, False or None (got {do_metric!r})")
-        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize, do_metric)
-
-    def optimize(self) -> None:
-        """0.6's `self.loss.optimize()`: `trainer.optimize()` (an update of every optimizer, on the
-        window's last micro-batch)."""
-        steps.optimize(self._ctx, None)
-
-    def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
-        """0.6's `self.do_metric(loss, model_out, batch_y)` after sub-batches of one batch: the trainer's
-        metrics of the whole batch's `(model_out, batch_y)` and the `on_*_metrics` hooks (which receive
-        `loss`). The loss statistics come from the `self.loss` calls already."""
-        steps.step_metrics(self._ctx, loss, model_out, batch_y)
-
-    on_metric_callback = do_metric  # the name of older 0.6 releases
-
-
-class TrainerBase:
+class TrainerBase(StepMethods):
     """Trains a model with a loss function and optimizer(s) on DataLoaders.
 
     Subclass it to customise how a batch is computed: define `step`, `train_step`, `val_step`,
@@ -199,35 +112,17 @@ class TrainerBase:
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
                  strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, **unknown):
-        refuse_accelerate(device, opt, unknown)  # 0.6's Accelerate arguments, each with its replacement
-        if unknown:  # other libraries' names for our arguments get ours named (max_epochs -> epochs=)
-            known = [n for n in inspect.signature(TrainerBase.__init__).parameters if n not in ("self", "unknown")]
-            raise unknown_keywords("Trainer()", unknown, known)
+        check_keywords(device, opt, unknown, TrainerBase.__init__)
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
             fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout)
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__})")
-        if loss is not None and not callable(loss):
-            raise ConfigError(f"loss must be a callable loss(model_out, batch_y) or None (got {type(loss).__name__})")
-        if isinstance(resume, int) and not isinstance(resume, bool):
-            resume = str(resume)  # 0.6 took run ids as ints too: resume=1 is the run running_id=1 wrote
-        if isinstance(running_id, int) and not isinstance(running_id, bool):
-            running_id = str(running_id)
-        if not (resume is False or resume is True or isinstance(resume, str)):
-            raise ConfigError(f"resume must be False, True or a running id (a string or an int) (got {resume!r})")
-        if isinstance(resume, str):
-            check_run_name(resume, "resume")
-        if running_id is not None:
-            check_run_name(running_id, "running_id")
-        ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
-        fsdp = check_strategy_kwargs(strategy, ddp_kwargs, fsdp_kwargs)
-        target_key, pick_targets = _check_targets(targets)
-        device = _resolve_device(device)
+        args = check_arguments(model, loss, resume, running_id, device, strategy, ddp_kwargs, fsdp_kwargs, targets)
+        resume, running_id, device, ddp_kwargs = args.resume, args.running_id, args.device, args.ddp_kwargs
+        target_key, pick_targets = args.target_key, args.pick_targets
         dist = select_policy(device, split_batches=self.config.split_batches, timeout=self.config.dist_timeout,
-                             fsdp=fsdp, precision=self.config.precision)
+                             fsdp=args.fsdp, precision=self.config.precision)
         self.device = dist.device
         self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume
@@ -278,6 +173,15 @@ class TrainerBase:
     @running_id.setter
     def running_id(self, value) -> None:
         self._ctx.run.running_id = str(value)
+
+    def run_trial(self, train_dl, train_tasks, batch_size, callbacks, more_epochs: int):
+        """Train on `train_dl`/`train_tasks` for up to `more_epochs` epochs with only `callbacks` attached and
+        nothing printed, then put the model, optimizers, schedulers, scaler, generators and run state back
+        (`deepepochs.engine.trial`): the learning-rate finder's sweep. Re-raises what ended it."""
+        tasks = self._driver.make_tasks("train", train_dl, train_tasks, [], True, batch_size)
+        if not tasks:
+            raise ConfigError("find_lr needs training data: pass a DataLoader or another iterable of batches")
+        return trial_fit(self._driver, tasks, callbacks, more_epochs)
 
     @property
     def machine(self):
@@ -350,14 +254,7 @@ class TrainerBase:
     def add_callbacks(self, callbacks) -> None:
         """Attach callbacks; their hook signatures are checked now. Callbacks with a `clip` method are
         also registered as gradient clippers (the spec's clip_gradients action)."""
-        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        self._hooks.extend(callbacks)
-        for cb in callbacks:
-            if callable(getattr(cb, "clip", None)):
-                self._clippers.append(cb.clip)
-            attach = getattr(cb, "on_attach", None)
-            if callable(attach):
-                attach(self)
+        self._clippers.extend(self._hooks.attach(callbacks, self))
 
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None):
@@ -372,13 +269,11 @@ class TrainerBase:
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
-            finder.result = self._find_lr(train_dl, train_tasks, finder.min_lr, finder.max_lr, finder.max_batch,
-                                          finder.stop_factor, finder.smooth, finder.opt_id, finder.plot, batch_size)
+            finder.sweep(self, train_dl, train_tasks, batch_size)
             return {"train": {}, "val": {}}
         if epochs is not None:
             self.config = attrs.evolve(self.config, epochs=epochs)  # validated like the constructor's
-        if isinstance(val_freq, bool) or not isinstance(val_freq, int) or val_freq < 1:
-            raise ConfigError(f"val_freq must be a positive int (got {val_freq!r})")
+        check_int("val_freq", val_freq)
         if train_dl is not None and train_tasks:
             raise ConfigError("pass either train_dl or train_tasks to fit(), not both")
         driver = self._driver
@@ -419,9 +314,7 @@ class TrainerBase:
             >>> trainer.opt[0].scheduler = OneCycleLR(opt, max_lr=0.1, total_steps=total)
         """
         self._check_open("estimated_updates")
-        epochs = self.config.epochs if epochs is None else epochs
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ConfigError(f"epochs must be a positive int (got {epochs!r})")
+        epochs = check_int("epochs", self.config.epochs if epochs is None else epochs)
         if train_dl is None:
             raise ConfigError("estimated_updates() needs the training data: pass the DataLoader given to fit()")
         data = self._dist.prepare_dataloader(train_dl, "train")
@@ -456,12 +349,7 @@ class TrainerBase:
             >>> probs = trainer.predict(test_dl).softmax(dim=1)
         """
         self._check_open("predict")
-        if device is not None:
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError) as e:
-                raise ConfigError(f"predict device must be None or a device such as 'cpu' or 'cuda' (got"
-                                  f" {device!r})") from e
+        device = to_device(device, "predict")
         if dataloader is None:
             raise ConfigError("predict() needs data: pass a DataLoader or another iterable of batches")
         driver = self._driver
@@ -502,51 +390,8 @@ class TrainerBase:
             >>> for group in opt.param_groups: group["lr"] = result.suggestion
         """
         self._check_open("find_lr")
-        return self._find_lr(train_dl, None, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
-                             batch_size)
-
-    def _find_lr(self, train_dl, train_tasks, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
-                 batch_size) -> LRFindResult:
-        check_sweep_args(min_lr, max_lr, num_steps, stop_factor, smooth)
-        check_plot(plot)
-        if train_dl is None and not train_tasks:
-            raise ConfigError("find_lr needs training data: pass train_dl (a DataLoader or iterable of batches)")
-        driver = self._driver
-        result = run_sweep(self._opts, lambda dl, tasks, size: driver.make_tasks("train", dl, tasks, [], True, size),
-                           functools.partial(trial_fit, driver), train_dl, train_tasks=train_tasks, min_lr=min_lr,
-                           max_lr=max_lr, num_steps=num_steps, stop_factor=stop_factor, beta=smooth,
-                           opt_index=opt_index, batch_size=batch_size)
-        suggestion = "none (fewer than 3 updates)" if result.suggestion is None else f"{result.suggestion:.3g}"
-        self._console.info(f"lr finder: {len(result.lrs)} updates, lr {result.lrs[0]:.3g} to {result.lrs[-1]:.3g}"
-                           f" ({result.stop_reason}); suggested lr: {suggestion}; model, optimizers and"
-                           " schedulers restored")
-        if plot is not False and plot is not None and self.is_main_process:
-            drawn = result.plot(path=None if plot is True else plot)
-            if not drawn:
-                self._console.info("lr finder: matplotlib is not installed, so the curve is not drawn; install"
-                                   " it with `pip install matplotlib`, or read result.lrs and result.losses")
-        return result
-
-    @property
-    def loss(self) -> _Loss:
-        """`self.loss(model_out, batch_y=None, loss_adjust=1.0, do_optimize=True)`: compute the loss; in
-        training also backpropagate it and (with `do_optimize`) ask for an update. See `_Loss.__call__`."""
-        return _Loss(self._ctx)
-
-    def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
-        """In a custom step that split its batch by hand (`self.loss(..., do_optimize=False,
-        do_metric=False)` per sub-batch): the trainer's metrics of the whole batch and the `on_*_metrics`
-        hooks, as deepepochs 0.6 did; `loss` is what the hooks receive."""
-        self.loss.do_metric(loss, model_out, batch_y)
-
-    def optimize(self, optimize_index=None) -> None:
-        """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's
-        last micro-batch; earlier calls let gradients accumulate."""
-        steps.optimize(self._ctx, optimize_index)
-
-    def no_sync(self):
-        """Context in which backward does not all-reduce gradients (DDP); a no-op in one process."""
-        return steps.no_sync(self._ctx)
+        return run_finder(self, train_dl, None, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
+                          batch_size)
 
     def main_process_first(self):
         """Context: rank 0 runs the block first (e.g. downloading data), then the other ranks."""
@@ -605,8 +450,7 @@ class TrainerBase:
         took (as in the error's flight record) and a green edge leads from rollback to the last commit
         point (the work a refit keeps). On a live trainer the current state is highlighted.
         """
-        if not isinstance(last, int) or isinstance(last, bool) or last < 0:
-            raise ConfigError(f"last must be an int >= 0 (got {last!r})")
+        check_int("last", last, minimum=0)
         records = self.machine.records()[-last:] if last else []
         failed = [r.source for r in records if r.trigger == self.machine.spec.interrupt]
         current = self.machine.state
@@ -634,14 +478,7 @@ class TrainerBase:
             return
         self._check_open("close")
         self._closed = True
-        errors = []
-        for cb in self._hooks.callbacks:
-            closer = getattr(cb, "on_close", None)
-            if callable(closer):
-                try:
-                    closer(self)
-                except Exception as e:  # close every callback even if one fails
-                    errors.append(e)
+        errors = self._hooks.close(self)  # every callback's on_close, even if one fails
         try:
             self._writers.close()  # after on_close, so callbacks can still write their last records
         except Exception as e:
@@ -660,31 +497,9 @@ class TrainerBase:
         return False
 
     def _check_open(self, call: str):
-        if self._closed:
-            raise RuntimeError("this Trainer was closed; create a new one")
-        running, thread = self._driver.running, self._driver.running_thread
-        if running is not None and thread is not threading.current_thread():
-            raise RuntimeError(f"{call}() was called from thread {threading.current_thread().name!r} while {running}()"
-                               f" runs in thread {getattr(thread, 'name', '?')!r}; a Trainer runs one call at a time:"
-                               f" wait for {running}() to return, or give each thread its own Trainer and model")
-        if running is not None:
-            raise RuntimeError(f"{call}() was called from inside a callback while {running}() runs; a callback"
-                               " can ask for a stop (trainer.request_stop) or a save (trainer.request_save)")
+        """Refuse `call` on a closed trainer, or while another call runs (another thread, a callback)."""
+        check_call(call, self._closed, self._driver.running, self._driver.running_thread)
 
-    # ---- step methods (override in a subclass or an EpochTask) ----
-    @default_step
-    def train_step(self, batch_x, batch_y, **step_args):
-        """Default training step: forward, loss and backward, metric patches, the update."""
-        return steps.default_step(self._ctx, batch_x, batch_y, "train")
-
-    @default_step
-    def evaluate_step(self, batch_x, batch_y, **step_args):
-        """Default validation/test step: forward, loss, metric patches (no gradients)."""
-        return steps.default_step(self._ctx, batch_x, batch_y, self.loop.stage)
-
-    def batch_patches(self, model_out, batch_y, metrics=None) -> dict:
-        """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""
-        return steps.batch_patches(self._ctx, model_out, batch_y, metrics)
 
 
 class Trainer(TrainerBase):

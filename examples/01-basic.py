@@ -1,6 +1,6 @@
-"""The seed README's first example: a linear classifier on random binary data, fit, test, close.
+"""The smallest complete run: a linear classifier on random binary data, then fit, test, close.
 
-The README's settings (Adam, lr=0.001, 5 epochs of 6 batches) move the weights only a little, so the
+These first settings (Adam, lr=0.001, 5 epochs of 6 batches) move the weights only a little, so the
 script then raises the learning rate and continues the same trainer to a higher epoch target, which
 shows that `fit` can be called again and that the model does learn the rule `y = x[:, 0] > 0`.
 
@@ -22,7 +22,7 @@ parser.add_argument("--small", action="store_true", help="2 + 5 epochs instead o
 args = parser.parse_args()
 epochs, more = (2, 5) if args.small else (5, 10)
 
-# ---- the README's code, unchanged apart from the epoch count ----
+# ---- the whole run: data, model, optimizer, Trainer, fit, test ----
 x = torch.randn(256, 16)
 y = (x[:, 0] > 0).long()
 train_dl = DataLoader(TensorDataset(x[:192], y[:192]), batch_size=32, shuffle=True)
@@ -33,13 +33,13 @@ opt = torch.optim.Adam(model.parameters(), lr=0.001)
 trainer = Trainer(model, F.cross_entropy, opt, epochs=epochs)
 progress = trainer.fit(train_dl, val_dl)
 results = trainer.test(val_dl)
-# ---- end of the README's code ----
+# ---- end of the run ----
 
 # fit() returned per-epoch records, test() a dict of metrics; test() may be called again with metrics.
 print("per-epoch train loss:", [round(v, 4) for v in progress["train"]["loss"]])
 print("per-epoch val loss:  ", [round(v, 4) for v in progress["val"]["loss"]])
 print("test results:", results)
-print(f"accuracy after the README's run: {trainer.test(val_dl, metrics=[accuracy])['accuracy']:.3f}")
+print(f"accuracy after the first {epochs} epochs: {trainer.test(val_dl, metrics=[accuracy])['accuracy']:.3f}")
 
 # `epochs` is the total target: a later fit continues from the completed epochs up to the new target.
 for group in opt.param_groups:

@@ -1,5 +1,4 @@
-"""Distributed data-parallel training (DDP, or FSDP2 with `--strategy fsdp`): the seed README's `launch(main)`
-example.
+"""Training on several processes from a plain script with `launch(main)`: DDP, or FSDP2 with `--strategy fsdp`.
 
 Every process runs `main()`: it builds the same data, model, optimizer and Trainer as a one-process
 script. The Trainer notices the distributed environment, joins the process group (gloo on CPU, NCCL on

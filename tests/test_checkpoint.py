@@ -1,5 +1,6 @@
 """Checkpoint files and resume (CKPT-2, CKPT-3, CKPT-5): contents, atomic writes, finding and loading."""
 
+import ast
 import os
 import random
 import re
@@ -7,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -443,3 +445,26 @@ def test_a_resumed_run_draws_the_same_random_numbers_as_an_uninterrupted_one(tmp
     assert resumed.loop.completed_epochs == 4
     same = all(torch.equal(a, b) for a, b in zip(resumed.raw_model.parameters(), reference.raw_model.parameters()))
     assert same is restore
+
+
+def test_the_checkpoint_package_reads_the_trainers_public_dist_console_and_precision():
+    """No module of deepepochs.checkpoint reads `trainer._dist`, `_console` or `_precision`: it uses the
+    public `trainer.dist`, `.console` and `.precision`, so the facade keeps its privates to itself."""
+    private = {"_dist", "_console", "_precision"}
+    found, modules = [], sorted(Path(ckpt_mod.__file__).parent.glob("*.py"))
+    for module in modules:
+        for node in ast.walk(ast.parse(module.read_text(), str(module))):
+            if (isinstance(node, ast.Attribute) and node.attr in private and isinstance(node.value, ast.Name)
+                    and node.value.id == "trainer"):
+                found.append(f"{module.name}:{node.lineno} trainer.{node.attr}")
+    assert len(modules) >= 5  # the package's modules were read
+    assert found == []
+
+
+def test_the_user_guide_lists_every_key_a_checkpoint_file_holds():
+    """docs/guide/checkpoints.md's key table names exactly the keys `torch.save` writes (no key undocumented,
+    none documented that files lack)."""
+    guide = Path(__file__).resolve().parents[1] / "docs" / "guide" / "checkpoints.md"
+    table = guide.read_text().split("| key | content |", 1)[1].split("\n\n", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))
+    assert documented == set(ckpt_mod.Checkpoint().to_dict()) == KEYS

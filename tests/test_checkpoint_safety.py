@@ -11,10 +11,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoint_helpers import monitored_trainer, regression_batches  # tests/, on sys.path under pytest
 from torch import nn
 
 import deepepochs.checkpoint as ckpt_mod
-from deepepochs import CheckCallback, CheckpointError, ConfigError, Trainer
+import deepepochs.checkpoint.write as ckpt_write
+from deepepochs import CheckpointError, ConfigError, Trainer
 from deepepochs.errors import DeepEpochsWarning
 
 
@@ -36,24 +38,16 @@ class CustomState:
 
 
 def _trainer(tmp_path, **kwargs):
+    """A one-epoch trainer of a linear model with SGD, its monitor saving under `tmp_path / 'ckpt'`."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    return Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1, device="cpu",
-                   log_batch=False, show_info=False,
-                   callbacks=[CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=tmp_path / "ckpt")],
-                   **kwargs)
-
-
-def _data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 4, generator=g)
-    return [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 32, 8)]
+    return monitored_trainer(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
 
 
 def _saved_checkpoint(tmp_path):
     """A real checkpoint written by a one-epoch fit, and its contents."""
     t = _trainer(tmp_path, running_id="run")
-    t.fit(_data())
+    t.fit(regression_batches())
     t.close()
     path = next((tmp_path / "ckpt" / "run").glob("*.ckpt"))
     return path, torch.load(path, weights_only=True)
@@ -70,10 +64,10 @@ def test_resume_refuses_a_crafted_file_without_running_its_code(tmp_path):
     os.utime(evil, (path.stat().st_mtime + 10,) * 2)  # the newest file: the one resume picks
     t = _trainer(tmp_path, resume="run")
     with pytest.raises(CheckpointError, match=r"zzz-newest\.ckpt holds an object of type io\.open.*trusted=True"):
-        t.fit(_data())
+        t.fit(regression_batches())
     t = _trainer(tmp_path, resume=True)
     with pytest.warns(DeepEpochsWarning, match=r"skipped .*zzz-newest\.ckpt: .*holds an object of type io\.open"):
-        t.fit(_data())
+        t.fit(regression_batches())
     assert t.running_id == "run" and t.loop.completed_epochs == 1  # the good file was loaded
     assert not marker.exists()
 
@@ -140,7 +134,7 @@ def test_temporary_files_of_killed_saves_are_removed_at_resume(tmp_path):
     stale = path.parent / f".{path.name}.{_dead_pid()}-0123abcd.tmp"
     stale.write_bytes(b"x")
     t = _trainer(tmp_path, resume=True)
-    t.fit(_data(), epochs=2)
+    t.fit(regression_batches(), epochs=2)
     assert not stale.exists() and t.loop.completed_epochs == 2
 
 
@@ -185,18 +179,18 @@ def test_an_sgd_checkpoint_loaded_into_an_adam_trainer_is_refused_at_load_time(t
     model = nn.Linear(4, 1)
     sgd = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), epochs=1,
                   device="cpu", log_batch=False, show_info=False)
-    sgd.fit(_data())
+    sgd.fit(regression_batches())
     path = ckpt_mod.write_atomic(ckpt_mod.snapshot(sgd).to_dict(), tmp_path / "sgd.ckpt")
     torch.manual_seed(1)
     other = nn.Linear(4, 1)
     t = Trainer(other, F.mse_loss, torch.optim.Adam(other.parameters(), lr=0.1), epochs=1, device="cpu",
                 log_batch=False, show_info=False)
-    t.fit(_data())
+    t.fit(regression_batches())
     before = _state(t)
     with pytest.raises(CheckpointError, match=r"optimizer 0 is Adam, but the file holds another optimizer's state"):
         t.load_checkpoint(path)
     _assert_unchanged(t, before)
-    t.fit(_data(), epochs=2)
+    t.fit(regression_batches(), epochs=2)
     assert t.loop.completed_epochs == 2
 
 
@@ -248,7 +242,7 @@ def test_a_damaged_monitor_or_scaler_state_leaves_everything_as_it_was(tmp_path,
     with torch.no_grad():
         for p in t.raw_model.parameters():
             p.normal_()
-    t.fit(_data())
+    t.fit(regression_batches())
     before = _state(t)
     monitor = t.callbacks[0] if hasattr(t.callbacks[0], "monitor_id") else None
     monitor_before = None if monitor is None else dict(monitor.state_dict())
@@ -279,7 +273,7 @@ class _FullDisk(io.RawIOBase):
 def test_a_save_on_a_full_disk_says_no_space_is_left_and_keeps_the_previous_file(tmp_path, monkeypatch):
     """torch reports the failed write as an 'enforce fail ... unexpected pos'; the error names the cause."""
     path, before = _saved_checkpoint(tmp_path)
-    monkeypatch.setattr(ckpt_mod, "open", lambda file, mode: io.BufferedWriter(_FullDisk(64), 64), raising=False)
+    monkeypatch.setattr(ckpt_write, "open", lambda file, mode: io.BufferedWriter(_FullDisk(64), 64), raising=False)
     with pytest.raises(CheckpointError) as info:
         ckpt_mod.write_atomic({"model": {"w": torch.zeros(10_000)}}, path)
     message = str(info.value)

@@ -2,6 +2,7 @@
 clean virtual environment it runs the quick start (examples/01-basic.py) from outside the repository."""
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -37,20 +38,29 @@ def test_the_wheel_ships_the_package_and_its_generated_tables_only(wheel):
     assert not [n for n in names if n.startswith(("spec/", "tests/", "examples/", "benchmarks/"))]
 
 
+def _without_pythonpath() -> dict[str, str]:
+    """This process's environment less PYTHONPATH: a PYTHONPATH naming the checkout (as when the tests run
+    with PYTHONPATH=$PWD) would put the source tree before the installed wheel in every child."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+
 def test_the_installed_wheel_runs_the_quick_start_outside_the_repository(wheel, tmp_path):
+    """The wheel installed in a fresh virtual environment, not the checkout, runs the quick start."""
+    env = _without_pythonpath()
     venv = tmp_path / "venv"
     # System site-packages provide torch and the other dependencies (no download of a multi-GB torch);
     # the wheel goes into the venv's own site-packages, which come first on sys.path.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, env=env)
     python = venv / ("Scripts" if sys.platform == "win32" else "bin") / "python"
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True,
-                   capture_output=True, text=True)
+                   capture_output=True, text=True, env=env)
     work = tmp_path / "work"
     work.mkdir()
     script = shutil.copy(ROOT / "examples" / "01-basic.py", work / "quick_start.py")
     where = subprocess.run([str(python), "-c", "import deepepochs; print(deepepochs.__file__)"], cwd=work,
-                           check=True, capture_output=True, text=True).stdout.strip()
+                           check=True, capture_output=True, text=True, env=env).stdout.strip()
     assert Path(where).is_relative_to(venv), f"imported {where}, not the installed wheel"
-    run = subprocess.run([str(python), script, "--small"], cwd=work, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(python), script, "--small"], cwd=work, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "TEST>" in run.stdout and "TRAIN>" in run.stdout

@@ -14,27 +14,18 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from checkpoint_helpers import monitored_trainer, regression_batches  # tests/, on sys.path under pytest
 from torch import nn
 
-from deepepochs import CheckCallback, CheckpointError, Trainer, checkpoint, sharded
+from deepepochs import CheckpointError, checkpoint, sharded
 from deepepochs.errors import DeepEpochsWarning
 
 
 def _trainer(tmp_path, **kwargs):
-    kwargs.setdefault("epochs", 1)
+    """A trainer of a small MLP with dropout and Adam, its monitor saving under `tmp_path / 'ckpt'`."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Dropout(0.3), nn.Linear(3, 1))
-    return Trainer(model, F.mse_loss, torch.optim.Adam(model.parameters(), lr=0.05), device="cpu",
-                   log_batch=False, show_info=False,
-                   callbacks=[CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=tmp_path / "ckpt")],
-                   **kwargs)
-
-
-def _data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 4, generator=g)
-    return [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 32, 8)]
+    return monitored_trainer(tmp_path, model, torch.optim.Adam(model.parameters(), lr=0.05), **kwargs)
 
 
 def _save_sharded(trainer, path):
@@ -56,7 +47,7 @@ def _sharded_run(tmp_path, epochs=(1,)):
     t = _trainer(tmp_path, running_id="run")
     weights, folders = [], []
     for done, name in zip(epochs, ("a", "b", "c")):
-        t.fit(_data(), epochs=done)
+        t.fit(regression_batches(), epochs=done)
         folders.append(_save_sharded(t, run / f"{name}.ckpt"))
         weights.append({k: v.clone() for k, v in t.raw_model.state_dict().items()})
         os.utime(folders[-1] / sharded.SIDE_CAR, ns=(10**18 + done * 10**9, 10**18 + done * 10**9))
@@ -128,7 +119,7 @@ def test_a_crafted_metadata_runs_nothing_through_load_checkpoint_resume_or_conso
     with pytest.raises(CheckpointError, match=r"refers to torch\.distributed\.checkpoint\.metadata\.os\.system"):
         t.load_checkpoint(folder)
     with pytest.warns(DeepEpochsWarning, match="refers to .*os.system"):
-        _trainer(tmp_path, resume=True).fit(_data())
+        _trainer(tmp_path, resume=True).fit(regression_batches())
     command = [sys.executable, "-m", "deepepochs", "consolidate", str(folder), str(tmp_path / "one.ckpt")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "os.system" in result.stderr, result.stderr
@@ -170,7 +161,7 @@ def test_resume_true_skips_a_newest_folder_with_a_damaged_shard_and_continues_fr
     damage(_shard_file(newest))
     t = _trainer(tmp_path, resume=True, epochs=2)
     with pytest.warns(DeepEpochsWarning, match=rf"skipped {newest}.*shard"):
-        t.fit(_data())
+        t.fit(regression_batches())
     assert t.running_id == "run"
     for key, value in weights[1].items():
         assert torch.equal(t.raw_model.state_dict()[key], value), key

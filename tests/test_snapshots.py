@@ -769,3 +769,32 @@ def test_an_explicitly_loaded_snapshot_whose_position_lies_outside_the_data_is_a
     trainer.load_checkpoint(_crafted(every_update, tmp_path, batches_done=10**6))
     with pytest.raises(CheckpointError, match="after 1000000 batches of training task 0, which has 18 batches here"):
         _fit(trainer)
+
+
+def _renamed(value, old_names: dict):
+    """`value` (a snapshot's nest of dicts, lists, strings) with every string in `old_names` replaced."""
+    if isinstance(value, str):
+        return old_names.get(value, value)
+    if isinstance(value, dict):
+        return {key: _renamed(item, old_names) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_renamed(item, old_names) for item in value]
+    return value
+
+
+def test_a_snapshot_naming_its_patches_by_their_public_module_resumes_bit_identical(tmp_path, uninterrupted,
+                                                                                    every_update):
+    """Snapshots written before `deepepochs.patches` became a package name a patch class and its state record
+    `deepepochs.patches:TensorPatch`, `deepepochs.patches:TensorState`: such a file still resumes exactly."""
+    from deepepochs.patches import MeanPatch, MeanState, TensorPatch, TensorState, ValuePatch
+
+    data = torch.load(every_update[0] / "snapshot-u000000008.ckpt", weights_only=True)
+    old_names = {f"{cls.__module__}:{cls.__qualname__}": f"deepepochs.patches:{cls.__qualname__}"
+                 for cls in (TensorPatch, MeanPatch, ValuePatch, TensorState, MeanState)}
+    renamed = _renamed(data, old_names)
+    assert str(renamed) != str(data) and "deepepochs.patches:TensorPatch" in str(renamed)
+    (tmp_path / "old").mkdir()
+    torch.save(renamed, tmp_path / "old" / "snapshot-u000000008.ckpt")
+    state, records = _resume_from(tmp_path, tmp_path / "old" / "snapshot-u000000008.ckpt")
+    assert _equal(state, uninterrupted[0])
+    assert _last(records) == _last(uninterrupted[1])

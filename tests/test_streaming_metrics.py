@@ -16,10 +16,10 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Callback, ConfusionPatch, SnapshotCallback, TensorPatch, Trainer, rename
-from deepepochs import patches as patches_module
 from deepepochs.errors import DeepEpochsWarning
 from deepepochs.metrics import accuracy, f1, precision, recall
 from deepepochs.patches import merge_patches
+from deepepochs.patches import tensor as tensor_patch_module
 from deepepochs.streaming import StreamPatch
 
 tm = pytest.importorskip("torchmetrics")
@@ -242,8 +242,8 @@ def test_auto_equals_the_whole_data_computation_with_class_index_and_binary_pred
 def test_stored_predictions_past_the_documented_size_warn_once_naming_the_metric_and_the_ways_out(monkeypatch):
     """A function that keeps predictions warns once when they pass the size, with the alternatives; the
     library's counted metrics never warn."""
-    monkeypatch.setattr(patches_module, "TENSOR_PATCH_WARN_BYTES", 2000)
-    monkeypatch.setattr(patches_module, "_warned_growth", set())
+    monkeypatch.setattr(tensor_patch_module, "TENSOR_PATCH_WARN_BYTES", 2000)
+    monkeypatch.setattr(tensor_patch_module, "_warned_growth", set())
     trainer = _quiet(_model(), epochs=2, metrics=[accuracy, auroc_fn])
     train, val = _loaders()
     with pytest.warns(DeepEpochsWarning) as caught:

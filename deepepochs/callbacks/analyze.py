@@ -127,7 +127,7 @@ class AnalyzeCallback(Callback):
         self._stats = {}
         if self._modules is None:
             self._modules = self._select(trainer.raw_model)
-        self._gathering = self.mode == "backward" and trainer._dist.shards_model
+        self._gathering = self.mode == "backward" and trainer.dist.shards_model
         if not trainer.is_main_process:
             return
         for name, module in self._modules.items():

@@ -63,6 +63,34 @@ class HookTable:
             self.callbacks.append(cb)
         self._compile()
 
+    def attach(self, callbacks, trainer) -> list:
+        """Attach `callbacks` (one or a list) to `trainer`: checked and added, then each one's
+        `on_attach(trainer)` called. Returns the `clip` methods of those that clip gradients (the
+        trainer's clippers, called by the clip_gradients action)."""
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        self.extend(callbacks)
+        clippers = []
+        for cb in callbacks:
+            if callable(getattr(cb, "clip", None)):
+                clippers.append(cb.clip)
+            attach = getattr(cb, "on_attach", None)
+            if callable(attach):
+                attach(trainer)
+        return clippers
+
+    def close(self, trainer) -> list[Exception]:
+        """Call every callback's `on_close(trainer)`, all of them even if some fail; returns what they
+        raised, in order (the trainer raises the first once it has closed the rest)."""
+        errors = []
+        for cb in self.callbacks:
+            closer = getattr(cb, "on_close", None)
+            if callable(closer):
+                try:
+                    closer(trainer)
+                except Exception as e:
+                    errors.append(e)
+        return errors
+
     def remove(self, callbacks) -> None:
         """Detach callbacks (by identity)."""
         ids = {id(c) for c in callbacks}

@@ -177,7 +177,7 @@ class CheckCallback(Callback):
     def on_after_fit(self, trainer):
         """The fit ended (target reached or stopped early): record it next to this monitor's checkpoints,
         so that resuming the run says it is finished instead of training again (`deepepochs.finished`)."""
-        if trainer._dist.is_main:
+        if trainer.dist.is_main:
             finished.write_finished(trainer, self.path(trainer).parent)
 
     def _save(self, trainer) -> None:
@@ -187,7 +187,7 @@ class CheckCallback(Callback):
         checkpoint.save(trainer, self.path(trainer))
 
     def _save_progress(self, trainer) -> None:
-        if trainer._dist.is_main:
+        if trainer.dist.is_main:
             finished.write_progress(trainer, self.path(trainer).parent)
 
     def on_before_test_epochs(self, trainer, tasks):
@@ -198,7 +198,7 @@ class CheckCallback(Callback):
         if trainer.world_size > 1:
             # Rank 0 may still be writing the last epoch's file: wait for it, so that all ranks see the
             # same files and pick the same monitor (a collective used as a barrier).
-            trainer._dist.reduce_sum(torch.zeros(1, device=trainer.device))
+            trainer.dist.reduce_sum(torch.zeros(1, device=trainer.device))
         source = next((m.path(trainer) for m in monitors if checkpoint.exists(m.path(trainer))), None)
         if source is None:
             return
@@ -206,7 +206,7 @@ class CheckCallback(Callback):
         # Back up before touching the weights: a failing load_state_dict may have copied some of them.
         self._test_backup = checkpoint.copied_to_cpu(trainer.raw_model.state_dict())
         checkpoint.load_model_state(trainer, ckpt.model, source)
-        trainer._console.info(f"Testing the weights of {source} (epoch {ckpt.epoch})")
+        trainer.console.info(f"Testing the weights of {source} (epoch {ckpt.epoch})")
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
         """Give the model its pre-test weights back."""

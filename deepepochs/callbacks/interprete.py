@@ -216,10 +216,10 @@ class InterpreteCallback(Callback):
 
     def _end(self, trainer, stage):
         self._inputs = None
-        if stage in self.stages and trainer._dist.world_size > 1:
-            self._merge_ranks(trainer._dist, stage)
+        if stage in self.stages and trainer.dist.world_size > 1:
+            self._merge_ranks(trainer.dist, stage)
             if self.confusion:
-                self._merge_matrices(trainer._dist, stage)
+                self._merge_matrices(trainer.dist, stage)
         if stage in self.stages and self._batches[stage] and not self._collected[stage]:
             warnings.warn(
                 f"InterpreteCallback saw {self._batches[stage]} {stage} batches but no predictions: a custom"

@@ -264,7 +264,7 @@ class LogCallback(Callback):
 
     def _write_graph(self, trainer, inputs):
         self._graph_pending = False
-        if trainer._dist.shards_model:  # FSDP: a traced forward would all-gather on rank 0 alone and hang
+        if trainer.dist.shards_model:  # FSDP: a traced forward would all-gather on rank 0 alone and hang
             if trainer.is_main_process:
                 warnings.warn("LogCallback(log_graph=True) does not draw the graph of a model sharded with"
                               " strategy='fsdp': tracing it would run the parameters' all-gathers on rank 0"

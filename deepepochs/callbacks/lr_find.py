@@ -6,14 +6,20 @@ where the finder's fit ended after the sweep): the learning rate grows exponenti
 matplotlib is installed, and then, unlike 0.6, the model, optimizers and schedulers are restored, so a
 following `fit()` trains from where the trainer was. The sweep runs once per callback; its results stay
 on the callback (`lrs`, `losses`, `suggestion`, `result`). `Trainer.find_lr` does the same in one call.
+
+`run_finder` is what both run: the sweep (`deepepochs.lr_find.run_sweep`), then its summary on the console
+and the curve drawn, through the trainer's public surface.
 """
 
 from __future__ import annotations
 
-from deepepochs.callbacks.base import Callback
-from deepepochs.lr_find import check_plot, check_sweep_args
+import functools
 
-__all__ = ["LRFindCallback"]
+from deepepochs.callbacks.base import Callback
+from deepepochs.errors import ConfigError
+from deepepochs.lr_find import LRFindResult, check_plot, check_sweep_args, run_sweep
+
+__all__ = ["LRFindCallback", "run_finder"]
 
 
 class LRFindCallback(Callback):
@@ -47,6 +53,11 @@ class LRFindCallback(Callback):
         """Whether this callback's sweep has run (a later fit trains normally)."""
         return self.result is not None
 
+    def sweep(self, trainer, train_dl, train_tasks, batch_size) -> None:
+        """Run this callback's sweep on `trainer` (the fit it is attached to, instead of training)."""
+        self.result = run_finder(trainer, train_dl, train_tasks, self.min_lr, self.max_lr, self.max_batch,
+                                 self.stop_factor, self.smooth, self.opt_id, self.plot, batch_size)
+
     @property
     def lrs(self) -> list:
         """The learning rates tried (empty before the sweep)."""
@@ -65,3 +76,26 @@ class LRFindCallback(Callback):
     def __repr__(self) -> str:
         return (f"LRFindCallback(max_batch={self.max_batch}, min_lr={self.min_lr}, max_lr={self.max_lr},"
                 f" opt_id={self.opt_id})")
+
+
+def run_finder(trainer, train_dl, train_tasks, min_lr, max_lr, num_steps, stop_factor, smooth, opt_index, plot,
+               batch_size) -> LRFindResult:
+    """Check the sweep's arguments, run it on `trainer` (which it leaves as it was), say what it found on the
+    console and draw the curve as `plot` asks (on the main process); see `Trainer.find_lr`."""
+    check_sweep_args(min_lr, max_lr, num_steps, stop_factor, smooth)
+    check_plot(plot)
+    if train_dl is None and not train_tasks:
+        raise ConfigError("find_lr needs training data: pass train_dl (a DataLoader or iterable of batches)")
+    result = run_sweep(trainer.opt, functools.partial(trainer.run_trial, train_dl, train_tasks, batch_size),
+                       min_lr=min_lr, max_lr=max_lr, num_steps=num_steps, stop_factor=stop_factor, beta=smooth,
+                       opt_index=opt_index)
+    suggestion = "none (fewer than 3 updates)" if result.suggestion is None else f"{result.suggestion:.3g}"
+    trainer.console.info(f"lr finder: {len(result.lrs)} updates, lr {result.lrs[0]:.3g} to {result.lrs[-1]:.3g}"
+                         f" ({result.stop_reason}); suggested lr: {suggestion}; model, optimizers and"
+                         " schedulers restored")
+    if plot is not False and plot is not None and trainer.is_main_process:
+        drawn = result.plot(path=None if plot is True else plot)
+        if not drawn:
+            trainer.console.info("lr finder: matplotlib is not installed, so the curve is not drawn; install"
+                                 " it with `pip install matplotlib`, or read result.lrs and result.losses")
+    return result

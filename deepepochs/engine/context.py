@@ -14,7 +14,16 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from deepepochs.config import TrainerConfig
 from deepepochs.engine.runstate import ResumePoint, RunState, StopRequest
+from deepepochs.protocols import (
+    ConsoleLike,
+    DistPolicy,
+    Facade,
+    HookTableLike,
+    OptimizerSet,
+    PrecisionPolicy,
+)
 
 __all__ = ["Context", "LoopState", "Parts", "ResumePoint", "RunState", "StopRequest"]
 
@@ -95,26 +104,26 @@ class Parts:
         facade: the object handed to hooks and step methods as `trainer` (and to `resumer`); its step
             methods are found by `stage_tasks.resolve_step`.
         resumer: the checkpoint layer's resume policy, `resumer(facade)`: loads what `Trainer(resume=...)`
-            asks for (the `resume_checkpoint` action, `resume.honour_resume`), writing the run state and
+            asks for (the `resume_checkpoint` action, the engine's resume step), writing the run state and
             clearing `loop.resume_pending`; None where nothing can be resumed.
         target_key: `Trainer(targets='<key>')`: the field of dict batches that holds the targets, or None.
         pick_targets: `Trainer(targets=callable)`: `(batch_x, model_out) -> (preds, targets)` for the
             metrics, or None (the metrics get the model output and the batch's label).
     """
 
-    config: object
+    config: TrainerConfig
     device: torch.device
     raw_model: torch.nn.Module
     train_model: torch.nn.Module
     eval_model: torch.nn.Module
-    opts: object
-    precision: object
-    dist: object
-    hooks: object
-    clippers: list
-    console: object
-    facade: object
-    resumer: Callable[[object], None] | None = None
+    opts: OptimizerSet
+    precision: PrecisionPolicy
+    dist: DistPolicy
+    hooks: HookTableLike
+    clippers: list[Callable[[object, tuple, dict], None]]
+    console: ConsoleLike
+    facade: Facade
+    resumer: Callable[[Facade], None] | None = None
     target_key: str | None = None
     pick_targets: Callable | None = None
 

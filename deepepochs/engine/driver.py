@@ -21,7 +21,6 @@ import threading
 
 import torch
 
-from deepepochs.checkpoint import monitors_in
 from deepepochs.data import exact_length, input_splitter
 from deepepochs.engine import actions, batches, resume, runstate, snapshots, stage_tasks, steps
 from deepepochs.engine.context import Context, ResumePoint
@@ -31,6 +30,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
 from deepepochs.outputs import concat_batches, detached, merge_shards
+from deepepochs.protocols import monitors_in
 from deepepochs.tasks import TASK_SUFFIX_NOTE, EpochTask, TaskMeters, merge_stage_metrics, merge_values
 
 __all__ = ["Driver"]

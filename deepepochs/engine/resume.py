@@ -2,8 +2,8 @@
 
 Three ways lead here, all through the run state (`deepepochs.engine.runstate`):
 
-- `Trainer(resume=...)`: the `resume_checkpoint` action (`honour_resume`) hands the facade to the
-  checkpoint layer's resume policy (`Parts.resumer`), which loads the file into the run state;
+- `Trainer(resume=...)`: the `resume_checkpoint` action hands the facade to the checkpoint layer's
+  resume policy (`Parts.resumer`), which loads the file into the run state;
 - a refit after a rollback: the run state still holds the last commit point (`resume`, the epoch's
   `train_meters`, `random_state`, `data_state`);
 - a mid-epoch snapshot loaded by `load_checkpoint` (`deepepochs.engine.position.restore`).
@@ -23,19 +23,7 @@ from deepepochs.patches import TensorPatch
 from deepepochs.sharding import iterate_past, skip_batches
 from deepepochs.tasks import EpochTask, TaskMeters, metric_name
 
-__all__ = ["epoch_point", "honour_resume", "open_batches", "position_data", "task_start"]
-
-
-def honour_resume(ctx: Context) -> None:
-    """The `resume_checkpoint` action: load what `Trainer(resume=...)` asks for through the checkpoint
-    layer's policy (`Parts.resumer`, given the facade: checkpoints are loaded into a trainer), which writes
-    the run state (counters, history, position) and clears `loop.resume_pending`; a fit's training tasks
-    (`loop.resume_tasks`) are what a snapshot's position is checked against."""
-    resumer = ctx.parts.resumer
-    if resumer is None:  # nothing can load checkpoints here: nothing to honour
-        ctx.loop.resume_pending = False
-        return
-    resumer(ctx.parts.facade)
+__all__ = ["epoch_point", "open_batches", "position_data", "task_start"]
 
 
 def epoch_point(ctx: Context, tasks, epoch: int) -> tuple[ResumePoint | None, list | None]:

@@ -12,7 +12,6 @@ import contextlib
 
 import torch
 
-from deepepochs.checkpoint import monitors_in
 from deepepochs.data import call_model
 from deepepochs.engine import actions
 from deepepochs.engine.context import Context
@@ -20,6 +19,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.outputs import detached
 from deepepochs.patch_policy import make_patches
 from deepepochs.patches import PatchBase, ValuePatch
+from deepepochs.protocols import monitors_in
 from deepepochs.streaming import is_metric_object
 from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 

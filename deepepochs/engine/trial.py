@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 
-from deepepochs.engine import resume, runstate
+from deepepochs.engine import actions, runstate
 from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["trial_fit"]
@@ -26,7 +26,7 @@ def trial_fit(driver, tasks, callbacks, more_epochs: int):
     ctx = driver.ctx
     parts, run = ctx.parts, ctx.run
     if ctx.loop.resume_pending:
-        resume.honour_resume(ctx)
+        actions.ACTIONS["resume_checkpoint"](ctx)
     console, hooks = parts.console, parts.hooks
     saved_run = runstate.capture(run)
     model = {k: v.detach().clone() for k, v in parts.raw_model.state_dict().items()}

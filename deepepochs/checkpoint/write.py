@@ -1,0 +1,308 @@
+"""Writing checkpoints: a trainer's state as a `Checkpoint`, the rank-agreed save (one file, or a sharded
+folder under FSDP), the atomic file write and the cleanup of what killed saves left, `consolidate`.
+
+Files live at `<ckpt_dir>/<running_id>/<monitor file>.ckpt` and contain no absolute paths, so a run
+folder (or a whole `ckpt_dir`) can be moved or renamed. A write goes to a hidden temporary file in the
+same folder and is renamed over the target with `os.replace`, which is atomic on POSIX and Windows: a
+crash mid-save leaves the previous checkpoint intact, and the leftover temporary file (it does not end
+in `.ckpt`) is never picked by resume; the next save or resume in that folder removes it once its writer
+no longer runs.
+
+`consolidate` lives here rather than with the reading: it reads a sharded checkpoint and writes it as one
+file, and the atomic write needs the reading (a folder is replaced only when it is a complete sharded
+checkpoint), so reading never imports writing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+import torch
+
+from deepepochs import sharded
+from deepepochs.checkpoint.format import Checkpoint, monitors_of, plain_records
+from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
+from deepepochs.errors import CheckpointError
+from deepepochs.utils import rng_state
+
+__all__ = [
+    "consolidate",
+    "remove",
+    "remove_stale_temps",
+    "save",
+    "snapshot",
+    "write_atomic",
+]
+
+_TEMP_SUFFIX = ".tmp"
+
+
+def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
+    """The trainer's current training state as a `Checkpoint` for one file (tensors are not copied);
+    `position`: where inside the epoch it was taken (`deepepochs.engine.position.capture`), None at an
+    epoch's end. Under FSDP, where every rank holds shards, `save` writes a sharded checkpoint instead."""
+    if trainer.dist.shards_model:
+        raise CheckpointError("under strategy='fsdp' every rank holds shards of the states, so there is no one-file"
+                              " snapshot; call deepepochs.checkpoint.save(trainer, path) on every rank (a sharded"
+                              " checkpoint folder) and consolidate(path, file) for one file")
+    return _header(trainer, position, trainer.raw_model.state_dict(), trainer.opt.state_dict())
+
+
+def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) -> Checkpoint:
+    """A `Checkpoint` of the trainer's state with the given model and optimizer states."""
+    return Checkpoint(
+        format_version=1 if position is None else 2,
+        position=position,
+        running_id=str(trainer.running_id),
+        epoch=trainer.loop.completed_epochs,
+        world_size=trainer.world_size,
+        model=model,
+        optimizers=opts["optimizers"],
+        schedulers=opts["schedulers"],
+        scaler=trainer.precision.state_dict(),
+        monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
+        rng=rng_state() if trainer.world_size == 1 else None,  # under DDP every rank has its own
+        order_seed=trainer.dist.order_seed,
+        history=plain_records(_run_records(trainer, position)),
+    )
+
+
+def _run_records(trainer, position: Mapping | None) -> Mapping:
+    """The records of the epochs the file counts as completed. An epoch-end save runs before its epoch
+    commits (`save_checkpoints` precedes `commit_epoch`; `epoch_undo` is pending then), so that epoch's
+    metrics are added to the history here."""
+    loop = trainer.loop
+    run = loop.run
+    if position is not None or not loop.epoch_undo:
+        return run.history
+    records = {stage: {name: list(values) for name, values in metrics.items()}
+               for stage, metrics in run.history.items()}
+    for stage, metrics in run.last_metrics.items():
+        if stage in records:
+            for name, value in metrics.items():
+                records[stage].setdefault(name, []).append(value)
+    return records
+
+
+def save(trainer, path, position: Mapping | None = None) -> Path | None:
+    """Save the trainer's state to `path`, every rank calling it; returns `path` on rank 0, else None.
+
+    One file written atomically by rank 0 (`snapshot`, `write_atomic`), or under FSDP a sharded checkpoint
+    folder of that name written by every rank (`deepepochs.sharded`). `path` is replaced whichever form it
+    had before. `position` as for `snapshot`. When the save fails, every rank raises (see `_agreed`).
+    """
+    path, dist = Path(path), trainer.dist
+    if not dist.shards_model:
+        ckpt = snapshot(trainer, position)
+        _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
+        return path if dist.is_main else None
+    flat, params = sharded.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
+    folder = _agreed(dist, path, lambda: _prepare_folder(path))
+    try:
+        sharded.write(flat, path / folder)  # DCP raises on every rank when one fails
+    except Exception as e:
+        raise CheckpointError(f"writing the shards of checkpoint {path} failed"
+                              f" ({e if isinstance(e, CheckpointError) else repr(e)}); the previous"
+                              " checkpoint, if any, is unchanged") from e
+
+    def commit() -> None:
+        opts = trainer.opt.state_dict()
+        opts["optimizers"] = [_without_tensors(state) for state in opts["optimizers"]]
+        ckpt = _header(trainer, position, {}, opts)
+        ckpt.format_version, ckpt.shards = 3, {"folder": folder, "params": params}
+        write_atomic(ckpt.to_dict(), path / sharded.SIDE_CAR)
+        sharded.remove_unnamed(path, folder)
+
+    _agreed(dist, path, commit)
+    return path if dist.is_main else None
+
+
+def _agreed(dist, path: Path, work):
+    """`work()` run by rank 0, its result given to every rank. When it fails, every rank raises: rank 0
+    its own error, the others a `CheckpointError` saying so (one broadcast), so that no rank trains on
+    alone while rank 0 has stopped (it would wait at its next collective until `dist_timeout`)."""
+    result = failure = None
+    if dist.is_main:
+        try:
+            result = work()
+        except Exception as e:
+            failure = e
+    if dist.world_size > 1:
+        ok, result = dist.broadcast_object((True, result) if failure is None
+                                           else (False, f"{type(failure).__name__}: {failure}"))
+        if not ok and failure is None:
+            raise CheckpointError(f"rank 0 could not save checkpoint {path} ({result}); every rank stops")
+    if failure is not None:
+        raise failure
+    return result
+
+
+def _prepare_folder(path: Path) -> str:
+    """Make `path` a folder for a sharded save (replacing a single file of that name: a run that went on
+    under FSDP), remove what a save killed before its commit left there, and name the new shard folder."""
+    if path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        _check_replaceable(path, committed=False)
+    path.mkdir(parents=True, exist_ok=True)
+    sharded.remove_unnamed(path, _shard_folder(path))
+    return sharded.new_folder_name()
+
+
+def _check_replaceable(path: Path, committed: bool) -> None:
+    """`CheckpointError` unless a save may replace (or, `committed=False`, write into) the existing folder
+    `path`: it holds nothing but what sharded saves write there, and with `committed` it is a complete
+    sharded checkpoint (a `checkpoint.pt` naming a shard folder that is there). A user's folder is never
+    removed or written into because a checkpoint has its name."""
+    foreign = sharded.foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise CheckpointError(f"cannot save checkpoint {path}: that folder exists and holds what no deepepochs"
+                              f" save wrote there ({shown}); it was left as it is. Move those files, or save"
+                              " to another path")
+    name = _shard_folder(path) if committed else None
+    try:
+        complete = name is not None and sharded.check_name(name, path).is_dir()
+    except CheckpointError:
+        complete = False
+    if committed and not complete:
+        raise CheckpointError(f"cannot save checkpoint {path}: that folder exists but is not a complete sharded"
+                              f" checkpoint (no readable {sharded.SIDE_CAR} naming a shard folder in it); it was"
+                              " left as it is. Remove it yourself if it is no longer needed, or save to another path")
+
+
+def _without_tensors(state: Mapping) -> dict:
+    """An optimizer's `state_dict()` without its per-parameter tensors (they go into the shards)."""
+    return {**state, "state": {index: {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+                               for index, values in state.get("state", {}).items()}}
+
+
+def remove(path) -> None:
+    """Delete the checkpoint at `path`, a file or a sharded checkpoint folder."""
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# ---- the atomic file write ----
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename durable (POSIX); harmless to skip where directories cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)-[0-9a-f]{8}" + re.escape(_TEMP_SUFFIX) + "$")
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (a writer that may still finish its file)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists but is not ours, or cannot be asked: leave its file alone
+    return True
+
+
+def remove_stale_temps(folder) -> list[Path]:
+    """Remove the temporary files `write_atomic` left in `folder` when its process was killed mid-save
+    (their writer no longer runs); returns what was removed. Other files are never touched."""
+    folder, removed = Path(folder), []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        match = _TEMP_NAME.match(entry.name)
+        if match and entry.is_file() and not _alive(int(match["pid"])):
+            try:
+                entry.unlink()
+                removed.append(entry)
+            except OSError:
+                pass
+    return removed
+
+
+def write_atomic(data: Mapping, path) -> Path:
+    """`torch.save(data)` to `path` atomically: a temporary file in the same folder, then `os.replace`.
+
+    The temporary file must be in the same folder: `os.replace` is atomic only within one file system.
+    A failed write removes it and raises `CheckpointError`; the previous file at `path` is untouched.
+    """
+    path = Path(path)
+    # Hidden, unique per writer, and not ending in SUFFIX: resume never mistakes it for a checkpoint.
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}")
+    if path.is_dir():  # only a complete sharded checkpoint holding nothing else is replaced by the file
+        _check_replaceable(path, committed=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(path.parent)
+        with open(temp, "wb") as f:
+            torch.save(dict(data), f)
+            f.flush()
+            os.fsync(f.fileno())  # the data must be on disk before the rename makes it the checkpoint
+        if path.is_dir():  # a sharded checkpoint of that name (checked above): the file replaces it
+            shutil.rmtree(path)
+        os.replace(temp, path)
+    except BaseException as e:
+        try:
+            temp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(e, Exception):
+            raise CheckpointError(f"writing checkpoint {path} failed ({_write_failure(e)}); the previous file,"
+                                  " if any, is unchanged") from e
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+# What a full disk, a quota or a file size limit make a write fail with (torch reports such a failed
+# write of its own as "[enforce fail at inline_container.cc] unexpected pos ...", the OSError in its context).
+_SPACE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "the file is too large (a file size"
+                 " limit of the file system or the process)", getattr(errno, "EDQUOT", -1): "the disk quota is"
+                 " exceeded"}
+
+
+def _write_failure(e: BaseException) -> str:
+    """Why a write failed, in words: the space error somewhere in `e`'s chain, else `e` itself."""
+    seen, cause = set(), e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _SPACE_ERRORS:
+            return f"{_SPACE_ERRORS[cause.errno]} ({errno.errorcode.get(cause.errno)})"
+        cause = cause.__cause__ or cause.__context__
+    return repr(e)
+
+
+def consolidate(source, target) -> Path:
+    """Write the sharded checkpoint `source` (a folder written under FSDP) as one checkpoint file `target`,
+    which any trainer loads, in one process too; returns `target`. The full states are assembled in this
+    process's memory. `target` may be `source` itself: the file then replaces the folder.
+
+    The command line does the same: `python -m deepepochs consolidate SOURCE TARGET`.
+    """
+    source = Path(source)
+    ckpt = read_checkpoint(source)
+    if ckpt.shards is None:
+        raise CheckpointError(f"consolidate: {source} is a single checkpoint file already (only a sharded"
+                              " checkpoint folder, written under strategy='fsdp', needs consolidating)")
+    full = _read_shards(ckpt, source)
+    full = attrs.evolve(full, format_version=1 if full.position is None else 2, shards=None)
+    return write_atomic(full.to_dict(), target)

@@ -1,0 +1,104 @@
+"""What a step method may call on `self` (the trainer), and the default steps it overrides (CUST-2, ACC-4).
+
+`StepMethods` is the part of `TrainerBase` that custom steps see: `self.loss(...)` (a `LossCall`, with deepepochs
+0.6's `self.loss.optimize()` and `self.loss.do_metric(...)`), `self.do_metric`, `self.optimize`, `self.no_sync`,
+`self.batch_patches`, the default `train_step` / `evaluate_step`, and the lookup of the step method a task runs.
+Every call goes to the engine's step pieces (`deepepochs.engine.steps`), the one implementation the default step
+uses too. `TrainerBase` derives from it and sets `_ctx`, the engine's `Context`; nothing else does.
+"""
+
+from __future__ import annotations
+
+from deepepochs.engine import steps
+from deepepochs.engine.context import Context
+from deepepochs.engine.stage_tasks import default_step
+from deepepochs.errors import ConfigError
+
+__all__ = ["LossCall", "StepMethods"]
+
+
+class LossCall:
+    """What `trainer.loss` returns: call it in a step; 0.6's `self.loss.optimize()`,
+    `self.loss.do_metric(loss, model_out, batch_y)` and `self.loss.on_metric_callback(...)` work too."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: Context):
+        self._ctx = ctx
+
+    def __call__(self, model_out, batch_y=None, loss_adjust: float = 1.0, do_optimize: bool = True,
+                 do_metric: bool | None = None, grad_accumulate: bool | None = None):
+        """Compute the loss; in training also backpropagate it and (with `do_optimize`) ask for an update.
+
+        `loss_adjust` weights this loss within the batch, e.g. `sub_batch_size / batch_size` when a step
+        splits its batch by hand; the update then happens once per window via `self.optimize()`.
+        `grad_accumulate=True` is older 0.6's name for `do_optimize=False`.
+
+        As in 0.6, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step that
+        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks. `do_metric` says
+        whether it does: by default it does except for a training call with `do_optimize=False` (a
+        sub-batch, whose metrics come from `self.do_metric(...)` on the whole batch, or add up over the
+        calls with `do_metric=True`). In validation/test with `do_loss=False` it computes no loss and
+        returns None.
+        """
+        if grad_accumulate is not None:
+            do_optimize = not grad_accumulate
+        if do_metric is not None and not isinstance(do_metric, bool):
+            raise ConfigError(f"do_metric must be True, False or None (got {do_metric!r})")
+        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize, do_metric)
+
+    def optimize(self) -> None:
+        """0.6's `self.loss.optimize()`: `trainer.optimize()` (an update of every optimizer, on the
+        window's last micro-batch)."""
+        steps.optimize(self._ctx, None)
+
+    def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
+        """0.6's `self.do_metric(loss, model_out, batch_y)` after sub-batches of one batch: the trainer's
+        metrics of the whole batch's `(model_out, batch_y)` and the `on_*_metrics` hooks (which receive
+        `loss`). The loss statistics come from the `self.loss` calls already."""
+        steps.step_metrics(self._ctx, loss, model_out, batch_y)
+
+    on_metric_callback = do_metric  # the name of older 0.6 releases
+
+
+class StepMethods:
+    """The trainer's methods for step methods (see the module docstring); `TrainerBase` derives from it."""
+
+    _ctx: Context  # set by TrainerBase.__init__
+
+    @property
+    def loss(self) -> LossCall:
+        """`self.loss(model_out, batch_y=None, loss_adjust=1.0, do_optimize=True)`: compute the loss; in
+        training also backpropagate it and (with `do_optimize`) ask for an update. See
+        `LossCall.__call__`."""
+        return LossCall(self._ctx)
+
+    def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
+        """In a custom step that split its batch by hand (`self.loss(..., do_optimize=False,
+        do_metric=False)` per sub-batch): the trainer's metrics of the whole batch and the `on_*_metrics`
+        hooks, as deepepochs 0.6 did; `loss` is what the hooks receive."""
+        self.loss.do_metric(loss, model_out, batch_y)
+
+    def optimize(self, optimize_index=None) -> None:
+        """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's
+        last micro-batch; earlier calls let gradients accumulate."""
+        steps.optimize(self._ctx, optimize_index)
+
+    def no_sync(self):
+        """Context in which backward does not all-reduce gradients (DDP); a no-op in one process."""
+        return steps.no_sync(self._ctx)
+
+    # ---- the default steps (override in a subclass or an EpochTask) ----
+    @default_step
+    def train_step(self, batch_x, batch_y, **step_args):
+        """Default training step: forward, loss and backward, metric patches, the update."""
+        return steps.default_step(self._ctx, batch_x, batch_y, "train")
+
+    @default_step
+    def evaluate_step(self, batch_x, batch_y, **step_args):
+        """Default validation/test step: forward, loss, metric patches (no gradients)."""
+        return steps.default_step(self._ctx, batch_x, batch_y, self._ctx.loop.stage)
+
+    def batch_patches(self, model_out, batch_y, metrics=None) -> dict:
+        """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""
+        return steps.batch_patches(self._ctx, model_out, batch_y, metrics)
