@@ -16,7 +16,6 @@ point and its minimum to higher rates, up to the cliff (the suggestion then dive
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 
@@ -26,7 +25,6 @@ import torch
 
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import CallbackHooks
-from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["LRFindResult", "check_plot", "check_sweep_args", "run_sweep", "suggest_lr", "sweep_lrs"]
 
@@ -203,10 +201,14 @@ class _Sweep(CallbackHooks):
             raise _SweepDone
 
 
-def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta, opt_index, train_tasks=None,
-              batch_size=None) -> LRFindResult:
-    """Run the range test on `trainer` (see the module docstring) and restore its state afterwards."""
-    opts = trainer.opt
+def run_sweep(opts, trial, *, min_lr, max_lr, num_steps, stop_factor, beta, opt_index) -> LRFindResult:
+    """Run the range test (see the module docstring) with the optimizers `opts`; the trainer is left as
+    it was.
+
+    `trial(callbacks, epochs)` trains the sweep's data for up to `epochs` more epochs with only `callbacks`
+    attached and nothing printed, then puts the model, optimizers, schedulers, scaler, generators and run
+    state back (`Trainer.run_trial`, `deepepochs.engine.trial`). The sweep's callback ends it by raising
+    `_SweepDone`."""
     if opt_index is None:
         if len(opts) > 1:
             raise ConfigError(f"the trainer has {len(opts)} optimizers: pass opt_index (opt_id) = 0..{len(opts) - 1}"
@@ -216,62 +218,16 @@ def run_sweep(trainer, train_dl, *, min_lr, max_lr, num_steps, stop_factor, beta
         raise ConfigError(f"opt_index (opt_id) must be an int in 0..{len(opts) - 1} (got {opt_index!r})")
     else:
         indices = (opt_index,)
-    ctx, driver, hooks, console = trainer._ctx, trainer._driver, trainer._hooks, trainer.console
-    ctx.parts.resume()  # a pending resume=... happens before the snapshot, so the restore keeps it
-    loop = ctx.loop
-    saved = {
-        "model": {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()},
-        "opts": copy.deepcopy(opts.state_dict()),
-        "scaler": copy.deepcopy(trainer.precision.state_dict()),
-        "rng": rng_state(),
-        "loop": (loop.completed_epochs, loop.epoch, loop.target_epochs, loop.stop, copy.deepcopy(loop.resume),
-                 loop.last_error_state),
-        "ctx": (ctx.train_meters, copy.deepcopy(ctx.history), ctx.last_metrics),
-        # the refit bookkeeping (engine.actions.remember_random_state): the sweep ends by an exception,
-        # which must not make the next fit rewind the generators to the sweep's last update
-        "random": (ctx.random_state, ctx.random_restore_due, ctx.task_random_state, ctx.random_replay),
-        "console": (console.enabled, console.log_batch, console.log_tqdm, console.show_info,
-                    driver._header_done),
-    }
-    # The sweep starts a fresh epoch whatever the trainer's state: no early stop pending, no interrupted
-    # epoch to continue (both come back afterwards).
-    loop.stop, loop.resume, ctx.train_meters = None, None, None
     sweep = _Sweep(sweep_lrs(min_lr, max_lr, num_steps), indices, stop_factor, beta)
-    callbacks = list(hooks.callbacks)
-    hooks.remove(callbacks)
-    hooks.extend([sweep])
-    console.enabled = console.log_batch = console.log_tqdm = console.show_info = False
     try:
-        tasks = driver.make_tasks("train", train_dl, train_tasks, [], True, batch_size)
-        if not tasks:
-            raise ConfigError("find_lr needs training data: pass a DataLoader or another iterable of batches")
         # Enough epochs for num_steps updates however short the data; the sweep ends itself before that.
-        epochs = loop.completed_epochs + num_steps
-        try:
-            driver.guarded("fit", lambda: driver.run_fit(tasks, [], 1, epochs))
-        except _SweepDone:
-            pass
-        except FloatingPointError as e:  # nonfinite='raise': an inf/NaN update is divergence to a sweep
-            if not sweep.losses:
-                raise
-            sweep.stop_reason = f"diverged: {str(e).splitlines()[0]}"
-    finally:
-        hooks.remove([sweep])
-        hooks.extend(callbacks)
-        (console.enabled, console.log_batch, console.log_tqdm, console.show_info,
-         driver._header_done) = saved["console"]
-        trainer.raw_model.load_state_dict(saved["model"])
-        opts.load_state_dict(saved["opts"])
-        opts.zero_grad(opts.all_indices)
-        trainer.precision.load_state_dict(saved["scaler"])
-        set_rng_state(saved["rng"])
-        (loop.completed_epochs, loop.epoch, loop.target_epochs, loop.stop, loop.resume,
-         loop.last_error_state) = saved["loop"]
-        ctx.train_meters, history, ctx.last_metrics = saved["ctx"]
-        ctx.random_state, ctx.random_restore_due, ctx.task_random_state, ctx.random_replay = saved["random"]
-        for stage in ctx.history:  # the same dict objects: trainer.history may be held by the user
-            ctx.history[stage].clear()
-            ctx.history[stage].update(history.get(stage, {}))
+        trial([sweep], num_steps)
+    except _SweepDone:
+        pass
+    except FloatingPointError as e:  # nonfinite='raise': an inf/NaN update is divergence to a sweep
+        if not sweep.losses:
+            raise
+        sweep.stop_reason = f"diverged: {str(e).splitlines()[0]}"
     lrs = sweep.lrs[:len(sweep.losses)]
     smoothed = smooth(sweep.losses, beta)
     return LRFindResult(lrs=lrs, losses=list(sweep.losses), smoothed=smoothed,

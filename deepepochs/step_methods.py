@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from deepepochs.engine import steps
 from deepepochs.engine.context import Context
+from deepepochs.engine.stage_tasks import default_step
 from deepepochs.errors import ConfigError
-from deepepochs.tasks import STEP_NAMES
 
 __all__ = ["LossCall", "StepMethods"]
 
@@ -89,10 +89,12 @@ class StepMethods:
         return steps.no_sync(self._ctx)
 
     # ---- the default steps (override in a subclass or an EpochTask) ----
+    @default_step
     def train_step(self, batch_x, batch_y, **step_args):
         """Default training step: forward, loss and backward, metric patches, the update."""
         return steps.default_step(self._ctx, batch_x, batch_y, "train")
 
+    @default_step
     def evaluate_step(self, batch_x, batch_y, **step_args):
         """Default validation/test step: forward, loss, metric patches (no gradients)."""
         return steps.default_step(self._ctx, batch_x, batch_y, self._ctx.loop.stage)
@@ -100,14 +102,3 @@ class StepMethods:
     def batch_patches(self, model_out, batch_y, metrics=None) -> dict:
         """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""
         return steps.batch_patches(self._ctx, model_out, batch_y, metrics)
-
-    def _resolve_step(self, task, stage):
-        """The step method of `task` in `stage`: `step`, then the stage's method, then `evaluate_step`; per
-        name the task's before the trainer's. None when none is overridden: the engine's default step."""
-        for name in STEP_NAMES[stage]:
-            if getattr(type(task), name, None) is not None:
-                return getattr(task, name)
-            method = getattr(type(self), name, None)
-            if method is not None and method is not getattr(StepMethods, name, None):
-                return getattr(self, name)
-        return None

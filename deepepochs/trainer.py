@@ -13,18 +13,19 @@ import torch
 
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback, run_finder
-from deepepochs.checkpoint import load_into, resume_once
+from deepepochs.checkpoint import load_into
 from deepepochs.config import TrainerConfig
 from deepepochs.console import Console
 from deepepochs.engine import compiled
-from deepepochs.engine.context import Context, LoopState, Parts, StopRequest
+from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
+from deepepochs.engine.trial import trial_fit
 from deepepochs.errors import ConfigError
-from deepepochs.finished import apply_finished, report_retrained
 from deepepochs.fsm.render import auto_level, render
 from deepepochs.lr_find import LRFindResult
 from deepepochs.optim import Optimizers
 from deepepochs.precision import Precision
+from deepepochs.resuming import resume_run
 from deepepochs.step_methods import StepMethods
 from deepepochs.strategy import select_policy
 from deepepochs.tasks import as_metric_list
@@ -125,10 +126,10 @@ class TrainerBase(StepMethods):
         self.device = dist.device
         self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume
-        self._running_id_given = running_id is not None  # resume=True then means this run only
-        # Under DDP rank 0's id: all ranks must name the same checkpoint and log folders.
-        self.running_id = dist.broadcast_object(
-            running_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
+        # Under DDP rank 0's id: all ranks must name the same checkpoint and log folders. A name given
+        # means that resume=True resumes this run only.
+        run = RunState(running_id=dist.broadcast_object(running_id or datetime.datetime.now().strftime(
+            "%Y%m%d-%H%M%S-%f")), running_id_given=running_id is not None)
         self.hyper_params = dict(hyper_params or {})
         self._precision = Precision(self.config.precision, self.device)
         model = model.to(self.device)
@@ -141,15 +142,14 @@ class TrainerBase(StepMethods):
         self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=dist.is_main)
         self._hooks = HookTable()
         self._clippers = []
-        loop = LoopState(resume_pending=resume is not False)  # honoured once, at the first fit or test
+        loop = LoopState(run=run, resume_pending=resume is not False)  # honoured once, at the first fit or test
         self._opts.bind_updates(loop)
         parts = Parts(
             config=self.config, device=self.device, raw_model=model,
             train_model=dist.wrap_model(compiled, ddp_kwargs),
             eval_model=compiled,  # not DDP-wrapped: evaluation issues no DDP collectives (DDP-7)
             opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
-            console=self._console, facade=self, resolve_step=self._resolve_step,
-            resume=self._resume, running_id=lambda: self.running_id, target_key=target_key,
+            console=self._console, facade=self, resumer=resume_run, target_key=target_key,
             pick_targets=pick_targets)
         self._ctx = Context(parts, loop, loss_fn=loss)
         self._driver = Driver(self._ctx)
@@ -163,6 +163,25 @@ class TrainerBase(StepMethods):
         """The loop's counters: `epoch` (1-based), `completed_epochs`, `target_epochs`, `stage`,
         `batch_idx` (1-based), `stop`, ..."""
         return self._ctx.loop
+
+    @property
+    def running_id(self) -> str:
+        """The run's name: the folder of its checkpoints and logs (a resume names it after the run it
+        loaded)."""
+        return self._ctx.run.running_id
+
+    @running_id.setter
+    def running_id(self, value) -> None:
+        self._ctx.run.running_id = str(value)
+
+    def run_trial(self, train_dl, train_tasks, batch_size, callbacks, more_epochs: int):
+        """Train on `train_dl`/`train_tasks` for up to `more_epochs` epochs with only `callbacks` attached and
+        nothing printed, then put the model, optimizers, schedulers, scaler, generators and run state back
+        (`deepepochs.engine.trial`): the learning-rate finder's sweep. Re-raises what ended it."""
+        tasks = self._driver.make_tasks("train", train_dl, train_tasks, [], True, batch_size)
+        if not tasks:
+            raise ConfigError("find_lr needs training data: pass a DataLoader or another iterable of batches")
+        return trial_fit(self._driver, tasks, callbacks, more_epochs)
 
     @property
     def machine(self):
@@ -476,14 +495,6 @@ class TrainerBase(StepMethods):
     def __exit__(self, *exc):
         self.close()
         return False
-
-    def _resume(self):
-        """The resume_checkpoint action: load what `resume=...` asks for (with the run's history); for a
-        finished run (see `deepepochs.finished`) also its end, so the next fit trains nothing."""
-        loaded = resume_once(self)
-        if loaded is not None:
-            apply_finished(self, loaded[0].parent, loaded[1])
-            report_retrained(self, loaded[0].parent, loaded[1])
 
     def _check_open(self, call: str):
         """Refuse `call` on a closed trainer, or while another call runs (another thread, a callback)."""

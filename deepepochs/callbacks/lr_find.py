@@ -13,6 +13,8 @@ and the curve drawn, through the trainer's public surface.
 
 from __future__ import annotations
 
+import functools
+
 from deepepochs.callbacks.base import Callback
 from deepepochs.errors import ConfigError
 from deepepochs.lr_find import LRFindResult, check_plot, check_sweep_args, run_sweep
@@ -84,8 +86,9 @@ def run_finder(trainer, train_dl, train_tasks, min_lr, max_lr, num_steps, stop_f
     check_plot(plot)
     if train_dl is None and not train_tasks:
         raise ConfigError("find_lr needs training data: pass train_dl (a DataLoader or iterable of batches)")
-    result = run_sweep(trainer, train_dl, train_tasks=train_tasks, min_lr=min_lr, max_lr=max_lr, num_steps=num_steps,
-                       stop_factor=stop_factor, beta=smooth, opt_index=opt_index, batch_size=batch_size)
+    result = run_sweep(trainer.opt, functools.partial(trainer.run_trial, train_dl, train_tasks, batch_size),
+                       min_lr=min_lr, max_lr=max_lr, num_steps=num_steps, stop_factor=stop_factor, beta=smooth,
+                       opt_index=opt_index)
     suggestion = "none (fewer than 3 updates)" if result.suggestion is None else f"{result.suggestion:.3g}"
     trainer.console.info(f"lr finder: {len(result.lrs)} updates, lr {result.lrs[0]:.3g} to {result.lrs[-1]:.3g}"
                          f" ({result.stop_reason}); suggested lr: {suggestion}; model, optimizers and"

@@ -86,7 +86,7 @@ def resume_scope(trainer) -> tuple[str | None, bool, str]:
     resume = trainer.resume
     if isinstance(resume, str):
         return resume, True, f"resume={resume!r}"
-    if trainer._running_id_given:
+    if trainer.loop.run.running_id_given:
         return str(trainer.running_id), False, f"resume=True with running_id={str(trainer.running_id)!r}"
     return None, False, "resume=True without a running_id: the newest checkpoint of any run"
 
@@ -143,9 +143,7 @@ def resume_once(trainer) -> tuple[Path, int] | None:
 def _fit_train_tasks(trainer) -> list | None:
     """The training tasks of the fit that is resuming (None when a test or predict resumes): what a
     snapshot's mid-epoch position is checked against."""
-    if trainer._driver.running != "fit" or trainer._ctx.monitor_check is None:
-        return None
-    return trainer._ctx.monitor_check[0]
+    return trainer.loop.resume_tasks
 
 
 def _load_newest_usable(trainer, candidates: list[Path], strict: bool) -> tuple[Path | None,

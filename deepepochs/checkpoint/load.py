@@ -16,7 +16,7 @@ from deepepochs.checkpoint.format import Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header
 from deepepochs.distributed import is_dtensor
-from deepepochs.engine import position
+from deepepochs.engine import position, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.utils import set_rng_state
 
@@ -143,14 +143,17 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     ckpt = read_checkpoint(path, trusted) if ckpt is None else ckpt
     check_fits(trainer, ckpt, path)  # all or nothing: every mismatch is found before anything changes
     backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
+    run = trainer.loop.run
+    run_backup = runstate.capture(run)  # the run state (history, position, random state) as well
     try:
         if ckpt.shards is not None:
             ckpt = _read_shards(ckpt, path, trainer)
         _apply(trainer, ckpt, path)
         if ckpt.position is not None:  # a mid-epoch snapshot: the next fit continues inside its epoch
-            position.restore(trainer._ctx, ckpt.position, trainer.dist.rank)
+            position.restore(run, ckpt.position, trainer.dist.rank, trainer.device, trainer.world_size)
     except BaseException as exc:
         _apply(trainer, backup, "<the state before loading>")
+        runstate.restore(run, run_backup)
         if isinstance(exc, CheckpointError):
             raise
         first_line = (str(exc).strip().splitlines() or [""])[0]
@@ -162,8 +165,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     loop.stop = None
     if ckpt.position is None:
         loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
-        ctx = trainer._ctx  # and so do the generator states a refit after it would have restored
-        ctx.random_restore_due, ctx.random_replay = False, None
+        run.random_restore_due, run.random_replay = False, None  # and so do the generators a refit restores
     return ckpt
 
 

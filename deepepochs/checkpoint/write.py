@@ -78,12 +78,13 @@ def _run_records(trainer, position: Mapping | None) -> Mapping:
     """The records of the epochs the file counts as completed. An epoch-end save runs before its epoch
     commits (`save_checkpoints` precedes `commit_epoch`; `epoch_undo` is pending then), so that epoch's
     metrics are added to the history here."""
-    ctx = trainer._ctx
-    if position is not None or not ctx.epoch_undo:
-        return ctx.history
+    loop = trainer.loop
+    run = loop.run
+    if position is not None or not loop.epoch_undo:
+        return run.history
     records = {stage: {name: list(values) for name, values in metrics.items()}
-               for stage, metrics in ctx.history.items()}
-    for stage, metrics in ctx.last_metrics.items():
+               for stage, metrics in run.history.items()}
+    for stage, metrics in run.last_metrics.items():
         if stage in records:
             for name, value in metrics.items():
                 records[stage].setdefault(name, []).append(value)

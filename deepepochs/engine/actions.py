@@ -138,8 +138,16 @@ def stop_signalled(ctx: Context) -> bool:
 @action
 def resume_checkpoint(ctx: Context) -> None:
     """Load what `resume=` asks for; the file (or a finished run's record) brings the run's history, which
-    is what `fit()` returns, so a finished run's fit trains nothing and returns its records."""
-    ctx.parts.resume()
+    is what `fit()` returns, so a finished run's fit trains nothing and returns its records.
+
+    The engine's resume step: the checkpoint layer's policy (`Parts.resumer`, given the facade: checkpoints
+    load into a trainer) writes the run state and clears `loop.resume_pending`; a fit's training tasks
+    (`loop.resume_tasks`) are what a snapshot's position is checked against."""
+    resumer = ctx.parts.resumer
+    if resumer is None:  # nothing can load checkpoints here: nothing to honour
+        ctx.loop.resume_pending = False
+        return
+    resumer(ctx.parts.facade)
 
 
 @action

@@ -8,12 +8,14 @@ argument of callback hooks and step methods, which are user code.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import attrs
 import torch
 
 from deepepochs.config import TrainerConfig
+from deepepochs.engine.runstate import ResumePoint, RunState, StopRequest
 from deepepochs.protocols import (
     ConsoleLike,
     DistPolicy,
@@ -23,47 +25,37 @@ from deepepochs.protocols import (
     PrecisionPolicy,
 )
 
-__all__ = ["Context", "LoopState", "Parts", "ResumePoint", "StopRequest"]
+__all__ = ["Context", "LoopState", "Parts", "ResumePoint", "RunState", "StopRequest"]
 
 
-@attrs.define(frozen=True)
-class StopRequest:
-    """A request to end the fit after the current epoch (e.g. early stopping)."""
+def _run_alias(name: str, owner: str) -> property:
+    """A property of `LoopState` (`owner` 'loop') or `Context` ('ctx') reading and writing field `name` of
+    the run state, which owns it (`deepepochs.engine.runstate`): the loop's and the engine's code keep
+    their names for it. The getter is an `attrgetter` (no Python frame: some are read per micro-batch)."""
+    path = "run" if owner == "loop" else "loop.run"
+    run_of = operator.attrgetter(path)
 
-    reason: str
-    source: str = ""
+    def set_(self, value):
+        setattr(run_of(self), name, value)
 
-
-@attrs.define(slots=True)
-class ResumePoint:
-    """The last commit point inside an epoch: where an interrupted fit continues (moved forward in place by
-    each committed update).
-
-    Attributes:
-        epoch: 1-based epoch the point belongs to.
-        task_index: the training task in progress (0-based), or -1 once the epoch's training stage is done.
-        batches_done: that task's batches whose windows were committed (their updates applied).
-        samples: for a snapshot resumed on another world size, the samples the task consumed over all
-            ranks (the task then skips `samples / world size` of its shard); None otherwise.
-    """
-
-    epoch: int
-    task_index: int
-    batches_done: int
-    samples: int | None = None
+    return property(operator.attrgetter(f"{path}.{name}"), set_, doc=f"The run state's `{name}` (`RunState.{name}`).")
 
 
 @attrs.define(slots=True)
 class LoopState:
     """Counters and flags of a running loop (guards read these; actions update them).
 
-    Epochs are 1-based (`epoch` 0 means none has started); `batch_idx` is 1-based within the task;
-    `window_pos` counts the open window's micro-batches (0: no window is open).
+    `run` is the run state (`RunState`: what the run committed); `epoch`, `completed_epochs`,
+    `target_epochs`, `stop`, `resume` and `last_error_state` read and write its fields. The rest is the
+    loop's scratch: the stage, the batch, the open window, requests. Epochs are 1-based (`epoch` 0 means
+    none has started); `batch_idx` is 1-based within the task; `window_pos` counts the open window's
+    micro-batches (0: no window is open). `resume_tasks`: the training tasks of the fit whose start honours
+    a pending `resume=...` (a snapshot's position is checked against them), None otherwise. `epoch_undo`:
+    how to undo the epoch-end work done before `commit_epoch`, in order (rollback; empty outside an
+    epoch's end).
     """
 
-    target_epochs: int = 0
-    completed_epochs: int = 0
-    epoch: int = 0
+    run: RunState = attrs.Factory(RunState)
     stage: str | None = None
     batch_idx: int = 0
     window_size: int = 1
@@ -74,17 +66,23 @@ class LoopState:
     window_updated: bool = False
     window_committed: bool = False
     val_due: bool = False
-    stop: StopRequest | None = None
     save_requests: list = attrs.Factory(list)
     update_indices: tuple = ()
     finite: dict = attrs.Factory(dict)
     opt_index: int = 0
     meters: object = None
-    resume: ResumePoint | None = None
     resume_pending: bool = False
-    last_error_state: str | None = None
+    resume_tasks: list | None = None
+    epoch_undo: list = attrs.Factory(list)
     snapshot_due: bool = False
     stop_signal: str | None = None
+
+    target_epochs = _run_alias("target_epochs", "loop")
+    completed_epochs = _run_alias("completed_epochs", "loop")
+    epoch = _run_alias("epoch", "loop")
+    stop = _run_alias("stop", "loop")
+    resume = _run_alias("resume", "loop")
+    last_error_state = _run_alias("last_error_state", "loop")
 
 
 @attrs.define(frozen=True, eq=False)
@@ -103,11 +101,11 @@ class Parts:
         hooks: the `HookTable` of the attached callbacks.
         clippers: gradient clippers, `clip(trainer, indices, finite)`.
         console: the `Console`.
-        facade: the object handed to hooks and step methods as `trainer`.
-        resolve_step: `(task, stage) -> step method`, or None for the engine's default step.
-        resume: loads the checkpoint `Trainer(resume=...)` asked for (the `resume_checkpoint` action),
-            with the run's history and, for a finished run, its end (the next fit then trains nothing).
-        running_id: the run's current name (a resume may change it).
+        facade: the object handed to hooks and step methods as `trainer` (and to `resumer`); its step
+            methods are found by `stage_tasks.resolve_step`.
+        resumer: the checkpoint layer's resume policy, `resumer(facade)`: loads what `Trainer(resume=...)`
+            asks for (the `resume_checkpoint` action, the engine's resume step), writing the run state and
+            clearing `loop.resume_pending`; None where nothing can be resumed.
         target_key: `Trainer(targets='<key>')`: the field of dict batches that holds the targets, or None.
         pick_targets: `Trainer(targets=callable)`: `(batch_x, model_out) -> (preds, targets)` for the
             metrics, or None (the metrics get the model output and the batch's label).
@@ -125,9 +123,7 @@ class Parts:
     clippers: list[Callable[[object, tuple, dict], None]]
     console: ConsoleLike
     facade: Facade
-    resolve_step: Callable
-    resume: Callable[[], object]
-    running_id: Callable[[], str]
+    resumer: Callable[[Facade], None] | None = None
     target_key: str | None = None
     pick_targets: Callable | None = None
 
@@ -135,6 +131,11 @@ class Parts:
 @attrs.define(slots=True, eq=False)
 class Context:
     """One trainer's run-time context: its parts, its loop state, and what the current batch holds.
+
+    The run state (`run`, owned by `loop.run`) is read and written under its own names here too:
+    `train_meters`, `history`, `last_metrics`, `random_state`, `random_restore_due`, `task_random_state`,
+    `random_replay`, `data_state` (see `RunState`). Everything else is scratch of the current fit, task or
+    batch.
 
     Attributes:
         parts: see `Parts`.
@@ -146,24 +147,14 @@ class Context:
         batch_n: the current batch's sample count.
         hop: how a step moves the machine (`LoopMachine.fire`); a compiled micro-batch moves it itself.
         machine: the `LoopMachine` built from the registry for this context (`Driver`).
-        last_metrics: the current epoch's metrics per stage, read by epoch-wise schedulers.
         pending_nonfinite: a device-side inf/NaN flag checked at the task's end (accelerators, PERF-2).
         seeds: gradients that backward starts from, per micro-batch share (`steps.backward`).
         signals: the SIGINT guard that holds a Ctrl-C during an update (`signals.InterruptGuard`).
         task_index: the index of the running task within its stage.
         batch_counted: the current batch's loss and patches are in the meters already.
-        train_meters: the epoch's training meters per task (committed work a resumed fit continues).
-        history: per stage, per metric, the values of the epochs the run committed (those a resume
-            loaded included); `fit()` returns a copy.
         step_patches: the default step's metric patches, made before its update (committed with it).
-        epoch_undo: how to undo the epoch-end work done before `commit_epoch`, in order (rollback).
+        epoch_undo: `loop.epoch_undo`.
         first_batch: the running task's first batch is yet to be checked (`steps.first_batch_checks`).
-        random_state: torch's generator states at the last commit point of the running fit.
-        random_restore_due: a fit failed; the next fit starts from `random_state` (a refit).
-        task_random_state: the generator states just before the running training task made its data
-            iterator (which draws DataLoader worker seeds).
-        random_replay: for a refit resuming a task mid-way, (its `task_random_state`, `random_state`):
-            the iterator is made from the first, the batches continue from the second.
         monitor_check: the fit's (train tasks, val tasks) until the first training batch has checked the
             checkpoint monitors' names; None after.
         snapshots: the running fit's snapshot writer (a `SnapshotCallback`), or None: then no commit point
@@ -171,9 +162,6 @@ class Context:
         snapshot_path: the snapshot the last `save_snapshot` wrote (None on ranks other than 0).
         data_source: the running training task's stateful DataLoader (torchdata's `StatefulDataLoader`),
             whose position `remember_position` keeps; None for other data.
-        data_state: `(epoch, task index, batches done, state_dict())` of that loader at the last complete
-            commit point: a refit or a resumed snapshot continues it with `load_state_dict` instead of
-            skipping batches.
     """
 
     parts: Parts
@@ -185,23 +173,33 @@ class Context:
     batch_n: int = 0
     hop: Callable | None = None
     machine: object = None
-    last_metrics: dict = attrs.Factory(dict)
     pending_nonfinite: torch.Tensor | None = None
     seeds: dict = attrs.Factory(dict)
     signals: object = None
     task_index: int = 0
     batch_counted: bool = False
-    train_meters: list | None = None
-    history: dict = attrs.Factory(lambda: {"train": {}, "val": {}})
     step_patches: dict | None = None
-    epoch_undo: list = attrs.Factory(list)
     first_batch: bool = False
-    random_state: tuple | None = None
-    random_restore_due: bool = False
-    task_random_state: tuple | None = None
-    random_replay: tuple | None = None
     monitor_check: tuple | None = None
     snapshots: object = None
     snapshot_path: object = None
     data_source: object = None
-    data_state: tuple | None = None
+
+    @property
+    def run(self) -> RunState:
+        """The run state (`loop.run`): what the run committed, with one capture and one restore."""
+        return self.loop.run
+
+    @property
+    def epoch_undo(self) -> list:
+        """`loop.epoch_undo`."""
+        return self.loop.epoch_undo
+
+    train_meters = _run_alias("train_meters", "ctx")
+    history = _run_alias("history", "ctx")
+    last_metrics = _run_alias("last_metrics", "ctx")
+    random_state = _run_alias("random_state", "ctx")
+    random_restore_due = _run_alias("random_restore_due", "ctx")
+    task_random_state = _run_alias("task_random_state", "ctx")
+    random_replay = _run_alias("random_replay", "ctx")
+    data_state = _run_alias("data_state", "ctx")

@@ -1,10 +1,15 @@
-"""The driver: fit and test through epochs, stages and tasks, firing the machine's cold triggers, and
-rollback to the last commit point when anything escapes.
+"""The driver: fit, test and predict through epochs, stages and tasks, firing the machine's cold triggers,
+and rollback to the last commit point when anything escapes.
 
 Rollback has one rule: the trainer returns to the last commit point (see `deepepochs.engine.actions`).
-Inside an epoch that is the last committed update, kept as `loop.resume` with the epoch's training meters
-(`ctx.train_meters`); the next `fit` continues from there. Work after it (an open window, an epoch's end
-that did not commit) is undone by the `interrupt` edge's `discard_window` action.
+Inside an epoch that is the last committed update, kept in the run state (`deepepochs.engine.runstate`:
+`resume` with the epoch's training meters); the next `fit` continues from there
+(`deepepochs.engine.resume`). Work after it (an open window, an epoch's end that did not commit) is undone
+by the `interrupt` edge's `discard_window` action, an epoch's end by restoring the run state captured
+before it.
+
+Elsewhere: which tasks a stage runs (`stage_tasks`), resume and replay (`resume`), a fit that leaves no
+trace (`trial`), the micro-batch loops (`batches`).
 """
 
 from __future__ import annotations
@@ -16,28 +21,19 @@ import threading
 
 import torch
 
-from deepepochs.data import check_batch_size, exact_length, input_splitter, stateful
-from deepepochs.engine import actions, batches, generators, position, snapshots, steps
+from deepepochs.data import exact_length, input_splitter
+from deepepochs.engine import actions, batches, generators, resume, runstate, snapshots, stage_tasks, steps
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
+from deepepochs.engine.stage_tasks import data_length
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import ActionName, Event, StateName, TriggerName
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
 from deepepochs.outputs import concat_batches, detached, merge_shards
-from deepepochs.patches import TensorPatch
 from deepepochs.protocols import monitors_in
-from deepepochs.sharding import iterate_past, skip_batches
-from deepepochs.tasks import (
-    TASK_SUFFIX_NOTE,
-    EpochTask,
-    TaskMeters,
-    check_metric_names,
-    merge_stage_metrics,
-    merge_values,
-    metric_name,
-)
+from deepepochs.tasks import TASK_SUFFIX_NOTE, EpochTask, TaskMeters, merge_stage_metrics, merge_values
 
 __all__ = ["Driver"]
 
@@ -53,6 +49,8 @@ class Driver:
     """Runs `fit` and `test` for one trainer's `Context`, and builds its machine."""
 
     def __init__(self, ctx: Context):
+        """Bind the registry's guards and actions to `ctx` and build its machine (the spec's registry is
+        checked once per process first: a missing implementation fails here, not mid-fit)."""
         actions.check_registry_once()
         self.ctx = ctx
         ctx.signals = InterruptGuard()
@@ -60,40 +58,15 @@ class Driver:
         ctx.machine = LoopMachine(guards, acts, ctx.loop)
         ctx.model = ctx.parts.train_model
         self._started = False
-        self._header_done = False
+        self.header_done = False
         self.running: str | None = None  # 'fit' or 'test' while one runs (the facade refuses re-entry)
         self.running_thread: threading.Thread | None = None  # the thread it runs in
 
     # ---- setup ----
     def make_tasks(self, stage, dataloader, tasks, metrics, do_loss, batch_size, call=None) -> list[EpochTask]:
-        """EpochTasks of a stage from a DataLoader and/or a task list (they combine, DataLoader first).
-        `call`: the public call the data was given to, when it is not the stage's own (`predict`)."""
-        parts = self.ctx.parts
-        check_batch_size(batch_size)
-        out = []
-        if dataloader is not None:
-            out.append(EpochTask(dataloader, do_loss=do_loss, batch_size=batch_size))
-        if tasks:
-            for task in tasks if isinstance(tasks, (list, tuple)) else [tasks]:
-                if not isinstance(task, EpochTask):
-                    raise ConfigError(f"{stage}_tasks must hold EpochTask objects (got {type(task).__name__})")
-                out.append(task)
-        for i, task in enumerate(out):
-            if _len_or_none(task.dataloader) == 0:
-                what = f"the {stage} data of task {i}" if call is None else f"the data given to {call}()"
-                raise ConfigError(
-                    f"{what} is empty (len 0): check the dataset size, batch_size and"
-                    " drop_last; a DataLoader must yield at least one batch"
-                )
-            task.trainer = parts.facade
-            task.stage = stage
-            task.all_metrics = check_metric_names([*metrics, *task.metrics], f"the {stage} task {i}")
-            if task.batch_size is None:
-                task.batch_size = batch_size
-            task.data = parts.dist.prepare_dataloader(task.dataloader, stage)
-            task.step_fn = parts.resolve_step(task, stage)
-            task.targets_checked = False  # batch_patches checks once that metrics can do without targets
-        return out
+        """The stage's EpochTasks, built for this trainer (`stage_tasks.make_tasks`): what `fit`, `test`,
+        `predict` and `find_lr` hand to the runs below."""
+        return stage_tasks.make_tasks(self.ctx, stage, dataloader, tasks, metrics, do_loss, batch_size, call)
 
     # ---- errors: interrupt -> rollback -> idle, with the flight record ----
     def guarded(self, name: str, run):
@@ -128,14 +101,16 @@ class Driver:
             ctx.signals.uninstall()
 
     def _rollback(self, exc):
+        """Return to the last commit point after `exc` escaped: the `interrupt` edge (its `discard_window`
+        drops the open window and undoes an epoch end that did not commit), the `on_rollback` hooks, then
+        `recover` to idle. If the rollback itself fails, the machine and the loop are reset to idle so the
+        trainer stays usable. Records where the fault was, and makes a refit replay the random numbers."""
         ctx = self.ctx
         parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
         state = machine.state
-        loop.last_error_state = state
+        loop.last_error_state = state  # for the rollback hooks; set again once the run state is restored
         self._failed_stage = loop.stage
         ctx.pending_nonfinite = None
-        if self.running == "fit":  # the refit continues from the last commit point: so do the random numbers
-            ctx.random_restore_due = True  # from `random_state` as the rollback leaves it (`discard_window`)
         try:
             if machine.spec.state(state).running:
                 machine.fire_cold(TriggerName.INTERRUPT)
@@ -151,6 +126,12 @@ class Driver:
             raise
         finally:
             parts.raw_model.train()
+            # After the run state is back at the last commit point (`discard_window` restores it when an
+            # epoch's end did not commit): where the fault was, and that the refit continues from that
+            # commit point's random numbers (`random_state` as the rollback leaves it).
+            loop.last_error_state = state
+            if self.running == "fit":
+                ctx.random_restore_due = True
         emit(ctx, Event.INTERRUPTED, exc)
 
     # ---- fit ----
@@ -162,12 +143,17 @@ class Driver:
         loop.target_epochs = epochs
         ctx.monitor_check = (train, val)
         ctx.snapshots = snapshots.find_writer(parts.hooks.callbacks)
-        if ctx.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
-            ctx.random_restore_due = False
-            ctx.random_replay = (ctx.task_random_state, ctx.random_state)
-            generators.set_random_state(ctx, ctx.random_state)
+        run = ctx.run
+        if run.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
+            run.random_restore_due = False
+            run.random_replay = (run.task_random_state, run.random_state)
+            generators.set_random_state(ctx, run.random_state)
         generators.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
-        fire(TriggerName.FIT)
+        loop.resume_tasks = train  # a pending resume=... checks a snapshot's position against them
+        try:
+            fire(TriggerName.FIT)
+        finally:
+            loop.resume_tasks = None
         self._header()
         self._run_hooks(Event.BEFORE_FIT, epochs)
         if not self._started:
@@ -202,43 +188,38 @@ class Driver:
 
     def _count_epoch(self, epoch):
         """The epoch counts as completed for its end's hooks and saves; until `commit_epoch` a rollback
-        undoes that, and the monitors' state the hooks change."""
+        undoes that: the run state comes back as it was before the epoch's end (`runstate.capture`: the
+        count, an early stop, anything a hook changed in it), and so does the monitors' state."""
         ctx = self.ctx
-        loop = ctx.loop
         states = [(m, m.state_dict()) for m in monitors_in(ctx.parts.hooks.callbacks)]
-        before = loop.completed_epochs
+        before = runstate.capture(ctx.run)
 
         def undo():
-            loop.completed_epochs = before
+            """Put back the run state and the monitors as they were before this epoch's end."""
+            runstate.restore(ctx.run, before)
             for monitor, state in states:
                 monitor.load_state_dict(state)
 
         ctx.epoch_undo.append(undo)
-        loop.completed_epochs = epoch
+        ctx.loop.completed_epochs = epoch
 
     def _train_stage(self, tasks, epoch):
+        """The training stage of epoch `epoch`: each task in turn, a resumed epoch continuing at its commit
+        point (`resume.epoch_point`, `resume.task_start`: completed tasks are not run again). The resume
+        point moves with the running task and ends at (epoch, -1, 0): the stage is done."""
         ctx = self.ctx
         parts, loop = ctx.parts, ctx.loop
-        resume = loop.resume if loop.resume is not None and loop.resume.epoch == epoch else None
-        if resume is not None and resume.task_index >= 0:  # a snapshot's position must lie inside this data
-            position.check_point(resume, tasks, parts.dist.world_size)
-        saved = ctx.train_meters if resume is not None else None
+        point, saved = resume.epoch_point(ctx, tasks, epoch)
         loop.stage = "train"
         ctx.model = parts.train_model
         parts.raw_model.train()
         self._run_hooks(Event.BEFORE_TRAIN_EPOCHS, tasks, epoch - 1)
         meters_list = ctx.train_meters = []
         for index, task in enumerate(tasks):
-            skip = 0
-            if saved is not None and index < len(saved) and (resume.task_index == -1 or index <= resume.task_index):
-                meters = _adopt(saved[index], task)
-                skip = None if resume.task_index == -1 or index < resume.task_index else resume.batches_done
-            else:
-                meters = TaskMeters(task.all_metrics)
+            meters, skip, samples = resume.task_start(point, saved, index, task)
             meters_list.append(meters)
             if skip is None:  # this task completed before the interrupt
                 continue
-            samples = resume.samples if skip and index == resume.task_index else None  # another world size
             loop.resume = ResumePoint(epoch, index, skip)
             ctx.task_index = index
             self._run_task(task, "train", epoch, meters, skip, samples)
@@ -249,6 +230,9 @@ class Driver:
         return metrics
 
     def _eval_stage(self, stage, tasks, epoch):
+        """A validation or test stage: each task on the evaluation model (no DDP wrapper: no collective per
+        batch) without gradients, with the stage's hooks (0.6's arguments: `val` hooks get the 0-based
+        epoch, `test` hooks none). Returns the stage's metrics (global under DDP)."""
         ctx = self.ctx
         parts, loop = ctx.parts, ctx.loop
         before_stage, after_stage = STAGE_HOOKS[stage][:2]
@@ -276,6 +260,8 @@ class Driver:
         return metrics
 
     def run_test(self, tasks):
+        """`test`: the `test` edge (a pending `resume=...` loads on it), the run header, the test stage and
+        `end_stage`; prints and returns the metrics."""
         ctx = self.ctx
         ctx.machine.fire_cold(TriggerName.TEST)
         self._header()
@@ -336,6 +322,10 @@ class Driver:
 
     # ---- one task ----
     def _run_task(self, task, stage, epoch, meters, skip, samples=None):
+        """Run one task of `stage` into `meters` between the `begin_task` and `end_task` edges, with its
+        hooks and console lines; a training task first skips its `skip` committed batches (`samples`: as
+        a global count, from a snapshot of another world size) and replays its random streams
+        (`deepepochs.engine.resume`). Returns the task's metrics (global under DDP)."""
         ctx = self.ctx
         parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
         before_task, after_task = STAGE_HOOKS[stage][2:]
@@ -345,33 +335,15 @@ class Driver:
         machine.fire_cold(TriggerName.BEGIN_TASK)
         self._run_hooks(before_task, task)
         data = task.data
-        total = _len_or_none(data)
-        exact = exact_length(data) if stage == "train" else None
-        source = data if stage == "train" and stateful(data) else None
-        saved, past = ctx.data_state, 0  # `past`: skipped batches read and dropped (not skipped at a sampler)
-        if skip and source is not None and saved is not None and saved[:2] == (epoch, ctx.task_index):
-            source.load_state_dict(saved[3])  # continues after the batches committed when it was read
-            past = skip - saved[2]  # an update applied after it, whose commit a fault cut short: in order, past it
-        elif skip:
-            data, skip, past = skip_batches(data, skip, samples, parts.dist.world_size)
-            loop.resume.batches_done = skip  # in this run's batches
-        ctx.data_source = source
+        total = data_length(data)
+        past = 0
+        if stage == "train":
+            data, skip, past = resume.position_data(ctx, data, epoch, skip, samples)
         loop.batch_idx = skip
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
-            replay, ctx.random_replay = ctx.random_replay, None
-            if skip and replay is not None and replay[0] is not None:
-                # A refit resuming mid-task: the data iterator draws what it drew when the task first began
-                # (DataLoader worker seeds) and reads the batches it iterates past (whose augmentation in
-                # the main process draws too), then the batches continue from the last commit point's state.
-                ctx.task_random_state = replay[0]
-                generators.set_random_state(ctx, replay[0])
-                data = iterate_past(iter(data), past)
-                generators.set_random_state(ctx, replay[1])
-            else:
-                ctx.task_random_state = generators.random_state(ctx)
-                data = iterate_past(iter(data), past)
-            batches.train_batches(ctx, data, meters, exact)
+            exact = exact_length(task.data)
+            batches.train_batches(ctx, resume.open_batches(ctx, data, skip, past), meters, exact)
             if not skip and loop.batch_idx == 0:
                 raise ConfigError(
                     f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"
@@ -419,6 +391,8 @@ class Driver:
         return out
 
     def _stage_metrics(self, meters_list) -> dict:
+        """A stage's metrics from its tasks' (`tasks.merge_stage_metrics`), noting once how names of several
+        tasks are told apart when they clash."""
         per_task = [self._task_metrics(meters) for meters in meters_list]
         if len(per_task) > 1 and len({name for m in per_task for name in m}) < sum(len(m) for m in per_task):
             self.ctx.parts.console.note_once("task-suffix", TASK_SUFFIX_NOTE)
@@ -443,15 +417,17 @@ class Driver:
         emit(self.ctx, event, *args)
 
     def _header(self):
-        if self._header_done:
+        """Print the run's header once per trainer (time, device, running id, parameters, precision)."""
+        if self.header_done:
             return
-        self._header_done = True
-        parts = self.ctx.parts
+        self.header_done = True
+        ctx = self.ctx
+        parts = ctx.parts
         n = sum(p.numel() for p in parts.raw_model.parameters())
         now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         world = parts.dist.world_size
         extra = f" | world size: {world}" if world > 1 else ""
-        parts.console.info(f"{now} | device: {parts.device} | running id: {parts.running_id()} | parameters:"
+        parts.console.info(f"{now} | device: {parts.device} | running id: {ctx.run.running_id} | parameters:"
                            f" {n:,} | precision: {parts.config.precision}{extra}")
 
 
@@ -469,26 +445,3 @@ def _step_hint(exc: BaseException, task) -> str | None:
         return ("deepepochs: a step method gets a single model input as itself, not as a one-item list as in"
                 " deepepochs 0.6: call self.model(batch_x), not self.model(*batch_x) (see docs/MIGRATION.md)")
     return None
-
-
-def _adopt(meters: TaskMeters, task: EpochTask) -> TaskMeters:
-    """A resumed task's committed meters under this fit's metrics: patches of metrics no longer asked for
-    are dropped (a metric that failed can be removed), and a kept `TensorPatch` computes with the metric
-    of the same name given now (a failed metric can be replaced; its inputs are all kept)."""
-    now = {metric_name(m): m for m in task.all_metrics}
-    for name in set(meters.metrics) - set(now):
-        meters.patches.pop(name, None)
-    for name, patch in meters.patches.items():
-        # A snapshot stores no functions: a patch read from one gets its metric here (its `metric` is None).
-        if name in now and (isinstance(patch, TensorPatch) or getattr(patch, "metric", False) is None):
-            patch.metric = now[name]
-    meters.metrics = now
-    meters.final = None
-    return meters
-
-
-def _len_or_none(data):
-    try:
-        return len(data)
-    except TypeError:
-        return None

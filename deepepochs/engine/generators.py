@@ -10,7 +10,7 @@ import torch
 
 from deepepochs.engine.context import Context
 
-__all__ = ["random_state", "remember_random_state", "set_random_state", "state_tensor"]
+__all__ = ["random_state", "remember_random_state", "set_generators", "set_random_state", "state_tensor"]
 
 
 def random_state(ctx: Context) -> tuple:
@@ -37,10 +37,15 @@ def state_tensor(state) -> torch.Tensor:
 
 def set_random_state(ctx: Context, state: tuple) -> None:
     """Put back generator states `random_state` returned (or their `state_tensor`s)."""
+    set_generators(ctx.parts.device, state)
+
+
+def set_generators(device: torch.device, state: tuple) -> None:
+    """`set_random_state` for the training device `device` (loading a checkpoint has no context)."""
     cpu, gpu = state
     torch.set_rng_state(state_tensor(cpu))
     if gpu is not None:
-        torch.cuda.set_rng_state(state_tensor(gpu), ctx.parts.device)
+        torch.cuda.set_rng_state(state_tensor(gpu), device)
 
 
 def remember_random_state(ctx: Context) -> None:

@@ -18,7 +18,9 @@ continue from there, besides the training state every checkpoint holds:
                     point, 'task': those just before the task made its data iterator, 'host':
                     Python's, NumPy's and torch's generators when the snapshot was written},
                     (`generators.random_state`), so dropout and DataLoader worker seeds replay exactly;
-                    'data': a stateful DataLoader's `state_dict()` at the commit point, or None}`.
+                    'data': a stateful DataLoader's `state_dict()` at the commit point, or None;
+                    'run': the run state's fields stored as they are (`runstate.GENERIC`: those
+                    the rest of the file does not hold), by name}`.
 ==================  ==========================================================================
 
 Everything is tensors, numbers, strings, lists, dicts and None (`torch.load(weights_only=True)`). A metric
@@ -36,8 +38,9 @@ import warnings
 import attrs
 import torch
 
-from deepepochs.engine import generators
+from deepepochs.engine import generators, runstate
 from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.engine.runstate import RunState
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 from deepepochs.patches import PatchBase
 from deepepochs.tasks import TaskMeters
@@ -63,7 +66,8 @@ def capture(ctx: Context) -> dict | None:
                        "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
             "meters": [encode_meters(meters) for meters in ctx.train_meters],
             "data": None if data_state is None or data_state[:3] != (point.epoch, point.task_index, point.batches_done)
-            else data_state[3]}
+            else data_state[3],
+            "run": _encode_run(ctx.run)}
     ranks = dist.all_gather_object(mine) if dist.world_size > 1 else [mine]
     batch_size = getattr(getattr(ctx.task, "data", None), "batch_size", None)
     samples = None if not isinstance(batch_size, int) else point.batches_done * batch_size * dist.world_size
@@ -131,15 +135,15 @@ def check_point(point: ResumePoint, tasks, world_size: int, what: str = "the mid
                               " with, or from an epoch-end checkpoint")
 
 
-def restore(ctx: Context, position: dict, rank: int) -> None:
-    """Make the next fit continue at `position` (checked by `check`): the epoch's resume point, its task
-    meters, and this rank's generator states as of the commit point (set now).
+def restore(run: RunState, position: dict, rank: int, device: torch.device, world: int) -> None:
+    """Make the next fit continue at `position` (checked by `check`): write into the run state `run` (of
+    rank `rank` of `world` processes training on `device`) the epoch's resume point, its task meters, the
+    fields stored as they are (`runstate.GENERIC`), and set this rank's generators as of the commit point.
 
     On another world size (issue 17 part 3) the global data position carries over (`ResumePoint.samples`,
     turned into this run's batches when the task starts), rank 0 continues the meters of all saved ranks
     merged (the epoch's metrics stay global), and the generators are re-derived from (epoch, position,
     rank), with a `DeepEpochsWarning`: dropout then differs from an uninterrupted run's."""
-    device, world = ctx.parts.device, ctx.parts.dist.world_size
     ranks = position["ranks"]
     point = ResumePoint(position["epoch"], position["task_index"], position["batches_done"])
     if position["world_size"] == world:
@@ -147,7 +151,7 @@ def restore(ctx: Context, position: dict, rank: int) -> None:
         meters = [decode_meters(state, device) for state in own["meters"]]
         commit, task = _tuple(own["random"]["commit"]), _tuple(own["random"].get("task"))
         if own.get("data") is not None:
-            ctx.data_state = (point.epoch, point.task_index, point.batches_done, own["data"])
+            run.data_state = (point.epoch, point.task_index, point.batches_done, own["data"])
         if own["random"].get("host") is not None:
             set_rng_state(own["random"]["host"])  # Python, NumPy (torch is set from `commit` below)
     else:
@@ -155,18 +159,41 @@ def restore(ctx: Context, position: dict, rank: int) -> None:
         tasks = len(ranks[0]["meters"])
         meters = [_merged([decode_meters(r["meters"][i], device) for r in ranks]) if rank == 0 else TaskMeters()
                   for i in range(tasks)]
-        commit = task = _derived_random_state(ctx, position, rank)
+        commit = task = _derived_random_state(device, position, rank)
         warnings.warn(f"resuming a mid-epoch snapshot of {position['world_size']} process(es) on {world}: the"
                       " random generators are re-derived from (epoch, position, rank), so dropout and other"
                       " random draws differ from an uninterrupted run's from here on", DeepEpochsWarning,
                       stacklevel=2)
-    ctx.loop.resume = point
-    ctx.train_meters = meters
-    ctx.random_state = commit
-    ctx.random_replay = (task, commit)
-    ctx.random_restore_due = False
+    _restore_run(run, (ranks[rank] if position["world_size"] == world else ranks[0]).get("run"), device)
+    run.resume = point
+    run.train_meters = meters
+    run.random_state = commit
+    run.random_replay = (task, commit)
+    run.random_restore_due = False
     if commit is not None:
-        generators.set_random_state(ctx, commit)
+        generators.set_generators(device, commit)
+
+
+def _encode_run(run) -> dict:
+    """The run state's fields no other part of a snapshot holds (`runstate.generic_fields`), as plain data;
+    one that cannot be stored is left out with a `DeepEpochsWarning`."""
+    out = {}
+    for name in runstate.generic_fields(run):
+        try:
+            out[name] = _encode(getattr(run, name))
+        except _Unstorable as e:
+            warnings.warn(f"a snapshot cannot store the run state's {name!r} ({e}); a resume keeps that field as"
+                          " it is in the resuming trainer", DeepEpochsWarning, stacklevel=3)
+    return out
+
+
+def _restore_run(run, stored: dict | None, device: torch.device) -> None:
+    """Put back what `_encode_run` stored (on another world size, rank 0's); fields this run state does not
+    have are ignored, and fields the snapshot lacks (an older snapshot) keep their value."""
+    names = set(runstate.generic_fields(run))
+    for name, value in (stored or {}).items():
+        if name in names:
+            setattr(run, name, _decode(value, device))
 
 
 def _merged(parts: list[TaskMeters]) -> TaskMeters:
@@ -183,12 +210,11 @@ def _merged(parts: list[TaskMeters]) -> TaskMeters:
     return merged
 
 
-def _derived_random_state(ctx: Context, position: dict, rank: int) -> tuple:
+def _derived_random_state(device: torch.device, position: dict, rank: int) -> tuple:
     """torch's generator states seeded from (epoch, global position, rank): the same on every resume."""
     key = f"deepepochs/{int(position['epoch'])}/{int(position['samples_done'] or 0)}/{rank}".encode()
     seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2**62
     cpu = torch.Generator().manual_seed(seed).get_state()
-    device = ctx.parts.device
     gpu = None
     if device.type == "cuda":
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -224,7 +250,7 @@ def encode_meters(meters: TaskMeters) -> dict:
 
 def decode_meters(state: dict, device: torch.device) -> TaskMeters:
     """`TaskMeters` from `encode_meters` output, tensors on `device`; its patches get their metric
-    functions when the resumed task adopts them (`driver._adopt`)."""
+    functions when the resumed task adopts them (`resume._adopt`)."""
     meters = TaskMeters()
     loss_sum = state["loss_sum"]
     meters.loss_sum = None if loss_sum is None else loss_sum.to(device)

@@ -44,6 +44,9 @@ def after_fit(ctx: Context) -> None:
 
 
 def _fire(ctx: Context, due: bool, signal: str | None, only_signal: bool = False) -> None:
+    """Fire `snapshot` with its guards' inputs (`snapshot_due`, `stop_signal`), agreed over the ranks first
+    when the writer's decision can differ between them (signals, minutes); with `only_signal`, fire only
+    when a signal arrived."""
     writer, loop, dist = ctx.snapshots, ctx.loop, ctx.parts.dist
     if dist.world_size > 1 and writer.must_agree:
         names = writer.signals

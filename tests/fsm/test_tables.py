@@ -9,7 +9,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from deepepochs.engine.context import LoopState
+from deepepochs.engine.context import LoopState, RunState
 from deepepochs.errors import InvalidTransition
 from deepepochs.fsm import codegen, tables
 from deepepochs.fsm.events import ActionName, Event, GuardName, StateName, TriggerName
@@ -190,7 +190,7 @@ def test_error_edge_raises_its_reason():
     outcome = {g.name: True for g in SPEC.guards}
     guards = {g: (lambda g=g: outcome[g]) for g in outcome}
     actions = {a.name: (lambda: None) for a in SPEC.actions}
-    m = LoopMachine(guards, actions, LoopState(epoch=1, batch_idx=1))
+    m = LoopMachine(guards, actions, LoopState(run=RunState(epoch=1), batch_idx=1))
     m.model.state = "step_backward"
     with pytest.raises(InvalidTransition, match="must call self.optimize"):
         m.fire("end_batch")
@@ -201,7 +201,8 @@ def test_an_edge_taken_by_compiled_code_is_recorded_once_and_probed_once():
     """`LoopMachine.record` (what a compiled micro-batch calls at its end) adds one flight-record entry with
     the loop's epoch and batch, and calls the probe once with the state reached."""
     guards = {g.name: (lambda: True) for g in SPEC.guards}
-    m = LoopMachine(guards, {a.name: (lambda: None) for a in SPEC.actions}, LoopState(epoch=2, batch_idx=7))
+    loop = LoopState(run=RunState(epoch=2), batch_idx=7)
+    m = LoopMachine(guards, {a.name: (lambda: None) for a in SPEC.actions}, loop)
     probed = []
     m.probe = probed.append
     m.record("window_open", "update_step", "task_train")

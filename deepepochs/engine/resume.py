@@ -1,0 +1,110 @@
+"""Resume and replay: how a fit continues from a commit point instead of starting an epoch afresh.
+
+Three ways lead here, all through the run state (`deepepochs.engine.runstate`):
+
+- `Trainer(resume=...)`: the `resume_checkpoint` action hands the facade to the checkpoint layer's
+  resume policy (`Parts.resumer`), which loads the file into the run state;
+- a refit after a rollback: the run state still holds the last commit point (`resume`, the epoch's
+  `train_meters`, `random_state`, `data_state`);
+- a mid-epoch snapshot loaded by `load_checkpoint` (`deepepochs.engine.position.restore`).
+
+The driver then asks, per epoch, where the training stage stands (`epoch_point`), per task what it
+continues (`task_start`), and where the task's data starts (`position_data`) and how its iterator is
+drawn (`open_batches`), so that the batches, the metrics and every random stream continue exactly as the
+uninterrupted run's would have.
+"""
+
+from __future__ import annotations
+
+from deepepochs.data import stateful
+from deepepochs.engine import generators, position
+from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.patches import TensorPatch
+from deepepochs.sharding import iterate_past, skip_batches
+from deepepochs.tasks import EpochTask, TaskMeters, metric_name
+
+__all__ = ["epoch_point", "open_batches", "position_data", "task_start"]
+
+
+def epoch_point(ctx: Context, tasks, epoch: int) -> tuple[ResumePoint | None, list | None]:
+    """Where epoch `epoch`'s training stage continues: the run state's resume point when it belongs to
+    this epoch (checked against `tasks` when a task is in progress: a snapshot's position must lie inside
+    this data), with the epoch's committed meters; (None, None) for a fresh epoch."""
+    run = ctx.run
+    point = run.resume if run.resume is not None and run.resume.epoch == epoch else None
+    if point is None:
+        return None, None
+    if point.task_index >= 0:
+        position.check_point(point, tasks, ctx.parts.dist.world_size)
+    return point, run.train_meters
+
+
+def task_start(point: ResumePoint | None, saved: list | None, index: int,
+               task: EpochTask) -> tuple[TaskMeters, int | None, int | None]:
+    """What training task `index` continues from the stage's resume point (`epoch_point`): its meters
+    (committed ones adopted, else fresh), the batches to skip (None: the task completed before the
+    interrupt, 0: it starts afresh) and, for a snapshot of another world size, the global samples it
+    consumed."""
+    if saved is None or index >= len(saved) or not (point.task_index == -1 or index <= point.task_index):
+        return TaskMeters(task.all_metrics), 0, None
+    meters = _adopt(saved[index], task)
+    if point.task_index == -1 or index < point.task_index:
+        return meters, None, None
+    skip = point.batches_done
+    return meters, skip, point.samples if skip else None
+
+
+def position_data(ctx: Context, data, epoch: int, skip: int, samples: int | None) -> tuple[object, int, int]:
+    """A training task's data positioned after its `skip` committed batches: `(data, skip, past)`, `skip`
+    in this run's batches, `past` the batches to read and drop when the data cannot skip them itself.
+
+    A stateful DataLoader (torchdata's) whose state was kept at this task's last commit point continues
+    from it (`load_state_dict`), reading past any update applied after it; other data skips at the
+    sampler (`sharding.skip_batches`), or on another world size by its global sample count. Sets
+    `ctx.data_source` (the loader `commit_update` keeps the state of) and the resume point's count."""
+    loop = ctx.loop
+    source = data if stateful(data) else None
+    saved, past = ctx.run.data_state, 0
+    if skip and source is not None and saved is not None and saved[:2] == (epoch, ctx.task_index):
+        source.load_state_dict(saved[3])  # continues after the batches committed when it was read
+        past = skip - saved[2]  # an update applied after it, whose commit a fault cut short: in order, past it
+    elif skip:
+        data, skip, past = skip_batches(data, skip, samples, ctx.parts.dist.world_size)
+        loop.resume.batches_done = skip  # in this run's batches
+    ctx.data_source = source
+    return data, skip, past
+
+
+def open_batches(ctx: Context, data, skip: int, past: int):
+    """The training task's batch iterator, made so that random streams replay exactly.
+
+    A refit resuming the task mid-way (`run.random_replay` holds the task's states) makes the iterator
+    from the generator states the task first had (DataLoader worker seeds) and reads the batches it
+    iterates past from them (augmentation in the main process draws too); the batches then continue from
+    the last commit point's states. A fresh task keeps its states first (`run.task_random_state`)."""
+    run = ctx.run
+    replay, run.random_replay = run.random_replay, None
+    if skip and replay is not None and replay[0] is not None:
+        run.task_random_state = replay[0]
+        generators.set_random_state(ctx, replay[0])
+        batches = iterate_past(iter(data), past)
+        generators.set_random_state(ctx, replay[1])
+        return batches
+    run.task_random_state = generators.random_state(ctx)
+    return iterate_past(iter(data), past)
+
+
+def _adopt(meters: TaskMeters, task: EpochTask) -> TaskMeters:
+    """A resumed task's committed meters under this fit's metrics: patches of metrics no longer asked for
+    are dropped (a metric that failed can be removed), and a kept `TensorPatch` computes with the metric
+    of the same name given now (a failed metric can be replaced; its inputs are all kept)."""
+    now = {metric_name(m): m for m in task.all_metrics}
+    for name in set(meters.metrics) - set(now):
+        meters.patches.pop(name, None)
+    for name, patch in meters.patches.items():
+        # A snapshot stores no functions: a patch read from one gets its metric here (its `metric` is None).
+        if name in now and (isinstance(patch, TensorPatch) or getattr(patch, "metric", False) is None):
+            patch.metric = now[name]
+    meters.metrics = now
+    meters.final = None
+    return meters

@@ -1,0 +1,166 @@
+"""The run state: what a run has committed (epoch counters, records, the epoch's training meters, random
+state, data position), in one typed record with one `capture` and one `restore`.
+
+Rollback, the learning-rate finder, checkpoint loading and snapshots all go through this record, so a
+field added here is carried by every one of them without touching them:
+
+- rollback: the driver captures the record when an epoch's end begins and restores it when that end does
+  not commit (`Driver._count_epoch`); inside an epoch the record holds only what commit points wrote
+  (`commit_update` moves `resume`, `random_state`, `data_state`), so a fault leaves it as it was;
+- `find_lr` captures it before the sweep and restores it after (`deepepochs.lr_find.run_sweep`);
+- `checkpoint.load_into` captures it before loading and restores it when loading fails (all or nothing);
+- a mid-epoch snapshot stores every field its own format does not already hold (`snapshot=GENERIC`,
+  the default of a new field) per rank, and a resume puts them back (`deepepochs.engine.position`).
+
+Per-batch scratch (the open window's counters, the step's loss, backward seeds, ...) is not run state:
+it lives in `LoopState` and `Context` and is reset by each window, task or rollback.
+
+Each field says, in its metadata, how `capture` copies it (`copy`: `DEEP` by default; `SHARED` for a
+value a run replaces but never changes in place, so the captured reference stays valid) and how a
+snapshot carries it (`snapshot`: `GENERIC`, or the part of the file that holds it, or why it is not
+carried). `restore` writes every field back; a field marked `keep_identity` (a dict the user may hold,
+such as `trainer.history`) is refilled in place.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+
+import attrs
+
+__all__ = ["DEEP", "GENERIC", "SHARED", "ResumePoint", "RunState", "StopRequest", "capture", "generic_fields",
+           "restore"]
+
+#: `copy` metadata: `capture` deep-copies the value (the default: safe for any new field).
+DEEP = "deep"
+#: `copy` metadata: the run replaces the value whole and never mutates it, so `capture` keeps a reference.
+SHARED = "shared"
+#: `snapshot` metadata: a mid-epoch snapshot stores the value as it is (tensors, numbers, strings, lists,
+#: dicts, tuples and attrs records of those), per rank.
+GENERIC = "generic"
+
+
+def _field(default=attrs.NOTHING, *, factory=None, copy: str = DEEP, snapshot: str = GENERIC,
+           keep_identity: bool = False):
+    """An attrs field of the run state with its capture/snapshot policy in the metadata."""
+    meta = {"copy": copy, "snapshot": snapshot, "keep_identity": keep_identity}
+    if factory is not None:
+        return attrs.field(factory=factory, metadata=meta)
+    return attrs.field(default=default, metadata=meta)
+
+
+@attrs.define(frozen=True)
+class StopRequest:
+    """A request to end the fit after the current epoch (e.g. early stopping)."""
+
+    reason: str
+    source: str = ""
+
+
+@attrs.define(slots=True)
+class ResumePoint:
+    """The last commit point inside an epoch: where an interrupted fit continues (moved forward in place by
+    each committed update).
+
+    Attributes:
+        epoch: 1-based epoch the point belongs to.
+        task_index: the training task in progress (0-based), or -1 once the epoch's training stage is done.
+        batches_done: that task's batches whose windows were committed (their updates applied).
+        samples: for a snapshot resumed on another world size, the samples the task consumed over all
+            ranks (the task then skips `samples / world size` of its shard); None otherwise.
+    """
+
+    epoch: int
+    task_index: int
+    batches_done: int
+    samples: int | None = None
+
+
+def _empty_history() -> dict:
+    """A run's records before its first epoch: no metric yet for either stage."""
+    return {"train": {}, "val": {}}
+
+
+@attrs.define(slots=True, eq=False)
+class RunState:
+    """What a run has committed, owned here and nowhere else (see the module docstring).
+
+    `trainer.loop` shows the counters (`epoch`, `completed_epochs`, `target_epochs`, `stop`, `resume`,
+    `last_error_state`) and the engine's `Context` the rest under the same names; both read and write
+    this record.
+
+    Attributes:
+        running_id: the run's name, the folder of its checkpoints and logs (a resume may change it).
+        running_id_given: the name was given to the Trainer (then `resume=True` means this run only).
+        target_epochs: the epoch target of the running (or last) fit, a total.
+        completed_epochs: epochs committed (1-based count; 0: none).
+        epoch: the 1-based epoch in progress (or the last one); 0 before the first.
+        stop: a request to end the fit after the epoch (early stopping), or None.
+        resume: the last commit point inside an epoch (the data position), or None at an epoch's end.
+        last_error_state: the machine state the last fault was raised in (diagnostics), or None.
+        history: per stage, per metric, the values of the epochs the run committed (those a resume
+            loaded included); `trainer.history` is this dict, `fit()` returns a copy.
+        last_metrics: the current epoch's metrics per stage, read by epoch-wise schedulers.
+        train_meters: the epoch's training meters per task (committed work a resumed fit continues).
+        random_state: torch's generator states at the last commit point of the running fit.
+        random_restore_due: a fit failed; the next fit starts from `random_state` (a refit).
+        task_random_state: the generator states just before the running training task made its data
+            iterator (which draws DataLoader worker seeds).
+        random_replay: for a refit resuming a task mid-way, (its `task_random_state`, `random_state`):
+            the iterator is made from the first, the batches continue from the second.
+        data_state: `(epoch, task index, batches done, state_dict())` of a stateful training DataLoader
+            at the last complete commit point: a refit or a resumed snapshot continues it with
+            `load_state_dict` instead of skipping batches.
+    """
+
+    running_id: str = _field("", copy=SHARED, snapshot="the checkpoint's running_id (resume names the run)")
+    running_id_given: bool = _field(False, copy=SHARED, snapshot="the Trainer's argument, not the file's")
+    target_epochs: int = _field(0, copy=SHARED, snapshot="the resumed fit's epochs=")
+    completed_epochs: int = _field(0, copy=SHARED, snapshot="the checkpoint's epoch")
+    epoch: int = _field(0, copy=SHARED, snapshot="the position's epoch")
+    stop: StopRequest | None = _field(None, copy=SHARED, snapshot="every epoch starts without a stop request")
+    resume: ResumePoint | None = _field(None, snapshot="the position (epoch, task_index, batches_done, samples)")
+    last_error_state: str | None = _field(None, copy=SHARED, snapshot="diagnostics of this process")
+    history: dict = _field(factory=_empty_history, snapshot="the checkpoint's history", keep_identity=True)
+    last_metrics: dict = _field(factory=dict, snapshot="a mid-epoch snapshot has no epoch metrics yet")
+    # The meters of a committed task are continued in place only by a fit resuming its epoch, which a
+    # restore replaces; a capture keeps the list (copying it would copy every kept prediction).
+    train_meters: list | None = _field(None, copy=SHARED, snapshot="the position's meters, per rank")
+    random_state: tuple | None = _field(None, copy=SHARED, snapshot="the position's random states, per rank")
+    random_restore_due: bool = _field(False, copy=SHARED, snapshot="a resume starts from the position's states")
+    task_random_state: tuple | None = _field(None, copy=SHARED,
+                                             snapshot="the position's random states, per rank")
+    random_replay: tuple | None = _field(None, copy=SHARED, snapshot="derived from the position's random states")
+    data_state: tuple | None = _field(None, copy=SHARED, snapshot="the position's data state, per rank")
+
+
+def capture(run: RunState) -> RunState:
+    """An independent copy of `run`: fields marked `SHARED` by reference, every other one deep-copied.
+    `restore(run, capture(run))` later puts `run` back as it is now."""
+    cls = type(run)
+    values = {}
+    for field in attrs.fields(cls):
+        value = getattr(run, field.name)
+        values[field.name] = value if field.metadata.get("copy", DEEP) == SHARED else _copy.deepcopy(value)
+    return cls(**values)
+
+
+def restore(run: RunState, saved: RunState) -> None:
+    """Write every field of `saved` (from `capture`) back into `run`, deep-copied values copied again so
+    that `saved` stays independent (it can be restored twice); a `keep_identity` dict is refilled in place
+    (the user may hold it, e.g. `trainer.history`)."""
+    for field in attrs.fields(type(run)):
+        value = getattr(saved, field.name)
+        if field.metadata.get("copy", DEEP) != SHARED:
+            value = _copy.deepcopy(value)
+        current = getattr(run, field.name)
+        if field.metadata.get("keep_identity") and isinstance(current, dict) and isinstance(value, dict):
+            current.clear()
+            current.update(value)
+        else:
+            setattr(run, field.name, value)
+
+
+def generic_fields(run: RunState) -> list[str]:
+    """The names of `run`'s fields a snapshot stores as they are (`snapshot=GENERIC`)."""
+    return [f.name for f in attrs.fields(type(run)) if f.metadata.get("snapshot", GENERIC) == GENERIC]
