@@ -1,6 +1,6 @@
 """What the non-finite gradient check costs per update, against the update it guards.
 
-deepepochs checks every gradient for inf/NaN before every update (`engine.actions.window_finite`, which
+deepepochs checks every gradient for inf/NaN before every update (`engine.finite.window_finite`, which
 on the CPU calls `torch_private.grads_finite_on_host`). Its cost grows with the model (one pass over the
 gradients), so it is measured here on a plain PyTorch update, without the rest of the library: zero_grad,
 forward, loss, backward, the check, Adam's step; MLP 784-512-512-10 at batch 128 (and the tiny model),

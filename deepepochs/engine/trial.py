@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 from deepepochs.engine import actions, runstate
+from deepepochs.fsm.events import ActionName
 from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["trial_fit"]
@@ -26,7 +27,7 @@ def trial_fit(driver, tasks, callbacks, more_epochs: int):
     ctx = driver.ctx
     parts, run = ctx.parts, ctx.run
     if ctx.loop.resume_pending:
-        actions.ACTIONS["resume_checkpoint"](ctx)
+        actions.ACTIONS[ActionName.RESUME_CHECKPOINT](ctx)
     console, hooks = parts.console, parts.hooks
     saved_run = runstate.capture(run)
     model = {k: v.detach().clone() for k, v in parts.raw_model.state_dict().items()}

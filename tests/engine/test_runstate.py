@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Callback, CheckpointError, SnapshotCallback, Trainer
 from deepepochs.checkpoint import read_checkpoint
-from deepepochs.engine import actions, runstate
+from deepepochs.engine import actions, generators, runstate
 from deepepochs.engine.runstate import RunState
 
 
@@ -159,7 +159,7 @@ def test_a_failed_load_leaves_the_added_field_as_it_was(monkeypatch, tmp_path):
     trainer.loop.run.updates, trainer.loop.run.tag = 5, "mine"
     history = trainer.history
     # The last step of putting a position back fails: everything before it had been written.
-    monkeypatch.setattr(actions, "set_generators", _fail)
+    monkeypatch.setattr(generators, "set_generators", _fail)
     with pytest.raises(CheckpointError, match="could not be loaded"):
         trainer.load_checkpoint(tmp_path / "run" / "snapshot-u000000003.ckpt")
     run = trainer.loop.run
