@@ -28,11 +28,9 @@ from deepepochs.protocols import (
 __all__ = ["Context", "LoopState", "Parts", "ResumePoint", "RunState", "StopRequest"]
 
 
-def _run_alias(name: str, owner: str) -> property:
-    """A property of `LoopState` (`owner` 'loop') or `Context` ('ctx') reading and writing field `name` of
-    the run state, which owns it (`deepepochs.engine.runstate`): the loop's and the engine's code keep
-    their names for it. The getter is an `attrgetter` (no Python frame: some are read per micro-batch)."""
-    path = "run" if owner == "loop" else "loop.run"
+def _run_alias(name: str, path: str) -> property:
+    """A property reading and writing field `name` of the run state found at `path` from the instance (the
+    getter is an `attrgetter`: no Python frame, some are read per micro-batch)."""
     run_of = operator.attrgetter(path)
 
     def set_(self, value):
@@ -41,7 +39,19 @@ def _run_alias(name: str, owner: str) -> property:
     return property(operator.attrgetter(f"{path}.{name}"), set_, doc=f"The run state's `{name}` (`RunState.{name}`).")
 
 
+def _run_aliases(path: str, *names: str):
+    """Class decorator: `names` become properties of the class reading and writing the run state's fields
+    of those names (`deepepochs.engine.runstate`, which owns them), so the loop's and the engine's code keep
+    their names for them. Applied below `attrs.define`, which keeps them on the class it makes."""
+    def decorate(cls):
+        for name in names:
+            setattr(cls, name, _run_alias(name, path))
+        return cls
+    return decorate
+
+
 @attrs.define(slots=True)
+@_run_aliases("run", "target_epochs", "completed_epochs", "epoch", "stop", "resume", "last_error_state")
 class LoopState:
     """Counters and flags of a running loop (guards read these; actions update them).
 
@@ -76,13 +86,6 @@ class LoopState:
     epoch_undo: list = attrs.Factory(list)
     snapshot_due: bool = False
     stop_signal: str | None = None
-
-    target_epochs = _run_alias("target_epochs", "loop")
-    completed_epochs = _run_alias("completed_epochs", "loop")
-    epoch = _run_alias("epoch", "loop")
-    stop = _run_alias("stop", "loop")
-    resume = _run_alias("resume", "loop")
-    last_error_state = _run_alias("last_error_state", "loop")
 
 
 @attrs.define(frozen=True, eq=False)
@@ -129,6 +132,8 @@ class Parts:
 
 
 @attrs.define(slots=True, eq=False)
+@_run_aliases("loop.run", "train_meters", "history", "last_metrics", "random_state", "random_restore_due",
+              "task_random_state", "random_replay", "data_state")
 class Context:
     """One trainer's run-time context: its parts, its loop state, and what the current batch holds.
 
@@ -194,12 +199,3 @@ class Context:
     def epoch_undo(self) -> list:
         """`loop.epoch_undo`."""
         return self.loop.epoch_undo
-
-    train_meters = _run_alias("train_meters", "ctx")
-    history = _run_alias("history", "ctx")
-    last_metrics = _run_alias("last_metrics", "ctx")
-    random_state = _run_alias("random_state", "ctx")
-    random_restore_due = _run_alias("random_restore_due", "ctx")
-    task_random_state = _run_alias("task_random_state", "ctx")
-    random_replay = _run_alias("random_replay", "ctx")
-    data_state = _run_alias("data_state", "ctx")
