@@ -98,7 +98,7 @@ def test_batch_segments_script_times_every_segment_of_both_loops(tmp_path):
     table = json.loads(out.read_text())["median_us"]
     for shared in ("forward", "loss function", "backward", "optimizer step", "zero_grad"):
         assert table[shared]["raw"] > 0 and table[shared]["deepepochs"] > 0, shared
-    for own in ("finite check (unscale_gradients)", "generator copy (commit_update)", "action unscale_gradients",
+    for own in ("finite check (unscale_gradients)", "generator copy (remember_position)", "action unscale_gradients",
                 "action step_optimizer", "action commit_update", "action close_window", "step read_batch",
                 "step count_batch", "compiled micro-batch (its own lines)"):
         assert table[own]["raw"] is None and table[own]["deepepochs"] > 0, own
