@@ -155,7 +155,7 @@ class Driver:
         finally:
             loop.resume_tasks = None
         self._header()
-        self._run_hooks(Event.BEFORE_FIT, epochs)
+        emit(self.ctx, Event.BEFORE_FIT, epochs)
         if not self._started:
             self._started = True
             parts.dist.broadcast_model(parts.raw_model)  # after init callbacks: every rank starts equal (DDP-5)
@@ -163,7 +163,7 @@ class Driver:
         while fire(TriggerName.NEXT_EPOCH) == StateName.EPOCH_RUNNING:
             epoch = loop.epoch
             epoch_idx = epoch - 1  # hooks get 0-based epoch indices, as in 0.6; the loop counts from 1
-            self._run_hooks(Event.BEFORE_EPOCH, train, val, epoch_idx)
+            emit(self.ctx, Event.BEFORE_EPOCH, train, val, epoch_idx)
             fire(TriggerName.BEGIN_TRAIN)
             train_metrics = self._train_stage(train, epoch)
             fire(TriggerName.END_STAGE)
@@ -173,14 +173,14 @@ class Driver:
                 val_metrics = self._eval_stage("val", val, epoch)
                 fire(TriggerName.END_STAGE)
             self._count_epoch(epoch)
-            self._run_hooks(Event.AFTER_EPOCH, train, val, train_metrics, val_metrics, epoch_idx)
+            emit(self.ctx, Event.AFTER_EPOCH, train, val, train_metrics, val_metrics, epoch_idx)
             skipped = sum(meters.skipped for meters in ctx.train_meters or ())
             parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped)
             fire(TriggerName.END_EPOCH)
             if ctx.snapshots is not None:
                 snapshots.commit_point(ctx, epoch_end=True)
         loop.stage = None
-        self._run_hooks(Event.AFTER_FIT)
+        emit(self.ctx, Event.AFTER_FIT)
         if ctx.snapshots is not None:
             snapshots.after_fit(ctx)
         fire(TriggerName.FINISH)
@@ -213,7 +213,7 @@ class Driver:
         loop.stage = "train"
         ctx.model = parts.train_model
         parts.raw_model.train()
-        self._run_hooks(Event.BEFORE_TRAIN_EPOCHS, tasks, epoch - 1)
+        emit(self.ctx, Event.BEFORE_TRAIN_EPOCHS, tasks, epoch - 1)
         meters_list = ctx.train_meters = []
         for index, task in enumerate(tasks):
             meters, skip, samples = resume.task_start(point, saved, index, task)
@@ -226,7 +226,7 @@ class Driver:
         loop.resume = ResumePoint(epoch, -1, 0)
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics["train"] = metrics
-        self._run_hooks(Event.AFTER_TRAIN_EPOCHS, tasks, metrics, epoch - 1)
+        emit(self.ctx, Event.AFTER_TRAIN_EPOCHS, tasks, metrics, epoch - 1)
         return metrics
 
     def _eval_stage(self, stage, tasks, epoch):
@@ -239,7 +239,7 @@ class Driver:
         loop.stage = stage
         ctx.model = parts.eval_model
         parts.raw_model.eval()
-        self._run_hooks(before_stage, tasks, epoch - 1) if stage == "val" else self._run_hooks(before_stage, tasks)
+        emit(self.ctx, before_stage, tasks, epoch - 1) if stage == "val" else emit(self.ctx, before_stage, tasks)
         meters_list = []
         try:
             with torch.no_grad():
@@ -254,9 +254,9 @@ class Driver:
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics[stage] = metrics
         if stage == "val":
-            self._run_hooks(after_stage, tasks, metrics, epoch - 1)
+            emit(self.ctx, after_stage, tasks, metrics, epoch - 1)
         else:
-            self._run_hooks(after_stage, tasks, metrics)
+            emit(self.ctx, after_stage, tasks, metrics)
         return metrics
 
     def run_test(self, tasks):
@@ -333,7 +333,7 @@ class Driver:
         ctx.first_batch = True
         loop.meters = meters
         machine.fire_cold(TriggerName.BEGIN_TASK)
-        self._run_hooks(before_task, task)
+        emit(self.ctx, before_task, task)
         data = task.data
         total = data_length(data)
         past = 0
@@ -356,7 +356,7 @@ class Driver:
         self._raise_pending_nonfinite(meters)
         parts.dist.check_batch_counts(loop.batch_idx, stage)
         metrics = self._task_metrics(meters)
-        self._run_hooks(after_task, task, metrics)
+        emit(self.ctx, after_task, task, metrics)
         machine.fire_cold(TriggerName.END_TASK)
         ctx.task = None
         return metrics
@@ -412,10 +412,6 @@ class Driver:
             )
 
     # ---- misc ----
-    def _run_hooks(self, event, *args):
-        """Fire hook `event` (`emit`)."""
-        emit(self.ctx, event, *args)
-
     def _header(self):
         """Print the run's header once per trainer (time, device, running id, parameters, precision)."""
         if self.header_done:

@@ -25,7 +25,7 @@ def _moves(node):
         return False
     func = node.func
     name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-    return name in MOVES | {"emit", "_run_hooks"}
+    return name in MOVES | {"emit"}
 
 
 def _spec_literals(package):
