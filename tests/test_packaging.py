@@ -1,11 +1,13 @@
-"""PKG-1: the wheel holds the package with its generated tables (not spec/ or tests/), and installed into a
+"""Packaging: the wheel holds the package with its generated tables (not spec/ or tests/), and installed into a
 clean virtual environment it runs the quick start (examples/01-basic.py) from outside the repository."""
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -44,22 +46,82 @@ def _without_pythonpath() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
+def _base_interpreter_package_dirs() -> set[Path]:
+    """The site-packages folders of the interpreter this environment was made from (and the user's own):
+    packages installed there by hand exist on a developer's machine, not on a fresh one."""
+    probe = "import json, site, sys; print(json.dumps(site.getsitepackages() + [site.getusersitepackages()]))"
+    base = getattr(sys, "_base_executable", sys.executable)
+    out = subprocess.run([base, "-I", "-c", probe], check=True, capture_output=True, text=True,
+                         env=_without_pythonpath()).stdout
+    return {Path(p).resolve() for p in json.loads(out)}
+
+
+def _is_inside(path: Path, folders: set[Path]) -> bool:
+    return any(path == folder or path.is_relative_to(folder) for folder in folders)
+
+
+def _project_package_dirs() -> list[str]:
+    """The folders this test run imports third-party packages from (the project's environment, and any
+    folder its own .pth files add), less the checkout and the base interpreter's standard library."""
+    stdlib = {Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "platstdlib")}
+    dirs = []
+    for entry in sys.path:
+        path = Path(entry or ".").resolve()
+        if not path.is_dir() or path == ROOT or path.is_relative_to(ROOT) or _is_inside(path, stdlib):
+            continue
+        dirs.append(str(path))
+    return dirs
+
+
+def _venv_with_project_packages(venv: Path, env: dict[str, str]) -> Path:
+    """A venv that does not see the base interpreter's site-packages (a fresh machine has nothing there),
+    given the project environment's packages (torch and the rest, no download) by a .pth file; anything
+    installed into the venv itself comes first on its sys.path."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
+    python = venv / ("Scripts" if sys.platform == "win32" else "bin") / "python"
+    site_dir = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True, env=env).stdout.strip()
+    (Path(site_dir) / "_project_packages.pth").write_text("\n".join(_project_package_dirs()) + "\n")
+    return python
+
+
+def test_this_test_run_imports_nothing_from_the_base_interpreters_site_packages():
+    """The suite's own environment is isolated from the base interpreter: a package found only there (as on
+    a developer's machine where someone installed torch by hand) would pass here and fail on a fresh one."""
+    base = _base_interpreter_package_dirs()
+    borrowed = [entry for entry in sys.path if entry and _is_inside(Path(entry).resolve(), base)]
+    assert not borrowed, f"the test run imports from the base interpreter's site-packages: {borrowed}"
+
+
+def test_a_child_python_found_on_path_is_the_test_environments():
+    """A test that starts `python` by name gets this environment's interpreter, not the base one."""
+    for name in ("python", "python3"):
+        found = shutil.which(name)
+        assert found is not None, f"{name} is not on PATH"
+        prefix = subprocess.run([found, "-c", "import sys; print(sys.prefix)"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        assert Path(prefix).resolve() == Path(sys.prefix).resolve(), (
+            f"{name} on PATH is {found} (prefix {prefix}), not this environment's ({sys.prefix})")
+
+
 def test_the_installed_wheel_runs_the_quick_start_outside_the_repository(wheel, tmp_path):
-    """The wheel installed in a fresh virtual environment, not the checkout, runs the quick start."""
+    """The wheel installed in a fresh virtual environment, not the checkout, runs the quick start, with no
+    package of the base interpreter on its path."""
     env = _without_pythonpath()
     venv = tmp_path / "venv"
-    # System site-packages provide torch and the other dependencies (no download of a multi-GB torch);
-    # the wheel goes into the venv's own site-packages, which come first on sys.path.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, env=env)
-    python = venv / ("Scripts" if sys.platform == "win32" else "bin") / "python"
+    python = _venv_with_project_packages(venv, env)
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True,
                    capture_output=True, text=True, env=env)
     work = tmp_path / "work"
     work.mkdir()
     script = shutil.copy(ROOT / "examples" / "01-basic.py", work / "quick_start.py")
-    where = subprocess.run([str(python), "-c", "import deepepochs; print(deepepochs.__file__)"], cwd=work,
-                           check=True, capture_output=True, text=True, env=env).stdout.strip()
+    probe = "import json, sys, deepepochs; print(json.dumps([deepepochs.__file__, sys.path]))"
+    where, child_path = json.loads(subprocess.run([str(python), "-c", probe], cwd=work, check=True,
+                                                  capture_output=True, text=True, env=env).stdout)
     assert Path(where).is_relative_to(venv), f"imported {where}, not the installed wheel"
+    base = _base_interpreter_package_dirs()
+    borrowed = [entry for entry in child_path if entry and _is_inside(Path(entry).resolve(), base)]
+    assert not borrowed, f"the wheel's venv sees the base interpreter's site-packages: {borrowed}"
     run = subprocess.run([str(python), script, "--small"], cwd=work, capture_output=True, text=True, timeout=300,
                          env=env)
     assert run.returncode == 0, run.stderr[-2000:]
