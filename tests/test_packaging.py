@@ -62,12 +62,16 @@ def _is_inside(path: Path, folders: set[Path]) -> bool:
 
 def _project_package_dirs() -> list[str]:
     """The folders this test run imports third-party packages from (the project's environment, and any
-    folder its own .pth files add), less the checkout and the base interpreter's standard library."""
-    stdlib = {Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "platstdlib")}
+    folder its own .pth files add), less any folder the checkout's own package would be imported from and
+    the base interpreter's standard library. (The project's .venv may well lie inside the checkout.)"""
+    # The base interpreter's library folders (inside a venv, sysconfig's own platstdlib is the venv's lib/).
+    base = {name: sys.base_prefix for name in ("base", "platbase", "installed_base", "installed_platbase")}
+    stdlib = {Path(sysconfig.get_paths(vars=base)[key]).resolve() for key in ("stdlib", "platstdlib")}
+    checkout_package = (ROOT / "deepepochs").resolve()
     dirs = []
     for entry in sys.path:
         path = Path(entry or ".").resolve()
-        if not path.is_dir() or path == ROOT or path.is_relative_to(ROOT) or _is_inside(path, stdlib):
+        if not path.is_dir() or (path / "deepepochs").resolve() == checkout_package or _is_inside(path, stdlib):
             continue
         dirs.append(str(path))
     return dirs
@@ -116,8 +120,9 @@ def test_the_installed_wheel_runs_the_quick_start_outside_the_repository(wheel, 
     work.mkdir()
     script = shutil.copy(ROOT / "examples" / "01-basic.py", work / "quick_start.py")
     probe = "import json, sys, deepepochs; print(json.dumps([deepepochs.__file__, sys.path]))"
-    where, child_path = json.loads(subprocess.run([str(python), "-c", probe], cwd=work, check=True,
-                                                  capture_output=True, text=True, env=env).stdout)
+    imported = subprocess.run([str(python), "-c", probe], cwd=work, capture_output=True, text=True, env=env)
+    assert imported.returncode == 0, f"import deepepochs failed in the wheel's venv:\n{imported.stderr[-3000:]}"
+    where, child_path = json.loads(imported.stdout)
     assert Path(where).is_relative_to(venv), f"imported {where}, not the installed wheel"
     base = _base_interpreter_package_dirs()
     borrowed = [entry for entry in child_path if entry and _is_inside(Path(entry).resolve(), base)]
