@@ -128,7 +128,7 @@ def _trim() -> None:
 
 def _timed_merge(merge: str, spent: list) -> None:
     """Count the time spent merging patches across ranks; `everywhere` puts back the previous merge."""
-    from deepepochs import distributed
+    from deepepochs.parallel import ddp as distributed
 
     if merge == "everywhere":
         distributed.DDPPolicy.sync_patch = lambda self, patch: patch.copy().sync()

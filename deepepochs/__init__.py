@@ -22,7 +22,6 @@ from deepepochs.compat import (
     to_numpy,
 )
 from deepepochs.compat import removed as __getattr__  # noqa: F401 (module __getattr__: 0.6 names that are gone)
-from deepepochs.confusion import ConfusionMetrics, ConfusionPatch
 from deepepochs.errors import (
     CheckpointError,
     ConfigError,
@@ -32,16 +31,17 @@ from deepepochs.errors import (
 )
 from deepepochs.fsm.events import Event
 from deepepochs.launch import launch
-from deepepochs.optim import Optimizer
 from deepepochs.patches import (
     MeanPatch,
     PatchBase,
     TensorPatch,
     ValuePatch,
 )
-from deepepochs.streaming import StreamPatch
+from deepepochs.patches.confusion import ConfusionMetrics, ConfusionPatch
+from deepepochs.patches.streaming import StreamPatch
 from deepepochs.tasks import EpochTask, rename
 from deepepochs.trainer import Trainer, TrainerBase
+from deepepochs.training.optim import Optimizer
 from deepepochs.utils import set_seed
 
 __version__ = "0.7.0"

@@ -63,7 +63,7 @@ class Clipper(Protocol):
 
 class SnapshotWriter(Protocol):
     """The snapshot writer (`deepepochs.callbacks.SnapshotCallback`), found by its `poll_snapshot` method
-    (`deepepochs.engine.snapshots.find_writer`): decides at each commit point whether a snapshot is due and
+    (`deepepochs.engine.snapshot_trigger.find_writer`): decides at each commit point whether a snapshot is due and
     whether a stop signal arrived, and writes the snapshot the `save_snapshot` action asks for."""
 
     signals: Sequence[str]
@@ -83,8 +83,8 @@ class SnapshotWriter(Protocol):
 
 
 class DistPolicy(Protocol):
-    """How processes train together (`deepepochs.distributed.SingleProcess`, `DDPPolicy`,
-    `deepepochs.fsdp.FSDPPolicy`): the same methods whatever the world size, so the engine has no
+    """How processes train together (`deepepochs.parallel.ddp.SingleProcess`, `DDPPolicy`,
+    `deepepochs.parallel.fsdp.FSDPPolicy`): the same methods whatever the world size, so the engine has no
     `if distributed` branches. Also `trainer.dist` for callbacks."""
 
     rank: int
@@ -140,7 +140,7 @@ class DistPolicy(Protocol):
 
 
 class PrecisionPolicy(Protocol):
-    """What the precision means on the device (`deepepochs.precision.Precision`): autocast contexts, the
+    """What the precision means on the device (`deepepochs.training.precision.Precision`): autocast contexts, the
     fp16 GradScaler (None otherwise) and the loss scaling around an update. Also `trainer.precision`."""
 
     name: str
@@ -163,7 +163,7 @@ class PrecisionPolicy(Protocol):
 
 
 class ConsoleLike(Protocol):
-    """Where the run prints (`deepepochs.console.Console`, rank 0 only): the header, task progress, epoch
+    """Where the run prints (`deepepochs.reporting.console.Console`, rank 0 only): the header, task progress, epoch
     and test lines, notes. Also `trainer.console`."""
 
     enabled: bool
@@ -201,7 +201,7 @@ class HookTableLike(Protocol):
 
 
 class OptimizerSet(Protocol):
-    """The trainer's optimizers in `optimize_index` order (`deepepochs.optim.Optimizers`): their
+    """The trainer's optimizers in `optimize_index` order (`deepepochs.training.optim.Optimizers`): their
     gradients, zeroing, and the schedulers stepped per update or per epoch. Also `trainer.opt`."""
 
     items: list

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from deepepochs.data import check_batch_size
+from deepepochs.data.batch_rules import check_batch_size
 from deepepochs.errors import ConfigError
 
 __all__ = [

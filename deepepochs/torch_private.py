@@ -9,7 +9,7 @@ fallback may be slower or coarser, but makes the same step/skip decisions and sc
     touching the scale, and to hand set-aside records back to `update`. Why: the public API exposes the
     flags only through `step`, which steps or skips by itself with one host read per optimizer, and
     through `update`, which consumes every record at once, so a scale update cannot wait until every
-    optimizer of a batch has finished (see `deepepochs.precision`).
+    optimizer of a batch has finished (see `deepepochs.training.precision`).
     Fallback: the flags are computed with `torch.isfinite` over the unscaled gradients and kept in a side
     table here; a record is dropped with `update(new_scale=<the current scale>)`, which resets the
     scaler's per-optimizer stages and keeps the scale and growth tracker; the set-aside records become
@@ -22,7 +22,7 @@ fallback may be slower or coarser, but makes the same step/skip decisions and sc
     dtype the device does not support. torch >= 2.4 answers publicly (`torch.is_autocast_enabled(device)`
     inside the context), which is used wherever it exists; torch 2.3's `is_autocast_enabled()` takes no
     device and answers for CUDA only.
-    Fallback: report enabled; `deepepochs.precision` also checks for the "not supported" warning that
+    Fallback: report enabled; `deepepochs.training.precision` also checks for the "not supported" warning that
     torch emits whenever it disables autocast for an unsupported dtype.
 
 `torch._amp_foreach_non_finite_check_and_unscale_` (the fused check inside `GradScaler.unscale_`)

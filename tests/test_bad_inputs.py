@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from deepepochs import Callback, CheckCallback, CheckpointError, ConfigError, Trainer, rename
-from deepepochs.precision import Precision
+from deepepochs.training.precision import Precision
 
 X = torch.randn(16, 4)
 Y = (X[:, 0] > 0).long()

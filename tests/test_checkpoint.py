@@ -157,7 +157,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint_loadable(tmp_path, monkeyp
 
     assert path.read_bytes() == before
     assert torch.load(path, weights_only=True)["epoch"] == 1
-    # The folder holds the checkpoint and the first fit's run-end record (deepepochs.finished), no temp file.
+    # The folder holds the checkpoint and the first fit's run-end record (deepepochs.checkpoint.finished), no temp file.
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, "finished.pt"])
 
 
@@ -388,7 +388,7 @@ def test_a_two_process_ddp_checkpoint_loads_in_a_single_process(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = torch.load(tmp_path / "result.pt", weights_only=True)
     if out["world_size"] != 2:
-        pytest.skip("deepepochs.distributed has no DDP policy yet (the launched Trainer reported world size"
+        pytest.skip("deepepochs.parallel.ddp has no DDP policy yet (the launched Trainer reported world size"
                     f" {out['world_size']}); this test needs one to write a world-size-2 checkpoint")
     path = tmp_path / "ckpt" / "ddp-run" / "val-loss.latest.ckpt"
     saved = torch.load(path, weights_only=True)

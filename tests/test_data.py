@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepepochs.data import batch_splitter, lookahead, prepare_batch
+from deepepochs.data.batch_rules import batch_splitter, lookahead, prepare_batch
 
 X, Y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
 BATCHES = {

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from deepepochs import Callback, Trainer, console, torch_private
+from deepepochs import Callback, Trainer, torch_private
+from deepepochs.reporting import console
 
 BATCH, N_BATCHES = 4, 6
 

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from processes import free_port, spawn_with_deadline  # noqa: E402  (tests/, on sys.path under pytest)
 
 from deepepochs import metrics as dm
-from deepepochs.confusion import ConfusionMetrics, ConfusionPatch
 from deepepochs.errors import ConfigError
 from deepepochs.patches import (
     MeanPatch,
@@ -22,6 +21,7 @@ from deepepochs.patches import (
     ValuePatch,
     merge_patches,
 )
+from deepepochs.patches.confusion import ConfusionMetrics, ConfusionPatch
 
 
 def _skm():

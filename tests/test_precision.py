@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Callback, ConfigError, Optimizer, Trainer
-from deepepochs.precision import Precision
+from deepepochs.training.precision import Precision
 
 QUIET = dict(log_batch=False, show_info=False, device="cpu")
 SCALE = 256.0  # small enough that the tiny model never overflows by itself: only poisoned steps skip

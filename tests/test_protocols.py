@@ -11,12 +11,12 @@ import deepepochs
 from deepepochs import protocols
 from deepepochs.callbacks import CheckCallback, GradClipCallback, SnapshotCallback
 from deepepochs.callbacks.base import HookTable
-from deepepochs.console import Console
-from deepepochs.distributed import DDPPolicy, SingleProcess
 from deepepochs.engine.context import Parts
-from deepepochs.fsdp import FSDPPolicy
-from deepepochs.optim import Optimizers
-from deepepochs.precision import Precision
+from deepepochs.parallel.ddp import DDPPolicy, SingleProcess
+from deepepochs.parallel.fsdp import FSDPPolicy
+from deepepochs.reporting.console import Console
+from deepepochs.training.optim import Optimizers
+from deepepochs.training.precision import Precision
 
 PACKAGE = pathlib.Path(deepepochs.__file__).parent
 

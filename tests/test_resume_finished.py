@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Callback, CheckCallback, Trainer
-from deepepochs.finished import FINISHED_FILE
+from deepepochs.checkpoint.finished import FINISHED_FILE
 
 
 def _loader(seed=0):

@@ -17,7 +17,8 @@ import torch
 from checkpoint_helpers import monitored_trainer, regression_batches  # tests/, on sys.path under pytest
 from torch import nn
 
-from deepepochs import CheckpointError, checkpoint, sharded
+from deepepochs import CheckpointError, checkpoint
+from deepepochs.checkpoint import shard_storage as sharded
 from deepepochs.errors import DeepEpochsWarning
 
 

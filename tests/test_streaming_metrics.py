@@ -20,7 +20,7 @@ from deepepochs.errors import DeepEpochsWarning
 from deepepochs.metrics import accuracy, f1, precision, recall
 from deepepochs.patches import merge_patches
 from deepepochs.patches import tensor as tensor_patch_module
-from deepepochs.streaming import StreamPatch
+from deepepochs.patches.streaming import StreamPatch
 
 tm = pytest.importorskip("torchmetrics")
 from processes import free_port, spawn_with_deadline  # noqa: E402  (tests/, on sys.path under pytest)

@@ -11,7 +11,7 @@ from torch import nn
 
 from deepepochs import ConfigError
 from deepepochs import torch_private as tp
-from deepepochs.precision import Precision
+from deepepochs.training.precision import Precision
 
 CPU = torch.device("cpu")
 SCALER_PATHS = ["private", "fallback"]
@@ -355,7 +355,7 @@ def test_sums_pay_off_for_gradients_large_on_average():
     n = tp.SUM_CHECK_MEAN_NUMEL
     assert tp.sums_pay_off([torch.ones(n), torch.ones(n)]) and tp.sums_pay_off([torch.ones(2 * n - 1), torch.ones(1)])
     assert not tp.sums_pay_off([torch.ones(2 * n - 2), torch.ones(1)]) and not tp.sums_pay_off([])
-    from deepepochs.optim import Optimizers
+    from deepepochs.training.optim import Optimizers
 
     wide, narrow = torch.nn.Linear(256, 256), torch.nn.Linear(16, 2)
     assert Optimizers(torch.optim.SGD(wide.parameters(), lr=0.1), wide).sum_check

@@ -316,7 +316,7 @@ def test_an_error_in_the_loop_carries_the_flight_record_and_leaves_the_trainer_u
 
 def test_console_prints_batch_lines_with_the_familiar_shape(monkeypatch):
     """CORE-5: batch lines `E 1/2  B 3/4  TRAIN> loss: ...` (throttled) and 7 digits with log_long."""
-    monkeypatch.setattr(deepepochs.console, "LOG_REFRESH_S", 0.0)
+    monkeypatch.setattr(deepepochs.reporting.console, "LOG_REFRESH_S", 0.0)
     stream = io.StringIO()
     x, y = _binary(32, 4)
     data = DataLoader(TensorDataset(x, y), batch_size=8)

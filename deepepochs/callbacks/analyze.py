@@ -15,9 +15,9 @@ import torch
 from deepepochs.callbacks.base import Callback
 from deepepochs.compat import run_tensorboard as _run_tensorboard
 from deepepochs.config import check_choice
-from deepepochs.data import first_tensor
+from deepepochs.data.batch_rules import first_tensor
 from deepepochs.errors import ConfigError
-from deepepochs.writer import DEFAULT_LOG_DIR
+from deepepochs.reporting.summary_writer import DEFAULT_LOG_DIR
 
 __all__ = ["AnalyzeCallback", "leaf_modules"]
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from deepepochs import checkpoint, finished
+from deepepochs import checkpoint
 from deepepochs.callbacks.base import Callback
+from deepepochs.checkpoint import finished
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError
 
@@ -176,7 +177,7 @@ class CheckCallback(Callback):
 
     def on_after_fit(self, trainer):
         """The fit ended (target reached or stopped early): record it next to this monitor's checkpoints,
-        so that resuming the run says it is finished instead of training again (`deepepochs.finished`)."""
+        so that resuming the run says it is finished instead of training again (`deepepochs.checkpoint.finished`)."""
         if trainer.dist.is_main:
             finished.write_finished(trainer, self.path(trainer).parent)
 

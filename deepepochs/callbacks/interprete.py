@@ -20,7 +20,7 @@ from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.events import Event
 from deepepochs.metrics import confusion_matrix
-from deepepochs.writer import DEFAULT_LOG_DIR
+from deepepochs.reporting.summary_writer import DEFAULT_LOG_DIR
 
 __all__ = ["InterpreteCallback"]
 

@@ -33,11 +33,11 @@ import torch
 
 from deepepochs.callbacks.base import Callback
 from deepepochs.compat import run_tensorboard as _run_tensorboard
-from deepepochs.data import to_device
+from deepepochs.data.batch_rules import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.events import Event
 from deepepochs.fsm.render import render
-from deepepochs.writer import DEFAULT_LOG_DIR, add_hparams_record, add_png
+from deepepochs.reporting.summary_writer import DEFAULT_LOG_DIR, add_hparams_record, add_png
 
 __all__ = ["LogCallback"]
 

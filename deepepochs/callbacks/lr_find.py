@@ -7,7 +7,7 @@ matplotlib is installed, and then, unlike 0.6, the model, optimizers and schedul
 following `fit()` trains from where the trainer was. The sweep runs once per callback; its results stay
 on the callback (`lrs`, `losses`, `suggestion`, `result`). `Trainer.find_lr` does the same in one call.
 
-`run_finder` is what both run: the sweep (`deepepochs.lr_find.run_sweep`), then its summary on the console
+`run_finder` is what both run: the sweep (`deepepochs.training.lr_sweep.run_sweep`), then its summary on the console
 and the curve drawn, through the trainer's public surface.
 """
 
@@ -17,7 +17,7 @@ import functools
 
 from deepepochs.callbacks.base import Callback
 from deepepochs.errors import ConfigError
-from deepepochs.lr_find import LRFindResult, check_plot, check_sweep_args, run_sweep
+from deepepochs.training.lr_sweep import LRFindResult, check_plot, check_sweep_args, run_sweep
 
 __all__ = ["LRFindCallback", "run_finder"]
 

@@ -1,6 +1,6 @@
 """`SnapshotCallback`: snapshots at commit points, mid-epoch, and a clean stop on preemption signals.
 
-The callback decides when; the machine does the rest (`deepepochs.engine.snapshots`): at every commit
+The callback decides when; the machine does the rest (`deepepochs.engine.snapshot_trigger`): at every commit
 point (a committed window's update, an epoch's end) the spec's `snapshot` trigger asks it whether a
 snapshot is due and whether a signal arrived; the `save_snapshot` action calls `write_snapshot`, and on a
 signal `stop_on_signal` ends the fit with `deepepochs.Preempted`. A snapshot is a checkpoint file
@@ -111,7 +111,7 @@ class SnapshotCallback(Callback):
         """Whether ranks may decide differently (signals, clocks): then they agree per commit point."""
         return bool(self.signals) or self.every_n_minutes is not None
 
-    # ---- the engine's side (deepepochs.engine.snapshots) ----
+    # ---- the engine's side (deepepochs.engine.snapshot_trigger) ----
     def count_update(self) -> None:
         """A window committed (its update applied, or skipped): count it, before anything can interrupt."""
         self.updates += 1

@@ -26,7 +26,7 @@ yours keeps other objects in its state). Keys:
                     run (`deepepochs.utils.rng_state`), None under DDP. Restored on load in a
                     one-process run, so a resumed run shuffles and drops out exactly as the
                     uninterrupted one would; under DDP each rank keeps its own generators.
-`order_seed`        int or None, the seed of the training order (`deepepochs.sharding.DataOrder`):
+`order_seed`        int or None, the seed of the training order (`deepepochs.data.sampling.DataOrder`):
                     with it, later epochs of a resumed run see the order the uninterrupted run saw,
                     in any process and at any world size. None in files of older versions.
 `position`          dict or None: where inside epoch `epoch + 1` a mid-epoch snapshot was taken
@@ -42,7 +42,7 @@ yours keeps other objects in its state). Keys:
 ==================  ==========================================================================
 
 Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank
-without gathering anything (`deepepochs.sharded`: `checkpoint.pt` as above, plus the shards in
+without gathering anything (`deepepochs.checkpoint.shard_storage`: `checkpoint.pt` as above, plus the shards in
 Distributed Checkpoint format). It loads at any world size, with any strategy and in one process, and
 `consolidate(folder, file)` (or `python -m deepepochs consolidate FOLDER FILE`) turns it into the single
 file described here.

@@ -15,9 +15,9 @@ import torch
 from deepepochs.checkpoint.format import Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header
-from deepepochs.distributed import is_dtensor
 from deepepochs.engine import position, runstate
 from deepepochs.errors import CheckpointError
+from deepepochs.parallel.ddp import is_dtensor
 from deepepochs.utils import set_rng_state
 
 __all__ = [

@@ -5,8 +5,8 @@ Files are read with `weights_only=True` only (SEC-1): a file holding other objec
 loaded with `trusted=True` (`read_checkpoint`).
 
 A sharded checkpoint (`strategy='fsdp'`) is a folder: its `checkpoint.pt` is read like a file, its
-tensors from the shards through `deepepochs.sharded`, either as meta tensors of the stored shapes (enough
-to check a file against a trainer) or as the tensors themselves (this rank's shards under FSDP, full
+tensors from the shards through `shard_storage`, either as meta tensors of the stored shapes (enough to
+check a file against a trainer) or as the tensors themselves (this rank's shards under FSDP, full
 tensors otherwise).
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs import sharded
+from deepepochs.checkpoint import shard_storage
 from deepepochs.checkpoint.format import Checkpoint
-from deepepochs.distributed import is_dtensor
 from deepepochs.errors import CheckpointError
+from deepepochs.parallel.ddp import is_dtensor
 
 __all__ = [
     "exists",
@@ -37,7 +37,7 @@ def _shard_folder(path: Path) -> str | None:
     """The shard folder the committed `checkpoint.pt` of the folder `path` names, or None (read alone: the
     shards' metadata is not needed for the name)."""
     try:
-        shards = _read_file(path / sharded.SIDE_CAR, False).shards
+        shards = _read_file(path / shard_storage.SIDE_CAR, False).shards
     except CheckpointError:
         return None
     return shards.get("folder") if isinstance(shards, Mapping) else None
@@ -46,13 +46,13 @@ def _shard_folder(path: Path) -> str | None:
 def exists(path) -> bool:
     """Whether `path` is a checkpoint: a file, or a committed sharded checkpoint folder."""
     path = Path(path)
-    return path.is_file() or sharded.is_folder(path)
+    return path.is_file() or shard_storage.is_folder(path)
 
 
 def modified_ns(path) -> int:
     """When the checkpoint at `path` was last committed (a folder's `checkpoint.pt`'s time)."""
     path = Path(path)
-    return (path / sharded.SIDE_CAR if path.is_dir() else path).stat().st_mtime_ns
+    return (path / shard_storage.SIDE_CAR if path.is_dir() else path).stat().st_mtime_ns
 
 
 def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
@@ -70,10 +70,11 @@ def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
     """
     path = Path(path)
     if path.is_dir():
-        if not (path / sharded.SIDE_CAR).is_file():
-            raise CheckpointError(f"{path} is a folder but not a sharded checkpoint: it holds no {sharded.SIDE_CAR}"
-                                  " (a save into it may have been killed before its first commit)")
-        return _with_shard_specs(_read_file(path / sharded.SIDE_CAR, trusted), path)
+        if not (path / shard_storage.SIDE_CAR).is_file():
+            raise CheckpointError(f"{path} is a folder but not a sharded checkpoint: it holds no"
+                                  f" {shard_storage.SIDE_CAR} (a save into it may have been killed before its first"
+                                  " commit)")
+        return _with_shard_specs(_read_file(path / shard_storage.SIDE_CAR, trusted), path)
     ckpt = _read_file(path, trusted)
     # the checkpoint.pt of a sharded checkpoint, named itself: the folder around it is the checkpoint
     return ckpt if ckpt.shards is None else _with_shard_specs(ckpt, path.parent)
@@ -109,14 +110,14 @@ def _check_shards(ckpt: Checkpoint, folder: Path) -> None:
           and len(shards["params"]) == len(ckpt.optimizers)
           and all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in shards["params"]))
     if not ok:
-        raise CheckpointError(f"{folder / sharded.SIDE_CAR}: its 'shards' entry is damaged (got {shards!r})")
-    sharded.check_name(shards["folder"], folder)  # tensors are read from inside the checkpoint folder only
+        raise CheckpointError(f"{folder / shard_storage.SIDE_CAR}: its 'shards' entry is damaged (got {shards!r})")
+    shard_storage.check_name(shards["folder"], folder)  # tensors are read from inside the checkpoint folder only
 
 
 def _with_shard_specs(ckpt: Checkpoint, folder: Path) -> Checkpoint:
     """The side file of a sharded checkpoint completed with meta tensors of the stored shapes and dtypes."""
     _check_shards(ckpt, folder)
-    specs = sharded.tensor_specs(sharded.check_name(ckpt.shards["folder"], folder))
+    specs = shard_storage.tensor_specs(shard_storage.check_name(ckpt.shards["folder"], folder))
     return _completed(ckpt, folder, {key: torch.empty(size, dtype=dtype, device="meta")
                                      for key, (size, dtype) in specs.items()})
 
@@ -125,9 +126,9 @@ def _completed(ckpt: Checkpoint, folder: Path, flat: Mapping) -> Checkpoint:
     """`ckpt` (read from the sharded checkpoint `folder`) with the flat dict's tensors in its model and
     optimizer states."""
     try:
-        model, optimizers = sharded.split_tensors(flat, ckpt.shards["params"], ckpt.optimizers)
+        model, optimizers = shard_storage.split_tensors(flat, ckpt.shards["params"], ckpt.optimizers)
     except (KeyError, ValueError, IndexError) as e:
-        raise CheckpointError(f"{folder}: the shards do not match its {sharded.SIDE_CAR} (tensor of an unknown"
+        raise CheckpointError(f"{folder}: the shards do not match its {shard_storage.SIDE_CAR} (tensor of an unknown"
                               f" optimizer or parameter: {e})") from None
     return attrs.evolve(ckpt, model=model if any(k.startswith("model/") for k in flat) else ckpt.model,
                         optimizers=optimizers)
@@ -143,8 +144,8 @@ def _read_shards(ckpt: Checkpoint, path, trainer=None, model_only: bool = False)
     shards of the trainer's parameters and states, at any world size (every rank calls it: a collective);
     otherwise (one process, DDP, or no trainer) full tensors on the CPU. `model_only`: the model's."""
     folder = _folder_of(Path(path))
-    shards = sharded.check_name(ckpt.shards["folder"], folder)
-    specs = sharded.tensor_specs(shards)
+    shards = shard_storage.check_name(ckpt.shards["folder"], folder)
+    specs = shard_storage.tensor_specs(shards)
     if model_only:
         specs = {key: spec for key, spec in specs.items() if key.startswith("model/")}
     distributed = trainer is not None and trainer.dist.shards_model
@@ -160,7 +161,7 @@ def _read_shards(ckpt: Checkpoint, path, trainer=None, model_only: bool = False)
         sharded_like = like is not None and is_dtensor(like) and like.shape == size
         targets[key] = torch.empty_like(like, dtype=dtype) if sharded_like else torch.empty(size, dtype=dtype)
     try:
-        sharded.read_into(targets, shards, distributed)
+        shard_storage.read_into(targets, shards, distributed)
     except CheckpointError:
         raise
     except Exception as e:

@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs import sharded
+from deepepochs.checkpoint import shard_storage
 from deepepochs.checkpoint.format import Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
 from deepepochs.errors import CheckpointError
@@ -95,18 +95,18 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
     """Save the trainer's state to `path`, every rank calling it; returns `path` on rank 0, else None.
 
     One file written atomically by rank 0 (`snapshot`, `write_atomic`), or under FSDP a sharded checkpoint
-    folder of that name written by every rank (`deepepochs.sharded`). `path` is replaced whichever form it
-    had before. `position` as for `snapshot`. When the save fails, every rank raises (see `_agreed`).
+    folder of that name written by every rank (`shard_storage`). `path` is replaced whichever form it had
+    before. `position` as for `snapshot`. When the save fails, every rank raises (see `_agreed`).
     """
     path, dist = Path(path), trainer.dist
     if not dist.shards_model:
         ckpt = snapshot(trainer, position)
         _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
         return path if dist.is_main else None
-    flat, params = sharded.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
+    flat, params = shard_storage.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
     folder = _agreed(dist, path, lambda: _prepare_folder(path))
     try:
-        sharded.write(flat, path / folder)  # DCP raises on every rank when one fails
+        shard_storage.write(flat, path / folder)  # DCP raises on every rank when one fails
     except Exception as e:
         raise CheckpointError(f"writing the shards of checkpoint {path} failed"
                               f" ({e if isinstance(e, CheckpointError) else repr(e)}); the previous"
@@ -117,8 +117,8 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
         opts["optimizers"] = [_without_tensors(state) for state in opts["optimizers"]]
         ckpt = _header(trainer, position, {}, opts)
         ckpt.format_version, ckpt.shards = 3, {"folder": folder, "params": params}
-        write_atomic(ckpt.to_dict(), path / sharded.SIDE_CAR)
-        sharded.remove_unnamed(path, folder)
+        write_atomic(ckpt.to_dict(), path / shard_storage.SIDE_CAR)
+        shard_storage.remove_unnamed(path, folder)
 
     _agreed(dist, path, commit)
     return path if dist.is_main else None
@@ -152,8 +152,8 @@ def _prepare_folder(path: Path) -> str:
     elif path.is_dir():
         _check_replaceable(path, committed=False)
     path.mkdir(parents=True, exist_ok=True)
-    sharded.remove_unnamed(path, _shard_folder(path))
-    return sharded.new_folder_name()
+    shard_storage.remove_unnamed(path, _shard_folder(path))
+    return shard_storage.new_folder_name()
 
 
 def _check_replaceable(path: Path, committed: bool) -> None:
@@ -161,7 +161,7 @@ def _check_replaceable(path: Path, committed: bool) -> None:
     `path`: it holds nothing but what sharded saves write there, and with `committed` it is a complete
     sharded checkpoint (a `checkpoint.pt` naming a shard folder that is there). A user's folder is never
     removed or written into because a checkpoint has its name."""
-    foreign = sharded.foreign_entries(path)
+    foreign = shard_storage.foreign_entries(path)
     if foreign:
         shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
         raise CheckpointError(f"cannot save checkpoint {path}: that folder exists and holds what no deepepochs"
@@ -169,12 +169,12 @@ def _check_replaceable(path: Path, committed: bool) -> None:
                               " to another path")
     name = _shard_folder(path) if committed else None
     try:
-        complete = name is not None and sharded.check_name(name, path).is_dir()
+        complete = name is not None and shard_storage.check_name(name, path).is_dir()
     except CheckpointError:
         complete = False
     if committed and not complete:
         raise CheckpointError(f"cannot save checkpoint {path}: that folder exists but is not a complete sharded"
-                              f" checkpoint (no readable {sharded.SIDE_CAR} naming a shard folder in it); it was"
+                              f" checkpoint (no readable {shard_storage.SIDE_CAR} naming a shard folder in it); it was"
                               " left as it is. Remove it yourself if it is no longer needed, or save to another path")
 
 

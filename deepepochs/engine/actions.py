@@ -376,7 +376,7 @@ def release_interrupts(ctx: Context) -> None:
     ctx.signals.release()
 
 
-# ---- snapshots (deepepochs.engine.snapshots) -------------------------------------------------------------
+# ---- snapshots (deepepochs.engine.snapshot_trigger) -------------------------------------------------------------
 @action
 def save_snapshot(ctx: Context) -> None:
     """Write a snapshot of this commit point: mid-epoch with its position (a collective under DDP: every

@@ -16,13 +16,13 @@ from __future__ import annotations
 import functools
 import itertools
 
-from deepepochs.data import batch_splitter, lookahead
-from deepepochs.engine import compiled, snapshots, steps
+from deepepochs.data.batch_rules import batch_splitter, lookahead
+from deepepochs.data.sampling import PaddingBatch
+from deepepochs.engine import compiled, snapshot_trigger, steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.fsm.events import Event, TriggerName
 from deepepochs.fsm.machine import load_spec
-from deepepochs.sharding import PaddingBatch
 from deepepochs.tasks import BatchMetrics, step_kwargs
 
 __all__ = ["BATCH_HOOKS", "FUSED_OBSERVERS", "eval_batches", "fuses", "train_batches"]
@@ -122,7 +122,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
             console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches),
                           meters.skipped)
         if snapshot_writer is not None and loop.window_pos == 0 and loop.window_committed:
-            snapshots.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
+            snapshot_trigger.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
 
 
 def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, split=None) -> None:

@@ -163,7 +163,7 @@ class Context:
         monitor_check: the fit's (train tasks, val tasks) until the first training batch has checked the
             checkpoint monitors' names; None after.
         snapshots: the running fit's snapshot writer (a `SnapshotCallback`), or None: then no commit point
-            fires the `snapshot` trigger (`deepepochs.engine.snapshots`).
+            fires the `snapshot` trigger (`deepepochs.engine.snapshot_trigger`).
         snapshot_path: the snapshot the last `save_snapshot` wrote (None on ranks other than 0).
         data_source: the running training task's stateful DataLoader (torchdata's `StatefulDataLoader`),
             whose position `remember_position` keeps; None for other data.

@@ -4,7 +4,7 @@ and rollback to the last commit point when anything escapes.
 Rollback has one rule: the trainer returns to the last commit point (see `deepepochs.engine.actions`).
 Inside an epoch that is the last committed update, kept in the run state (`deepepochs.engine.runstate`:
 `resume` with the epoch's training meters); the next `fit` continues from there
-(`deepepochs.engine.resume`). Work after it (an open window, an epoch's end that did not commit) is undone
+(`deepepochs.engine.continuation`). Work after it (an open window, an epoch's end that did not commit) is undone
 by the `interrupt` edge's `discard_window` action, an epoch's end by restoring the run state captured
 before it.
 
@@ -21,8 +21,9 @@ import threading
 
 import torch
 
-from deepepochs.data import exact_length, input_splitter
-from deepepochs.engine import actions, batches, generators, resume, runstate, snapshots, stage_tasks, steps
+from deepepochs.data.batch_rules import exact_length, input_splitter
+from deepepochs.data.outputs import concat_batches, detached, merge_shards
+from deepepochs.engine import actions, batches, continuation, generators, runstate, snapshot_trigger, stage_tasks, steps
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
@@ -31,7 +32,6 @@ from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import ActionName, Event, StateName, TriggerName
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
-from deepepochs.outputs import concat_batches, detached, merge_shards
 from deepepochs.protocols import monitors_in
 from deepepochs.tasks import TASK_SUFFIX_NOTE, EpochTask, TaskMeters, merge_stage_metrics, merge_values
 
@@ -142,7 +142,7 @@ class Driver:
         fire = ctx.machine.fire_cold
         loop.target_epochs = epochs
         ctx.monitor_check = (train, val)
-        ctx.snapshots = snapshots.find_writer(parts.hooks.callbacks)
+        ctx.snapshots = snapshot_trigger.find_writer(parts.hooks.callbacks)
         run = ctx.run
         if run.random_restore_due:  # a refit after a fault: torch draws what the uninterrupted run drew
             run.random_restore_due = False
@@ -178,11 +178,11 @@ class Driver:
             parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped)
             fire(TriggerName.END_EPOCH)
             if ctx.snapshots is not None:
-                snapshots.commit_point(ctx, epoch_end=True)
+                snapshot_trigger.commit_point(ctx, epoch_end=True)
         loop.stage = None
         emit(self.ctx, Event.AFTER_FIT)
         if ctx.snapshots is not None:
-            snapshots.after_fit(ctx)
+            snapshot_trigger.after_fit(ctx)
         fire(TriggerName.FINISH)
         return copy.deepcopy(ctx.history)  # the whole run's records, resumed epochs included
 
@@ -205,18 +205,18 @@ class Driver:
 
     def _train_stage(self, tasks, epoch):
         """The training stage of epoch `epoch`: each task in turn, a resumed epoch continuing at its commit
-        point (`resume.epoch_point`, `resume.task_start`: completed tasks are not run again). The resume
+        point (`continuation.epoch_point`, `continuation.task_start`: completed tasks are not run again). The resume
         point moves with the running task and ends at (epoch, -1, 0): the stage is done."""
         ctx = self.ctx
         parts, loop = ctx.parts, ctx.loop
-        point, saved = resume.epoch_point(ctx, tasks, epoch)
+        point, saved = continuation.epoch_point(ctx, tasks, epoch)
         loop.stage = "train"
         ctx.model = parts.train_model
         parts.raw_model.train()
         emit(self.ctx, Event.BEFORE_TRAIN_EPOCHS, tasks, epoch - 1)
         meters_list = ctx.train_meters = []
         for index, task in enumerate(tasks):
-            meters, skip, samples = resume.task_start(point, saved, index, task)
+            meters, skip, samples = continuation.task_start(point, saved, index, task)
             meters_list.append(meters)
             if skip is None:  # this task completed before the interrupt
                 continue
@@ -325,7 +325,7 @@ class Driver:
         """Run one task of `stage` into `meters` between the `begin_task` and `end_task` edges, with its
         hooks and console lines; a training task first skips its `skip` committed batches (`samples`: as
         a global count, from a snapshot of another world size) and replays its random streams
-        (`deepepochs.engine.resume`). Returns the task's metrics (global under DDP)."""
+        (`deepepochs.engine.continuation`). Returns the task's metrics (global under DDP)."""
         ctx = self.ctx
         parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
         before_task, after_task = STAGE_HOOKS[stage][2:]
@@ -338,12 +338,12 @@ class Driver:
         total = data_length(data)
         past = 0
         if stage == "train":
-            data, skip, past = resume.position_data(ctx, data, epoch, skip, samples)
+            data, skip, past = continuation.position_data(ctx, data, epoch, skip, samples)
         loop.batch_idx = skip
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
             exact = exact_length(task.data)
-            batches.train_batches(ctx, resume.open_batches(ctx, data, skip, past), meters, exact)
+            batches.train_batches(ctx, continuation.open_batches(ctx, data, skip, past), meters, exact)
             if not skip and loop.batch_idx == 0:
                 raise ConfigError(
                     f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"

@@ -7,7 +7,7 @@ field added here is carried by every one of them without touching them:
 - rollback: the driver captures the record when an epoch's end begins and restores it when that end does
   not commit (`Driver._count_epoch`); inside an epoch the record holds only what commit points wrote
   (`commit_update` moves `resume`, `random_state`, `data_state`), so a fault leaves it as it was;
-- `find_lr` captures it before the sweep and restores it after (`deepepochs.lr_find.run_sweep`);
+- `find_lr` captures it before the sweep and restores it after (`deepepochs.training.lr_sweep.run_sweep`);
 - `checkpoint.load_into` captures it before loading and restores it when loading fails (all or nothing);
 - a mid-epoch snapshot stores every field its own format does not already hold (`snapshot=GENERIC`,
   the default of a new field) per rank, and a resume puts them back (`deepepochs.engine.position`).

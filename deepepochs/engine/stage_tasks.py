@@ -7,7 +7,7 @@ from the classes, so the engine needs nothing of the facade but the object itsel
 
 from __future__ import annotations
 
-from deepepochs.data import check_batch_size
+from deepepochs.data.batch_rules import check_batch_size
 from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
 from deepepochs.tasks import STEP_NAMES, EpochTask, check_metric_names

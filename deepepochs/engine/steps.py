@@ -12,17 +12,17 @@ import contextlib
 
 import torch
 
-from deepepochs.data import call_model
+from deepepochs.data.batch_rules import call_model
+from deepepochs.data.outputs import detached
 from deepepochs.engine import actions, finite
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import Event, StateName, TriggerName
-from deepepochs.outputs import detached
-from deepepochs.patch_policy import make_patches
 from deepepochs.patches import PatchBase, ValuePatch
+from deepepochs.patches.selection import make_patches
+from deepepochs.patches.streaming import is_metric_object
 from deepepochs.protocols import monitors_in
-from deepepochs.streaming import is_metric_object
 from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 
 __all__ = [
@@ -246,7 +246,7 @@ def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None
     if precision.scaler is None:
         backward(ctx, value, share)
     else:
-        # Every loss of one iteration is scaled with the same scale (see deepepochs.precision). Backward
+        # Every loss of one iteration is scaled with the same scale (see deepepochs.training.precision). Backward
         # leaves the step's autocast region: PyTorch advises against running backward under autocast.
         with precision.no_autocast():
             scaled = precision.scale(value if share == 1.0 else value * share, actions.batch_token(ctx))

@@ -1,4 +1,4 @@
-"""A trial fit: training that leaves no trace (the learning-rate finder's sweep, `deepepochs.lr_find`).
+"""A trial fit: training that leaves no trace (the learning-rate finder's sweep, `deepepochs.training.lr_sweep`).
 
 It runs the ordinary fit (the same steps, precision, accumulation and DDP handling) with only the given
 callbacks attached and the console silent, starting a fresh epoch; whatever ends it (its callbacks end

@@ -35,7 +35,7 @@ shapes, i.e. when ``num_classes`` is None and both preds and targets are class i
 
 The package: :mod:`~deepepochs.metrics.functions` (the metrics above), :mod:`~deepepochs.metrics.counting`
 (inputs to a confusion matrix), :mod:`~deepepochs.metrics.scores` (a matrix's scores and averages) and
-:mod:`~deepepochs.metrics.confusion_specs` (what a ConfusionPatch accepts). The names here are its public
+:mod:`~deepepochs.metrics.matrix_metrics` (what a ConfusionPatch accepts). The names here are its public
 surface.
 
 Example:
@@ -46,14 +46,14 @@ Example:
     tensor(0.6667)
 """
 
-# The underscored names are not the user API: deepepochs.confusion and deepepochs.patch_policy import them.
-from deepepochs.metrics.confusion_specs import _CONFUSION_FUNCTIONS as _CONFUSION_FUNCTIONS
-from deepepochs.metrics.confusion_specs import _CONFUSION_NAMES as _CONFUSION_NAMES
-from deepepochs.metrics.confusion_specs import DEFAULT_CONFUSION
-from deepepochs.metrics.confusion_specs import _confusion_specs as _confusion_specs
+# The underscored names are not the user API: deepepochs.patches.confusion and deepepochs.patches.selection import them.
 from deepepochs.metrics.counting import _check_num_classes as _check_num_classes
 from deepepochs.metrics.counting import confusion_matrix
 from deepepochs.metrics.functions import accuracy, f1, fbeta, precision, recall
+from deepepochs.metrics.matrix_metrics import _CONFUSION_FUNCTIONS as _CONFUSION_FUNCTIONS
+from deepepochs.metrics.matrix_metrics import _CONFUSION_NAMES as _CONFUSION_NAMES
+from deepepochs.metrics.matrix_metrics import DEFAULT_CONFUSION
+from deepepochs.metrics.matrix_metrics import _confusion_specs as _confusion_specs
 from deepepochs.metrics.scores import (
     AVERAGES,
     BINARY_DEFAULT_NOTE,

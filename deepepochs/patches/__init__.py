@@ -8,8 +8,8 @@ processes' (``sync``), and computes the metric from the merged state (``forward`
 * :class:`MeanPatch` keeps a sample-weighted mean of per-batch metric values: exact for means over
   samples (accuracy, mean losses), not for precision, recall or F1.
 * :class:`ValuePatch` does the same for values computed elsewhere, such as batch losses.
-* :class:`~deepepochs.confusion.ConfusionPatch` (in :mod:`deepepochs.confusion`) keeps a confusion matrix:
-  exact accuracy, precision, recall, F1 in constant memory.
+* :class:`~deepepochs.patches.confusion.ConfusionPatch` (in :mod:`deepepochs.patches.confusion`) keeps a confusion
+  matrix: exact accuracy, precision, recall, F1 in constant memory.
 
 Loading and merging never force a host-device sync: tensors stay on their device, detached from autograd.
 

@@ -29,7 +29,7 @@ from deepepochs import (
     Trainer,
     set_seed,
 )
-from deepepochs.writer import NullWriter
+from deepepochs.reporting.summary_writer import NullWriter
 
 
 def accuracy(preds, targets):

@@ -30,11 +30,11 @@ from torch.utils.data import (
 )
 
 from deepepochs import Trainer
-from deepepochs.distributed import SingleProcess
+from deepepochs.data.sampling import EvalShardSampler
+from deepepochs.data.sampling import shard as _shard
 from deepepochs.errors import ConfigError
-from deepepochs.sharding import EvalShardSampler
-from deepepochs.sharding import shard as _shard
-from deepepochs.strategy import select_policy
+from deepepochs.parallel.ddp import SingleProcess
+from deepepochs.parallel.strategy import select_policy
 
 # Spawned children import their targets by module name; they inherit this sys.path entry.
 TARGETS_DIR = Path(__file__).resolve().parent

@@ -22,8 +22,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from deepepochs import AnalyzeCallback, CheckCallback, SnapshotCallback, Trainer, sharded
+from deepepochs import AnalyzeCallback, CheckCallback, SnapshotCallback, Trainer
 from deepepochs.checkpoint import consolidate, read_checkpoint
+from deepepochs.checkpoint import shard_storage as sharded
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 
 TARGETS_DIR = Path(__file__).resolve().parent

@@ -8,7 +8,7 @@ engine calls it with the facade (checkpoints load into a trainer) and never impo
 from __future__ import annotations
 
 from deepepochs.checkpoint import resume_once
-from deepepochs.finished import apply_finished, report_retrained
+from deepepochs.checkpoint.finished import apply_finished, report_retrained
 
 __all__ = ["resume_run"]
 
@@ -16,7 +16,7 @@ __all__ = ["resume_run"]
 def resume_run(trainer) -> None:
     """Load what `resume=...` asks for into `trainer` (`checkpoint.resume_once`: the newest usable
     checkpoint of the run, with the run's history, into its run state); for a finished run (see
-    `deepepochs.finished`) also its end, so the next fit trains nothing, and say which epochs a resume
+    `deepepochs.checkpoint.finished`) also its end, so the next fit trains nothing, and say which epochs a resume
     trains again."""
     loaded = resume_once(trainer)
     if loaded is not None:

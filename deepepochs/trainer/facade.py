@@ -15,22 +15,22 @@ from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback, run_finder
 from deepepochs.checkpoint import load_into
 from deepepochs.config import TrainerConfig
-from deepepochs.console import Console
 from deepepochs.engine import compiled
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.engine.trial import trial_fit
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import auto_level, render
-from deepepochs.lr_find import LRFindResult
-from deepepochs.optim import Optimizers
-from deepepochs.precision import Precision
-from deepepochs.resuming import resume_run
-from deepepochs.step_methods import StepMethods
-from deepepochs.strategy import select_policy
+from deepepochs.parallel.strategy import select_policy
+from deepepochs.reporting.console import Console
+from deepepochs.reporting.summary_writer import RunWriters
 from deepepochs.tasks import as_metric_list
-from deepepochs.trainer_args import check_arguments, check_call, check_int, check_keywords, to_device
-from deepepochs.writer import RunWriters
+from deepepochs.trainer.arguments import check_arguments, check_call, check_int, check_keywords, to_device
+from deepepochs.trainer.resume_policy import resume_run
+from deepepochs.trainer.step_methods import StepMethods
+from deepepochs.training.lr_sweep import LRFindResult
+from deepepochs.training.optim import Optimizers
+from deepepochs.training.precision import Precision
 
 __all__ = ["Trainer", "TrainerBase"]
 
@@ -74,7 +74,7 @@ class TrainerBase(StepMethods):
         fsdp_kwargs: with strategy='fsdp': 'wrap' (None: each submodule holding at least 'min_params'
             parameters, default 1_000_000, gets its own `fully_shard`; or module classes, or a callable
             `(module) -> bool`), 'reshard_after_forward' (True, False or an int) and 'mixed_precision' (a
-            `MixedPrecisionPolicy`; default from `precision`). Checked in any run; see `deepepochs.fsdp`.
+            `MixedPrecisionPolicy`; default from `precision`). Checked in any run; see `deepepochs.parallel.fsdp`.
         dist_timeout: under DDP, seconds a collective waits for the other ranks before the run fails with
             `DistributedError` (a hung or far slower rank); default 600. Applies when the Trainer creates
             the process group (launch/torchrun); a group you created keeps its own timeout.
@@ -233,12 +233,12 @@ class TrainerBase(StepMethods):
 
     @property
     def console(self):
-        """The console (`deepepochs.console.Console`): progress bars and messages, printed on rank 0 only."""
+        """The console (`deepepochs.reporting.console.Console`): progress bars and messages, printed on rank 0 only."""
         return self._console
 
     @property
     def precision(self):
-        """The mixed-precision policy (`deepepochs.precision.Precision`): autocast and the fp16 GradScaler."""
+        """The mixed-precision policy (`deepepochs.training.precision.Precision`): autocast and the fp16 GradScaler."""
         return self._precision
 
     @property
@@ -265,7 +265,7 @@ class TrainerBase(StepMethods):
 
         With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
         training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
-        that is finished (see `deepepochs.finished`) trains nothing."""
+        that is finished (see `deepepochs.checkpoint.finished`) trains nothing."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
@@ -383,7 +383,7 @@ class TrainerBase(StepMethods):
         Returns:
             `LRFindResult` with `lrs`, `losses`, `smoothed`, `suggestion` and `stop_reason`. The
             suggestion is the rate where the loss falls fastest, at most a tenth of the rate where it is
-            lowest, read from the curve before it diverges, smoothed without lag (`deepepochs.lr_find`).
+            lowest, read from the curve before it diverges, smoothed without lag (`deepepochs.training.lr_sweep`).
 
         Example:
             >>> result = trainer.find_lr(train_dl, min_lr=1e-5, max_lr=1.0, plot=False)

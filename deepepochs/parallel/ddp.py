@@ -4,11 +4,11 @@ The trainer holds one policy object and calls the same methods whatever the worl
 
 - `SingleProcess` is the policy of an ordinary run: every method is a cheap no-op or identity, so the
   trainer calls them unconditionally and the per-batch path has no `if distributed` branches.
-- `DDPPolicy` is chosen (`deepepochs.strategy.select_policy`) when the environment describes a job of
+- `DDPPolicy` is chosen (`deepepochs.parallel.strategy.select_policy`) when the environment describes a job of
   several processes (`RANK`/`WORLD_SIZE`, as set by `torchrun` or `deepepochs.launch`) or a process group of
   several ranks is already initialised. It joins the group, wraps the model in `DistributedDataParallel`,
   shards plain DataLoaders and turns local counts, loss sums and metric patches into global ones.
-- `FSDPPolicy` (`deepepochs.fsdp`, with `Trainer(strategy='fsdp')`) is `DDPPolicy` with the model sharded
+- `FSDPPolicy` (`deepepochs.parallel.fsdp`, with `Trainer(strategy='fsdp')`) is `DDPPolicy` with the model sharded
   by FSDP2 instead of replicated; it replaces the model-facing methods (`shard_model`, `set_grad_sync`,
   the full-state methods checkpoints use, `pad_eval`) and adds its own collectives (see its module).
 
@@ -45,10 +45,10 @@ from torch.utils.data import (
     DistributedSampler,
 )
 
+from deepepochs.data.sampling import ShortestShard, len_or_minus_one, shard
 from deepepochs.errors import DistributedError
-from deepepochs.patch_policy import merge_on_root
 from deepepochs.patches import TensorPatch, _map_tensors
-from deepepochs.sharding import ShortestShard, len_or_minus_one, shard
+from deepepochs.patches.selection import merge_on_root
 
 __all__ = ["DDPPolicy", "SingleProcess", "env_int", "is_dtensor"]
 
@@ -57,7 +57,7 @@ class _PolicyBase:
     """What every policy shares: the training order's seed (`DataOrder`; None until the first training
     DataLoader is prepared, or restored from a checkpoint) and the samplers whose epoch they set (weakly,
     so DataLoaders of finished fits can be collected); and, for policies that keep whole tensors (one
-    process, DDP), the model-facing methods `FSDPPolicy` (`deepepochs.fsdp`) replaces."""
+    process, DDP), the model-facing methods `FSDPPolicy` (`deepepochs.parallel.fsdp`) replaces."""
 
     #: Whether the model is sharded (FSDP): then any forward and any whole-gradient read is a collective
     #: every rank must join (callbacks that read the model on rank 0 alone check it).

@@ -18,8 +18,8 @@ import torch
 from deepepochs.compat import refuse_accelerate
 from deepepochs.config import check_run_name, unknown_keywords
 from deepepochs.errors import ConfigError
-from deepepochs.fsdp import FSDPConfig, check_strategy_kwargs
-from deepepochs.strategy import check_ddp_kwargs
+from deepepochs.parallel.fsdp import FSDPConfig, check_strategy_kwargs
+from deepepochs.parallel.strategy import check_ddp_kwargs
 
 __all__ = ["TrainerArgs", "check_arguments", "check_call", "check_int", "check_keywords", "check_targets",
            "resolve_device", "to_device"]

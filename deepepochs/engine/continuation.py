@@ -16,11 +16,11 @@ uninterrupted run's would have.
 
 from __future__ import annotations
 
-from deepepochs.data import stateful
+from deepepochs.data.batch_rules import stateful
+from deepepochs.data.sampling import iterate_past, skip_batches
 from deepepochs.engine import generators, position
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.patches import TensorPatch
-from deepepochs.sharding import iterate_past, skip_batches
 from deepepochs.tasks import EpochTask, TaskMeters, metric_name
 
 __all__ = ["epoch_point", "open_batches", "position_data", "task_start"]

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from deepepochs import metrics as _metrics
-from deepepochs.confusion import ConfusionPatch
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, TensorState, _map_tensors
-from deepepochs.streaming import StreamPatch, is_metric_object
+from deepepochs.patches.confusion import ConfusionPatch
+from deepepochs.patches.streaming import StreamPatch, is_metric_object
 from deepepochs.tasks import metric_name
 
 __all__ = ["confusion_kind", "make_patches", "merge_on_root"]

@@ -1,9 +1,9 @@
 """Strategy selection: which distributed policy a Trainer holds, and the strategy options checked first.
 
 `select_policy` picks, once per Trainer, `SingleProcess` (one process), `DDPPolicy` (several processes, a
-replica each; `deepepochs.distributed`) or `FSDPPolicy` (several processes, the model sharded;
-`deepepochs.fsdp`); `check_ddp_kwargs` checks `Trainer(ddp_kwargs=...)` against DDP's signature in any run.
-The FSDP options are checked by `deepepochs.fsdp.check_strategy_kwargs`, next to the `FSDPConfig` they make.
+replica each; `deepepochs.parallel.ddp`) or `FSDPPolicy` (several processes, the model sharded;
+`deepepochs.parallel.fsdp`); `check_ddp_kwargs` checks `Trainer(ddp_kwargs=...)` against DDP's signature in any run.
+The FSDP options are checked by `deepepochs.parallel.fsdp.check_strategy_kwargs`, next to the `FSDPConfig` they make.
 
 This module sits above both policy modules (it imports each of them), so neither imports the other's
 strategy: `fsdp` builds on `distributed`, and `distributed` knows nothing of `fsdp`.
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from deepepochs.distributed import DDPPolicy, SingleProcess, env_int
 from deepepochs.errors import ConfigError, DistributedError
-from deepepochs.fsdp import FSDPConfig, FSDPPolicy
+from deepepochs.parallel.ddp import DDPPolicy, SingleProcess, env_int
+from deepepochs.parallel.fsdp import FSDPConfig, FSDPPolicy
 
 __all__ = ["check_ddp_kwargs", "select_policy"]
 

@@ -14,7 +14,7 @@ seed) with the model-facing methods replaced:
   `drop_unsynced_gradients` (rollback) discards what such micro-batches left inside FSDP, which
   `zero_grad` cannot reach (see `deepepochs.torch_private.fsdp_drop_unsynced_grads`).
 - checkpoints are sharded: every rank writes its own shards through Distributed Checkpoint, nothing is
-  gathered (`deepepochs.checkpoint.save`, `deepepochs.sharded`). `load_model_state_dict` /
+  gathered (`deepepochs.checkpoint.save`, `deepepochs.checkpoint.shard_storage`). `load_model_state_dict` /
   `load_optimizer_state_dict` load this rank's shards as they are (DTensor values: a sharded checkpoint
   read at this world size, or a backup), or a single file's full states: rank 0's are broadcast and each
   rank keeps its shard (`broadcast_from_rank0=True`). Every rank calls them (they are collectives).
@@ -47,9 +47,9 @@ import torch
 from torch import nn
 
 from deepepochs import torch_private
-from deepepochs.distributed import DDPPolicy, is_dtensor
+from deepepochs.data.sampling import PaddingBatch, len_or_minus_one
 from deepepochs.errors import ConfigError, DistributedError
-from deepepochs.sharding import PaddingBatch, len_or_minus_one
+from deepepochs.parallel.ddp import DDPPolicy, is_dtensor
 
 __all__ = ["FSDP_KEYS", "FSDPConfig", "FSDPPolicy", "check_strategy_kwargs", "shard_targets"]
 

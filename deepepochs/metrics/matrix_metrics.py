@@ -1,4 +1,4 @@
-"""What a :class:`~deepepochs.confusion.ConfusionPatch` may compute from its matrix: the names and functions
+"""What a :class:`~deepepochs.patches.confusion.ConfusionPatch` may compute from its matrix: the names and functions
 its ``metrics=`` accepts (this package's metrics, or a user's ``fn(cm)``), validated into (key, kind) pairs.
 """
 

@@ -8,7 +8,7 @@
 - `PaddingBatch`: a forward a rank runs only to meet the other ranks' collectives (FSDP evaluation).
 - `shard`: a plain DataLoader rebuilt with these samplers (others are used as given).
 
-The policies (`deepepochs.distributed`, `deepepochs.fsdp`) decide when to use them.
+The policies (`deepepochs.parallel.ddp`, `deepepochs.parallel.fsdp`) decide when to use them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ __all__ = ["DataOrder", "EvalShardSampler", "PaddingBatch", "ShortestShard", "is
 
 class PaddingBatch:
     """A batch a rank runs only so that its forward's collectives meet the other ranks' (FSDP evaluation,
-    `deepepochs.fsdp`): the engine runs the model's forward on `batch` and records nothing of it."""
+    `deepepochs.parallel.fsdp`): the engine runs the model's forward on `batch` and records nothing of it."""
 
     __slots__ = ("batch",)
 
