@@ -1,4 +1,4 @@
-"""Where one training batch's time goes, segment by segment: deepepochs against the raw loop (PERF-1's
+"""Where one training batch's time goes, segment by segment: deepepochs against the raw loop (the loop-overhead budget's
 "what costs what"): on the tiny model the loop's own cost shows most; on the MLP (`--model mlp`) what
 grows with the model shows (the finite check's pass over the gradients).
 

@@ -1,4 +1,4 @@
-"""Issue 18 part 4: per-rank parameter and optimizer-state memory under FSDP against DDP.
+"""Per-rank parameter and optimizer-state memory under FSDP against DDP.
 
 Two CPU processes (`deepepochs.launch`, gloo) train a ~50M-parameter MLP with Adam for a few batches, once
 with `strategy='ddp'` and once with `strategy='fsdp'`. After training every rank reports the bytes of the

@@ -11,7 +11,7 @@ each block builds all variants on a fresh model copy (memory placement alone can
 by several percent, which is why the variants share it); garbage is collected between blocks, not during
 the timed rounds (see run_model). The table reports medians over rounds and
 ratios to the variant's raw reference: wall time, and process CPU time paired per round with a bootstrap
-95% interval: the whole-epoch figure, one fit() call's fixed costs included. Per batch (PERF-1's
+95% interval: the whole-epoch figure, one fit() call's fixed costs included. Per batch (the loop-overhead budget's
 quantity): each round's median interval between batch hand-outs after the first five, paired with the raw
 loop's in the same round (robust to a stray slow batch and to per-fit costs); for a loop that updates every
 k batches (gradient accumulation) the intervals are averaged over runs of k batches first, so each holds
@@ -48,7 +48,7 @@ from torch.nn import functional as F  # noqa: E402
 
 import deepepochs  # noqa: E402
 
-#: The performance budget (PERF-1), per batch against the raw loop of the same run: tiny model fed by a
+#: The performance budget, per batch against the raw loop of the same run: tiny model fed by a
 #: DataLoader, console off; MLP; `fuse_steps=False`; k=4 accumulation against the raw k=4 loop; the
 #: default console over console off; the slack allowed over pytorch-ignite on the MLP.
 TINY_LIMIT, MLP_LIMIT, EVERY_EDGE_LIMIT, ACC_LIMIT = 1.10, 1.02, 1.20, 1.03
@@ -529,7 +529,7 @@ def budget_verdict(rows: list[dict]) -> list[dict]:
 
 def snapshot_costs(rows: list[dict]) -> dict:
     """What SnapshotCallback adds on the tiny model, per batch (= per update: k=1): armed with nothing due,
-    and writing a file at every update (issue 17: reported, no budget; snapshots off is PERF-1's case)."""
+    and writing a file at every update (reported, no budget; snapshots off is the loop-overhead budget's case)."""
     tiny = {row["variant"]: row for row in rows if row["model"] == "tiny" and row["feed"] == "tensors"}
     base = tiny.get("deepepochs")
     out = {}

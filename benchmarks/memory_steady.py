@@ -1,4 +1,4 @@
-"""PERF-3: a long fit with default settings holds steady memory.
+"""A long fit with default settings holds steady memory.
 
 Trains the seed's quick-start model (Linear(16, 2)) for `--epochs` x `--batches` training batches (20k by
 default) with validation every epoch, sampling the process RSS every `--every` batches from a Callback.
@@ -94,7 +94,7 @@ def slope_mb_per_1k(samples: list[tuple[int, float]]) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="PERF-3: RSS over a long deepepochs fit")
+    parser = argparse.ArgumentParser(description="Steady memory: RSS over a long deepepochs fit")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batches", type=int, default=2000, help="training batches per epoch")
     parser.add_argument("--val-batches", type=int, default=100)
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     print(f"RSS growth from epoch {first['epoch']} end to epoch {last['epoch']} end: {growth:+.2f} MB"
           f" (slope {result['slope_mb_per_1k_batches_after_first_epoch']:+.3f} MB / 1k batches;"
           f" objects {result['gc_objects_growth_after_first_epoch']:+d});"
-          f" PERF-3 {'met' if result['steady'] else 'NOT met'} (limit {args.limit_mb} MB)")
+          f" steady memory {'met' if result['steady'] else 'NOT met'} (limit {args.limit_mb} MB)")
     if args.output:
         write_json(args.output, result)
     return 0

@@ -1,4 +1,4 @@
-"""Throughput benchmark (BENCH-1): a 9-layer convnet (~5.2M parameters) on 224x224 synthetic images.
+"""Throughput benchmark: a 9-layer convnet (~5.2M parameters) on 224x224 synthetic images.
 
 Drives deepepochs' `Trainer` (or, with `--raw`, a plain PyTorch loop at the same settings) through
 `--warmup` + `--steps` training steps and times each measured step from the end of the previous one to the

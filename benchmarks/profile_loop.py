@@ -1,4 +1,4 @@
-"""Where deepepochs' per-batch overhead goes on the tiny model (a diagnostic for PERF-1 work).
+"""Where deepepochs' per-batch overhead goes on the tiny model (a diagnostic for the loop-overhead budget).
 
 1. Ablations: CPU time per batch of the raw loop, of deepepochs, of deepepochs taking every edge
    (`fuse_steps=False`, the path callbacks and custom steps take), and of deepepochs with one piece of

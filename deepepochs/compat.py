@@ -1,4 +1,4 @@
-"""Names deepepochs 0.6 exported (issue 16, COMPAT-2): the helpers that come back, and for the rest an
+"""Names deepepochs 0.6 exported: the helpers that come back, and for the rest an
 ImportError that names what replaces them.
 
 The helpers are written from what 0.6 documented them to do; `docs/MIGRATION.md` lists the decision for

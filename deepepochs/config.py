@@ -124,7 +124,7 @@ class TrainerConfig:
         nonfinite: fp32/bf16 behaviour on an inf/NaN loss in an update window: 'raise' or 'skip' the
             update (one host read per update, by design; fp16 relies on the GradScaler instead).
         split_batches: under DDP, divide each DataLoader's batch size by the world size.
-        log_long, log_batch, log_tqdm, show_info: console options (DEV-2).
+        log_long, log_batch, log_tqdm, show_info: console options.
         compile_model: wrap the model in `torch.compile`.
         fuse_steps: where nothing can observe a micro-batch's inner states, take the spec's fused edges
             (one per micro-batch, see `spec/loop.py`); False takes every edge (a finer flight record,

@@ -1,4 +1,4 @@
-"""`EpochTask` (CUST-3) and the per-run accumulators of a task's loss and metric patches."""
+"""`EpochTask` and the per-run accumulators of a task's loss and metric patches."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def as_metric_list(metrics, argname: str) -> list:
 
 class TaskMeters:
     """Loss sums and metric patches of one run of a task; the open window's part is kept apart so an
-    interrupt can drop it (ACC-3) without touching what completed windows contributed."""
+    interrupt can drop it without touching what completed windows contributed."""
 
     __slots__ = ("loss_sum", "host_sum", "host", "count", "patches", "window_losses", "window_patches",
                  "metrics", "final", "skipped")

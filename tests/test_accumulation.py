@@ -1,4 +1,4 @@
-"""Gradient accumulation (ACC-1, ACC-4): windows of k DataLoader batches against plain PyTorch references."""
+"""Gradient accumulation: windows of k DataLoader batches against plain PyTorch references."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_uneven_batches_are_weighted_by_their_sample_count():
 
 
 class SubBatchTrainer(TrainerBase):
-    """Splits each DataLoader batch into sub-batches of `sub` samples by hand (ACC-4)."""
+    """Splits each DataLoader batch into sub-batches of `sub` samples by hand."""
 
     sub = 3
 

@@ -1,4 +1,4 @@
-"""REL-2: the bad-input table. Each row feeds one mistake a user makes and asserts the exact message: it
+"""The bad-input table. Each row feeds one mistake a user makes and asserts the exact message: it
 names the argument (or the thing at fault), the accepted values and what was received, and nothing trains.
 """
 
@@ -127,7 +127,7 @@ def test_bad_input_is_refused_with_a_clear_message(row, tmp_path):
 
 
 def test_bf16_on_a_gpu_without_native_bf16_is_refused(monkeypatch):
-    """REL-2: bf16 on an unsupported CUDA device names the device and the alternatives (simulated GPU)."""
+    """Bf16 on an unsupported CUDA device names the device and the alternatives (simulated GPU)."""
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Old GPU")
     with pytest.raises(ConfigError, match=r"precision='bf16' is not supported on cuda:0 \(Old GPU"):

@@ -1,4 +1,4 @@
-"""Careless use gets a clear error, early (issue 15, section 5, in part): an optimizer that trains none of
+"""Careless use gets a clear error, early: an optimizer that trains none of
 the model, calling fit/test/close from inside a callback, a training epoch without batches, and a device
 this machine does not have."""
 

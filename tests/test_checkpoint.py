@@ -1,4 +1,4 @@
-"""Checkpoint files and resume (CKPT-2, CKPT-3, CKPT-5): contents, atomic writes, finding and loading."""
+"""Checkpoint files and resume: contents, atomic writes, finding and loading."""
 
 import ast
 import os
@@ -282,7 +282,7 @@ def test_resume_true_without_any_checkpoint_starts_fresh_with_an_info_line(tmp_p
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_an_unreadable_checkpoint_raises_checkpoint_error_naming_the_file(tmp_path, damage):
     """A corrupt or truncated file fails load_checkpoint and resume='<run>' with the path in the message;
-    resume=True warns with the same message and starts fresh (issue 16: a bad file never stops fit)."""
+    resume=True warns with the same message and starts fresh (a bad file never stops fit)."""
     first = _trainer(tmp_path, epochs=1)
     first.fit(_loader(), _loader(seed=1))
     path = _only_file(tmp_path / "ckpt")

@@ -1,4 +1,4 @@
-"""SEC-1, SEC-2 and SEC-3 (issue 15, sections 1-3): loading a checkpoint never runs code from the file
+"""Loading a checkpoint never runs code from the file
 unless the caller says it trusts the file; a truncated file says so; loading is all or nothing; names that
 become paths are validated; temporary files of killed saves are cleaned up at the next save or resume."""
 
@@ -56,7 +56,7 @@ def _saved_checkpoint(tmp_path):
 def test_resume_refuses_a_crafted_file_without_running_its_code(tmp_path):
     """A pickle that would run code, named like a checkpoint in the run folder: resume='<run>' raises
     CheckpointError naming the file and the type; resume=True skips it with a warning saying the same
-    and resumes from the older good file (issue 16: a foreign file never stops fit); the code never ran."""
+    and resumes from the older good file (a foreign file never stops fit); the code never ran."""
     path, _ = _saved_checkpoint(tmp_path)
     marker = tmp_path / "code-ran"
     evil = path.with_name("zzz-newest.ckpt")
@@ -138,7 +138,7 @@ def test_temporary_files_of_killed_saves_are_removed_at_resume(tmp_path):
     assert not stale.exists() and t.loop.completed_epochs == 2
 
 
-# ---- SEC-2: loading is all or nothing ----------------------------------------------------------------
+# ---- loading is all or nothing -----------------------------------------------------------------------------
 def _state(t):
     """Everything a load could change: weights, optimizer state, scheduler state, epoch count."""
     return ({k: v.clone() for k, v in t.raw_model.state_dict().items()},

@@ -1,4 +1,4 @@
-"""The 0.6 helper names (`deepepochs.compat`, issue 16 section 1): those that come back behave as 0.6
+"""The 0.6 helper names (`deepepochs.compat`): those that come back behave as 0.6
 documented, the others fail with a message naming their replacement."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""deepepochs 0.6 code keeps working (issue 16 section 1, COMPAT-1/2): hook indices, `rename`, `batch_size`,
+"""Deepepochs 0.6 code keeps working: hook indices, `rename`, `batch_size`,
 metric defaults, custom steps calling only `self.loss`, `do_loss`, 0.6 names and 0.6 checkpoints."""
 
 from __future__ import annotations

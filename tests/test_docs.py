@@ -1,4 +1,4 @@
-"""The documentation runs: every Python code block of the README and the user-facing pages executes (UX-2).
+"""The documentation runs: every Python code block of the README and the user-facing pages executes.
 
 Each page runs in a fresh namespace and in a scratch folder (files its code writes land there), its blocks
 in order, so a later block may use what an earlier one defined. A block is not run when it is not marked

@@ -1,4 +1,4 @@
-"""Exact position, in one process (issue 17, part 1): the training order of a plain DataLoader is a function
+"""Exact position, in one process: the training order of a plain DataLoader is a function
 of (seed, epoch); a refit after a fault continues at the last commit point with the same order and the
 same torch random numbers, skipping at the sampler (skipped batches are never loaded); a resumed run keeps
 the order's seed. References: the documented permutation computed here, and uninterrupted runs."""

@@ -1,4 +1,4 @@
-"""Every numbered example runs to completion with `--small` (EX-1), so none of them rots."""
+"""Every numbered example runs to completion with `--small`, so none of them rots."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""REL-1 / ACC-3: an exception injected on entering any state of the machine leaves the trainer consistent,
+"""An exception injected on entering any state of the machine leaves the trainer consistent,
 reaches the caller with the flight record naming that state, and a second fit ends exactly where an
 uninterrupted run does. The states come from the generated table, so a new state is covered automatically.
 """

@@ -1,4 +1,4 @@
-"""`Trainer(strategy=..., fsdp_kwargs=...)` in one process (issue 18): every argument is checked with a
+"""`Trainer(strategy=..., fsdp_kwargs=...)` in one process: every argument is checked with a
 message naming it, the accepted values and what came; one process accepts strategy='fsdp' and trains
 exactly as the default; the wrapping policy picks the submodules it promises. The two-process behaviour
 is in `tests/distributed/test_fsdp.py`."""

@@ -1,4 +1,4 @@
-"""The learning-rate finder (issue 16 section 2): `Trainer.find_lr` and 0.6's `LRFindCallback`.
+"""The learning-rate finder: `Trainer.find_lr` and 0.6's `LRFindCallback`.
 
 References are independent: a plain PyTorch range test for the losses, a trainer that never ran the sweep
 for "state restored", and the curve's own numbers for the suggestion."""

@@ -1,4 +1,4 @@
-"""The README's two set-up commands need nothing before them (UX-1): read from `make -n` (what make would
+"""The README's two set-up commands need nothing before them: read from `make -n` (what make would
 run, nothing run), `make demo` and `make test` create their own virtual environment, install the pinned
 torch into it first and on its own, and `make demo` installs the runtime dependencies only. A real run in
 a fresh clone takes minutes (it installs torch); it was done by hand for this change."""

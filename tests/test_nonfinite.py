@@ -1,4 +1,4 @@
-"""Non-finite values (issue 15, section 6): a NaN gradient behind a finite loss is caught like a NaN loss,
+"""Non-finite values: a NaN gradient behind a finite loss is caught like a NaN loss,
 and a skipped update's batches stay out of the epoch's loss and metrics, which the epoch line and the
 progress say. References: the same model trained by a plain PyTorch loop that skips the same updates."""
 

@@ -1,4 +1,4 @@
-"""The optimize path (AMP-2, CUST-4): several optimizers, clipping, per-optimizer skips, and the transitions
+"""The optimize path: several optimizers, clipping, per-optimizer skips, and the transitions
 real runs take through the machine's optimize layer."""
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def gan_opts(model):
 
 
 def test_gan_like_step_with_optimize_index_matches_plain_pytorch():
-    """CUST-4: D then G updates per batch through optimize_index, each with a step-wise scheduler."""
+    """D then G updates per batch through optimize_index, each with a step-wise scheduler."""
     dl = make_dl()
     model, ref = make_gan(), make_gan()
     opts, scheds = gan_opts(model)

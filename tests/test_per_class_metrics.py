@@ -1,4 +1,4 @@
-"""Per-class (vector-valued) metrics (issue 16 section 2, COMPAT-3): a metric returning one value per class
+"""Per-class (vector-valued) metrics: a metric returning one value per class
 is reported as `<name>.<class>` on the console, in the records and in TensorBoard, checked against
 scikit-learn on the whole dataset and against the event file read back."""
 

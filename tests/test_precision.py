@@ -1,4 +1,4 @@
-"""Precision (AMP-1, REL-2, REL-3): validation, fp16 with the CPU GradScaler, bf16, non-finite losses."""
+"""Precision: validation, fp16 with the CPU GradScaler, bf16, non-finite losses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`Trainer.predict` (issue 16 section 2, COMPAT-3): the model's outputs, in order, compared with a plain
+"""`Trainer.predict`: the model's outputs, in order, compared with a plain
 PyTorch loop over the same batches."""
 
 from __future__ import annotations

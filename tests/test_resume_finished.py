@@ -1,4 +1,4 @@
-"""Resuming a finished run (issue 16 section 3): a run that stopped early or reached its epoch target says
+"""Resuming a finished run: a run that stopped early or reached its epoch target says
 it is finished when resumed with resume=True, trains nothing and returns its records; a run whose target
 is raised trains on; a stale or missing record changes nothing."""
 

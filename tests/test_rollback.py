@@ -1,4 +1,4 @@
-"""Interrupt-rollback of the optimize path (ACC-3, REL-1, FSM-7): an exception or KeyboardInterrupt inside an
+"""Interrupt-rollback of the optimize path: an exception or KeyboardInterrupt inside an
 accumulation window keeps completed updates, drops the window, and a second fit ends where an
 uninterrupted run ends (plain PyTorch references, SGD, shuffle=False)."""
 

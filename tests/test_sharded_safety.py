@@ -1,4 +1,4 @@
-"""SEC-4: sharded checkpoint folders (the form `strategy='fsdp'` saves) never run code from their files, never
+"""Sharded checkpoint folders (the form `strategy='fsdp'` saves) never run code from their files, never
 send a read outside the folder, never remove a user's files, and a damaged one never blocks `resume=True`.
 
 The folders are real: a one-process trainer writes one through the sharded save path (its policy told it

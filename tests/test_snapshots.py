@@ -1,4 +1,4 @@
-"""Mid-epoch snapshots and preemption in one process (issue 17, part 2): `SnapshotCallback` writes snapshots
+"""Mid-epoch snapshots and preemption in one process: `SnapshotCallback` writes snapshots
 at commit points; a run resumed from any of them ends bit-identical to the uninterrupted run (weights,
 optimizer, scheduler, and the epoch metrics, which cover the batches before the resume); a listed signal
 stops the fit at the next commit point with `Preempted`. The subprocess acceptance (SIGKILL at random

@@ -1,4 +1,4 @@
-"""`Trainer(targets=...)` (issue 16 section 2, COMPAT-3): metrics for dict batches and loss=None models.
+"""`Trainer(targets=...)`: metrics for dict batches and loss=None models.
 
 The user names where the targets are (a dict-batch key, or a callable giving (preds, targets)); without
 it a metric that needs targets fails at the first batch with a message saying how, not after an epoch."""

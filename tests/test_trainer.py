@@ -1,4 +1,4 @@
-"""Core use of Trainer (CORE-1..5, DATA-1..4, CUST-1..3, MET-1/2, REL-2): each result is checked against an
+"""Core use of Trainer: each result is checked against an
 independent computation (a plain PyTorch loop or a whole-dataset evaluation)."""
 
 import io
@@ -260,7 +260,7 @@ class TaskWithStep(EpochTask):
 
 
 def test_step_methods_are_chosen_task_first_then_trainer_then_evaluate_step():
-    """CUST-2: a task's val_step beats the trainer's evaluate_step; step args reach the step method."""
+    """A task's val_step beats the trainer's evaluate_step; step args reach the step method."""
     x, y = _binary(16, 4)
     data = [(x[:8], y[:8]), (x[8:], y[8:])]
     t = StepTrainer(nn.Linear(4, 2), F.cross_entropy, device="cpu", epochs=1, log_batch=False, show_info=False)
@@ -285,7 +285,7 @@ class Order(Callback):
 
 
 def test_before_hooks_run_in_registration_order_and_after_hooks_in_reverse():
-    """CUST-1 ordering rule."""
+    """The callback hooks' ordering rule."""
     log = []
     t = quiet(nn.Linear(4, 2), epochs=1, callbacks=[Order("a", log), Order("b", log)])
     t.fit([(torch.randn(4, 4), torch.tensor([0, 1, 0, 1]))])
@@ -299,7 +299,7 @@ class Boom(Callback):
 
 
 def test_an_error_in_the_loop_carries_the_flight_record_and_leaves_the_trainer_usable():
-    """FSM-7: the exception notes name the last transitions with epoch/batch; the trainer returns to idle."""
+    """The exception notes name the last transitions with epoch/batch; the trainer returns to idle."""
     x, y = _binary(32, 4)
     data = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]
     t = quiet(nn.Linear(4, 2), epochs=1, callbacks=[Boom()])
@@ -315,7 +315,7 @@ def test_an_error_in_the_loop_carries_the_flight_record_and_leaves_the_trainer_u
 
 
 def test_console_prints_batch_lines_with_the_familiar_shape(monkeypatch):
-    """CORE-5: batch lines `E 1/2  B 3/4  TRAIN> loss: ...` (throttled) and 7 digits with log_long."""
+    """Batch lines `E 1/2  B 3/4  TRAIN> loss: ...` (throttled) and 7 digits with log_long."""
     monkeypatch.setattr(deepepochs.reporting.console, "LOG_REFRESH_S", 0.0)
     stream = io.StringIO()
     x, y = _binary(32, 4)
@@ -337,7 +337,7 @@ def test_public_names_resolve_and_all_is_sorted():
 
 
 def test_state_graph_marks_the_failed_state_of_a_crashed_trainer():
-    """FSM-6: Mermaid and DOT from a crashed trainer mark where it failed and number the last edges."""
+    """Mermaid and DOT from a crashed trainer mark where it failed and number the last edges."""
     x, y = _binary(32, 4)
     t = quiet(nn.Linear(4, 2), epochs=1, callbacks=[Boom()])
     with pytest.raises(ValueError):
@@ -351,7 +351,7 @@ def test_state_graph_marks_the_failed_state_of_a_crashed_trainer():
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' binary not installed")
 def test_state_graph_renders_png_and_svg(tmp_path):
-    """FSM-6: with Graphviz installed, PNG and SVG files are produced."""
+    """With Graphviz installed, PNG and SVG files are produced."""
     t = quiet(nn.Linear(4, 2), epochs=1)
     png = t.state_graph("png", path=tmp_path / "g.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "g.png").stat().st_size == len(png)

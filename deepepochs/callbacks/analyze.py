@@ -1,4 +1,4 @@
-"""`AnalyzeCallback` (LOG-3): per-layer statistics of outputs or gradients, written once per epoch.
+"""`AnalyzeCallback`: per-layer statistics of outputs or gradients, written once per epoch.
 
 Hooks exist only while a training stage runs: they are registered when it starts and removed when it
 ends, and also when the fit ends, is interrupted (`on_rollback`, `on_interrupted`) or the trainer closes,

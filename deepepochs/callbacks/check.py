@@ -1,4 +1,4 @@
-"""`CheckCallback`: monitor a metric, save best or latest checkpoints, stop early (CKPT-1, CKPT-4).
+"""`CheckCallback`: monitor a metric, save best or latest checkpoints, stop early.
 
 The callback only decides; the machine does the rest. At each epoch's end (`on_after_epoch`) it reads
 the monitored global metric, updates its best value and patience counter, and calls

@@ -1,4 +1,4 @@
-"""`GradClipCallback` (AMP-2): clip gradients by value or by norm, after unscaling, before the step."""
+"""`GradClipCallback`: clip gradients by value or by norm, after unscaling, before the step."""
 
 from __future__ import annotations
 

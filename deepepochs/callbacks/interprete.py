@@ -1,4 +1,4 @@
-"""`InterpreteCallback` (LOG-2): keep the k samples a per-sample metric ranks best (or worst).
+"""`InterpreteCallback`: keep the k samples a per-sample metric ranks best (or worst).
 
 Selection is exact and deterministic: the kept samples are the first k of the whole stage's samples
 stably sorted by the metric (descending for `mode='max'`, ascending for `mode='min'`), so among equal

@@ -1,4 +1,4 @@
-"""`LogCallback` (LOG-1): metrics, learning rates, the model graph, hyper-parameters and the loop's state
+"""`LogCallback`: metrics, learning rates, the model graph, hyper-parameters and the loop's state
 graph as TensorBoard event files.
 
 Tags follow one scheme, `<metric>/<stage>`, so that a metric's train, val and test charts sit side by

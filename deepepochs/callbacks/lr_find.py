@@ -1,4 +1,4 @@
-"""`LRFindCallback`: deepepochs 0.6's learning-rate finder, kept for 0.6 code (issue 16 section 2).
+"""`LRFindCallback`: deepepochs 0.6's learning-rate finder, kept for 0.6 code.
 
 Attached to a trainer, it makes the next `fit()` run a learning-rate sweep instead of training (as in 0.6,
 where the finder's fit ended after the sweep): the learning rate grows exponentially from `min_lr` to

@@ -1,4 +1,4 @@
-"""Checkpoints (CKPT-2, CKPT-3, CKPT-5, SEC-1, SEC-2): the public names of the modules below.
+"""Checkpoints: the public names of the modules below.
 
 One reason to change per module:
 

@@ -1,4 +1,4 @@
-"""Finding checkpoints and honouring `Trainer(resume=...)` (CKPT-3): the newest checkpoint of a run or of
+"""Finding checkpoints and honouring `Trainer(resume=...)`: the newest checkpoint of a run or of
 any run under the monitors' folders, which run a resume may load, and loading the newest usable one
 (skipping, with a warning, the files this trainer cannot use).
 """

@@ -1,4 +1,4 @@
-"""Finished runs (issue 16 section 3): a run that ended (epoch target reached or stopped early) says so when
+"""Finished runs: a run that ended (epoch target reached or stopped early) says so when
 it is resumed, and returns its records without training.
 
 When a fit ends normally, each `CheckCallback` (rank 0) writes `finished.pt` into its run folder, next to

@@ -1,4 +1,4 @@
-"""The checkpoint file format (CKPT-2): the `Checkpoint` record, what each key holds, the conversion of
+"""The checkpoint file format: the `Checkpoint` record, what each key holds, the conversion of
 deepepochs 0.6 files, and which callbacks' states the `monitors` key holds.
 
 A checkpoint is a plain `torch.save` dict; `torch.load(path, weights_only=True)` reads it without

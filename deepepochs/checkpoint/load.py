@@ -1,4 +1,4 @@
-"""Loading a checkpoint into a trainer, all or nothing (SEC-2): the fit check against the trainer, then
+"""Loading a checkpoint into a trainer, all or nothing: the fit check against the trainer, then
 the load transaction (a backup of the trainer's state, applied back when anything fails), and the model
 state loading that `CheckCallback`'s test swap uses too.
 """

@@ -1,7 +1,7 @@
 """Reading checkpoints safely: one file or a sharded checkpoint folder, its shards, and the queries on a
 checkpoint's path (does it exist, when was it committed).
 
-Files are read with `weights_only=True` only (SEC-1): a file holding other objects is refused unless
+Files are read with `weights_only=True` only: a file holding other objects is refused unless
 loaded with `trusted=True` (`read_checkpoint`).
 
 A sharded checkpoint (`strategy='fsdp'`) is a folder: its `checkpoint.pt` is read like a file, its
@@ -63,7 +63,7 @@ def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
     for `check_fits`; `load_into` and `consolidate` read the tensors themselves.
 
     The file is unpickled with `weights_only=True`: only tensors, numbers, strings and containers come
-    out, and nothing in the file can run code (SEC-1). A file holding other objects (a checkpoint of a
+    out, and nothing in the file can run code. A file holding other objects (a checkpoint of a
     custom scheduler that keeps objects in its state, or a file crafted to run code) is refused, naming
     the type, unless `trusted=True`: then it is fully unpickled, which runs whatever code the file
     carries; pass it only for a file you made yourself.

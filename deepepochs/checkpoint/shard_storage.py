@@ -1,4 +1,4 @@
-"""Sharded checkpoint storage (issue 18): each rank writes its own shards through Distributed Checkpoint.
+"""Sharded checkpoint storage: each rank writes its own shards through Distributed Checkpoint.
 
 Under `strategy='fsdp'` a checkpoint is a folder named like a checkpoint file (`val-loss.best.ckpt/`):
 
@@ -20,7 +20,7 @@ that no `checkpoint.pt` names (`remove_unnamed`).
 Reading (`read_into`) fills whatever targets it is given: this rank's shards of the trainer's DTensors
 under FSDP, at any world size (DCP reshards), or full tensors in one process and under DDP. DCP's own
 reader unpickles `.metadata` with `pickle.load`, which would run code from a crafted file; this module
-reads it with an unpickler that admits DCP's metadata classes by exact name only (SEC-1, SEC-4), and the
+reads it with an unpickler that admits DCP's metadata classes by exact name only, and the
 tensors themselves are read with `weights_only=True` by DCP.
 
 This module is storage only; `deepepochs.checkpoint` composes checkpoints from it.
@@ -208,7 +208,7 @@ def _admitted(module: str, name: str) -> bool:
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata records, `torch.Size`, dtypes and paths by exact name; refuses every other
-    global (SEC-4)."""
+    global."""
 
     def find_class(self, module, name):
         if not _admitted(module, name):

@@ -1,4 +1,4 @@
-"""Batch rules (DATA-1..4): splitting a batch into inputs and labels, device moves, sample counts."""
+"""Batch rules: splitting a batch into inputs and labels, device moves, sample counts."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def check_batch_size(batch_size, argname: str = "batch_size"):
 
 
 def batch_size_of(batch_x, batch_y, batch_size_fn=None) -> int:
-    """Samples in a batch (MET-4): `batch_size_fn` itself when it is an int (every batch weighs that much,
+    """Samples in a batch: `batch_size_fn` itself when it is an int (every batch weighs that much,
     as 0.6's `batch_size=32`), `batch_size_fn(batch_x, batch_y)` when it is a function, else dim 0 of the
     first tensor found in the label, then in the inputs."""
     if batch_size_fn is not None:

@@ -112,7 +112,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
             if autocast is None:
                 result = step_fn(batch_x, batch_y, **step_args)
             else:
-                with autocast():  # forward and loss of default and custom steps alike (AMP-1)
+                with autocast():  # forward and loss of default and custom steps alike
                     result = step_fn(batch_x, batch_y, **step_args)
             value, patches = steps.count_batch(ctx, meters, result, n)
             hop(END_BATCH)

@@ -152,7 +152,7 @@ class Context:
         batch_n: the current batch's sample count.
         hop: how a step moves the machine (`LoopMachine.fire`); a compiled micro-batch moves it itself.
         machine: the `LoopMachine` built from the registry for this context (`Driver`).
-        pending_nonfinite: a device-side inf/NaN flag checked at the task's end (accelerators, PERF-2).
+        pending_nonfinite: a device-side inf/NaN flag checked at the task's end (accelerators).
         seeds: gradients that backward starts from, per micro-batch share (`steps.backward`).
         signals: the SIGINT guard that holds a Ctrl-C during an update (`signals.InterruptGuard`).
         task_index: the index of the running task within its stage.

@@ -158,7 +158,7 @@ class Driver:
         emit(self.ctx, Event.BEFORE_FIT, epochs)
         if not self._started:
             self._started = True
-            parts.dist.broadcast_model(parts.raw_model)  # after init callbacks: every rank starts equal (DDP-5)
+            parts.dist.broadcast_model(parts.raw_model)  # after init callbacks: every rank starts equal
         parts.opts.drop_stale_grads()
         while fire(TriggerName.NEXT_EPOCH) == StateName.EPOCH_RUNNING:
             epoch = loop.epoch
@@ -399,8 +399,8 @@ class Driver:
         return merge_stage_metrics(per_task)
 
     def _raise_pending_nonfinite(self, meters):
-        """nonfinite='raise' on an accelerator: the per-update finite checks were kept on the device
-        (PERF-2); one read here, at the task's end, where the loop reads values anyway."""
+        """nonfinite='raise' on an accelerator: the per-update finite checks were kept on the device;
+        one read here, at the task's end, where the loop reads values anyway."""
         ctx = self.ctx
         flag, ctx.pending_nonfinite = ctx.pending_nonfinite, None
         if flag is not None and bool(flag):

@@ -19,7 +19,7 @@ __all__ = ["reads_on_host", "window_finite"]
 
 def reads_on_host(value: torch.Tensor) -> bool:
     """Whether reading `value` costs no device sync (a CPU tensor); elsewhere the fp32 finite check with
-    nonfinite='raise' stays on the device until the task's end (PERF-2)."""
+    nonfinite='raise' stays on the device until the task's end."""
     return value.is_cpu
 
 
@@ -30,8 +30,8 @@ def window_finite(ctx: Context, grads: list[torch.Tensor]) -> bool:
     On the CPU the losses were read as floats when computed (`steps.loss`) and the gradients' flag is read
     at no sync cost: one fused pass over the gradients (`torch_private.grads_nonfinite`). Elsewhere the
     losses' and gradients' flags are combined on the device and read once per update (the guard needs a
-    Python bool), or not at all with nonfinite='raise': the flag is kept and checked at the task's end
-    (PERF-2). Under DDP the flag is summed over the ranks first, so every rank takes the same step/skip
+    Python bool), or not at all with nonfinite='raise': the flag is kept and checked at the task's end.
+    Under DDP the flag is summed over the ranks first, so every rank takes the same step/skip
     edge. Raises FloatingPointError with nonfinite='raise'.
     """
     parts, loop = ctx.parts, ctx.loop

@@ -1,4 +1,4 @@
-"""A training position inside an epoch, as stored in a snapshot (issue 17), and put back on resume.
+"""A training position inside an epoch, as stored in a snapshot, and put back on resume.
 
 A mid-epoch snapshot is taken at a commit point (a committed window's update). What a fit needs to
 continue from there, besides the training state every checkpoint holds:
@@ -140,7 +140,7 @@ def restore(run: RunState, position: dict, rank: int, device: torch.device, worl
     rank `rank` of `world` processes training on `device`) the epoch's resume point, its task meters, the
     fields stored as they are (`runstate.GENERIC`), and set this rank's generators as of the commit point.
 
-    On another world size (issue 17 part 3) the global data position carries over (`ResumePoint.samples`,
+    On another world size the global data position carries over (`ResumePoint.samples`,
     turned into this run's batches when the task starts), rank 0 continues the meters of all saved ranks
     merged (the epoch's metrics stay global), and the generators are re-derived from (epoch, position,
     rank), with a `DeepEpochsWarning`: dropout then differs from an uninterrupted run's."""

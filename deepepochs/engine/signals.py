@@ -1,4 +1,4 @@
-"""Holding Ctrl-C during an update: the update is a critical section (FSM-9).
+"""Holding Ctrl-C during an update: the update is a critical section.
 
 A SIGINT that lands inside `optimizer.step()` (Adam on the CPU updates parameters one by one) would leave
 some parameters updated and others not, and no rollback can tell which. While `fit` or `test` runs, the

@@ -1,4 +1,4 @@
-"""Snapshots at commit points (issue 17): when the `snapshot` trigger fires, and how ranks agree.
+"""Snapshots at commit points: when the `snapshot` trigger fires, and how ranks agree.
 
 With a snapshot writer attached (a callback with `count_update`, `poll_snapshot`, `write_snapshot`,
 `late_signal` and `signals`: see `deepepochs.callbacks.SnapshotCallback`), every commit point fires the

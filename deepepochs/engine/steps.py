@@ -221,7 +221,7 @@ def loss_value(ctx: Context, model_out, batch_y, loss_adjust: float) -> torch.Te
     loss `ctx.step_loss`."""
     value = compute_loss(ctx, model_out, batch_y)
     # On the CPU read as a float now (no device to wait for; the finite check and the meters need no
-    # further tensor op); on an accelerator kept as a detached tensor, so no host sync is forced (PERF-2).
+    # further tensor op); on an accelerator kept as a detached tensor, so no host sync is forced.
     reported = value.item() if finite.reads_on_host(value) else value.detach()
     if loss_adjust != 1.0:
         reported = reported * loss_adjust

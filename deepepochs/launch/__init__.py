@@ -1,4 +1,4 @@
-"""Start a training function in one process per device, the way ``torchrun`` would (DDP-1, DDP-2).
+"""Start a training function in one process per device, the way ``torchrun`` would.
 
 ``launch(main)`` is the entry point of multi-process training from a plain ``python train.py`` (or an IDE's
 run button). It does not train anything itself: it starts the processes, gives each one the environment

@@ -26,7 +26,7 @@ Which collectives run, and when (every rank must issue them in the same order):
 - End of each task: the batch-count check (training), the loss sums, one exchange per metric patch.
 
 Evaluation runs on the unwrapped module and issues no collective per batch, so validation and test shards
-of different lengths cannot deadlock (DDP-7).
+of different lengths cannot deadlock.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ class DDPPolicy(_PolicyBase):
         return self.model
 
     def broadcast_model(self, model: torch.nn.Module) -> None:
-        """Copy rank 0's parameters and buffers to every rank (after init callbacks changed them, DDP-5).
+        """Copy rank 0's parameters and buffers to every rank (after init callbacks changed them).
 
         A sharded parameter (a DTensor, FSDP) is left alone: each of its elements lives on one rank only,
         so there is nothing to make equal."""
@@ -306,7 +306,7 @@ class DDPPolicy(_PolicyBase):
 
         This is exactly what `DistributedDataParallel.no_sync()` toggles: with it off, DDP's forward does
         not prepare the reducer, backward leaves gradients local, and the next synchronising backward
-        all-reduces the accumulated local gradients together (ACC-2). It must be set before the forward.
+        all-reduces the accumulated local gradients together. It must be set before the forward.
         """
         if self.model is not None:
             self.model.require_backward_grad_sync = enabled
@@ -408,7 +408,7 @@ class DDPPolicy(_PolicyBase):
         return patch.copy().sync()
 
     def sync_patches(self, patches: dict) -> dict:
-        """Every rank's `{name: patch}` merged, so all ranks see global metrics (MET-5).
+        """Every rank's `{name: patch}` merged, so all ranks see global metrics.
 
         The inputs are left unchanged (merging twice would count other ranks twice). Names are agreed
         first: a rank whose shard was empty holds no patch, so it cannot take part in a patch's own

@@ -10,7 +10,7 @@ seed) with the model-facing methods replaced:
   DTensor one), keeping any state they already held.
 - `set_grad_sync` is `FSDPModule.set_requires_gradient_sync`, driven by the spec's `sync_gradients` /
   `skip_gradient_sync` actions as DDP's no_sync is: inside an accumulation window the gradients stay
-  local and unsharded, and the window's last micro-batch reduce-scatters their sum (ACC-2).
+  local and unsharded, and the window's last micro-batch reduce-scatters their sum.
   `drop_unsynced_gradients` (rollback) discards what such micro-batches left inside FSDP, which
   `zero_grad` cannot reach (see `deepepochs.torch_private.fsdp_drop_unsynced_grads`).
 - checkpoints are sharded: every rank writes its own shards through Distributed Checkpoint, nothing is
@@ -240,7 +240,7 @@ class FSDPPolicy(DDPPolicy):
                                   f" is what gets sharded; optimizer {i} also holds tensors of shapes {strangers[:5]}"
                                   "; make them parameters of the model (or a submodule of it)")
         states = [opt.state_dict() if opt.state else None for opt in optimizers]
-        self.broadcast_model(model)  # plain tensors still: rank 0's values everywhere (DDP-5)
+        self.broadcast_model(model)  # plain tensors still: rank 0's values everywhere
         options = {"reshard_after_forward": self.config.reshard_after_forward,
                    "mp_policy": _mixed_precision(self.config, self.precision)}
         for module in shard_targets(model, self.config):
@@ -266,7 +266,7 @@ class FSDPPolicy(DDPPolicy):
         """Whether the next backward reduce-scatters gradients (`FSDPModule.set_requires_gradient_sync`).
 
         Off, backward leaves each micro-batch's gradient unsharded and local, added to the previous ones;
-        the next synchronising backward reduce-scatters the sum (ACC-2). Set only on a change: the call
+        the next synchronising backward reduce-scatters the sum. Set only on a change: the call
         walks every submodule. Without `_defer_sync` (torch's FSDP internals not as expected, so a
         rollback could not drop unsynced gradients) every backward reduce-scatters: the same result,
         more communication.

@@ -1,4 +1,4 @@
-"""Confusion-matrix patches: exact dataset-level classification metrics in constant memory (MET-3).
+"""Confusion-matrix patches: exact dataset-level classification metrics in constant memory.
 
 :class:`ConfusionPatch` accumulates a confusion matrix batch by batch (merging across processes like every
 patch, see :mod:`deepepochs.patches`) and computes accuracy, precision, recall and F1 from it;
@@ -150,7 +150,7 @@ class ConfusionPatch(PatchBase):
 
 
 class ConfusionMetrics:
-    """Makes :class:`ConfusionPatch` objects of one configuration, for custom step methods (MET-3).
+    """Makes :class:`ConfusionPatch` objects of one configuration, for custom step methods.
 
     One confusion matrix per batch gives several metrics. A step returns the patch under one key; the
     metric names shown are the dict's keys (the patches it makes have the empty prefix ``name=''`` unless

@@ -1,4 +1,4 @@
-"""Console output (CORE-5, DEV-2): run header, batch lines or tqdm bars, epoch and test lines.
+"""Console output: run header, batch lines or tqdm bars, epoch and test lines.
 
 Reading a metric value is a host-device sync, so batch lines are refreshed at most every
 `REFRESH_S` seconds (terminal) or `LOG_REFRESH_S` seconds (a log file, one line each), never per batch.

@@ -1,4 +1,4 @@
-"""The trainer's TensorBoard writers (LOG-1): created on first use, shared by every logging callback.
+"""The trainer's TensorBoard writers: created on first use, shared by every logging callback.
 
 A run writes into `<log_dir>/<running_id>`. Every logging callback that asks for the same `log_dir` gets
 the same `torch.utils.tensorboard.SummaryWriter`, so `fit` followed by `test` (and the log, interpretation

@@ -147,14 +147,14 @@ class TrainerBase(StepMethods):
         parts = Parts(
             config=self.config, device=self.device, raw_model=model,
             train_model=dist.wrap_model(compiled, ddp_kwargs),
-            eval_model=compiled,  # not DDP-wrapped: evaluation issues no DDP collectives (DDP-7)
+            eval_model=compiled,  # not DDP-wrapped: evaluation issues no DDP collectives
             opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
             console=self._console, facade=self, resumer=resume_run, target_key=target_key,
             pick_targets=pick_targets)
         self._ctx = Context(parts, loop, loss_fn=loss)
         self._driver = Driver(self._ctx)
         self._closed = False
-        self._writers = RunWriters(self)  # TensorBoard writers, created on first use (LOG-1)
+        self._writers = RunWriters(self)  # TensorBoard writers, created on first use
         self.add_callbacks(callbacks or [])
 
     # ---- public API ----

@@ -1,4 +1,4 @@
-"""What a step method may call on `self` (the trainer), and the default steps it overrides (CUST-2, ACC-4).
+"""What a step method may call on `self` (the trainer), and the default steps it overrides.
 
 `StepMethods` is the part of `TrainerBase` that custom steps see: `self.loss(...)` (a `LossCall`, with deepepochs
 0.6's `self.loss.optimize()` and `self.loss.do_metric(...)`), `self.do_metric`, `self.optimize`, `self.no_sync`,

@@ -1,4 +1,4 @@
-"""The learning-rate finder behind `Trainer.find_lr` and `LRFindCallback` (issue 16 section 2).
+"""The learning-rate finder behind `Trainer.find_lr` and `LRFindCallback`.
 
 A range test: training updates with a learning rate that grows exponentially from `min_lr` to `max_lr`,
 one rate per update, recording each update's loss; the sweep stops early when the smoothed loss diverges

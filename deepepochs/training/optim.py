@@ -1,4 +1,4 @@
-"""Optimizers and LR schedulers (CORE-4, CUST-4): the `Optimizer` wrapper and the trainer's group of them."""
+"""Optimizers and LR schedulers: the `Optimizer` wrapper and the trainer's group of them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Precision policy (AMP-1): autocast over forward and loss, GradScaler for fp16, finite checks.
+"""Precision policy: autocast over forward and loss, GradScaler for fp16, finite checks.
 
 The scaler's life cycle inside one training iteration (one DataLoader batch) is:
 
@@ -79,7 +79,7 @@ class Precision:
 
     Args:
         precision: 'fp32', 'fp16' or 'bf16'.
-        device: the training device; the combination is validated here (REL-2), not at the first batch.
+        device: the training device; the combination is validated here, not at the first batch.
 
     Raises:
         ConfigError: unknown precision, bf16 on a CUDA GPU without native bf16, or autocast/GradScaler

@@ -1,4 +1,4 @@
-"""AnalyzeCallback (LOG-3): statistics checked against plain PyTorch, and no hook outlives training."""
+"""AnalyzeCallback: statistics checked against plain PyTorch, and no hook outlives training."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""CheckCallback (CKPT-1, CKPT-4): argument checks, best/latest saves, early stop, testing the best model."""
+"""CheckCallback: argument checks, best/latest saves, early stop, testing the best model."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""InterpreteCallback (LOG-2): the kept samples are checked against sorting the whole dataset's per-sample
+"""InterpreteCallback: the kept samples are checked against sorting the whole dataset's per-sample
 metric, computed with plain PyTorch."""
 
 import re

@@ -1,4 +1,4 @@
-"""LogCallback, the trainer's shared TensorBoard writer and the console (LOG-1, DEV-2, CORE-5).
+"""LogCallback, the trainer's shared TensorBoard writer and the console.
 
 Event files are read back with TensorBoard's own reader, `EventAccumulator`.
 """

@@ -142,7 +142,7 @@ def _save_then_resume(out: Path) -> dict:
     with _trainer(epochs=2, callbacks=[best, last], running_id=RUN_ID) as trainer:
         trainer.fit(_train_loader(), val_loader())
         saved = _full_state(trainer.raw_model)
-        test = trainer.test(val_loader())  # with the best file's weights (CKPT-4), then the final ones back
+        test = trainer.test(val_loader())  # with the best file's weights, then the final ones back
         after_test = _full_state(trainer.raw_model)
         if trainer.is_main_process:  # for the two resumes: the files as they are after epoch 2
             shutil.copytree(last_dir, out / "resume-2")

@@ -1,4 +1,4 @@
-"""Distributed training with the Trainer (DDP-2..7, ACC-1/2, MET-5): two gloo processes on the CPU.
+"""Distributed training with the Trainer: two gloo processes on the CPU.
 
 The two-process scenarios run in one `launch` (process start-up is most of the cost); each rank saves
 what it saw to a file and the tests compare those files with references computed here: a plain PyTorch
@@ -45,7 +45,7 @@ import ddp_targets as T  # noqa: E402  (needs the sys.path entry above)
 from deadline import TORCHRUN_VARIABLES, launch_scenarios, teardown_abort  # noqa: E402  (same sys.path entry)
 
 REPO = TARGETS_DIR.parents[1]
-EXACT = 1e-5  # DDP-6: fp32 weights within float tolerance of the one-process run
+EXACT = 1e-5  # fp32 weights within float tolerance of the one-process run
 
 
 # ---- bounded runs -------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def single_process():
     return out
 
 
-# ---- DDP-6: the same weights as one process with the whole batch ---------------------------------------
+# ---- the same weights as one process with the whole batch --------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.parametrize(("scenario", "k"), [("equivalence", 1), ("accumulation", 2), ("split_batches", 1)])
 def test_ddp_weights_equal_one_process_with_the_whole_batch(ranks, single_process, scenario, k):
@@ -125,11 +125,11 @@ def test_ddp_weights_equal_one_process_with_the_whole_batch(ranks, single_proces
 @pytest.mark.distributed
 @pytest.mark.parametrize(("scenario", "syncs"), [("equivalence", 5 * T.EPOCHS), ("accumulation", 3 * T.EPOCHS)])
 def test_gradients_are_all_reduced_only_on_the_updating_micro_batch(ranks, scenario, syncs):
-    """ACC-2: 5 batches per epoch; with k=2 the windows are 2+2+1, so 3 all-reduces per epoch, not 5."""
+    """5 batches per epoch; with k=2 the windows are 2+2+1, so 3 all-reduces per epoch, not 5."""
     assert [rank[scenario]["syncs"] for rank in ranks] == [syncs, syncs]
 
 
-# ---- MET-5 / DDP-3: global metrics, exactly-once evaluation shards -----------------------------------------
+# ---- global metrics, exactly-once evaluation shards --------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.parametrize(("scenario", "k"), [("equivalence", 1), ("accumulation", 2)])
 def test_validation_metrics_under_ddp_equal_the_single_process_metrics(ranks, single_process, scenario, k):
@@ -196,7 +196,7 @@ def test_an_empty_evaluation_shard_still_gives_global_metrics(ranks):
         assert rank["tiny_test_set"] == pytest.approx(expected, abs=EXACT)
 
 
-# ---- issue 16 section 2: predict under DDP --------------------------------------------------------------
+# ---- predict under DDP -------------------------------------------------------------------------------------
 @pytest.mark.distributed
 def test_predict_under_ddp_returns_each_sample_once_in_dataset_order_on_rank_0(ranks):
     """Two ranks predict 37 samples (shards of 19 and 18): rank 0 returns the plain model's outputs for all
@@ -225,7 +225,7 @@ def test_find_lr_under_ddp_agrees_across_ranks_and_restores_the_weights(ranks):
     assert a["restored"] and b["restored"] and a["fit_epochs"] == b["fit_epochs"] == 1
 
 
-# ---- DDP-3: sharding and sampler epochs ------------------------------------------------------------------
+# ---- sharding and sampler epochs ---------------------------------------------------------------------------
 @pytest.mark.distributed
 def test_shuffled_training_shards_are_disjoint_complete_and_reshuffled_each_epoch(ranks):
     """shuffle=True: per epoch the two shards partition the 16 samples, in a new order each epoch."""
@@ -235,7 +235,7 @@ def test_shuffled_training_shards_are_disjoint_complete_and_reshuffled_each_epoc
     assert seen[0][1] != seen[0][2]
 
 
-# ---- DDP-5, DDP-4, DDP-2 -------------------------------------------------------------------------------------
+# ---- rank 0's weights everywhere, main_process_first, the process group ----
 @pytest.mark.distributed
 def test_parameters_are_broadcast_from_rank_0_after_init_callbacks(ranks):
     """on_before_fit sets rank r's weights to r + 1; after the broadcast both ranks hold rank 0's 1.0."""
@@ -258,7 +258,7 @@ def test_trainer_destroys_only_the_process_group_it_created(ranks):
     assert [rank["equivalence"]["is_main"] for rank in ranks] == [True, False]
 
 
-# ---- DDP-7 and configuration errors ------------------------------------------------------------------------
+# ---- configuration errors ----------------------------------------------------------------------------------
 @pytest.mark.distributed
 def test_different_training_batch_counts_raise_instead_of_hanging(ranks):
     """A user sampler giving rank 0 two batches and rank 1 one: DistributedError on both ranks at fit()."""
@@ -290,7 +290,7 @@ def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_at_that_save(ranks):
     assert ranks[0]["save_failure"]["written"]
 
 
-# ---- REL-4 -------------------------------------------------------------------------------------------------
+# ---- a failing rank ends every rank ------------------------------------------------------------------------
 @pytest.mark.distributed
 def test_a_rank_raising_during_training_makes_launch_raise_within_seconds(scripts):
     """Rank 1 raises mid-epoch while rank 0 waits in the gradient all-reduce: the caller gets the error."""
@@ -332,7 +332,7 @@ class _Stream(IterableDataset):
          "user-distributed-sampler", "subclass", "iterable-dataset"],
 )
 def test_only_plain_dataloaders_are_resharded(make, plain):
-    """DDP-3: the trainer rebuilds DataLoaders that use DataLoader's own sampling; others are kept."""
+    """The trainer rebuilds DataLoaders that use DataLoader's own sampling; others are kept."""
     assert (_shard(make(_dataset()), "train", 0, 2, False) is not None) == plain
 
 

@@ -1,4 +1,4 @@
-"""REL-4 / issue 8 at the DDP level: a failure on one rank at key states of the machine ends the whole
+"""At the DDP level: a failure on one rank at key states of the machine ends the whole
 group promptly, and the caller of `launch` gets that rank's error with its flight record; nothing hangs."""
 
 import json

@@ -1,4 +1,4 @@
-"""`Trainer(strategy='fsdp')` (SCALE-1, issue 18): two gloo processes on the CPU with FSDP2 `fully_shard`.
+"""`Trainer(strategy='fsdp')`: two gloo processes on the CPU with FSDP2 `fully_shard`.
 
 The scenarios run in one `launch` (`fsdp_targets.run_scenarios`); each rank saves what it saw and the
 tests compare it with references computed here: a plain PyTorch loop with the whole batch, a one-process
@@ -85,7 +85,7 @@ def one_process():
     return records
 
 
-# ---- equivalence with one process (SCALE-1, DDP-6's FSDP twin) ------------------------------------------
+# ---- equivalence with one process (FSDP's twin of DDP's same-weights test) ---------------------------------
 @pytest.mark.distributed
 @pytest.mark.parametrize(("scenario", "k", "clip"), [("k1", 1, None), ("k3", 3, None), ("clip", 1, S.CLIP)])
 def test_fsdp_weights_equal_one_process_with_the_whole_batch(ranks, scenario, k, clip):
@@ -108,7 +108,7 @@ def test_clipping_changes_the_fsdp_result(ranks):
 @pytest.mark.distributed
 @pytest.mark.parametrize(("scenario", "syncs"), [("k1", 5), ("k3", 2), ("k3_fallback", 5)])
 def test_gradients_are_reduce_scattered_only_on_the_updating_micro_batch(ranks, scenario, syncs):
-    """ACC-2 under FSDP: 5 batches per epoch, windows 3+2 with k=3, so 2 reduce-scatters per sharded
+    """Gradient accumulation under FSDP: 5 batches per epoch, windows 3+2 with k=3, so 2 reduce-scatters per sharded
     parameter group and epoch instead of 5 (set_requires_gradient_sync, driven by the spec's actions).
     Without torch_private's FSDP records the fallback syncs every micro-batch, with the same weights."""
     for rank in ranks:
@@ -168,7 +168,7 @@ def test_uneven_evaluation_data_without_a_length_or_with_an_empty_shard_does_not
     assert ranks[1]["uneven_eval"]["predict_one"] is None
 
 
-# ---- rollback (ACC-3 / REL-1 under FSDP) -----------------------------------------------------------------
+# ---- rollback under FSDP -----------------------------------------------------------------------------------
 @pytest.mark.distributed
 def test_a_fault_mid_window_rolls_back_exactly_under_fsdp(ranks):
     """Both ranks raise after the 2nd micro-batch's backward of a k=3 window (its unsynced gradients are
@@ -287,7 +287,7 @@ def test_consolidate_refuses_what_is_not_a_sharded_checkpoint(ranks, out_dir, tm
 
 @pytest.mark.distributed
 def test_shard_metadata_that_would_run_code_is_refused(ranks, out_dir, tmp_path):
-    """SEC-1: DCP unpickles .metadata with pickle.load; deepepochs reads it with an allow-list, so a crafted
+    """DCP unpickles .metadata with pickle.load; deepepochs reads it with an allow-list, so a crafted
     file naming another global (here os.system) is refused before anything runs."""
     source = out_dir / "checkpoints" / "last" / S.RUN_ID / "train-loss.latest.ckpt"
     path = tmp_path / "crafted.ckpt"
@@ -398,7 +398,7 @@ def test_two_optimizers_under_fsdp_train_save_and_resume_like_one_process(ranks,
 
 @pytest.mark.distributed
 def test_test_under_fsdp_uses_the_best_checkpoint_then_restores_the_weights(ranks, tmp_path):
-    """CKPT-4 under FSDP: test() evaluates the first monitor's best checkpoint (each rank reading its shards)
+    """Under FSDP: test() evaluates the first monitor's best checkpoint (each rank reading its shards)
     and gives the model its final weights back."""
     best = torch.load(consolidate(ranks[0]["checkpoint"]["best_file"], tmp_path / "best.ckpt"), weights_only=True)
     x, y = T.make_data(T.VAL_N, 2).tensors
@@ -441,7 +441,7 @@ def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_in_one_process(ranks, out_dir
     snap = SnapshotCallback(ckpt_dir, every_n_updates=3, on_signals=())
     with Trainer(model, F.cross_entropy, T.make_optimizer(model), resume=S.SNAPSHOT_RUN_ID,
                  **T.trainer_kwargs(callbacks=[snap])) as trainer:
-        # RES-3's documented policy for another world size (this model draws no random numbers)
+        # the documented resume policy for another world size (this model draws no random numbers)
         with pytest.warns(DeepEpochsWarning, match="resuming a mid-epoch snapshot of 2 process"):
             trainer.fit(DataLoader(T.make_data(T.TRAIN_N, 1), batch_size=2 * T.BATCH), S.val_loader())
         state = trainer.raw_model.state_dict()

@@ -1,4 +1,4 @@
-"""Behaviour of ``deepepochs.launch.launch`` (DDP-1, DDP-2): spawning, results, failures, environment.
+"""Behaviour of ``deepepochs.launch.launch``: spawning, results, failures, environment.
 
 Launches that could hang if ``launch`` were broken (a rank blocked in a collective) run in a subprocess
 with a timeout; the others run in this process with targets whose collectives have timeouts.
@@ -390,7 +390,7 @@ def test_ten_clean_two_process_launches_all_return_their_result(tmp_path, no_tor
     assert len(set(results)) == 1  # the same seeded run each time
 
 
-# ---- scripts whose children cannot run main (issue 15, section 4) ----
+# ---- scripts whose children cannot run main ----------------------------------------------------------------
 _GUARDED_MAIN_SCRIPT = textwrap.dedent(
     """
     import time

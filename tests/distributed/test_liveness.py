@@ -1,4 +1,4 @@
-"""DDP liveness (issue 15, section 4): a hung rank ends the group after `dist_timeout` with a
+"""DDP liveness: a hung rank ends the group after `dist_timeout` with a
 `DistributedError` naming what timed out (launch and torchrun), and training data without a length
 whose shards differ ends every rank's epoch at the shortest shard instead of hanging."""
 

@@ -1,4 +1,4 @@
-"""Multi-node DDP (issue 18 part 5), as two `torchrun --nnodes=2` invocations on this machine (one process
+"""Multi-node DDP, as two `torchrun --nnodes=2` invocations on this machine (one process
 per "node", c10d rendezvous on 127.0.0.1): the run equals one process with the global batch."""
 
 import os

@@ -1,4 +1,4 @@
-"""Preemption under DDP (issue 17, part 2): a SIGTERM that reaches one rank only stops every rank at the same
+"""Preemption under DDP: a SIGTERM that reaches one rank only stops every rank at the same
 commit point; rank 0 writes one snapshot holding every rank's random states; `launch` raises `Preempted`;
 the resumed 2-rank run ends as the uninterrupted 2-rank run."""
 

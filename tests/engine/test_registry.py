@@ -1,4 +1,4 @@
-"""FSM-8: every spec guard and action has exactly one implementation, in the engine's registry, and the
+"""Every spec guard and action has exactly one implementation, in the engine's registry, and the
 machine calls the registry's functions (no other implementation is reachable)."""
 
 import pytest

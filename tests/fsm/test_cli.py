@@ -1,4 +1,4 @@
-"""FSM-6, issue 16 section 4: `python -m deepepochs graph` on a machine without Graphviz."""
+"""`python -m deepepochs graph` on a machine without Graphviz."""
 
 from __future__ import annotations
 

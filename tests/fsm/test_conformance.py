@@ -1,4 +1,4 @@
-"""FSM-5: real runs follow the spec. Each recorded transition is a table edge, and the whole recorded path
+"""Real runs follow the spec. Each recorded transition is a table edge, and the whole recorded path
 equals the trace the spec yields for the scenario (an independent walk over the spec's edges driven by the
 loop grammar documented in spec/loop.py)."""
 
@@ -341,7 +341,7 @@ def test_every_hook_runs_in_a_state_the_spec_allows():
 
 def test_on_an_accelerator_the_finite_check_stays_on_the_device_until_the_task_ends(monkeypatch):
     """Where a value read per update would sync a device (CUDA), nonfinite='raise' keeps the finite check on
-    the device and reads it once per task (PERF-2). Forced here on the CPU: fused and every-edge runs give
+    the device and reads it once per task. Forced here on the CPU: fused and every-edge runs give
     the same weights and loss, and an inf loss raises at the task's end instead of at its update."""
     from deepepochs.engine import finite
 

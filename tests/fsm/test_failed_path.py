@@ -1,4 +1,4 @@
-"""FSM-6/FSM-7: the path that failed. A run that fails at a known point (a NaN loss in epoch 2, with
+"""The path that failed. A run that fails at a known point (a NaN loss in epoch 2, with
 gradient accumulation k=3) is drawn from the trainer and from its saved flight record; the numbered path
 must be the flight record, the failed state red, and the rollback's edge must lead to the last commit."""
 

@@ -1,4 +1,4 @@
-"""FSM-6: the state graph, level by level, readable by construction (checked on Graphviz's own layout), and
+"""The state graph, level by level, readable by construction (checked on Graphviz's own layout), and
 the committed pictures in docs/ are the ones the spec renders (`make graph` refreshes them)."""
 
 import re

@@ -1,4 +1,4 @@
-"""Structure of the generated tables (FSM-2, FSM-4) and agreement of the two runtimes (FSM-3)."""
+"""Structure of the generated tables and agreement of the two runtimes."""
 
 import collections
 import itertools
@@ -39,7 +39,7 @@ def _reachable(start):
 
 
 def test_generated_tables_match_the_spec():
-    """`python -m spec --check` passes: the committed tables are what the spec renders (FSM-2)."""
+    """`python -m spec --check` passes: the committed tables are what the spec renders."""
     result = subprocess.run([sys.executable, "-m", "spec", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -71,26 +71,26 @@ def test_check_mode_reports_a_stale_file(tmp_path):
 
 
 def test_every_state_has_a_layer_and_a_doc_and_every_name_a_one_line_doc():
-    """FSM-1: states are named by layer; every trigger, guard and action has a one-line description."""
+    """States are named by layer; every trigger, guard and action has a one-line description."""
     assert {s.layer for s in SPEC.states} <= set(LAYERS)
     for record in (*SPEC.states, *SPEC.triggers, *SPEC.guards, *SPEC.actions, *SPEC.transitions, *SPEC.hooks):
         assert record.doc and "\n" not in record.doc
 
 
 def test_every_state_is_reachable_from_the_initial_state():
-    """FSM-4: no dead states."""
+    """No dead states."""
     assert _reachable(SPEC.initial) == {s.name for s in SPEC.states}
 
 
 def test_every_non_final_state_has_an_exit():
-    """FSM-4: every state has at least one edge to another state (the loop has no final state)."""
+    """Every state has at least one edge to another state (the loop has no final state)."""
     graph = _graph()
     for state in SPEC.states:
         assert graph[state.name] - {state.name}, state.name
 
 
 def test_guards_are_exclusive_and_total_for_every_state_and_trigger():
-    """FSM-4: for each (state, trigger), exactly one edge matches every guard outcome."""
+    """For each (state, trigger), exactly one edge matches every guard outcome."""
     pairs = {(t.source, t.trigger) for t in SPEC.transitions}
     for source, trigger in pairs:
         guards = SPEC.guards_of(source, trigger)
@@ -100,7 +100,7 @@ def test_guards_are_exclusive_and_total_for_every_state_and_trigger():
 
 
 def test_every_running_state_has_an_interrupt_edge_to_rollback():
-    """FSM-4: an interrupt edge leads from every running state to rollback."""
+    """An interrupt edge leads from every running state to rollback."""
     for state in SPEC.states:
         edges = SPEC.edges(state.name, SPEC.interrupt)
         if state.running:
@@ -110,7 +110,7 @@ def test_every_running_state_has_an_interrupt_edge_to_rollback():
 
 
 def test_rollback_always_returns_to_an_idle_state_that_accepts_fit_and_test():
-    """FSM-4: rollback leads only to idle states, from which fit and test can be called."""
+    """Rollback leads only to idle states, from which fit and test can be called."""
     dests = {t.dest for t in SPEC.transitions if t.source == SPEC.rollback}
     assert dests and all(SPEC.state(d).idle for d in dests)
     for d in dests:
@@ -118,7 +118,7 @@ def test_rollback_always_returns_to_an_idle_state_that_accepts_fit_and_test():
 
 
 def test_hot_triggers_are_the_per_batch_ones():
-    """FSM-3: exactly the window/step/optimize triggers (and the fused batch, and the per-window snapshot
+    """Exactly the window/step/optimize triggers (and the fused batch, and the per-window snapshot
     commit point) are hot; fit/epoch/stage/task ones are cold."""
     hot = {t.name for t in SPEC.triggers if t.hot}
     assert hot == {"begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
@@ -127,7 +127,7 @@ def test_hot_triggers_are_the_per_batch_ones():
 
 
 def test_only_one_module_imports_transitions():
-    """FSM-3: deepepochs/fsm/machine.py is the single adapter over `transitions`."""
+    """Deepepochs/fsm/machine.py is the single adapter over `transitions`."""
     importers = [p.relative_to(ROOT).as_posix() for p in (ROOT / "deepepochs").rglob("*.py")
                  if "import transitions" in p.read_text() or "from transitions" in p.read_text()]
     assert importers == ["deepepochs/fsm/machine.py"]
@@ -148,7 +148,7 @@ def test_machine_edges_equal_the_spec_edges():
 
 
 def test_compiled_table_agrees_with_transitions_on_every_state_trigger_and_guard_outcome():
-    """FSM-3: exhaustive comparison of accept/reject/error and the resulting state."""
+    """Exhaustive comparison of accept/reject/error and the resulting state."""
     guard_names = [g.name for g in SPEC.guards]
     for values in itertools.product((False, True), repeat=len(guard_names)):
         outcome = dict(zip(guard_names, values))
@@ -175,7 +175,7 @@ def test_compiled_table_agrees_with_transitions_on_every_state_trigger_and_guard
 
 
 def test_invalid_trigger_names_the_state_the_trigger_and_the_allowed_triggers():
-    """FSM-3: the error says where the machine is, what was fired and what would have been accepted."""
+    """The error says where the machine is, what was fired and what would have been accepted."""
     guards = {g.name: (lambda: False) for g in SPEC.guards}
     actions = {a.name: (lambda: None) for a in SPEC.actions}
     m = LoopMachine(guards, actions, LoopState())
@@ -345,7 +345,7 @@ def test_name_enums_list_the_spec_names_in_spec_order():
 
 
 def test_hook_names_come_from_the_spec():
-    """CUST-1: Event values, Callback methods and spec hooks are the same set, with the spec's args."""
+    """Event values, Callback methods and spec hooks are the same set, with the spec's args."""
     import inspect
 
     from deepepochs import Callback, Event
@@ -360,7 +360,7 @@ def test_hook_names_come_from_the_spec():
 
 
 def test_hook_names_keep_the_06_api():
-    """CUST-1: the deepepochs 0.6 hook names users' callbacks rely on all exist."""
+    """The deepepochs 0.6 hook names users' callbacks rely on all exist."""
     names = {h.name for h in SPEC.hooks}
     for stage in ("train", "val", "test"):
         for pattern in ("on_before_{}_epochs", "on_before_{}_epoch", "on_before_{}_batch",

@@ -1,4 +1,4 @@
-"""CUDA mixed precision (AMP-1, AMP-2, ACC-1) against plain PyTorch references; skipped without CUDA."""
+"""CUDA mixed precision against plain PyTorch references; skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_cuda_fp32_accumulation_with_a_tail_window_equals_the_concatenated_step(
 
 
 def test_cuda_fp32_nonfinite_raise_reads_no_value_per_update_and_raises_at_the_task_end():
-    """PERF-2: on CUDA, fp32 nonfinite='raise' flags an inf loss on the device and raises at the task's end."""
+    """On CUDA, fp32 nonfinite='raise' flags an inf loss on the device and raises at the task's end."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     bad = {"n": 0}

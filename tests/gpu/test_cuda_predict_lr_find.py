@@ -1,4 +1,4 @@
-"""predict and find_lr on CUDA (issue 16 section 2); skipped without CUDA."""
+"""Predict and find_lr on CUDA; skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A refit on CUDA replays the CUDA generator exactly (issue 17's exact refit, the GPU's generator kept at
+"""A refit on CUDA replays the CUDA generator exactly (the exact refit, the GPU's generator kept at
 commit points as a `Generator.clone_state` copy); skipped without CUDA. Reference: the same run never
 interrupted."""
 

@@ -1,4 +1,4 @@
-"""Acceptance of issue 17 part 2: a run killed at random moments (SIGKILL) or preempted (SIGTERM), and
+"""A run killed at random moments (SIGKILL) or preempted (SIGTERM), and
 resumed each time with `resume=True`, ends bit-identical to the uninterrupted run.
 
 The target (`snapshot_target.py`) trains with shuffle=True, dropout, Adam, a step-wise scheduler and k=3
