@@ -798,3 +798,28 @@ def test_a_snapshot_naming_its_patches_by_their_public_module_resumes_bit_identi
     state, records = _resume_from(tmp_path, tmp_path / "old" / "snapshot-u000000008.ckpt")
     assert _equal(state, uninterrupted[0])
     assert _last(records) == _last(uninterrupted[1])
+
+
+def test_a_snapshot_naming_confusion_patches_by_their_module_before_the_layout_move_resumes_the_same(tmp_path):
+    """Snapshots written before the package layout moved `ConfusionPatch` into `deepepochs.patches` name it
+    and its state record `deepepochs.confusion:...`: such a file resumes to the same metrics as the file
+    as written."""
+    from deepepochs.patches.confusion import ConfusionPatch, ConfusionState
+
+    kw = {"metric_patch": "confusion"}
+    trainer, _ = _trainer(tmp_path / "a", epochs=1, trainer_kw=kw, every_n_updates=1, keep=100)
+    trainer.fit(_data()[0], metrics=[accuracy])
+    data = torch.load(tmp_path / "a" / "run" / "snapshot-u000000003.ckpt", weights_only=True)
+    old_names = {f"{cls.__module__}:{cls.__qualname__}": f"deepepochs.confusion:{cls.__qualname__}"
+                 for cls in (ConfusionPatch, ConfusionState)}
+    renamed = _renamed(data, old_names)
+    assert "deepepochs.confusion:ConfusionPatch" in str(renamed)
+    assert "deepepochs.confusion:ConfusionState" in str(renamed)
+    results = []
+    for name, content in (("new", data), ("old", renamed)):
+        (tmp_path / name / "run").mkdir(parents=True)
+        torch.save(content, tmp_path / name / "run" / "snapshot-u000000003.ckpt")
+        resumed, model = _trainer(tmp_path / name, resume=True, epochs=1, trainer_kw=kw, every_n_updates=1)
+        results.append((resumed.fit(_data()[0], metrics=[accuracy]), _state(resumed, model)))
+    assert results[1][0] == results[0][0]
+    assert _equal(results[1][1], results[0][1])

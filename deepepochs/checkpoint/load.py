@@ -195,7 +195,7 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         history = trainer.history
         history.clear()
         history.update({"train": {}, "val": {}, **plain_records(ckpt.history)})
-    if ckpt.order_seed is not None:  # the training order continues as it was (`sharding.DataOrder`)
+    if ckpt.order_seed is not None:  # the training order continues as it was (`sampling.DataOrder`)
         trainer.dist.order_seed = ckpt.order_seed
     if ckpt.rng is not None and trainer.world_size == 1:
         try:

@@ -63,9 +63,9 @@ def fuses(ctx: Context) -> bool:
 
 def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     """Run a training task's micro-batches (the window and step layers of the machine). `total`: the
-    task's batch count when it is exact (`data.exact_length`): the last batch is then known by counting;
+    task's batch count when it is exact (`batch_rules.exact_length`): the last batch is then known by counting;
     else, with accumulation, one batch is read ahead to know it, except at a window's end
-    (`data.lookahead`)."""
+    (`batch_rules.lookahead`)."""
     parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
     task = ctx.task
     before_batch, after_batch = BATCH_HOOKS["train"]
@@ -129,7 +129,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     """Run a validation or test task's batches (no gradients; the caller holds `torch.no_grad`).
 
     `observed=False` (prediction) runs no batch hooks and prints no batch lines; `split` replaces the
-    default batch splitting (`data.batch_splitter`). A `PaddingBatch` the policy adds (FSDP: every rank
+    default batch splitting (`batch_rules.batch_splitter`). A `PaddingBatch` the policy adds (FSDP: every rank
     runs as many forwards as the others) runs the model's forward only: it is no batch of the task, so
     it fires no trigger, runs no step or hook and counts in no loss, metric or prediction."""
     parts, loop, task = ctx.parts, ctx.loop, ctx.task

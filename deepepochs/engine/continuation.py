@@ -60,7 +60,7 @@ def position_data(ctx: Context, data, epoch: int, skip: int, samples: int | None
 
     A stateful DataLoader (torchdata's) whose state was kept at this task's last commit point continues
     from it (`load_state_dict`), reading past any update applied after it; other data skips at the
-    sampler (`sharding.skip_batches`), or on another world size by its global sample count. Sets
+    sampler (`sampling.skip_batches`), or on another world size by its global sample count. Sets
     `ctx.data_source` (the loader `commit_update` keeps the state of) and the resume point's count."""
     loop = ctx.loop
     source = data if stateful(data) else None

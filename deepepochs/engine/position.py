@@ -7,7 +7,7 @@ continue from there, besides the training state every checkpoint holds:
 `epoch`             int, the 1-based epoch in progress (the file's `epoch` key counts completed ones).
 `task_index`        int, the training task in progress (0-based).
 `batches_done`      int, that task's batches whose windows were committed (the data position: a
-                    seeded-order DataLoader skips them at the sampler, `sharding.skip_batches`).
+                    seeded-order DataLoader skips them at the sampler, `sampling.skip_batches`).
 `world_size`        int, processes that trained (every rank ran `batches_done` batches of its shard).
 `batch_size`        int or None, the task's per-rank DataLoader batch size (None: not a DataLoader).
 `samples_done`      int or None, samples the task consumed over all ranks (`batches_done` x
@@ -47,6 +47,11 @@ from deepepochs.tasks import TaskMeters
 from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["capture", "check", "check_data", "check_point", "decode_meters", "encode_meters", "restore"]
+
+#: Modules that held a stored class before the package layout moved them: a snapshot written before the
+#: move names the old module, which is read as the new one.
+_MOVED_MODULES = {"deepepochs.confusion": "deepepochs.patches.confusion",
+                  "deepepochs.streaming": "deepepochs.patches.streaming"}
 
 
 class _Unstorable(TypeError):
@@ -250,7 +255,7 @@ def encode_meters(meters: TaskMeters) -> dict:
 
 def decode_meters(state: dict, device: torch.device) -> TaskMeters:
     """`TaskMeters` from `encode_meters` output, tensors on `device`; its patches get their metric
-    functions when the resumed task adopts them (`resume._adopt`)."""
+    functions when the resumed task adopts them (`continuation._adopt`)."""
     meters = TaskMeters()
     loss_sum = state["loss_sum"]
     meters.loss_sum = None if loss_sum is None else loss_sum.to(device)
@@ -285,6 +290,8 @@ def _patch_class(name: str) -> type:
     # The module the name gives first: a class it re-exports resolves too (`deepepochs.patches:TensorPatch`,
     # as files written before deepepochs.patches became a package name it).
     module, _, qualname = name.partition(":")
+    module = _MOVED_MODULES.get(module, module)
+    name = f"{module}:{qualname}"
     found = getattr(sys.modules.get(module), qualname, None)
     if isinstance(found, type) and issubclass(found, PatchBase):
         return found
@@ -331,7 +338,7 @@ def _decode(value, device: torch.device):
             return {k: _decode(v, device) for k, v in value["__dict__"].items()}
         if "__attrs__" in value:
             module, _, qualname = value["__attrs__"].partition(":")
-            cls = getattr(sys.modules.get(module), qualname, None)
+            cls = getattr(sys.modules.get(_MOVED_MODULES.get(module, module)), qualname, None)
             if cls is None or not attrs.has(cls):
                 raise CheckpointError(f"the snapshot holds a {value['__attrs__']} record, which is not defined in"
                                       " this process")

@@ -96,7 +96,7 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
 def read_batch(ctx: Context, split, batch, is_last: bool):
     """Count a training micro-batch in its task (1-based `batch_idx`), decide whether it closes its window
     (`window_boundary`, which the `begin_batch` edge asks: `is_last`, the task's last batch, or the window's
-    k-th), split it with `split` (`data.batch_splitter`) and clear the batch's scratch. Its place in the
+    k-th), split it with `split` (`batch_rules.batch_splitter`) and clear the batch's scratch. Its place in the
     window is counted by the `begin_batch` edge (`count_micro_batch`). Returns `(batch_x, batch_y, n)`."""
     loop = ctx.loop
     loop.batch_idx += 1
