@@ -1,4 +1,5 @@
-"""Several processes: the one-process and DDP policies (`ddp`), FSDP built on DDP (`fsdp`) and which policy
-a Trainer holds (`strategy`). Starting the processes is `deepepochs.launch`."""
+"""Several processes: the one-process and DDP policies (`ddp`), FSDP built on DDP (`fsdp`), which policy
+a Trainer holds (`strategy`) and the process group's lifecycle (`process_group`). Starting the processes
+is `deepepochs.launch`."""
 
 __all__: list[str] = []

@@ -1,4 +1,5 @@
-"""Distributed policy: process group, DDP wrapping, sharding, gradient sync and global reductions.
+"""Distributed policy: DDP wrapping, sharding, gradient sync and global reductions (the process group's
+lifecycle: `deepepochs.parallel.process_group`).
 
 The trainer holds one policy object and calls the same methods whatever the world size:
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import os
 import weakref
 from collections.abc import Mapping
@@ -47,10 +47,11 @@ from torch.utils.data import (
 
 from deepepochs.data.sampling import ShortestShard, len_or_minus_one, shard
 from deepepochs.errors import DistributedError
+from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.patches import TensorPatch, _map_tensors
 from deepepochs.patches.selection import merge_on_root
 
-__all__ = ["DDPPolicy", "SingleProcess", "env_int", "is_dtensor"]
+__all__ = ["DDPPolicy", "SingleProcess", "is_dtensor"]
 
 
 class _PolicyBase:
@@ -172,49 +173,6 @@ class SingleProcess(_PolicyBase):
         return None
 
 
-def env_int(name: str) -> int:
-    """The integer value of environment variable `name` (RANK, WORLD_SIZE, LOCAL_RANK), or a clear error."""
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise DistributedError(f"environment variable {name} must be an integer (got {value!r})") from None
-
-
-# How many live DDPPolicy objects use the default group this module initialised (0: none, or the group
-# belongs to the caller). Two Trainers may share one group; the last one to close destroys it.
-_owned_group_users = 0
-
-# The job's rendezvous store (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), opened once per process, and how
-# many groups were initialised on it. Why not `init_process_group()` from the environment each time: that
-# opens a new store per group and rank 0 re-binds MASTER_PORT for it, so a second Trainer in the same
-# process races peers still connected to the old store (a run of repeated re-inits hung here once). One
-# store with a fresh key prefix per group avoids the race; every rank creates its Trainers in the same
-# order, so the prefixes agree. The store stays open until the process exits.
-_env_store = None
-_groups_initialised = 0
-_group_timeout_s = [None]  # the timeout of the group this module initialised last
-
-
-def _init_group_from_env(backend: str, timeout: float) -> None:
-    """Initialise the default process group from the torchrun-style environment variables; its collectives
-    fail after `timeout` seconds of waiting for another rank."""
-    global _env_store, _groups_initialised
-    if _env_store is None:
-        try:
-            _env_store, _, _ = next(dist.rendezvous("env://"))
-        except ValueError as exc:  # a variable is missing or malformed
-            raise DistributedError(
-                f"cannot join the distributed job described by the environment ({exc}); start the script "
-                "with torchrun or deepepochs.launch, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
-                "MASTER_PORT"
-            ) from exc
-    store = dist.PrefixStore(f"deepepochs/group-{_groups_initialised}", _env_store)
-    _groups_initialised += 1
-    dist.init_process_group(backend, store=store, rank=env_int("RANK"), world_size=env_int("WORLD_SIZE"),
-                            timeout=datetime.timedelta(seconds=timeout))
-
-
 class DDPPolicy(_PolicyBase):
     """Several processes, one model replica each, gradients all-reduced by `DistributedDataParallel`.
 
@@ -227,23 +185,14 @@ class DDPPolicy(_PolicyBase):
     """
 
     def __init__(self, device: torch.device, split_batches: bool = False, timeout: float = 600):
-        global _owned_group_users
         super().__init__()
         self.split_batches = split_batches
         self.device = self._local_device(device)
         if self.device.type == "cuda":
             # Before the group exists: NCCL binds each rank's communicator to the current device.
             torch.cuda.set_device(self.device)
-        if not dist.is_initialized():
-            _init_group_from_env("nccl" if self.device.type == "cuda" else "gloo", timeout)
-            _owned_group_users = 0
-            self._owns_group = True
-            _group_timeout_s[0] = timeout
-        else:
-            self._owns_group = _owned_group_users > 0
-        self.timeout_s = _group_timeout_s[0] if self._owns_group else None
-        if self._owns_group:
-            _owned_group_users += 1
+        self._group = GroupUse("nccl" if self.device.type == "cuda" else "gloo", timeout)
+        self.timeout_s = self._group.timeout_s
         self._closed = False
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -476,17 +425,12 @@ class DDPPolicy(_PolicyBase):
             f" {first_line}")
 
     def close(self) -> None:
-        """Destroy the default process group if this module created it and no other trainer still uses it."""
-        global _owned_group_users
+        """Release the process group: destroyed if deepepochs created it and no other trainer still uses it."""
         if self._closed:
             return
         self._closed = True
         self.model = None
-        if not self._owns_group:
-            return
-        _owned_group_users -= 1
-        if _owned_group_users == 0 and dist.is_initialized():
-            dist.destroy_process_group()
+        self._group.release()
 
 
 def is_dtensor(tensor) -> bool:

@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from deepepochs.errors import ConfigError, DistributedError
-from deepepochs.parallel.ddp import DDPPolicy, SingleProcess, env_int
+from deepepochs.parallel.ddp import DDPPolicy, SingleProcess
 from deepepochs.parallel.fsdp import FSDPConfig, FSDPPolicy
+from deepepochs.parallel.process_group import env_int
 
 __all__ = ["check_ddp_kwargs", "select_policy"]
 
