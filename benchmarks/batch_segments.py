@@ -9,7 +9,7 @@ compiled micro-batch makes (`deepepochs.engine.compiled`): each registry guard a
 `count_batch`), the compiled function itself (its own lines: the state moves and the recorded edge), and,
 inside the actions, the gradient finite check and the generator copy at the commit point. Each row is a
 call's own time: an action's row leaves out the timed calls it makes (the optimizer step of
-`step_optimizer`, zero_grad, the generator copy of `commit_update`, the finite check of
+`step_optimizer`, zero_grad, the generator copy of `remember_position`, the finite check of
 `unscale_gradients`), which have rows of their own. A batch's time is the interval from one batch hand-out
 to the next; what no timed call covers is the loops' own code between them (deepepochs: the batch loop).
 
@@ -171,7 +171,7 @@ def segments(stamps, skip: int = 5) -> dict[str, list[float]]:
 
 ORDER = ["forward", "loss function", "backward", "optimizer step", "zero_grad"]
 #: deepepochs' own rows, grouped: the two per-update guarantees, then by the kind of call (label prefix).
-GUARANTEES = ["finite check (unscale_gradients)", "generator copy (commit_update)"]
+GUARANTEES = ["finite check (unscale_gradients)", "generator copy (remember_position)"]
 KINDS = ["action ", "guard ", "step ", "compiled micro-batch"]
 
 

@@ -12,7 +12,10 @@ edge taken is recorded at the end (`LoopMachine.record`), as one flight-record e
 
 What the configuration fixes is decided at generation, not per batch, and said in a comment: actions that
 do nothing here (`actions.FOLDS`: one process, no clipper, no GradScaler) are left out, and the step's
-`with autocast():` is written only when the precision autocasts. Sources are cached per configuration;
+`with autocast():` is written only when the precision autocasts. A commit action runs once per path: where
+one already committed the update on the path (`commit_update` after `step_optimizer`), its second place
+(at the update's end, where it would set the same fields again) is left out with a comment, and the paths
+that commit at different hops are written out each on its own. Sources are cached per configuration;
 the functions are made per trainer from the registry as it is then (a test may wrap its entries first).
 The source is registered in `linecache` under a file name that names the configuration, so tracebacks
 and `inspect.getsource` show the generated lines; `explain` returns it for people to read.
@@ -114,15 +117,16 @@ def _deciding_guard(a: Transition, b: Transition) -> str:
 class _Writer:
     """Collects the generated lines with their indentation."""
 
-    def __init__(self, folded: dict[str, str], autocast: bool):
+    def __init__(self, folded: dict[str, str], autocast: bool, commits: frozenset[str]):
         self.lines: list[str] = []
-        self.folded, self.autocast = folded, autocast
+        self.folded, self.autocast, self.commits = folded, autocast, commits
 
     def line(self, depth: int, text: str) -> None:
         self.lines.append("    " * depth + text)
 
-    def hop(self, depth: int, edges: list[Transition], known: dict[str, bool]) -> None:
-        """One hop: its edge as a comment, the state move, the actions (folded ones as comments)."""
+    def hop(self, depth: int, edges: list[Transition], known: dict[str, bool], done: frozenset[str]) -> frozenset[str]:
+        """One hop: its edge as a comment, the state move, the actions (folded ones, and commit actions
+        `done` already on this path, as comments). Returns the commit actions done after it."""
         edge = edges[0]
         sources = "|".join(dict.fromkeys(e.source for e in edges))
         self.line(depth, f"# {edge.trigger}{_guards(edge)}: {sources} -> {edge.dest}")
@@ -134,8 +138,12 @@ class _Writer:
         for name in edge.actions:
             if name in self.folded:
                 self.line(depth, f"# {name}(ctx): left out ({self.folded[name]})")
+            elif name in done:
+                self.line(depth, f"# {name}(ctx): left out (it ran above on this path; again it would set the"
+                                 " same fields)")
             else:
                 self.line(depth, f"{name}(ctx)")
+        return done | (set(edge.actions) & self.commits)
 
     def step_code(self, depth: int, trigger: str, after: bool) -> int:
         """The step's code before (or after) a hop of `trigger`; returns the depth that follows (the step's
@@ -153,8 +161,9 @@ class _Writer:
         return depth
 
 
-def _emit(w: _Writer, paths: list, i: int, depth: int, known: dict[str, bool]) -> None:
-    """Write the hops from `i` on of `paths` (fused edges whose first `i` hops are shared)."""
+def _emit(w: _Writer, paths: list, i: int, depth: int, known: dict[str, bool], done: frozenset[str]) -> None:
+    """Write the hops from `i` on of `paths` (fused edges whose first `i` hops are shared); `done`: the
+    commit actions the shared hops ran."""
     while True:
         ended = [p for p in paths if i >= len(p[1])]
         if ended:
@@ -170,7 +179,7 @@ def _emit(w: _Writer, paths: list, i: int, depth: int, known: dict[str, bool]) -
         distinct = list(dict.fromkeys((e.source, e.dest, e.conditions, e.unless) for e in edges))
         depth = w.step_code(depth, trigger, after=False)
         if len(distinct) == 1:
-            w.hop(depth, edges, known)
+            done = w.hop(depth, edges, known, done)
             for name in edges[0].conditions:
                 known[name] = True
             for name in edges[0].unless:
@@ -187,38 +196,55 @@ def _emit(w: _Writer, paths: list, i: int, depth: int, known: dict[str, bool]) -
         tails = {outcome: {tuple((e.trigger, e.dest, e.actions) for e in p[1][i + 1:]) for p in group}
                  for outcome, group in groups.items()}
         if len(groups[True]) == len(groups[False]) == 1 and tails[True] == tails[False]:
-            # the paths part on this hop only: branch here, name the edge taken, and go on once
+            # the paths part on this hop only: branch here, name the edge taken, and go on once. A commit
+            # action one branch ran keeps the hops up to that action's next place inside each branch (left
+            # out in the one, run in the other): each update commits once.
+            commits = {outcome: set(group[0][1][i].actions) & w.commits for outcome, group in groups.items()}
+            differ = commits[True] ^ commits[False]
+            paths_on = groups[True][0][1]
+            until = max([j for j in range(i + 1, len(paths_on)) if differ & set(paths_on[j].actions)], default=i)
+            ends = []
             for outcome, keyword in ((True, f"if {guard}(ctx):"), (False, "else:")):
                 path = groups[outcome][0]
                 w.line(depth, keyword)
-                w.hop(depth + 1, [path[1][i]], known)
+                branch_done = w.hop(depth + 1, [path[1][i]], known, done)
+                inner = w.step_code(depth + 1, trigger, after=True) if until > i else depth + 1
+                for j in range(i + 1, until + 1):
+                    assert path[1][j].trigger != STEP_CLOSES, "the step's code closes after the branch"
+                    inner = w.step_code(inner, path[1][j].trigger, after=False)
+                    branch_done = w.hop(inner, [path[1][j]], known, branch_done)
+                    inner = w.step_code(inner, path[1][j].trigger, after=True)
                 w.line(depth + 1, f"fused = {path[0].trigger!r}")
-            depth = w.step_code(depth, trigger, after=True)
+                ends.append(branch_done)
+            if until == i:
+                depth = w.step_code(depth, trigger, after=True)
             rest = [(None, p[1]) for p in groups[True] + groups[False]]
-            _emit_rest(w, rest, [groups[True][0][0], groups[False][0][0]], i + 1, depth, known)
+            _emit_rest(w, rest, [groups[True][0][0], groups[False][0][0]], until + 1, depth, known,
+                       ends[0] & ends[1])
             return
         for outcome, keyword in ((True, f"if {guard}(ctx):"), (False, "else:")):
             w.line(depth, keyword)
             branch_known = {**known, guard: outcome}
             sub = groups[outcome]
             edge = sub[0][1][i]
-            w.hop(depth + 1, [edge], branch_known)
+            branch_done = w.hop(depth + 1, [edge], branch_known, done)
             for name in edge.conditions:
                 branch_known[name] = True
             for name in edge.unless:
                 branch_known[name] = False
             inner = w.step_code(depth + 1, trigger, after=True)
-            _emit(w, sub, i + 1, inner, branch_known)
+            _emit(w, sub, i + 1, inner, branch_known, branch_done)
         return
 
 
-def _emit_rest(w: _Writer, paths: list, fused: list[Transition], i: int, depth: int, known: dict) -> None:
+def _emit_rest(w: _Writer, paths: list, fused: list[Transition], i: int, depth: int, known: dict,
+               done: frozenset[str]) -> None:
     """After a one-hop branch: the shared rest of the paths (same triggers, states reached and actions,
     from different states), then the fused edge named in the branch is recorded."""
     for j in range(i, len(paths[0][1])):
         edges = [p[1][j] for p in paths]
         depth = w.step_code(depth, edges[0].trigger, after=False)
-        w.hop(depth, edges, known)
+        done = w.hop(depth, edges, known, done)
         depth = w.step_code(depth, edges[0].trigger, after=True)
     sources, dests = {f.source for f in fused}, {f.dest for f in fused}
     assert len(sources) == len(dests) == 1
@@ -233,14 +259,14 @@ def generate(source: str, folded: dict[str, str], autocast: bool, spec=None) -> 
     loop spec (default: the package's, `load_spec()`; `python -m spec` passes the one it renders)."""
     spec = load_spec() if spec is None else spec
     paths = _fused_paths(spec)[source]
-    w = _Writer(folded, autocast)
+    w = _Writer(folded, autocast, frozenset(a.name for a in spec.actions if a.commit))
     names = ", ".join(f"`{f.trigger}`" for f, _ in paths)
     w.line(0, f"def {function_name(source)}(ctx, meters, split, batch, is_last):")
     w.line(1, f'"""A micro-batch from `{source}`, one of {names}. Returns (loss value, patches)."""')
     w.line(1, "loop, machine = ctx.loop, ctx.machine")
     w.line(1, "model = machine.model")
     w.line(1, "# no callback hook runs inside a compiled micro-batch (one that would turns compiling off)")
-    _emit(w, paths, 0, 1, {})
+    _emit(w, paths, 0, 1, {}, frozenset())
     return "\n".join(w.lines) + "\n"
 
 
