@@ -9,21 +9,21 @@ Three ways lead here, all through the run state (`deepepochs.engine.runstate`):
 - a mid-epoch snapshot loaded by `load_checkpoint` (`deepepochs.engine.position.restore`).
 
 The driver then asks, per epoch, where the training stage stands (`epoch_point`), per task what it
-continues (`task_start`), and where the task's data starts (`position_data`) and how its iterator is
-drawn (`open_batches`), so that the batches, the metrics and every random stream continue exactly as the
-uninterrupted run's would have.
+continues (`task_start`), and opens the task's data from there (`TrainingBatches`: the one place the
+position meets the data), so that the batches, the metrics and every random stream continue exactly as
+the uninterrupted run's would have.
 """
 
 from __future__ import annotations
 
-from deepepochs.data.batch_rules import stateful
+from deepepochs.data.batch_rules import exact_length, stateful
 from deepepochs.data.sampling import iterate_past, skip_batches
 from deepepochs.engine import generators, position
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.patches import TensorPatch
 from deepepochs.tasks import EpochTask, TaskMeters, metric_name
 
-__all__ = ["epoch_point", "open_batches", "position_data", "task_start"]
+__all__ = ["TrainingBatches", "epoch_point", "task_start"]
 
 
 def epoch_point(ctx: Context, tasks, epoch: int) -> tuple[ResumePoint | None, list | None]:
@@ -54,14 +54,41 @@ def task_start(point: ResumePoint | None, saved: list | None, index: int,
     return meters, skip, point.samples if skip else None
 
 
-def position_data(ctx: Context, data, epoch: int, skip: int, samples: int | None) -> tuple[object, int, int]:
+class TrainingBatches:
+    """A training task's batches from the position it continues at: made when the task begins, it positions
+    the data once (a stateful loader's own state, sampler-level skips, a global sample count: `_position`);
+    iterated (once), it yields the batches after the committed ones with the random streams replayed
+    (`_replay`).
+
+    Args:
+        ctx: the run's context (its run state holds the position).
+        data: the task's data as given.
+        epoch: the epoch the task runs in.
+        skip: the batches the task committed before (`task_start`; 0 for a fresh task).
+        samples: for a snapshot of another world size, the global samples the task consumed.
+
+    Attributes:
+        start: the committed batches in this run's batches: the task's batch count starts there.
+        total: the task's batch count when its data has an exact length (`batch_rules.exact_length`), else None.
+    """
+
+    def __init__(self, ctx: Context, data, epoch: int, skip: int, samples: int | None):
+        self._ctx = ctx
+        self.total = exact_length(data)
+        self._data, self.start, self._past = _position(ctx, data, epoch, skip, samples)
+
+    def __iter__(self):
+        return _replay(self._ctx, self._data, self.start, self._past)
+
+
+def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) -> tuple[object, int, int]:
     """A training task's data positioned after its `skip` committed batches: `(data, skip, past)`, `skip`
     in this run's batches, `past` the batches to read and drop when the data cannot skip them itself.
 
     A stateful DataLoader (torchdata's) whose state was kept at this task's last commit point continues
     from it (`load_state_dict`), reading past any update applied after it; other data skips at the
     sampler (`sampling.skip_batches`), or on another world size by its global sample count. Sets
-    `ctx.data_source` (the loader `commit_update` keeps the state of) and the resume point's count."""
+    `ctx.data_source` (the loader whose state `remember_position` keeps) and the resume point's count."""
     loop = ctx.loop
     source = data if stateful(data) else None
     saved, past = ctx.run.data_state, 0
@@ -75,7 +102,7 @@ def position_data(ctx: Context, data, epoch: int, skip: int, samples: int | None
     return data, skip, past
 
 
-def open_batches(ctx: Context, data, skip: int, past: int):
+def _replay(ctx: Context, data, skip: int, past: int):
     """The training task's batch iterator, made so that random streams replay exactly.
 
     A refit resuming the task mid-way (`run.random_replay` holds the task's states) makes the iterator

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from deepepochs.data.batch_rules import exact_length, input_splitter
+from deepepochs.data.batch_rules import input_splitter
 from deepepochs.data.outputs import concat_batches, detached, merge_shards
 from deepepochs.engine import actions, batches, continuation, generators, runstate, snapshot_trigger, stage_tasks, steps
 from deepepochs.engine.context import Context, ResumePoint
@@ -336,14 +336,13 @@ class Driver:
         emit(self.ctx, before_task, task)
         data = task.data
         total = data_length(data)
-        past = 0
         if stage == "train":
-            data, skip, past = continuation.position_data(ctx, data, epoch, skip, samples)
+            data = continuation.TrainingBatches(ctx, data, epoch, skip, samples)
+            skip = data.start
         loop.batch_idx = skip
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
-            exact = exact_length(task.data)
-            batches.train_batches(ctx, continuation.open_batches(ctx, data, skip, past), meters, exact)
+            batches.train_batches(ctx, iter(data), meters, data.total)
             if not skip and loop.batch_idx == 0:
                 raise ConfigError(
                     f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"
