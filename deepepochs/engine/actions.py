@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepepochs.engine import position
+from deepepochs.engine import buffers, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
@@ -186,8 +186,10 @@ def save_checkpoints(ctx: Context) -> None:
 
 @action
 def commit_epoch(ctx: Context) -> None:
-    """The epoch is done for good: its count, its records, its epoch-wise scheduler steps."""
+    """The epoch is done for good: its count, its records, its epoch-wise scheduler steps, the model's
+    buffers and torch's generators as of now."""
     remember_random_state(ctx)
+    buffers.keep(ctx)
     loop = ctx.loop
     loop.completed_epochs = loop.epoch
     loop.resume = None
@@ -348,9 +350,11 @@ def zero_grad(ctx: Context) -> None:
 
 @action
 def remember_position(ctx: Context) -> None:
-    """What a refit continues from besides the batch count: torch's generators and a stateful loader's
-    position, both as they are right after the window's update (no batch is read ahead of a window's end)."""
+    """What a refit continues from besides the batch count: torch's generators, the model's buffers (what
+    the window's forwards changed) and a stateful loader's position, all as they are right after the
+    window's update (no batch is read ahead of a window's end)."""
     remember_random_state(ctx)
+    buffers.keep(ctx)
     if ctx.data_source is not None:
         point = ctx.loop.resume
         ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, ctx.data_source.state_dict())
@@ -401,7 +405,8 @@ def stop_on_signal(ctx: Context) -> None:
 def discard_window(ctx: Context) -> None:
     """Rollback to the last commit point: drop every gradient, the interrupted update's scaler records,
     the window's loss sums and patches, save requests, and what an epoch's end did before it committed
-    (the epoch count, epoch-wise scheduler steps, monitor states: `ctx.epoch_undo`).
+    (the epoch count, epoch-wise scheduler steps, monitor states: `ctx.epoch_undo`); the model's buffers
+    (BatchNorm statistics) come back as the last commit point kept them.
 
     A window whose update was applied is committed even if the fault came before `commit_update` ran (a
     later post-hook or the scheduler raised): its loss statistics stay and it is not replayed."""
@@ -427,6 +432,7 @@ def discard_window(ctx: Context) -> None:
     while ctx.epoch_undo:  # epoch-end work of an epoch that did not commit, newest first
         ctx.epoch_undo.pop()()
     loop.save_requests.clear()
+    buffers.put_back(ctx)  # last: the epoch-end undo above may have put back an earlier commit point's
 
 
 @action

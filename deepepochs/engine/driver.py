@@ -23,7 +23,17 @@ import torch
 
 from deepepochs.data.batch_rules import exact_length, input_splitter
 from deepepochs.data.outputs import concat_batches, detached, merge_shards
-from deepepochs.engine import actions, batches, continuation, generators, runstate, snapshot_trigger, stage_tasks, steps
+from deepepochs.engine import (
+    actions,
+    batches,
+    buffers,
+    continuation,
+    generators,
+    runstate,
+    snapshot_trigger,
+    stage_tasks,
+    steps,
+)
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
@@ -154,6 +164,7 @@ class Driver:
             fire(TriggerName.FIT)
         finally:
             loop.resume_tasks = None
+        buffers.keep(ctx, fresh=True)  # after a resume loaded them: where a fault before any commit returns
         self._header()
         emit(self.ctx, Event.BEFORE_FIT, epochs)
         if not self._started:
@@ -184,6 +195,7 @@ class Driver:
         if ctx.snapshots is not None:
             snapshot_trigger.after_fit(ctx)
         fire(TriggerName.FINISH)
+        buffers.forget(ctx)
         return copy.deepcopy(ctx.history)  # the whole run's records, resumed epochs included
 
     def _count_epoch(self, epoch):
