@@ -16,6 +16,7 @@ machine's state: what differs between edges is which actions the spec puts on th
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections.abc import Callable
 
@@ -197,8 +198,20 @@ def commit_epoch(ctx: Context) -> None:
     ctx.epoch_undo.clear()
     for stage, metrics in ctx.last_metrics.items():
         if stage in ctx.history:
-            for name, value in metrics.items():
-                ctx.history[stage].setdefault(name, []).append(value)
+            _record(ctx.history[stage], metrics, aligned=stage == "train")
+
+
+def _record(records: dict, metrics: dict, aligned: bool) -> None:
+    """Append an epoch's `metrics` to a stage's `records`. `aligned` (training, which runs every epoch): a
+    name this epoch lacks gets NaN and a name new this epoch NaN for the epochs before, so that every list
+    has one entry per epoch (an epoch whose updates were all skipped reports NaN values)."""
+    epochs = max((len(values) for values in records.values()), default=0)
+    for name, value in metrics.items():
+        records.setdefault(name, [math.nan] * epochs if aligned else []).append(value)
+    if aligned:
+        for name, values in records.items():
+            if name not in metrics and len(values) == epochs:
+                values.append(math.nan)
 
 
 # ---- the accumulation window -------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import datetime
 import functools
+import math
 import threading
 
 import torch
@@ -397,6 +398,12 @@ class Driver:
         sources = dict.fromkeys(out, "the loss")
         for name, patch in dist.sync_patches(meters.patches).items():
             merge_values(out, sources, name, patch.forward(), getattr(patch, "name", None))
+        if meters.skipped and not meters.count:
+            # No update of this training task was applied (every one skipped for inf/NaN): its loss and
+            # metrics are NaN, so the epoch keeps its entry in every record (the skip decisions agree over
+            # the ranks, so every rank takes this branch).
+            for name in ("loss", *meters.metrics):
+                out.setdefault(name, math.nan)
         if take_binary_default():  # 0.6 scored class 0 there: say once which class is scored and how to choose
             ctx.parts.console.note_once("binary-average", BINARY_DEFAULT_NOTE)
         meters.final = out
