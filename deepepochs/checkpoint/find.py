@@ -92,7 +92,7 @@ def by_progress(paths) -> list[Path]:
                       if other[0][0] == progress[0] and other[0] > progress and other[1] < mtime), None)
         if ahead is not None:
             warnings.warn(f"checkpoint {path} is dated after {ahead[3]} but records less progress ({progress[1]}"
-                          f" epoch(s), {progress[2]} update(s) against {ahead[0][1]} and {ahead[0][2]}): the"
+                          f" epoch(s) and {progress[2]} update(s) completed, against {ahead[0][1]} and {ahead[0][2]}): the"
                           " files are ordered by the progress they record, not by their times (was the folder"
                           " copied without its times, or does a clock run ahead?)", DeepEpochsWarning,
                           stacklevel=3)
