@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from deepepochs import sharded
 from deepepochs.checkpoint.format import SUFFIX, Checkpoint, monitors_of
 from deepepochs.checkpoint.load import check_fits, load_into
-from deepepochs import sharded
 from deepepochs.checkpoint.read import exists, modified_ns, read_checkpoint
 from deepepochs.checkpoint.write import remove_stale_temps
 from deepepochs.engine import position
@@ -92,7 +92,8 @@ def by_progress(paths) -> list[Path]:
                       if other[0][0] == progress[0] and other[0] > progress and other[1] < mtime), None)
         if ahead is not None:
             warnings.warn(f"checkpoint {path} is dated after {ahead[3]} but records less progress ({progress[1]}"
-                          f" epoch(s) and {progress[2]} update(s) completed, against {ahead[0][1]} and {ahead[0][2]}): the"
+                          f" epoch(s) and {progress[2]} update(s) completed, against {ahead[0][1]} and"
+                          f" {ahead[0][2]}): the"
                           " files are ordered by the progress they record, not by their times (was the folder"
                           " copied without its times, or does a clock run ahead?)", DeepEpochsWarning,
                           stacklevel=3)
@@ -180,12 +181,13 @@ def resume_once(trainer) -> tuple[Path, int] | None:
     loaded file's path and epoch, or None when nothing was loaded.
 
     The run searched is `resume_scope`'s. Among its checkpoints (under the monitors' `ckpt_dir`s) the
-    most progressed this trainer can load is loaded (`find_checkpoints`); with `resume=True` a file it cannot use (unreadable, not a
-    checkpoint, one of another model or optimizer, a sharded folder with a missing or damaged shard, a
-    mid-epoch snapshot whose position lies outside this fit's data) is skipped with a `DeepEpochsWarning`
-    naming it and why, so an old or foreign file in the folder never stops `fit()`, and no usable file means
-    a fresh start. `resume='<running id>'` loads that run's most progressed checkpoint or raises. The run folder's name
-    becomes `trainer.running_id`, so new checkpoints go on into the same (possibly renamed) folder. A
+    most progressed this trainer can load is loaded (`find_checkpoints`); with `resume=True` a file it
+    cannot use (unreadable, not a checkpoint, one of another model or optimizer, a sharded folder with a
+    missing or damaged shard, a mid-epoch snapshot whose position lies outside this fit's data) is skipped
+    with a `DeepEpochsWarning` naming it and why, so an old or foreign file in the folder never stops
+    `fit()`, and no usable file means a fresh start. `resume='<running id>'` loads that run's most
+    progressed checkpoint or raises. The run folder's name becomes `trainer.running_id`, so new checkpoints
+    go on into the same (possibly renamed) folder. A
     failed resume stays pending, so fixing the files and calling fit again retries it.
     """
     if not trainer.loop.resume_pending:

@@ -2,9 +2,9 @@
 
 It runs the ordinary fit (the same steps, precision, accumulation and DDP handling) with only the given
 callbacks attached and the console silent, starting a fresh epoch; whatever ends it (its callbacks end
-it by raising), the model (its buffers included), optimizers, schedulers, GradScaler, every global generator and the run state
-(`deepepochs.engine.runstate`: counters, records, meters, random state, data position) are put back as
-they were before it, so a field added to the run state is restored without a change here.
+it by raising), the model (every buffer included), optimizers, schedulers, GradScaler, every global
+generator and the run state (`deepepochs.engine.runstate`: counters, records, meters, random state, data
+position) are put back as they were before it, so a field added to the run state is restored without a change here.
 """
 
 from __future__ import annotations
