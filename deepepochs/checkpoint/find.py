@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from deepepochs import sharded
+from deepepochs.checkpoint import shard_storage
 from deepepochs.checkpoint.format import SUFFIX, Checkpoint, monitors_of
 from deepepochs.checkpoint.load import check_fits, load_into
 from deepepochs.checkpoint.read import exists, modified_ns, read_checkpoint
@@ -51,7 +51,7 @@ def _recorded_progress(path: Path) -> tuple[int, int, int] | None:
     Only the small header is read: the file is memory-mapped, so its tensors are not loaded (a sharded
     checkpoint's `checkpoint.pt` holds none). The run start (when the run's first fit began) and the
     updates are what a `SnapshotCallback` recorded in every checkpoint of the run, 0 without one."""
-    target = path / sharded.SIDE_CAR if path.is_dir() else path
+    target = path / shard_storage.SIDE_CAR if path.is_dir() else path
     try:
         try:
             data = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
