@@ -76,7 +76,8 @@ def _recorded_progress(path: Path) -> tuple[int, int, int] | None:
 def by_progress(paths) -> list[Path]:
     """The checkpoints `paths` (of one run), the most progressed first: completed epochs, then updates, then
     the newest modification time, then the path (the files of a run started afresh under the same name
-    before those of the older run); unreadable ones last, newest first. A file dated after one of the same
+    before those of the older run). A file whose progress cannot be read (damaged, refused) comes first
+    when it is newer than the most progressed file, else last. A file dated after one of the same
     run that records more progress gets a `DeepEpochsWarning` (its time is wrong: a copy that did not keep
     the times, or a clock running ahead)."""
     readable, unreadable = [], []
@@ -98,7 +99,12 @@ def by_progress(paths) -> list[Path]:
                           " copied without its times, or does a clock run ahead?)", DeepEpochsWarning,
                           stacklevel=3)
             break
-    return [entry[-1] for entry in readable] + [entry[-1] for entry in sorted(unreadable, reverse=True)]
+    # A file whose progress cannot be read stands where its time puts it against the most progressed one,
+    # so a named resume still reports a damaged newest file instead of passing over it.
+    unreadable.sort(reverse=True)
+    top = readable[0][1] if readable else None
+    newer = [entry[-1] for entry in unreadable if top is None or entry[0] > top]
+    return newer + [entry[-1] for entry in readable] + [entry[-1] for entry in unreadable if entry[-1] not in newer]
 
 
 def find_checkpoint(ckpt_dirs, running_id: str | None = None) -> Path | None:
