@@ -69,13 +69,13 @@ class RaiseAtCall:
     """A loss that raises once, at its `at`-th call (1-based)."""
 
     def __init__(self, at):
-        self.at, self.calls = at, 0
+        self.calls_left = at
 
     def __call__(self, out, target):
-        self.calls += 1
-        if self.calls == self.at:
-            raise Boom("the loss failed")
-        return F.mse_loss(out, target)
+        self.calls_left -= 1
+        if self.calls_left != 0:
+            return F.mse_loss(out, target)
+        raise Boom("the loss failed")
 
 
 def test_a_refit_after_a_failing_loss_ends_with_the_buffers_of_a_plain_loop_that_never_saw_that_batch():
