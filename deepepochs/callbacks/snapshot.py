@@ -5,7 +5,7 @@ point (a committed window's update, an epoch's end) the spec's `snapshot` trigge
 snapshot is due and whether a signal arrived; the `save_snapshot` action calls `write_snapshot`, and on a
 signal `stop_on_signal` ends the fit with `deepepochs.Preempted`. A snapshot is a checkpoint file
 (`deepepochs.checkpoint`) with the data position inside the epoch; `Trainer(resume=True)` continues from
-the newest snapshot or checkpoint, mid-epoch included.
+the most progressed snapshot or checkpoint, mid-epoch included.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class SnapshotCallback(Callback):
     data position inside the epoch, the task meters (so the epoch's metrics cover the batches before a
     resume) and every rank's random generator states. Files go to
     `<ckpt_dir>/<running_id>/snapshot-u<updates>[-epoch<n>].ckpt`, written atomically by rank 0 (under
-    FSDP sharded checkpoint folders of that name, each rank writing its shards); the newest `keep` are
+    FSDP sharded checkpoint folders of that name, each rank writing its shards); the `keep` most progressed are
     kept. A snapshot is also written at every epoch's end.
 
     Args:
@@ -62,7 +62,7 @@ class SnapshotCallback(Callback):
             arriving later goes to the previous handler. Signals sent for the process's own faults
             (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, ...) and SIGCHLD are refused. The defaults absent on
             this platform (SIGUSR1 on Windows) are left out.
-        keep: how many snapshot files to keep (the newest, by modification time).
+        keep: how many snapshot files to keep (the most progressed: completed epochs, then updates).
         exit_code: the exit status of `Preempted`; None: 128 + the signal's number (143 for SIGTERM), what
             a shell reports for a process ended by that signal.
 
@@ -97,6 +97,9 @@ class SnapshotCallback(Callback):
         self.signals = _signal_names(on_signals, on_signals is _DEFAULT_SIGNALS)
         self.keep, self._exit_code = keep, exit_code
         self.updates = 0  # committed windows of the run (restored from snapshots: the count goes on)
+        # when the run's first fit started (time.time_ns()), kept through resumes: a fresh run named like an
+        # older one in the same folder starts a new count, and resume ranks its files above the older run's
+        self.started_ns = 0
         self._since = 0  # windows committed since the last snapshot (0 in every snapshot written)
         self._last = time.monotonic()
         self._signal: str | None = None
@@ -149,11 +152,11 @@ class SnapshotCallback(Callback):
         return self._exit_code if self._exit_code is not None else 128 + signal.Signals[signal_name].value
 
     def _prune(self, folder: Path) -> None:
-        """Keep the newest `keep` snapshots; also remove sharded snapshot folders never committed (their
-        save was killed: each snapshot has a new name, so no later save would tidy them)."""
+        """Keep the `keep` most progressed snapshots (`checkpoint.by_progress`: completed epochs, then updates,
+        then time, the order resume takes them in); also remove sharded snapshot folders never committed
+        (their save was killed: each snapshot has a new name, so no later save would tidy them)."""
         found = list(folder.glob(f"snapshot-u*{checkpoint.SUFFIX}"))
-        files = [p for p in found if checkpoint.exists(p)]
-        files.sort(key=lambda p: (checkpoint.modified_ns(p), p.name), reverse=True)
+        files = checkpoint.by_progress([p for p in found if checkpoint.exists(p)])
         for old in files[self.keep:] + [p for p in found if p.is_dir() and not checkpoint.exists(p)]:
             try:
                 checkpoint.remove(old)
@@ -162,10 +165,11 @@ class SnapshotCallback(Callback):
 
     # ---- monitor protocol (its state is in every checkpoint) ----
     def state_dict(self) -> dict:
-        return {"updates": self.updates}
+        return {"updates": self.updates, "started_ns": self.started_ns}
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = int(state.get("updates", 0))
+        self.started_ns = int(state.get("started_ns", 0))
         self._since = 0  # a snapshot is written with none since it; so is an epoch's end
 
     # ---- hooks ----
@@ -175,6 +179,9 @@ class SnapshotCallback(Callback):
             raise ConfigError(f"a trainer takes one SnapshotCallback (got {same[0]!r} and {same[1]!r})")
 
     def on_before_fit(self, trainer, epochs):
+        """Arm the signals; a run not resumed from a file records when it started (see `started_ns`)."""
+        if not self.started_ns:
+            self.started_ns = time.time_ns()
         self._last, self._signal = time.monotonic(), None
         self._arm()
 

@@ -8,10 +8,10 @@ One reason to change per module:
 - `write`: a trainer's state as a `Checkpoint`, the rank-agreed save, the atomic write and the cleanup of
   killed saves' temporary files, `consolidate`.
 - `load`: the fit check against a trainer and the all-or-nothing load.
-- `find`: finding the newest checkpoint and honouring `Trainer(resume=...)`.
+- `find`: finding the most progressed checkpoint and honouring `Trainer(resume=...)`.
 """
 
-from deepepochs.checkpoint.find import find_checkpoint, find_checkpoints, resume_once, resume_scope
+from deepepochs.checkpoint.find import by_progress, find_checkpoint, find_checkpoints, resume_once, resume_scope
 from deepepochs.checkpoint.format import (
     CONVERT_HINT,
     FORMAT_VERSION,
@@ -32,6 +32,7 @@ __all__ = [
     "SUFFIX",
     "Checkpoint",
     "CheckpointError",
+    "by_progress",
     "check_fits",
     "consolidate",
     "copied_to_cpu",

@@ -1,6 +1,14 @@
-"""Finding checkpoints and honouring `Trainer(resume=...)`: the newest checkpoint of a run or of
-any run under the monitors' folders, which run a resume may load, and loading the newest usable one
-(skipping, with a warning, the files this trainer cannot use).
+"""Finding checkpoints and honouring `Trainer(resume=...)`: the checkpoints of a run or of any run
+under the monitors' folders, most progressed first, which run a resume may load, and loading the first
+usable one (skipping, with a warning, the files this trainer cannot use).
+
+A run's files are ordered by the progress they record (`by_progress`): completed epochs, then updates
+(`SnapshotCallback`'s count, kept in every file), and only then the modification time, which breaks ties.
+A run started afresh under the name of an older one in the same folder (`resume=False`) counts anew: its
+files rank above the older run's, by the start time its `SnapshotCallback` records in them.
+A file's time is not trusted beyond that: a run folder copied without its times, or a node whose clock
+runs ahead, would otherwise make a requeued job resume an older file. A time that disagrees with the
+recorded progress is warned about. Snapshot pruning (`SnapshotCallback(keep=)`) uses the same order.
 """
 
 from __future__ import annotations
@@ -9,6 +17,9 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
+
+from deepepochs.checkpoint import shard_storage
 from deepepochs.checkpoint.format import SUFFIX, Checkpoint, monitors_of
 from deepepochs.checkpoint.load import check_fits, load_into
 from deepepochs.checkpoint.read import exists, modified_ns, read_checkpoint
@@ -17,6 +28,7 @@ from deepepochs.engine import position
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 
 __all__ = [
+    "by_progress",
     "find_checkpoint",
     "find_checkpoints",
     "resume_once",
@@ -32,8 +44,71 @@ def _checkpoints_in(folder: Path) -> list[Path]:
     return [p for p in folder.iterdir() if p.suffix == SUFFIX and not p.name.startswith(".") and exists(p)]
 
 
+def _recorded_progress(path: Path) -> tuple[int, int, int] | None:
+    """(run start, completed epochs, updates) that the checkpoint at `path` records, or None when it cannot
+    be read.
+
+    Only the small header is read: the file is memory-mapped, so its tensors are not loaded (a sharded
+    checkpoint's `checkpoint.pt` holds none). The run start (when the run's first fit began) and the
+    updates are what a `SnapshotCallback` recorded in every checkpoint of the run, 0 without one."""
+    target = path / shard_storage.SIDE_CAR if path.is_dir() else path
+    try:
+        try:
+            data = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a file of the legacy (not zip) format cannot be memory-mapped
+            data = torch.load(target, map_location="cpu", weights_only=True)
+    except Exception:  # unreadable: ordered last, and the loader says why it is skipped
+        return None
+    if not isinstance(data, Mapping):
+        return None
+    epoch, monitors = data.get("epoch"), data.get("monitors")
+    if isinstance(epoch, bool) or not isinstance(epoch, int):
+        return None
+    states = [s for s in monitors.values() if isinstance(s, Mapping)] if isinstance(monitors, Mapping) else []
+
+    def largest(key):
+        values = [s.get(key) for s in states]
+        return max((v for v in values if isinstance(v, int) and not isinstance(v, bool)), default=0)
+
+    return largest("started_ns"), epoch, largest("updates")
+
+
+def by_progress(paths) -> list[Path]:
+    """The checkpoints `paths` (of one run), the most progressed first: completed epochs, then updates, then
+    the newest modification time, then the path (the files of a run started afresh under the same name
+    before those of the older run). A file whose progress cannot be read (damaged, refused) comes first
+    when it is newer than the most progressed file, else last. A file dated after one of the same
+    run that records more progress gets a `DeepEpochsWarning` (its time is wrong: a copy that did not keep
+    the times, or a clock running ahead)."""
+    readable, unreadable = [], []
+    for path in paths:
+        progress = _recorded_progress(path)
+        if progress is None:
+            unreadable.append((modified_ns(path), str(path), path))
+        else:
+            readable.append((progress, modified_ns(path), str(path), path))
+    readable.sort(reverse=True)
+    for i, (progress, mtime, _, path) in enumerate(readable):
+        ahead = next((other for other in readable[:i]
+                      if other[0][0] == progress[0] and other[0] > progress and other[1] < mtime), None)
+        if ahead is not None:
+            warnings.warn(f"checkpoint {path} is dated after {ahead[3]} but records less progress ({progress[1]}"
+                          f" epoch(s) and {progress[2]} update(s) completed, against {ahead[0][1]} and"
+                          f" {ahead[0][2]}): the"
+                          " files are ordered by the progress they record, not by their times (was the folder"
+                          " copied without its times, or does a clock run ahead?)", DeepEpochsWarning,
+                          stacklevel=3)
+            break
+    # A file whose progress cannot be read stands where its time puts it against the most progressed one,
+    # so a named resume still reports a damaged newest file instead of passing over it.
+    unreadable.sort(reverse=True)
+    top = readable[0][1] if readable else None
+    newer = [entry[-1] for entry in unreadable if top is None or entry[0] > top]
+    return newer + [entry[-1] for entry in readable] + [entry[-1] for entry in unreadable if entry[-1] not in newer]
+
+
 def find_checkpoint(ckpt_dirs, running_id: str | None = None) -> Path | None:
-    """The newest checkpoint (by modification time) under `<ckpt_dir>/<run>/` for all `ckpt_dirs`.
+    """The most progressed checkpoint under `<ckpt_dir>/<run>/` for all `ckpt_dirs` (see `find_checkpoints`).
 
     With `running_id`, only that run's folders are searched and finding none is a `CheckpointError`
     naming the folders searched; without it, None means there is no checkpoint at all.
@@ -43,7 +118,8 @@ def find_checkpoint(ckpt_dirs, running_id: str | None = None) -> Path | None:
 
 
 def find_checkpoints(ckpt_dirs, running_id: str | None = None) -> list[Path]:
-    """Every checkpoint under `<ckpt_dir>/<run>/` for all `ckpt_dirs`, newest (modification time) first.
+    """Every checkpoint under `<ckpt_dir>/<run>/` for all `ckpt_dirs`: each run's files most progressed first
+    (`by_progress`); several runs (no `running_id`) by their newest file, the newest run first.
 
     With `running_id`, only that run's folders are searched and finding none is a `CheckpointError`.
     """
@@ -59,8 +135,11 @@ def find_checkpoints(ckpt_dirs, running_id: str | None = None) -> list[Path]:
         searched = ", ".join(str(r) for r in runs) or "(no CheckCallback, so no ckpt_dir to search)"
         raise CheckpointError(f"resume={running_id!r}: no checkpoint of that run was found;"
                               f" searched {searched}")
-    # Newest first by mtime; the path breaks ties so the choice is deterministic.
-    return sorted(found, key=lambda p: (modified_ns(p), str(p)), reverse=True)
+    runs_found: dict[str, list[Path]] = {}
+    for path in found:  # one run's files, even when several ckpt_dirs hold a folder of its name
+        runs_found.setdefault(path.parent.name, []).append(path)
+    ordered = sorted(runs_found.values(), key=lambda files: max((modified_ns(p), str(p)) for p in files), reverse=True)
+    return [path for files in ordered for path in by_progress(files)]
 
 
 def _hint_06_folder(dirs, candidates) -> str:
@@ -108,12 +187,13 @@ def resume_once(trainer) -> tuple[Path, int] | None:
     loaded file's path and epoch, or None when nothing was loaded.
 
     The run searched is `resume_scope`'s. Among its checkpoints (under the monitors' `ckpt_dir`s) the
-    newest this trainer can load is loaded; with `resume=True` a file it cannot use (unreadable, not a
-    checkpoint, one of another model or optimizer, a sharded folder with a missing or damaged shard, a
-    mid-epoch snapshot whose position lies outside this fit's data) is skipped with a `DeepEpochsWarning`
-    naming it and why, so an old or foreign file in the folder never stops `fit()`, and no usable file means
-    a fresh start. `resume='<running id>'` loads that run's newest checkpoint or raises. The run folder's name
-    becomes `trainer.running_id`, so new checkpoints go on into the same (possibly renamed) folder. A
+    most progressed this trainer can load is loaded (`find_checkpoints`); with `resume=True` a file it
+    cannot use (unreadable, not a checkpoint, one of another model or optimizer, a sharded folder with a
+    missing or damaged shard, a mid-epoch snapshot whose position lies outside this fit's data) is skipped
+    with a `DeepEpochsWarning` naming it and why, so an old or foreign file in the folder never stops
+    `fit()`, and no usable file means a fresh start. `resume='<running id>'` loads that run's most
+    progressed checkpoint or raises. The run folder's name becomes `trainer.running_id`, so new checkpoints
+    go on into the same (possibly renamed) folder. A
     failed resume stays pending, so fixing the files and calling fit again retries it.
     """
     if not trainer.loop.resume_pending:
@@ -123,7 +203,7 @@ def resume_once(trainer) -> tuple[Path, int] | None:
     dirs = [m.ckpt_dir for m in monitors_of(trainer)]
     candidates = find_checkpoints(dirs, run) if required or run is None else _checkpoints_of_run(dirs, run)
     if required:
-        candidates = candidates[:1]  # the run was named: its newest file loads, or the error says why
+        candidates = candidates[:1]  # the run was named: its most progressed file loads, or the error says why
     path, ckpt = _load_newest_usable(trainer, candidates, strict=required)
     if path is None:
         folders = dict.fromkeys(Path(d) if run is None else Path(d) / run for d in dirs)
@@ -148,7 +228,7 @@ def _fit_train_tasks(trainer) -> list | None:
 
 def _load_newest_usable(trainer, candidates: list[Path], strict: bool) -> tuple[Path | None,
                                                                                 Checkpoint | None]:
-    """Load the first of `candidates` (newest first) that this trainer can use, into it; returns its path and
+    """Load the first of `candidates` (most progressed first) that this trainer can use, into it; returns its path and
     contents, or (None, None). A candidate that cannot be used is skipped with a `DeepEpochsWarning` naming
     it and why, whatever fails: reading it, checking it against the trainer (and a mid-epoch snapshot's
     position against the fit's training data), or reading its tensors (a sharded folder with a damaged
@@ -171,7 +251,7 @@ def _load_newest_usable(trainer, candidates: list[Path], strict: bool) -> tuple[
 
 
 def _checkpoints_of_run(dirs, run: str) -> list[Path]:
-    """The run's checkpoints, newest first; none is no error (`resume=True` then starts the run fresh)."""
+    """The run's checkpoints, most progressed first; none is no error (`resume=True` then starts the run fresh)."""
     try:
         return find_checkpoints(dirs, run)
     except CheckpointError:

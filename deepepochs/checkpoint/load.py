@@ -15,7 +15,7 @@ import torch
 from deepepochs.checkpoint.format import Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header
-from deepepochs.engine import position, runstate
+from deepepochs.engine import buffers, position, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.parallel.ddp import is_dtensor
 from deepepochs.utils import set_rng_state
@@ -149,8 +149,12 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
         if ckpt.shards is not None:
             ckpt = _read_shards(ckpt, path, trainer)
         _apply(trainer, ckpt, path)
+        run.buffers = None  # the loaded model's buffers are the next fit's start
         if ckpt.position is not None:  # a mid-epoch snapshot: the next fit continues inside its epoch
             position.restore(run, ckpt.position, trainer.dist.rank, trainer.device, trainer.world_size)
+            # this rank's buffers at the snapshot's commit point (non-persistent ones too); the fit takes them
+            buffers.write(trainer.raw_model, run.buffers)
+            run.buffers = None
     except BaseException as exc:
         _apply(trainer, backup, "<the state before loading>")
         runstate.restore(run, run_backup)

@@ -16,12 +16,13 @@ machine's state: what differs between edges is which actions the spec puts on th
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections.abc import Callable
 
 import torch
 
-from deepepochs.engine import position
+from deepepochs.engine import buffers, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
@@ -186,8 +187,10 @@ def save_checkpoints(ctx: Context) -> None:
 
 @action
 def commit_epoch(ctx: Context) -> None:
-    """The epoch is done for good: its count, its records, its epoch-wise scheduler steps."""
+    """The epoch is done for good: its count, its records, its epoch-wise scheduler steps, the model's
+    buffers and torch's generators as of now."""
     remember_random_state(ctx)
+    buffers.keep(ctx)
     loop = ctx.loop
     loop.completed_epochs = loop.epoch
     loop.resume = None
@@ -195,8 +198,20 @@ def commit_epoch(ctx: Context) -> None:
     ctx.epoch_undo.clear()
     for stage, metrics in ctx.last_metrics.items():
         if stage in ctx.history:
-            for name, value in metrics.items():
-                ctx.history[stage].setdefault(name, []).append(value)
+            _record(ctx.history[stage], metrics, aligned=stage == "train")
+
+
+def _record(records: dict, metrics: dict, aligned: bool) -> None:
+    """Append an epoch's `metrics` to a stage's `records`. `aligned` (training, which runs every epoch): a
+    name this epoch lacks gets NaN and a name new this epoch NaN for the epochs before, so that every list
+    has one entry per epoch (an epoch whose updates were all skipped reports NaN values)."""
+    epochs = max((len(values) for values in records.values()), default=0)
+    for name, value in metrics.items():
+        records.setdefault(name, [math.nan] * epochs if aligned else []).append(value)
+    if aligned:
+        for name, values in records.items():
+            if name not in metrics and len(values) == epochs:
+                values.append(math.nan)
 
 
 # ---- the accumulation window -------------------------------------------------------------------------
@@ -348,9 +363,11 @@ def zero_grad(ctx: Context) -> None:
 
 @action
 def remember_position(ctx: Context) -> None:
-    """What a refit continues from besides the batch count: torch's generators and a stateful loader's
-    position, both as they are right after the window's update (no batch is read ahead of a window's end)."""
+    """What a refit continues from besides the batch count: torch's generators, the model's buffers (what
+    the window's forwards changed) and a stateful loader's position, all as they are right after the
+    window's update (no batch is read ahead of a window's end)."""
     remember_random_state(ctx)
+    buffers.keep(ctx)
     if ctx.data_source is not None:
         point = ctx.loop.resume
         ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, ctx.data_source.state_dict())
@@ -401,7 +418,8 @@ def stop_on_signal(ctx: Context) -> None:
 def discard_window(ctx: Context) -> None:
     """Rollback to the last commit point: drop every gradient, the interrupted update's scaler records,
     the window's loss sums and patches, save requests, and what an epoch's end did before it committed
-    (the epoch count, epoch-wise scheduler steps, monitor states: `ctx.epoch_undo`).
+    (the epoch count, epoch-wise scheduler steps, monitor states: `ctx.epoch_undo`); the model's buffers
+    (BatchNorm statistics) come back as the last commit point kept them.
 
     A window whose update was applied is committed even if the fault came before `commit_update` ran (a
     later post-hook or the scheduler raised): its loss statistics stay and it is not replayed."""
@@ -427,6 +445,7 @@ def discard_window(ctx: Context) -> None:
     while ctx.epoch_undo:  # epoch-end work of an epoch that did not commit, newest first
         ctx.epoch_undo.pop()()
     loop.save_requests.clear()
+    buffers.put_back(ctx)  # last: the epoch-end undo above may have put back an earlier commit point's
 
 
 @action

@@ -167,6 +167,8 @@ class Context:
         snapshot_path: the snapshot the last `save_snapshot` wrote (None on ranks other than 0).
         data_source: the running training task's stateful DataLoader (torchdata's `StatefulDataLoader`),
             whose position `remember_position` keeps; None for other data.
+        buffer_copies: which model buffers the running fit's commit points copy where
+            (`buffers.BufferCopies`), or None.
     """
 
     parts: Parts
@@ -189,6 +191,7 @@ class Context:
     snapshots: object = None
     snapshot_path: object = None
     data_source: object = None
+    buffer_copies: object = None
 
     @property
     def run(self) -> RunState:

@@ -17,13 +17,24 @@ from __future__ import annotations
 import copy
 import datetime
 import functools
+import math
 import threading
 
 import torch
 
 from deepepochs.data.batch_rules import input_splitter
 from deepepochs.data.outputs import concat_batches, detached, merge_shards
-from deepepochs.engine import actions, batches, continuation, generators, runstate, snapshot_trigger, stage_tasks, steps
+from deepepochs.engine import (
+    actions,
+    batches,
+    buffers,
+    continuation,
+    generators,
+    runstate,
+    snapshot_trigger,
+    stage_tasks,
+    steps,
+)
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
@@ -154,6 +165,7 @@ class Driver:
             fire(TriggerName.FIT)
         finally:
             loop.resume_tasks = None
+        buffers.keep(ctx, fresh=True)  # after a resume loaded them: where a fault before any commit returns
         self._header()
         emit(self.ctx, Event.BEFORE_FIT, epochs)
         if not self._started:
@@ -184,6 +196,7 @@ class Driver:
         if ctx.snapshots is not None:
             snapshot_trigger.after_fit(ctx)
         fire(TriggerName.FINISH)
+        buffers.forget(ctx)
         return copy.deepcopy(ctx.history)  # the whole run's records, resumed epochs included
 
     def _count_epoch(self, epoch):
@@ -384,6 +397,12 @@ class Driver:
         sources = dict.fromkeys(out, "the loss")
         for name, patch in dist.sync_patches(meters.patches).items():
             merge_values(out, sources, name, patch.forward(), getattr(patch, "name", None))
+        if meters.skipped and not meters.count:
+            # No update of this training task was applied (every one skipped for inf/NaN): its loss and
+            # metrics are NaN, so the epoch keeps its entry in every record (the skip decisions agree over
+            # the ranks, so every rank takes this branch).
+            for name in ("loss", *meters.metrics):
+                out.setdefault(name, math.nan)
         if take_binary_default():  # 0.6 scored class 0 there: say once which class is scored and how to choose
             ctx.parts.console.note_once("binary-average", BINARY_DEFAULT_NOTE)
         meters.final = out

@@ -111,6 +111,9 @@ class RunState:
         data_state: `(epoch, task index, batches done, state_dict())` of a stateful training DataLoader
             at the last complete commit point: a refit or a resumed snapshot continues it with
             `load_state_dict` instead of skipping batches.
+        buffers: the model's buffers (persistent or not, by name) at the last commit point of the running
+            fit, which a rollback writes back into the model (`deepepochs.engine.buffers`); None outside a
+            fit.
     """
 
     running_id: str = _field("", copy=SHARED, snapshot="the checkpoint's running_id (resume names the run)")
@@ -132,6 +135,8 @@ class RunState:
                                              snapshot="the position's random states, per rank")
     random_replay: tuple | None = _field(None, copy=SHARED, snapshot="derived from the position's random states")
     data_state: tuple | None = _field(None, copy=SHARED, snapshot="the position's data state, per rank")
+    # Copied in place at every commit point (`buffers.keep`), so a capture copies them (once per epoch end).
+    buffers: dict | None = _field(None)
 
 
 def capture(run: RunState) -> RunState:

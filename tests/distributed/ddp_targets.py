@@ -223,6 +223,37 @@ def _find_lr() -> dict:
             "fit_epochs": len(fitted["train"]["loss"])}
 
 
+class _FailBeforeUpdate(Callback):
+    """Raises on every rank once, before the update of training batch 3 (after its forward and backward)."""
+
+    def __init__(self):
+        self.armed = True
+
+    def on_before_optimize(self, trainer, optimize_index):
+        if self.armed and trainer.loop.batch_idx == 3:
+            self.armed = False
+            raise RuntimeError("failed before the update on every rank")
+
+
+def _batchnorm_refit() -> dict:
+    """A BatchNorm model (DDP broadcasts rank 0's buffers before each forward): a callback raises before
+    the update of batch 3, the refit finishes; and the same run never interrupted. Every tensor of each,
+    buffers included."""
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, CLASSES))
+        with Trainer(model, F.cross_entropy, make_optimizer(model),
+                     **trainer_kwargs(metrics=None, callbacks=callbacks)) as trainer:
+            data = DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH)
+            try:
+                trainer.fit(data)
+            except RuntimeError:
+                trainer.fit(data)
+            return _state(trainer.raw_model)
+
+    return {"refit": fit([_FailBeforeUpdate()]), "whole": fit([])}
+
+
 def interprete_metrics() -> dict:
     """Per-sample metrics for InterpreteCallback: a continuous one, and one with many ties (the label)."""
     return {"loss": lambda p, y: F.cross_entropy(p, y, reduction="none"), "label": lambda p, y: y.float()}
@@ -325,6 +356,7 @@ def run_scenarios() -> int:
     results["interprete"] = _interprete_top_samples()
     results["predict"] = _predict()
     results["find_lr"] = _find_lr()
+    results["batchnorm_refit"] = _batchnorm_refit()
     results["shuffled_indices"] = _shuffled_indices()
     results["broadcast_values"] = _broadcast_after_init_callbacks()
     results["main_process_first"] = _main_process_first(out)

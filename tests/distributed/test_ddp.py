@@ -225,6 +225,17 @@ def test_find_lr_under_ddp_agrees_across_ranks_and_restores_the_weights(ranks):
     assert a["restored"] and b["restored"] and a["fit_epochs"] == b["fit_epochs"] == 1
 
 
+@pytest.mark.distributed
+def test_a_refit_after_a_fault_under_ddp_ends_with_the_uninterrupted_runs_batchnorm_statistics(ranks):
+    """The rollback puts every rank's buffers back in place (the tensors DDP broadcasts), so the refit's
+    running statistics and counts equal those of the run never interrupted, on both ranks."""
+    for rank in ranks:
+        refit, whole = rank["batchnorm_refit"]["refit"], rank["batchnorm_refit"]["whole"]
+        assert refit.keys() == whole.keys() and "1.num_batches_tracked" in refit
+        for name, value in whole.items():
+            assert torch.equal(refit[name], value), name
+
+
 # ---- sharding and sampler epochs ---------------------------------------------------------------------------
 @pytest.mark.distributed
 def test_shuffled_training_shards_are_disjoint_complete_and_reshuffled_each_epoch(ranks):
