@@ -42,6 +42,13 @@ FSDP2's per-parameter records (`FSDPModule._get_fsdp_state()._fsdp_param_groups[
     Fallback: `fsdp_unsynced_grads_private` says False, and `FSDPPolicy` then never turns gradient sync
     off: every micro-batch reduce-scatters its gradients into the sharded `.grad`s, which `zero_grad`
     clears. Same results, more communication inside accumulation windows.
+
+`OptimizedModule._orig_mod` (the module `torch.compile(module)` wraps)
+    Used to save, load and log a model the user compiled as the module itself: the wrapper's state dict
+    prefixes every key with `_orig_mod.`, which the uncompiled module refuses. Why: torch has no public
+    way to reach the module a compiled wrapper holds.
+    Fallback: `compiled_module` says None and the wrapper is saved as it is (prefixed keys, which
+    loading strips).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import torch
 
 __all__ = [
     "autocast_enabled",
+    "compiled_module",
     "fsdp_drop_unsynced_grads",
     "fsdp_unsynced_grads_private",
     "grads_finite_on_host",
@@ -348,3 +356,9 @@ def fsdp_drop_unsynced_grads(model) -> None:
         unsharded = record.__dict__.get("_unsharded_param")
         if unsharded is not None:
             unsharded.grad = None
+
+
+def compiled_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that `model` wraps when `model` is `torch.compile(module)`'s wrapper; else None."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None

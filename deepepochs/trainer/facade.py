@@ -25,6 +25,7 @@ from deepepochs.parallel.strategy import select_policy
 from deepepochs.reporting.console import Console
 from deepepochs.reporting.summary_writer import RunWriters
 from deepepochs.tasks import as_metric_list
+from deepepochs.torch_private import compiled_module
 from deepepochs.trainer.arguments import check_arguments, check_call, check_int, check_keywords, to_device
 from deepepochs.trainer.resume_policy import resume_run
 from deepepochs.trainer.step_methods import StepMethods
@@ -132,12 +133,15 @@ class TrainerBase(StepMethods):
             "%Y%m%d-%H%M%S-%f")), running_id_given=running_id is not None)
         self.hyper_params = dict(hyper_params or {})
         self._precision = Precision(self.config.precision, self.device)
-        model = model.to(self.device)
+        given = model.to(self.device)
+        # torch.compile(model) given: what is saved, loaded and logged is the module it wraps (clean keys)
+        inner = compiled_module(given)
+        model = given if inner is None else inner
         self.raw_model = model
         self._opts = Optimizers(opt, model)
         self._opts.check_covers(model)
         dist.shard_model(model, [item.opt for item in self._opts.items])  # FSDP: in place, before compiling
-        compiled = torch.compile(model) if compile_model else model
+        compiled = given if given is not model else torch.compile(model) if compile_model else model
         self._dist = dist
         self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=dist.is_main)
         self._hooks = HookTable()
