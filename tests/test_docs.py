@@ -130,3 +130,14 @@ def test_every_page_of_the_site_is_in_its_table_of_contents():
 
 if __name__ == "__main__":  # pragma: no cover - run one page by hand: python tests/test_docs.py docs/x.md
     sys.exit(pytest.main([__file__, "-q", "-k", os.path.basename(sys.argv[1]) if len(sys.argv) > 1 else ""]))
+
+
+def test_the_distributed_guide_starts_with_the_two_commands_and_names_no_test_script():
+    """The distributed guide's first code block is the two commands a user runs (python and torchrun);
+    the user page lists no test script (those are on the contributing page)."""
+    text = (DOCS / "guide" / "distributed.md").read_text()
+    first = text.split("```", 2)[1]
+    assert first.startswith("bash\n")
+    assert "python train.py" in first and "torchrun --nproc-per-node=2 train.py" in first
+    assert "tests/" not in text
+    assert "tests/smoke_launch.py" in (DOCS / "contributing.md").read_text()
