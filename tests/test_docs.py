@@ -141,3 +141,17 @@ def test_the_distributed_guide_starts_with_the_two_commands_and_names_no_test_sc
     assert "python train.py" in first and "torchrun --nproc-per-node=2 train.py" in first
     assert "tests/" not in text
     assert "tests/smoke_launch.py" in (DOCS / "contributing.md").read_text()
+
+
+def test_no_page_has_two_sections_of_the_same_title():
+    """Every heading of a user page is unique on that page (a reader of the table of contents or of a
+    link cannot tell two equal titles apart)."""
+    for page in [*DOCS.glob("*.md"), *(DOCS / "guide").glob("*.md")]:
+        lines, fenced = [], False
+        for line in page.read_text().splitlines():
+            if line.startswith("```"):
+                fenced = not fenced
+            elif not fenced and re.match(r"#{1,6} ", line):
+                lines.append(line.lstrip("#").strip())
+        repeated = sorted({title for title in lines if lines.count(title) > 1})
+        assert not repeated, f"{page.name}: {repeated}"
