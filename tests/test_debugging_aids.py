@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import deepepochs
 from deepepochs import Callback, CheckCallback, GradClipCallback, Trainer
-from deepepochs.lr_find import LRFindResult, smooth
+from deepepochs.training.lr_sweep import LRFindResult, smooth
 
 
 def _quiet(**kwargs):

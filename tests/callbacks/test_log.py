@@ -228,8 +228,8 @@ def test_all_logging_callbacks_share_the_trainer_writer(tmp_path):
         trainer.fit(DataLoader(TensorDataset(images, labels), batch_size=16),
                     DataLoader(TensorDataset(images[:16], labels[:16]), batch_size=8))
     assert seen[0] is seen[1]
-    files = os.listdir(tmp_path / "run")
-    assert len(files) == 1 and files[0].startswith("events.out.tfevents")
+    files = sorted(os.listdir(tmp_path / "run"))  # one event file (one writer), and the run's CSV table
+    assert len(files) == 2 and files[0].startswith("events.out.tfevents") and files[1] == "metrics.csv"
     tags = read_run(tmp_path / "run").Tags()
     assert "loss/train" in tags["scalars"] and "output/1/mean" in tags["scalars"]
     assert "interprete/val" in tags["images"]
