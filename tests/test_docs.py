@@ -155,3 +155,13 @@ def test_no_page_has_two_sections_of_the_same_title():
                 lines.append(line.lstrip("#").strip())
         repeated = sorted({title for title in lines if lines.count(title) > 1})
         assert not repeated, f"{page.name}: {repeated}"
+
+
+def test_the_readme_says_what_optional_parts_need_and_that_the_first_set_up_takes_minutes():
+    """Graphviz for drawn graphs, torchvision and DGL for the two examples that use them, and the first
+    `make demo` / `make test` downloading torch for minutes are said where a newcomer reads."""
+    text = (ROOT / "README.md").read_text()
+    assert re.search(r"Graphviz's `dot`", text) and "apt-get install graphviz" in text
+    assert "pip install torchvision" in text and "pip install dgl" in text
+    setup = text[text.index("## Set up a clone"):text.index("## Documentation")]
+    assert re.search(r"first run of either takes minutes", setup)
