@@ -56,9 +56,9 @@ window.addEventListener('load', function () {
                   first_cell: head ? head.textContent.trim().slice(0, 40) : ''});
     }
   });
-  document.body.setAttribute('%s', JSON.stringify(found));
+  document.body.setAttribute('MARK', JSON.stringify(found));
 });
-</script>""" % _MARK
+</script>""".replace("MARK", _MARK)
 
 
 def _browser() -> str | None:

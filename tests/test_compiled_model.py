@@ -7,16 +7,15 @@ others only build a trainer around the wrapper, which compiles nothing until a f
 from __future__ import annotations
 
 import shutil
-import warnings
 
 import pytest
 import torch
 from checkpoint_helpers import monitored_trainer, regression_batches  # tests/, on sys.path under pytest
+from checkpoint_helpers import save_sharded as _save_sharded
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
-from torch.nn import functional as F
 
-from deepepochs import LogCallback, SnapshotCallback, Trainer, checkpoint
+from deepepochs import LogCallback, SnapshotCallback, checkpoint
 
 
 def _model():
@@ -76,18 +75,6 @@ def test_a_compiled_models_checkpoint_file_carries_the_modules_keys(tmp_path):
     with _compiled_trainer(tmp_path) as t:
         assert set(_model_state(checkpoint.save(t, tmp_path / "a.ckpt"))) == _keys()
         assert type(t.raw_model) is nn.Sequential
-
-
-def _save_sharded(trainer, path):
-    """Write `trainer`'s state as a sharded checkpoint folder `path`, through the path FSDP ranks take."""
-    trainer._dist.shards_model = True  # what FSDP's policy says; one process writes the only shard
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            checkpoint.save(trainer, path)
-    finally:
-        del trainer._dist.shards_model
-    return path
 
 
 def test_a_compiled_models_sharded_folder_and_its_consolidation_carry_the_modules_keys(tmp_path):

@@ -131,7 +131,8 @@ def test_the_finders_plot_spans_the_useful_part_of_the_curve(tmp_path, monkeypat
     from matplotlib.figure import Figure
     seen = []
     original = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(fig.axes[0].get_ylim()) or original(fig, *a, **k))
+    monkeypatch.setattr(Figure, "savefig",
+                        lambda fig, *a, **k: seen.append(fig.axes[0].get_ylim()) or original(fig, *a, **k))
     assert result.plot(tmp_path / "lr.png")
     assert seen == [pytest.approx((low, high))] and (tmp_path / "lr.png").stat().st_size > 0
 

@@ -5,7 +5,6 @@ as furo wraps tables, one spilling out unclipped, one that fits) and, when the s
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest

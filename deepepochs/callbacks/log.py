@@ -19,7 +19,8 @@ side in TensorBoard's `<metric>` section:
 - `loop/interrupted`: the error, the flight record and the state graph of an interrupted fit/test.
 
 Beside the event files, `<log_dir>/<running_id>/metrics.csv` holds the same epoch, validation and test
-metrics as a table, one row per epoch and stage (`deepepochs.reporting.summary_writer.CsvRecord`; `csv=False` leaves it out).
+metrics as a table, one row per epoch and stage (`deepepochs.reporting.summary_writer.CsvRecord`;
+`csv=False` leaves it out).
 
 With `hyper_params=` on the Trainer, each `test()` also writes an HParams session into the run folder
 itself (not a sub-run), listing the hyper-parameters with the `<metric>/test` scalars as its metrics.
