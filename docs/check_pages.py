@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--screenshot", nargs="+", metavar=("OUT_DIR", "PAGE"),
                         help="also save PNGs of these pages into OUT_DIR")
     args = parser.parse_args(argv)
-    site = Path(args.site)
+    site = Path(args.site).resolve()
     try:
         problems = check_site(site, args.width)
     except FileNotFoundError as e:
