@@ -5,6 +5,7 @@
 #   make demo                  runtime dependencies only, then the quick start
 #   make test                  the dev extra too, then the whole suite (PYTEST_ARGS="-k docs" for a part)
 #   make docs                  the docs extra, then the site into docs/_build/html, warnings as errors
+#   make docs-check            make docs, then every page rendered in headless Chromium: no clipped table
 #   VENV=path                  another environment folder (default .venv)
 #   TORCH_SPEC=torch==2.6.0    another torch
 #   TORCH_INDEX=URL            the index torch comes from (default: pip's own configuration; on a Linux
@@ -20,7 +21,7 @@ PYTEST_ARGS ?=
 DOCS_OUT ?= docs/_build/html
 
 .PHONY: venv install install-runtime install-docs demo test test-fast lint gen check-gen graph bench \
-	bench-memory docs clean
+	bench-memory docs docs-check clean
 
 # ---- environments: one stamp per install level, redone when pyproject.toml changes ----
 $(PYTHON):
@@ -73,6 +74,11 @@ check-gen: install-runtime
 docs: install-docs
 	$(PYTHON) -m sphinx -W --keep-going -E -q -b html docs $(DOCS_OUT)
 	@echo "open $(DOCS_OUT)/index.html"
+
+# The site built, then every page rendered in headless Chromium at 1280 px: fails on a table that does not
+# fit the page (needs chromium, e.g. apt-get install chromium). SCREENSHOTS=dir also saves two pages' PNGs.
+docs-check: docs
+	$(PYTHON) docs/check_pages.py $(DOCS_OUT) $(if $(SCREENSHOTS),--screenshot $(SCREENSHOTS) index.html coming-from.html)
 
 # docs/state-graph.*: every state; docs/img/state-graph-<level>.svg: one picture per level (needs Graphviz)
 GRAPH_LEVELS := fit epoch task batch full

@@ -30,6 +30,7 @@ from deepepochs.errors import (
     Preempted,
 )
 from deepepochs.fsm.events import Event
+from deepepochs.fsm.flight import save_flight_record
 from deepepochs.launch import launch
 from deepepochs.patches import (
     MeanPatch,
@@ -81,6 +82,7 @@ __all__ = [
     "launch",
     "plot_confusion",
     "rename",
+    "save_flight_record",
     "set_seed",
     "sum_dicts",
     "to_numpy",

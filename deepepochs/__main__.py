@@ -33,7 +33,7 @@ def main(argv=None) -> int:
                        help="fit (default: a fit as epochs), epoch (stages, tasks), task (windows), batch (one"
                             " micro-batch), full (every state); with --flight: the level of the failed state")
     graph.add_argument("--flight", metavar="FILE", help="draw the last transitions of a saved flight record"
-                       " (the log of a failed run, or JSON from deepepochs.fsm.flight.save_flight_record)")
+                       " (the log of a failed run, or JSON from deepepochs.save_flight_record)")
     graph.add_argument("--last", type=int, default=12, metavar="N", help="with --flight: how many of the last"
                        " transitions to number (default 12)")
     loop = sub.add_parser("loop", help="print the code a training micro-batch runs for a configuration")

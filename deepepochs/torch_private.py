@@ -49,6 +49,12 @@ FSDP2's per-parameter records (`FSDPModule._get_fsdp_state()._fsdp_param_groups[
     once per update (`deepepochs.engine.buffers`). Why: the public ways, `getattr` per buffer and one
     `copy_` per buffer, cost several times as much on a small BatchNorm model, paid on every update.
     Fallback: `getattr(module, name)` and a `copy_` per buffer.
+`OptimizedModule._orig_mod` (the module `torch.compile(module)` wraps)
+    Used to save, load and log a model the user compiled as the module itself: the wrapper's state dict
+    prefixes every key with `_orig_mod.`, which the uncompiled module refuses. Why: torch has no public
+    way to reach the module a compiled wrapper holds.
+    Fallback: `compiled_module` says None and the wrapper is saved as it is (prefixed keys, which
+    loading strips).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ __all__ = [
     "autocast_enabled",
     "buffers_unchanged",
     "copy_tensors",
+    "compiled_module",
     "fsdp_drop_unsynced_grads",
     "fsdp_unsynced_grads_private",
     "grads_finite_on_host",
@@ -388,3 +395,7 @@ def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     else:
         for to, value in zip(dst, src):
             to.copy_(value)
+def compiled_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that `model` wraps when `model` is `torch.compile(module)`'s wrapper; else None."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None

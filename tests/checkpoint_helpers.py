@@ -5,10 +5,12 @@ Test modules in tests/ import this from their own folder (pytest puts it on `sys
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
-from deepepochs import CheckCallback, Trainer
+from deepepochs import CheckCallback, Trainer, checkpoint
 
 
 def monitored_trainer(tmp_path, model, opt, **kwargs) -> Trainer:
@@ -25,3 +27,15 @@ def regression_batches() -> list:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=g)
     return [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 32, 8)]
+
+
+def save_sharded(trainer, path):
+    """Write `trainer`'s state as a sharded checkpoint folder `path`, through the path FSDP ranks take."""
+    trainer._dist.shards_model = True  # what FSDP's policy says; one process writes the only shard
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            checkpoint.save(trainer, path)
+    finally:
+        del trainer._dist.shards_model  # back to the class's False
+    return path

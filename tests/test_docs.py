@@ -130,3 +130,38 @@ def test_every_page_of_the_site_is_in_its_table_of_contents():
 
 if __name__ == "__main__":  # pragma: no cover - run one page by hand: python tests/test_docs.py docs/x.md
     sys.exit(pytest.main([__file__, "-q", "-k", os.path.basename(sys.argv[1]) if len(sys.argv) > 1 else ""]))
+
+
+def test_the_distributed_guide_starts_with_the_two_commands_and_names_no_test_script():
+    """The distributed guide's first code block is the two commands a user runs (python and torchrun);
+    the user page lists no test script (those are on the contributing page)."""
+    text = (DOCS / "guide" / "distributed.md").read_text()
+    first = text.split("```", 2)[1]
+    assert first.startswith("bash\n")
+    assert "python train.py" in first and "torchrun --nproc-per-node=2 train.py" in first
+    assert "tests/" not in text
+    assert "tests/smoke_launch.py" in (DOCS / "contributing.md").read_text()
+
+
+def test_no_page_has_two_sections_of_the_same_title():
+    """Every heading of a user page is unique on that page (a reader of the table of contents or of a
+    link cannot tell two equal titles apart)."""
+    for page in [*DOCS.glob("*.md"), *(DOCS / "guide").glob("*.md")]:
+        lines, fenced = [], False
+        for line in page.read_text().splitlines():
+            if line.startswith("```"):
+                fenced = not fenced
+            elif not fenced and re.match(r"#{1,6} ", line):
+                lines.append(line.lstrip("#").strip())
+        repeated = sorted({title for title in lines if lines.count(title) > 1})
+        assert not repeated, f"{page.name}: {repeated}"
+
+
+def test_the_readme_says_what_optional_parts_need_and_that_the_first_set_up_takes_minutes():
+    """Graphviz for drawn graphs, torchvision and DGL for the two examples that use them, and the first
+    `make demo` / `make test` downloading torch for minutes are said where a newcomer reads."""
+    text = (ROOT / "README.md").read_text()
+    assert re.search(r"Graphviz's `dot`", text) and "apt-get install graphviz" in text
+    assert "pip install torchvision" in text and "pip install dgl" in text
+    setup = text[text.index("## Set up a clone"):text.index("## Documentation")]
+    assert re.search(r"first run of either takes minutes", setup)

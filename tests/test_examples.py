@@ -155,3 +155,17 @@ def test_gpu_checks_script_runs_and_summarises_without_cuda(tmp_path):
     assert "skipped" in str(summary["gpu_tests"]) and summary["throughput"] == {} and summary["ratios"] == {}
     assert summary["smoke"]["status"] == "skipped"
     assert (tmp_path / "out" / "gpu_tests.txt").exists() and (tmp_path / "out" / "gpu_checks.log").exists()
+
+
+def test_the_demo_learns_within_its_first_epochs(tmp_path):
+    """`make demo`'s script (examples/01-basic.py, as make runs it): the training loss falls every epoch of
+    the first fit, ending well below where it started, and the model beats chance clearly by then."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "01-basic.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("per-epoch train loss:"))
+    losses = json.loads(line.split(":", 1)[1])
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.5 * losses[0], losses
+    first = next(line for line in proc.stdout.splitlines() if line.startswith("accuracy after the first"))
+    assert float(first.rsplit(" ", 1)[1]) > 0.75, first

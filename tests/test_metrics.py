@@ -281,3 +281,36 @@ def test_conf_mat_keyword_of_0_6_scores_a_given_confusion_matrix_like_sklearn():
         dm.f1(logits, targets, conf_mat=cm)
     with pytest.raises(ConfigError, match=r"recall\(\) needs preds and targets, or a confusion matrix"):
         dm.recall(logits)
+
+
+def test_a_trainers_default_average_of_ten_classes_is_micro_equal_to_accuracy_and_says_so_once(capsys):
+    """precision, recall and F1 without average= on 10 classes keep 0.6's micro average: equal to
+    scikit-learn's micro and to the accuracy; the run prints once how to ask for macro, whose value then
+    equals scikit-learn's macro; naming the average prints no note."""
+    import functools
+
+    from torch.nn import functional as F
+
+    from deepepochs import Trainer, rename
+
+    logits, targets = _random_case(0, 10, n=200)
+    batches = [(logits[i:i + 40], targets[i:i + 40]) for i in range(0, 200, 40)]
+    model = torch.nn.Identity()
+    macro = rename(functools.partial(dm.f1, average="macro"), "macro_f1")
+    with Trainer(model, F.cross_entropy, epochs=2, device="cpu", log_batch=False,
+                 metrics=[dm.accuracy, dm.precision, dm.recall, dm.f1, macro]) as trainer:
+        trainer.test(batches)
+        got = trainer.test(batches)
+    preds = logits.argmax(1).numpy()
+    for name in ("precision", "recall", "f1"):
+        assert got[name] == pytest.approx(_sk(name, targets, preds, average="micro"), abs=1e-6)
+        assert got[name] == pytest.approx(got["accuracy"], abs=1e-6)
+    assert got["macro_f1"] == pytest.approx(_sk("f1", targets, preds, average="macro"), abs=1e-6)
+    assert got["macro_f1"] != pytest.approx(got["f1"], abs=1e-4)
+    out = capsys.readouterr().out
+    assert out.count(dm.MICRO_DEFAULT_NOTE) == 1
+    assert dm.BINARY_DEFAULT_NOTE not in out
+    micro = rename(functools.partial(dm.f1, average="micro"), "f1")
+    with Trainer(model, F.cross_entropy, device="cpu", log_batch=False, metrics=[micro, macro]) as trainer:
+        assert trainer.test(batches)["f1"] == pytest.approx(got["f1"], abs=1e-6)
+    assert dm.MICRO_DEFAULT_NOTE not in capsys.readouterr().out

@@ -10,11 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 from checkpoint_helpers import monitored_trainer, regression_batches  # tests/, on sys.path under pytest
+from checkpoint_helpers import save_sharded as _save_sharded
 from torch import nn
 
 from deepepochs import CheckpointError, checkpoint
@@ -27,18 +27,6 @@ def _trainer(tmp_path, **kwargs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Dropout(0.3), nn.Linear(3, 1))
     return monitored_trainer(tmp_path, model, torch.optim.Adam(model.parameters(), lr=0.05), **kwargs)
-
-
-def _save_sharded(trainer, path):
-    """Write `trainer`'s state as a sharded checkpoint folder `path`, through the path FSDP ranks take."""
-    trainer._dist.shards_model = True  # what FSDP's policy says; one process writes the only shard
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            checkpoint.save(trainer, path)
-    finally:
-        del trainer._dist.shards_model  # back to the class's False
-    return path
 
 
 def _sharded_run(tmp_path, epochs=(1,)):

@@ -106,15 +106,14 @@ def test_loss_none_models_get_their_metrics_inputs_from_a_callable():
 
 def test_a_label_key_with_loss_none_stays_a_model_input():
     """targets='labels' with loss=None: the model computes its loss from the field (kept as input) and
-    the metrics get it as targets."""
+    the metrics get it as targets, with the output's 'logits' as predictions."""
     x, y = _data()
     model = OwnLoss()
-    logits_acc = lambda out, target: (out["logits"].argmax(1) == target).float().mean()  # noqa: E731
-    with Trainer(model, None, metrics=[logits_acc], targets="labels", **_quiet(epochs=1)) as trainer:
+    with Trainer(model, None, metrics=[accuracy], targets="labels", **_quiet(epochs=1)) as trainer:
         metrics = trainer.test(_dict_batches(x, y, label="labels"))
     with torch.no_grad():
         expected = (model(x, y)["logits"].argmax(1) == y).float().mean().item()
-    assert metrics["<lambda>"] == pytest.approx(expected, abs=1e-6)
+    assert metrics["accuracy"] == pytest.approx(expected, abs=1e-6)
 
 
 class CountBatches(Callback):

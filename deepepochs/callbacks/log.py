@@ -18,6 +18,10 @@ side in TensorBoard's `<metric>` section:
   once per run; step 0.
 - `loop/interrupted`: the error, the flight record and the state graph of an interrupted fit/test.
 
+Beside the event files, `<log_dir>/<running_id>/metrics.csv` holds the same epoch, validation and test
+metrics as a table, one row per epoch and stage (`deepepochs.reporting.summary_writer.CsvRecord`;
+`csv=False` leaves it out).
+
 With `hyper_params=` on the Trainer, each `test()` also writes an HParams session into the run folder
 itself (not a sub-run), listing the hyper-parameters with the `<metric>/test` scalars as its metrics.
 """
@@ -37,7 +41,7 @@ from deepepochs.data.batch_rules import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.events import Event
 from deepepochs.fsm.render import render
-from deepepochs.reporting.summary_writer import DEFAULT_LOG_DIR, add_hparams_record, add_png
+from deepepochs.reporting.summary_writer import CSV_FILE, DEFAULT_LOG_DIR, CsvRecord, add_hparams_record, add_png
 
 __all__ = ["LogCallback"]
 
@@ -64,6 +68,9 @@ class LogCallback(Callback):
             host-device sync per batch, so it is off by default.
         state_graph: write the loop machine once per run (`loop/state_graph`), and the crash record when
             fit/test is interrupted (`loop/interrupted`).
+        csv: also write the run's metrics as a table, `<log_dir>/<running_id>/metrics.csv`: columns
+            `epoch`, `stage` (train, val, test), then one per metric; one row per epoch and stage, the
+            values the console prints (read it with `csv.DictReader` or `pandas.read_csv`).
 
     Example:
         >>> trainer = Trainer(model, F.cross_entropy, epochs=5, callbacks=[LogCallback('./logs')],
@@ -80,10 +87,11 @@ class LogCallback(Callback):
         return _run_tensorboard(self.log_dir or DEFAULT_LOG_DIR, interactive)
 
     def __init__(self, log_dir=DEFAULT_LOG_DIR, log_graph: bool = False, example_input=None,
-                 log_batch: bool = False, state_graph: bool = True):
+                 log_batch: bool = False, state_graph: bool = True, csv: bool = True):
         if not isinstance(log_dir, (str, os.PathLike)):
             raise ConfigError(f"log_dir must be a folder path (got {type(log_dir).__name__}: {log_dir!r})")
-        for name, value in (("log_graph", log_graph), ("log_batch", log_batch), ("state_graph", state_graph)):
+        for name, value in (("log_graph", log_graph), ("log_batch", log_batch), ("state_graph", state_graph),
+                            ("csv", csv)):
             _check_bool(name, value)
         if example_input is not None and not log_graph:
             raise ConfigError("example_input is only used to draw the model graph; pass log_graph=True too")
@@ -95,6 +103,7 @@ class LogCallback(Callback):
         self.example_input = example_input
         self.log_batch = log_batch
         self.state_graph = state_graph
+        self.csv = csv
         self._reset()
 
     @property
@@ -111,6 +120,7 @@ class LogCallback(Callback):
         self._batch_step = 0
         self._epoch_base = self._task_base = None
         self._stage_tasks = []
+        self._table = None
 
     def writer(self, trainer):
         """The trainer's shared writer for this callback's `log_dir`."""
@@ -184,6 +194,7 @@ class LogCallback(Callback):
         for stage, metrics in (("train", train_metrics), ("val", val_metrics)):
             for name, value in metrics.items():
                 writer.add_scalar(f"{name}/{stage}", value, step)
+            self._add_row(trainer, step, stage, metrics)
         for name, lr in trainer.opt.lrs().items():
             writer.add_scalar(name if name == "lr" else f"lr/{name}", lr, step)
         writer.flush()  # so that a TensorBoard watching the run sees each epoch as it ends
@@ -200,6 +211,7 @@ class LogCallback(Callback):
             add_hparams_record(writer, trainer.hyper_params, tagged)
         for tag, value in tagged.items():
             writer.add_scalar(tag, value, step)
+        self._add_row(trainer, step, "test", metrics)
         writer.flush()
 
     def on_interrupted(self, trainer, exception):
@@ -216,6 +228,15 @@ class LogCallback(Callback):
         writer.flush()
 
     # ---- helpers ----
+    def _add_row(self, trainer, epoch: int, stage: str, metrics) -> None:
+        """One row of the run's CSV table (main process; a stage that reported nothing has none)."""
+        if not (self.csv and metrics):
+            return
+        path = os.path.join(os.path.abspath(self.log_dir), str(trainer.running_id), CSV_FILE)
+        if self._table is None or self._table.path != path:  # a resume may rename the run
+            self._table = CsvRecord(path)
+        self._table.add(epoch, stage, metrics)
+
     def _watch_updates(self, trainer):
         """Log the learning rate of every applied update of each optimizer with a step-wise scheduler.
 

@@ -68,6 +68,7 @@ from deepepochs.errors import CheckpointError
 from deepepochs.protocols import monitors_in  # re-exported: `from deepepochs.checkpoint import monitors_in`
 
 __all__ = [
+    "COMPILED_PREFIX",
     "CONVERT_HINT",
     "FORMAT_VERSION",
     "SUFFIX",
@@ -79,6 +80,8 @@ __all__ = [
 
 FORMAT_VERSION = 3  # the newest version this deepepochs reads (and writes, for sharded checkpoints)
 SUFFIX = ".ckpt"
+#: What `torch.compile`'s wrapper prefixes its module's keys with; files hold the module's keys.
+COMPILED_PREFIX = "_orig_mod."
 
 
 #: How to write a state of another layout in this format, for the errors that refuse one.

@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs.checkpoint.format import Checkpoint, monitors_of, plain_records
+from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header
 from deepepochs.engine import buffers, position, runstate
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # Prefixes a wrapped model adds to parameter names: torch.compile's OptimizedModule and DDP.
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+_WRAPPER_PREFIXES = (COMPILED_PREFIX, "module.")
 
 
 def _unwrap_keys(state: Mapping, expected: set) -> Mapping:

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from deepepochs.checkpoint import shard_storage
-from deepepochs.checkpoint.format import Checkpoint, monitors_of, plain_records
+from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
 from deepepochs.errors import CheckpointError
 from deepepochs.utils import rng_state
@@ -304,5 +304,8 @@ def consolidate(source, target) -> Path:
         raise CheckpointError(f"consolidate: {source} is a single checkpoint file already (only a sharded"
                               " checkpoint folder, written under strategy='fsdp', needs consolidating)")
     full = _read_shards(ckpt, source)
-    full = attrs.evolve(full, format_version=1 if full.position is None else 2, shards=None)
+    model = full.model
+    if model and all(k.startswith(COMPILED_PREFIX) for k in model):  # written from torch.compile's wrapper
+        model = {k[len(COMPILED_PREFIX):]: v for k, v in model.items()}
+    full = attrs.evolve(full, format_version=1 if full.position is None else 2, shards=None, model=model)
     return write_atomic(full.to_dict(), target)

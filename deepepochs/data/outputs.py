@@ -1,5 +1,6 @@
-"""Model outputs collected by `Trainer.predict`: per-batch outputs joined along the batch dimension
-(nested tuples, lists and dicts kept), and DDP shards put back in dataset order."""
+"""Model outputs: what the metrics get as predictions from a mapping output (a dict, a Hugging Face
+`ModelOutput`), and the outputs collected by `Trainer.predict`: per-batch outputs joined along the batch
+dimension (nested tuples, lists and dicts kept), and DDP shards put back in dataset order."""
 
 from __future__ import annotations
 
@@ -9,7 +10,37 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["concat_batches", "detached", "merge_shards"]
+__all__ = ["concat_batches", "detached", "merge_shards", "metric_preds", "unpicked_preds"]
+
+
+def metric_preds(model_out, targets):
+    """The predictions the metrics get from `model_out` when the batches carry their `targets`.
+
+    A tensor (or a tuple, or anything but a mapping) is the predictions as it is. A mapping, such as a
+    Hugging Face model's output (`loss`, `logits`, ...), gives its `'logits'` entry; without one, its only
+    tensor besides `'loss'`; otherwise no rule applies and the mapping itself is passed on (a metric of the
+    user's own may read it; one that fails on it is told how to choose, see `unpicked_preds`). Without
+    targets the output is passed on whole: the metrics may read both from it."""
+    if targets is None or isinstance(model_out, torch.Tensor) or not isinstance(model_out, Mapping):
+        return model_out
+    if "logits" in model_out:
+        return model_out["logits"]
+    tensors = [value for key, value in model_out.items() if key != "loss" and isinstance(value, torch.Tensor)]
+    return tensors[0] if len(tensors) == 1 else model_out
+
+
+def unpicked_preds(preds, who: str, error: Exception) -> ConfigError:
+    """The error for metrics that failed on a mapping output no rule of `metric_preds` picked from (`who`:
+    "metric 'f1'", or the metrics' names): it names the keys and the fix, `Trainer(targets=lambda ...)`."""
+    keys = list(preds)
+    key = next((k for k in keys if k != "loss"), "<key>")
+    return ConfigError(
+        f"{who} got the model's whole output as predictions, a {type(preds).__name__} with keys"
+        f" {keys}, and raised {type(error).__name__}: {error}. The metrics get a mapping's 'logits' entry, or"
+        " its only tensor besides 'loss'; this output has neither, so say which entry holds the predictions:"
+        f" Trainer(targets=lambda batch_x, out: (out[{key!r}], batch_x['labels'])) for dict batches with a"
+        " 'labels' field"
+    )
 
 
 def detached(obj, device: torch.device | None):

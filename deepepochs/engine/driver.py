@@ -42,7 +42,7 @@ from deepepochs.engine.stage_tasks import data_length
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import ActionName, Event, StateName, TriggerName
 from deepepochs.fsm.machine import LoopMachine
-from deepepochs.metrics import BINARY_DEFAULT_NOTE, take_binary_default
+from deepepochs.metrics import DEFAULT_AVERAGE_NOTES, take_default_averages
 from deepepochs.protocols import monitors_in
 from deepepochs.tasks import TASK_SUFFIX_NOTE, EpochTask, TaskMeters, merge_stage_metrics, merge_values
 
@@ -380,6 +380,7 @@ class Driver:
             return meters.final
         ctx = self.ctx
         dist = ctx.parts.dist
+        take_default_averages()  # forget what metrics called outside this task chose: the notes are this task's
         out = {}
         total = meters.loss_total()
         if dist.world_size == 1:
@@ -403,8 +404,8 @@ class Driver:
             # the ranks, so every rank takes this branch).
             for name in ("loss", *meters.metrics):
                 out.setdefault(name, math.nan)
-        if take_binary_default():  # 0.6 scored class 0 there: say once which class is scored and how to choose
-            ctx.parts.console.note_once("binary-average", BINARY_DEFAULT_NOTE)
+        for average in take_default_averages():  # say once what average=None chose and how to choose
+            ctx.parts.console.note_once(f"{average}-average", DEFAULT_AVERAGE_NOTES[average])
         meters.final = out
         return out
 

@@ -9,11 +9,12 @@ machine through the same functions. Where does a micro-batch's loss get its shar
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 
 from deepepochs.data.batch_rules import call_model
-from deepepochs.data.outputs import detached
+from deepepochs.data.outputs import detached, metric_preds, unpicked_preds
 from deepepochs.engine import actions, finite
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
@@ -84,8 +85,13 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
     patches = None
     if task.all_metrics or ctx.first_batch:
         pick = ctx.parts.pick_targets
-        preds, targets = (model_out, batch_y) if pick is None else pick(batch_x, model_out)
-        patches = batch_patches(ctx, preds, targets) if task.all_metrics else None
+        preds, targets = (metric_preds(model_out, batch_y), batch_y) if pick is None else pick(batch_x, model_out)
+        try:  # free when nothing raises (Python >= 3.11)
+            patches = batch_patches(ctx, preds, targets) if task.all_metrics else None
+        except Exception as e:
+            if isinstance(preds, Mapping) and targets is not None:
+                raise unpicked_preds(preds, f"the metrics {[metric_name(m) for m in task.all_metrics]}", e) from e
+            raise
         if ctx.first_batch:
             first_batch_checks(ctx, stage, value, preds, targets, patches)
     if stage == "train":
@@ -126,7 +132,7 @@ def first_batch_checks(ctx: Context, stage: str, value, preds, targets, patches)
     left to the task's end, where it runs on all the data. Costs one run of the metrics, once per task.
     `preds`, `targets`: what the metrics get for this batch (`Trainer(targets=...)` applied)."""
     ctx.first_batch = False
-    names = _patch_names(patches)
+    names = _patch_names(patches, preds if isinstance(preds, Mapping) and targets is not None else None)
     if stage != "train" or ctx.monitor_check is None:
         return
     (train_tasks, val_tasks), ctx.monitor_check = ctx.monitor_check, None
@@ -150,14 +156,17 @@ def first_batch_checks(ctx: Context, stage: str, value, preds, targets, patches)
         monitor.check_names(stages)
 
 
-def _patch_names(patches) -> list[str] | None:
+def _patch_names(patches, unpicked=None) -> list[str] | None:
     """The metric names `patches` report, computed on what they hold (a non-number result: ConfigError);
-    None when a metric raised its own error (left to the task's end)."""
+    None when a metric raised its own error (left to the task's end), unless it got `unpicked`, a mapping
+    output no rule picked the predictions from: then the error says how to pick them."""
     values, sources = {}, {}
     for name, patch in (patches or {}).items():
         try:
             result = patch.forward()
-        except Exception:
+        except Exception as e:
+            if unpicked is not None:
+                raise unpicked_preds(unpicked, f"metric {name!r}", e) from e
             return None
         merge_values(values, sources, name, result, getattr(patch, "name", None))  # as at the task's end
     return list(values)

@@ -206,7 +206,8 @@ class LoopMachine:
         except MachineError:
             self._invalid(source, trigger)
         dest = self.model.state
-        self.history.append((self.loop.epoch, self.loop.batch_idx, source, trigger, dest))
+        name = getattr(trigger, "value", trigger)  # a TriggerName member is recorded by its plain name
+        self.history.append((self.loop.epoch, self.loop.batch_idx, source, name, dest))
         if self.probe is not None:
             self.probe(dest)
         return dest

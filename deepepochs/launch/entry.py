@@ -4,6 +4,7 @@ one process is asked for), else spawn the processes (:mod:`~deepepochs.launch.sp
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from numbers import Integral
 from typing import TypeVar
@@ -16,9 +17,16 @@ from deepepochs.launch.child import _ENV_RANK, _ENV_WORLD_SIZE
 from deepepochs.launch.importable import _check_importable
 from deepepochs.launch.spawn import _spawn
 
-__all__ = ["launch"]
+__all__ = ["NO_GPU_NOTE", "launch"]
 
 T = TypeVar("T")
+
+#: What `launch(main)` prints (stderr) when it runs one process because no GPU is visible.
+NO_GPU_NOTE = (
+    "launch: no GPU here, so main() runs in this one process. To train in several processes on the CPU"
+    " (gloo), ask for them: launch(main, num_processes=2), or run the script with"
+    " torchrun --nproc-per-node=2 script.py"
+)
 
 
 def launch(main: Callable[[], T], num_processes: int | None = None) -> T:
@@ -57,8 +65,8 @@ def launch(main: Callable[[], T], num_processes: int | None = None) -> T:
             processes: defined at the top level of a module or of the script being run, not a lambda, not a
             nested function, not defined in a notebook cell or an interactive session.
         num_processes: How many processes to start. ``None`` means one per visible CUDA device
-            (``torch.cuda.device_count()``), or 1 when there is none. Choose the devices with
-            ``CUDA_VISIBLE_DEVICES``.
+            (``torch.cuda.device_count()``), or 1 when there is none (then a line on stderr says so and how
+            to run several). Choose the devices with ``CUDA_VISIBLE_DEVICES``.
 
     Returns:
         What ``main()`` returned in the rank 0 process; None in the other ranks of a ``torchrun`` job.
@@ -117,6 +125,8 @@ def launch(main: Callable[[], T], num_processes: int | None = None) -> T:
 
     world_size = num_processes if num_processes is not None else max(1, torch.cuda.device_count())
     if world_size == 1:
+        if num_processes is None:  # one process because no GPU was found: say so, and how to run more
+            print(NO_GPU_NOTE, file=sys.stderr, flush=True)
         return main()
     _check_importable(main)
     return _spawn(main, int(world_size))

@@ -19,7 +19,9 @@ Accepted inputs (N samples, C classes):
   ``average='micro'``), and ``'binary'`` for two classes, scoring class 1 as scikit-learn's default does
   (0.6 scored class 0 of a two-class matrix, and halved it under 'macro': that was wrong and is not kept).
   The class count is the confusion matrix's size: pass ``num_classes`` or ``[N, C]`` scores when a batch of
-  class indices may not show every class, or name the average you want.
+  class indices may not show every class, or name the average you want. A trainer that used this default
+  prints a note once per run: for two classes which class is scored, for more than two that the micro
+  average equals the accuracy of single-label data and how to ask for ``'macro'``.
 * ``'macro'``: the unweighted mean over the classes that occur in targets or preds. As in
   scikit-learn, a class that is neither true nor predicted anywhere is left out, so the value does not depend
   on ``num_classes`` or on how a confusion matrix was padded.
@@ -58,6 +60,8 @@ from deepepochs.metrics.scores import (
     AVERAGES,
     BINARY_DEFAULT_NOTE,
     CONFUSION_METRICS,
+    DEFAULT_AVERAGE_NOTES,
+    MICRO_DEFAULT_NOTE,
     accuracy_from_confusion,
     default_average,
     f1_from_confusion,
@@ -65,7 +69,7 @@ from deepepochs.metrics.scores import (
     from_confusion,
     precision_from_confusion,
     recall_from_confusion,
-    take_binary_default,
+    take_default_averages,
 )
 from deepepochs.metrics.scores import _check_average as _check_average
 from deepepochs.metrics.scores import _check_beta as _check_beta
@@ -75,6 +79,8 @@ __all__ = [
     "CONFUSION_METRICS",
     "DEFAULT_CONFUSION",
     "BINARY_DEFAULT_NOTE",
+    "DEFAULT_AVERAGE_NOTES",
+    "MICRO_DEFAULT_NOTE",
     "default_average",
     "accuracy",
     "accuracy_from_confusion",
@@ -88,5 +94,5 @@ __all__ = [
     "precision_from_confusion",
     "recall",
     "recall_from_confusion",
-    "take_binary_default",
+    "take_default_averages",
 ]

@@ -1,8 +1,9 @@
 """Scores of a confusion matrix: accuracy, precision, recall, F-beta, and how ``average`` turns per-class
 scores into one number (scikit-learn's definitions with ``zero_division=0``; see :mod:`deepepochs.metrics`).
 
-Also the note the trainer prints once when ``average=None`` scored class 1 of a two-class problem, which
-deepepochs 0.6 did differently.
+Also the notes the trainer prints once when ``average=None`` chose for the user: class 1 of a two-class
+problem (deepepochs 0.6 scored class 0), and the micro average of more than two classes (0.6's default,
+which equals the accuracy for single-label data, where scikit-learn's and torchmetrics' reports show macro).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ __all__ = [
     "AVERAGES",
     "BINARY_DEFAULT_NOTE",
     "CONFUSION_METRICS",
+    "DEFAULT_AVERAGE_NOTES",
+    "MICRO_DEFAULT_NOTE",
     "_check_average",
     "_check_beta",
     "_check_confusion",
@@ -28,7 +31,7 @@ __all__ = [
     "from_confusion",
     "precision_from_confusion",
     "recall_from_confusion",
-    "take_binary_default",
+    "take_default_averages",
 ]
 
 AVERAGES = ("binary", "micro", "macro", "weighted")
@@ -56,9 +59,9 @@ def default_average(num_classes: int) -> str:
     return "binary" if num_classes <= 2 else "micro"
 
 
-# Set when average=None scored class 1 of a two-class matrix; the trainer reads it (take_binary_default) after
-# computing a task's metrics and tells the user once, since deepepochs 0.6 scored class 0 there.
-_binary_default = [False]
+# The averages average=None chose since the trainer last asked ('binary' for two classes, 'micro' for more):
+# it reads them (take_default_averages) after computing a task's metrics and tells the user once per kind.
+_defaults_taken: set[str] = set()
 
 BINARY_DEFAULT_NOTE = (
     "Note: precision, recall and F1 of a two-class problem score class 1, the positive class, as"
@@ -68,10 +71,23 @@ BINARY_DEFAULT_NOTE = (
 )
 
 
-def take_binary_default() -> bool:
-    """Whether a default average scored class 1 of a two-class matrix since the last call (then reset)."""
-    seen, _binary_default[0] = _binary_default[0], False
-    return seen
+MICRO_DEFAULT_NOTE = (
+    "Note: precision, recall and F1 of more than two classes without average= are micro averages, as in"
+    " deepepochs 0.6; for single-label data they equal the accuracy. scikit-learn's and torchmetrics'"
+    " reports show the mean over the classes: pass average='macro' for it, e.g."
+    " rename(functools.partial(f1, average='macro'), 'f1'), or average='micro' to keep this value quietly."
+)
+
+#: The note the trainer prints once for each average that ``average=None`` chose.
+DEFAULT_AVERAGE_NOTES = {"binary": BINARY_DEFAULT_NOTE, "micro": MICRO_DEFAULT_NOTE}
+
+
+def take_default_averages() -> list[str]:
+    """The averages (keys of `DEFAULT_AVERAGE_NOTES`) that ``average=None`` chose since the last call, in
+    a fixed order; the record is then cleared."""
+    taken = sorted(_defaults_taken)
+    _defaults_taken.clear()
+    return taken
 
 
 def _check_beta(beta) -> None:
@@ -119,8 +135,8 @@ def _averaged(cm: torch.Tensor, average: str, per_class) -> torch.Tensor:
     _check_confusion(cm)
     if average is None:
         average = default_average(cm.shape[0])
-        if cm.shape[0] == 2:
-            _binary_default[0] = True
+        if cm.shape[0] >= 2:
+            _defaults_taken.add(average)
     if average == "binary":
         cm = _binary_positive(cm)
     tp = cm.diagonal()

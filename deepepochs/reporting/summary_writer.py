@@ -1,4 +1,5 @@
-"""The trainer's TensorBoard writers: created on first use, shared by every logging callback.
+"""The trainer's TensorBoard writers: created on first use, shared by every logging callback; and
+`CsvRecord`, the same run's epoch metrics as a CSV table beside the event files.
 
 A run writes into `<log_dir>/<running_id>`. Every logging callback that asks for the same `log_dir` gets
 the same `torch.utils.tensorboard.SummaryWriter`, so `fit` followed by `test` (and the log, interpretation
@@ -9,13 +10,16 @@ other ranks get a `NullWriter`, whose methods do nothing.
 
 from __future__ import annotations
 
+import csv
 import os
 import struct
 
-__all__ = ["DEFAULT_LOG_DIR", "NullWriter", "RunWriters", "add_hparams_record", "add_png"]
+__all__ = ["CSV_FILE", "DEFAULT_LOG_DIR", "CsvRecord", "NullWriter", "RunWriters", "add_hparams_record", "add_png"]
 
 #: Where logs go when no logging callback names a folder.
 DEFAULT_LOG_DIR = "./logs"
+#: The CSV table of a run's metrics, in its run folder `<log_dir>/<running_id>`.
+CSV_FILE = "metrics.csv"
 
 
 class NullWriter:
@@ -154,3 +158,40 @@ def _file_writer(writer):
     # SummaryWriter keeps its FileWriter behind `_get_file_writer()`, the accessor every add_* method
     # uses; raw summaries (pre-encoded images, HParams) have no public add_* method.
     return writer._get_file_writer()
+
+
+class CsvRecord:
+    """A run's metrics as a CSV table: one row per epoch and stage, the values the console prints
+    (unrounded), readable with the standard library's `csv.DictReader`.
+
+    Columns: `epoch` (1-based; a test row holds the epochs completed when it ran), `stage` (`train`,
+    `val`, `test`), then one column per metric in the order they first appear (empty where a row's stage
+    has no such metric). The file is rewritten whole, through a temporary file and a rename, at every row
+    (a few kilobytes), so a reader never sees half a row and a metric first reported later (a test
+    metric) joins the header. An existing file is continued: a resumed run keeps the rows before it, and
+    training epoch `e` again replaces the train and val rows of epoch `e` and later.
+
+    Args:
+        path: the CSV file (`<log_dir>/<running_id>/metrics.csv`).
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.rows: list[dict] = []
+        if os.path.exists(self.path):
+            with open(self.path, newline="") as f:
+                self.rows = [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+    def add(self, epoch: int, stage: str, metrics) -> None:
+        """Append the row of `stage` at `epoch` (`{name: number}`) and rewrite the file."""
+        if stage == "train":  # epoch `epoch` trained (again): what a run before the resume logged from it on goes
+            self.rows = [r for r in self.rows if r["stage"] == "test" or int(r["epoch"]) < epoch]
+        self.rows.append({"epoch": int(epoch), "stage": stage, **{k: float(v) for k, v in metrics.items()}})
+        names = list(dict.fromkeys(k for row in self.rows for k in row if k not in ("epoch", "stage")))
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        temporary = f"{self.path}.tmp{os.getpid()}"
+        with open(temporary, "w", newline="") as f:
+            table = csv.DictWriter(f, ["epoch", "stage", *names], restval="")
+            table.writeheader()
+            table.writerows(self.rows)
+        os.replace(temporary, self.path)

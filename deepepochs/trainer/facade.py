@@ -18,6 +18,7 @@ from deepepochs.config import TrainerConfig
 from deepepochs.engine import compiled
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
+from deepepochs.engine.summary import summary
 from deepepochs.engine.trial import trial_fit
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import auto_level, render
@@ -25,6 +26,7 @@ from deepepochs.parallel.strategy import select_policy
 from deepepochs.reporting.console import Console
 from deepepochs.reporting.summary_writer import RunWriters
 from deepepochs.tasks import as_metric_list
+from deepepochs.torch_private import compiled_module
 from deepepochs.trainer.arguments import check_arguments, check_call, check_int, check_keywords, to_device
 from deepepochs.trainer.resume_policy import resume_run
 from deepepochs.trainer.step_methods import StepMethods
@@ -132,12 +134,14 @@ class TrainerBase(StepMethods):
             "%Y%m%d-%H%M%S-%f")), running_id_given=running_id is not None)
         self.hyper_params = dict(hyper_params or {})
         self._precision = Precision(self.config.precision, self.device)
-        model = model.to(self.device)
+        given = model.to(self.device)
+        inner = compiled_module(given)  # torch.compile(model) given: save, load and log the module it wraps
+        model = given if inner is None else inner
         self.raw_model = model
         self._opts = Optimizers(opt, model)
         self._opts.check_covers(model)
         dist.shard_model(model, [item.opt for item in self._opts.items])  # FSDP: in place, before compiling
-        compiled = torch.compile(model) if compile_model else model
+        compiled = given if given is not model else torch.compile(model) if compile_model else model
         self._dist = dist
         self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=dist.is_main)
         self._hooks = HookTable()
@@ -425,13 +429,11 @@ class TrainerBase(StepMethods):
         return ckpt
 
     def explain(self) -> str:
-        """The Python code a training batch of this trainer runs, generated from the loop spec for its
-        configuration (precision, world size, clipper): each line with the state-machine edge it belongs to,
-        and the steps this configuration leaves out with why. `python -m deepepochs loop` prints the same
-        for options given on the command line. Batches fall back to firing every edge one by one (and this
-        code is not used) with `fuse_steps=False`, a custom step, several optimizers, or a callback hook
-        that runs inside a batch."""
-        return compiled.explain(self._ctx)
+        """What a training batch of this trainer runs: a few lines in short (precision, accumulation,
+        processes, whether the model is compiled, what each update checks, the steps left out and why, and
+        whether batches run the code or fire its edges one by one), then the code generated from the loop
+        spec, each line with the edge it belongs to (`python -m deepepochs loop` prints the code too)."""
+        return summary(self._ctx) + "\n" + compiled.explain(self._ctx)
 
     def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False, level: str | None = None,
                     last: int = 12):

@@ -48,8 +48,23 @@ class LRFindResult:
     suggestion: float | None
     stop_reason: str
 
+    def y_range(self) -> tuple[float, float] | None:
+        """The loss range `plot` shows: from the smoothed curve's lowest value up to its highest before
+        that lowest point (where the sweep started), with a margin, so the diverged tail does not flatten
+        the useful part. None when the curve has no finite values."""
+        curve = [v for v in self.smoothed if math.isfinite(v)]
+        if not curve:
+            return None
+        low_at = curve.index(min(curve))
+        low, high = curve[low_at], max(curve[:low_at + 1])
+        raw = [v for v in self.losses[:low_at + 1] if math.isfinite(v)]
+        low, high = min([low, *raw]), max([high, *raw])
+        margin = 0.1 * (high - low) or 0.1 * abs(high) or 0.1
+        return low - margin, high + margin
+
     def plot(self, path=None, show: bool = True) -> bool:
-        """Draw loss against learning rate (log scale) with the suggestion marked, if matplotlib is installed.
+        """Draw loss against learning rate (log scale) with the suggestion marked, if matplotlib is installed;
+        the loss axis spans `y_range()` (a diverged tail runs off the top).
 
         With `path` the figure is saved there, else shown (`show`). Returns False, drawing nothing, when
         matplotlib is not installed (it is optional: `pip install matplotlib`).
@@ -61,6 +76,9 @@ class LRFindResult:
         fig, ax = plt.subplots()
         ax.plot(self.lrs, self.losses, alpha=0.4, label="loss")
         ax.plot(self.lrs, self.smoothed, label="smoothed loss")
+        limits = self.y_range()
+        if limits is not None:
+            ax.set_ylim(*limits)
         if self.suggestion is not None:
             ax.axvline(self.suggestion, color="red", linestyle="--", label=f"suggestion {self.suggestion:.3g}")
         ax.set_xscale("log")
@@ -194,8 +212,9 @@ class _Sweep(CallbackHooks):
             self.stop_reason = f"diverged: loss {loss} at lr {self.lrs[len(self.losses) - 1]:.3g}"
             raise _SweepDone
         if self.stop_factor is not None and current > self.stop_factor * best:
-            self.stop_reason = (f"diverged: smoothed loss {current:.4g} > {self.stop_factor} x best {best:.4g}"
-                                f" at lr {self.lrs[len(self.losses) - 1]:.3g}")
+            self.stop_reason = (f"diverged at lr {self.lrs[len(self.losses) - 1]:.3g}: the smoothed loss {current:.4g}"
+                                f" is above {self.stop_factor:g} times its lowest value {best:.4g}"
+                                f" (the limit {self.stop_factor * best:.4g})")
             raise _SweepDone
         if len(self.losses) == len(self.lrs):
             raise _SweepDone

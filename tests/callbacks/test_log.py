@@ -228,8 +228,8 @@ def test_all_logging_callbacks_share_the_trainer_writer(tmp_path):
         trainer.fit(DataLoader(TensorDataset(images, labels), batch_size=16),
                     DataLoader(TensorDataset(images[:16], labels[:16]), batch_size=8))
     assert seen[0] is seen[1]
-    files = os.listdir(tmp_path / "run")
-    assert len(files) == 1 and files[0].startswith("events.out.tfevents")
+    files = sorted(os.listdir(tmp_path / "run"))  # one event file (one writer), and the run's CSV table
+    assert len(files) == 2 and files[0].startswith("events.out.tfevents") and files[1] == "metrics.csv"
     tags = read_run(tmp_path / "run").Tags()
     assert "loss/train" in tags["scalars"] and "output/1/mean" in tags["scalars"]
     assert "interprete/val" in tags["images"]
@@ -389,3 +389,48 @@ def test_log_batch_switched_on_before_attaching_is_honoured(tmp_path):
     with make_trainer(nn.Linear(8, 2), [cb], epochs=2) as t:
         t.fit(train_dl)
     assert [s for s, _ in scalars(read_run(tmp_path / "run"), "loss/train_batch")] == list(range(1, 9))
+
+
+def _csv_rows(path):
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_every_run_writes_a_csv_table_of_its_epochs_that_equals_the_returned_records(tmp_path):
+    """metrics.csv beside the event files, read with the csv module: one row per epoch and stage (train,
+    val, then test at the completed epochs), equal to what fit and test return; a second fit continues the
+    table, and the rows of that fit equal its records too."""
+    train_dl, val_dl = loaders()
+    with make_trainer(nn.Linear(8, 2), [LogCallback(tmp_path)], epochs=2, metrics=[accuracy]) as trainer:
+        records = trainer.fit(train_dl, val_dl)
+        tested = trainer.test(val_dl)
+        records = trainer.fit(train_dl, val_dl, epochs=3)
+    rows = _csv_rows(tmp_path / "run" / "metrics.csv")
+    assert [(r["epoch"], r["stage"]) for r in rows] == [("1", "train"), ("1", "val"), ("2", "train"), ("2", "val"),
+                                                        ("2", "test"), ("3", "train"), ("3", "val")]
+    assert list(rows[0]) == ["epoch", "stage", "loss", "accuracy"]
+    for stage in ("train", "val"):
+        for name in ("loss", "accuracy"):
+            assert [float(r[name]) for r in rows if r["stage"] == stage] == records[stage][name]
+    [test_row] = [r for r in rows if r["stage"] == "test"]
+    assert {k: float(v) for k, v in test_row.items() if k not in ("epoch", "stage")} == tested
+
+
+def test_the_csv_table_can_be_left_out_and_a_retrained_epoch_replaces_its_rows(tmp_path):
+    """csv=False writes no table; a run resumed from epoch 1 after logging two epochs keeps epoch 1's rows
+    and replaces epoch 2's with the retrained values."""
+    train_dl, _ = loaders()
+    with make_trainer(nn.Linear(8, 2), [LogCallback(tmp_path / "off", csv=False)], epochs=1) as trainer:
+        trainer.fit(train_dl)
+    assert not (tmp_path / "off" / "run" / "metrics.csv").exists()
+    with make_trainer(nn.Linear(8, 2), [LogCallback(tmp_path)], epochs=2) as trainer:
+        first = trainer.fit(train_dl)
+    with make_trainer(nn.Linear(8, 2), [LogCallback(tmp_path)], epochs=2) as trainer:
+        trainer.loop.completed_epochs = trainer.loop.epoch = 1  # as a resume from epoch 1's checkpoint leaves it
+        again = trainer.fit(train_dl)
+    rows = _csv_rows(tmp_path / "run" / "metrics.csv")
+    assert [(r["epoch"], r["stage"]) for r in rows] == [("1", "train"), ("2", "train")]
+    assert float(rows[0]["loss"]) == first["train"]["loss"][0]
+    assert float(rows[1]["loss"]) == again["train"]["loss"][-1] != first["train"]["loss"][1]

@@ -195,10 +195,17 @@ def test_one_process_runs_main_in_the_calling_process(no_torchrun_env):
     assert all(report["env"][name] is None for name in launch_targets.TORCHRUN_VARIABLES)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the default process count is the GPU count")
-def test_default_process_count_without_a_gpu_is_one_process_in_the_caller(no_torchrun_env):
-    """num_processes=None without CUDA devices runs main() in the calling process."""
+def test_default_process_count_without_a_gpu_is_one_process_in_the_caller_and_says_how_to_run_more(
+        monkeypatch, spawning_fails, capsys):
+    """num_processes=None without CUDA devices runs main() in the calling process and says so on stderr,
+    with the two ways to run several processes; num_processes=1, asked for, says nothing."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert launch(launch_targets.report_process)["pid"] == os.getpid()
+    err = capsys.readouterr().err
+    assert re.search(r"launch: no GPU here, so main\(\) runs in this one process.*"
+                     r"launch\(main, num_processes=2\).*torchrun --nproc-per-node=2", err), err
+    launch(launch_targets.report_process, num_processes=1)
+    assert capsys.readouterr().err == ""
 
 
 def test_torchrun_environment_runs_main_in_the_calling_process(monkeypatch, spawning_fails):

@@ -181,11 +181,11 @@ def test_the_micro_batch_page_shows_the_code_a_default_trainer_runs():
 @pytest.mark.parametrize("name, options", [("fp32-k1", {}), ("bf16-k2-clip", {"precision": "bf16", "clipper": True}),
                                           ("fp16-k1-clip", {"precision": "fp16", "clipper": True})])
 def test_trainer_explain_is_the_code_its_batches_run_and_what_the_loop_command_prints(name, options):
-    """`trainer.explain()` is the source its training batches run (the generated line a failing action
-    raises from is in it) and what `python -m deepepochs loop` prints for the same options."""
+    """`trainer.explain()` ends with the source its training batches run (the generated line a failing
+    action raises from is in it), which is what `python -m deepepochs loop` prints for the same options."""
     trainer = _trainer(**CONFIGURATIONS[name])
     text = trainer.explain()
-    assert text == compiled.describe(**options)
+    assert text.endswith("\n" + compiled.describe(**options))
     calls = []
     original = actions.ACTIONS["zero_grad"]
 
