@@ -57,7 +57,13 @@ def _base_interpreter_package_dirs() -> set[Path]:
 
 
 def _is_inside(path: Path, folders: set[Path]) -> bool:
-    return any(path == folder or path.is_relative_to(folder) for folder in folders)
+    return any(path.is_relative_to(folder) for folder in folders)  # a folder is relative to itself
+
+
+def _from_base_interpreter(path_entries: list[str]) -> list[str]:
+    """The entries of a sys.path that lie in the base interpreter's site-packages."""
+    base = _base_interpreter_package_dirs()
+    return [entry for entry in path_entries if entry and _is_inside(Path(entry).resolve(), base)]
 
 
 def _project_package_dirs() -> list[str]:
@@ -92,8 +98,7 @@ def _venv_with_project_packages(venv: Path, env: dict[str, str]) -> Path:
 def test_this_test_run_imports_nothing_from_the_base_interpreters_site_packages():
     """The suite's own environment is isolated from the base interpreter: a package found only there (as on
     a developer's machine where someone installed torch by hand) would pass here and fail on a fresh one."""
-    base = _base_interpreter_package_dirs()
-    borrowed = [entry for entry in sys.path if entry and _is_inside(Path(entry).resolve(), base)]
+    borrowed = _from_base_interpreter(sys.path)
     assert not borrowed, f"the test run imports from the base interpreter's site-packages: {borrowed}"
 
 
@@ -124,8 +129,7 @@ def test_the_installed_wheel_runs_the_quick_start_outside_the_repository(wheel, 
     assert imported.returncode == 0, f"import deepepochs failed in the wheel's venv:\n{imported.stderr[-3000:]}"
     where, child_path = json.loads(imported.stdout)
     assert Path(where).is_relative_to(venv), f"imported {where}, not the installed wheel"
-    base = _base_interpreter_package_dirs()
-    borrowed = [entry for entry in child_path if entry and _is_inside(Path(entry).resolve(), base)]
+    borrowed = _from_base_interpreter(child_path)
     assert not borrowed, f"the wheel's venv sees the base interpreter's site-packages: {borrowed}"
     run = subprocess.run([str(python), script, "--small"], cwd=work, capture_output=True, text=True, timeout=300,
                          env=env)
