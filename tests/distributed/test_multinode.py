@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _wait_for(nodes, logs, seconds: float, grace: float = 20.0):
+    """Each node's stderr (from its file in `logs`), and the ranks this stopped. torchrun's agent whose
+    workers succeeded waits in its exit barrier (torch's default: 300 s) for every other agent; an agent
+    whose worker ended with torch's known abort at interpreter exit never joins it. So once a node has
+    ended that way, the others get `grace` seconds, then are stopped (their workers are done: training
+    needed every rank)."""
+    deadline = time.monotonic() + seconds
+    aborted_at = None
+    stopped = set()
+    try:
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            if aborted_at is None and any(node.poll() not in (None, 0) for node in nodes):
+                aborted_at = time.monotonic()
+            if aborted_at is not None and time.monotonic() > aborted_at + grace:
+                stopped = {rank for rank, node in enumerate(nodes) if node.poll() is None}
+                for rank in stopped:
+                    nodes[rank].terminate()
+                break
+            time.sleep(0.5)
+        for node in nodes:
+            node.wait(timeout=30)
+        return [log.read_text() for log in logs], stopped
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+
+
 @pytest.mark.distributed
 def test_two_torchrun_nodes_train_as_one_process_with_the_global_batch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
@@ -30,19 +59,18 @@ def test_two_torchrun_nodes_train_as_one_process_with_the_global_batch(tmp_path)
     subprocess.run([sys.executable, str(TARGET), str(tmp_path / "one.pt")], env=env, check=True, timeout=120,
                    capture_output=True)
     port = _free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
-                               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                               "--rdzv-id=deepepochs-multinode", str(TARGET), str(tmp_path / "two.pt")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=180) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    for node, (_stdout, stderr) in zip(nodes, outputs):
-        assert node.returncode == 0 or teardown_abort(node.returncode, stderr), stderr[-3000:]
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    nodes = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as stream:
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+                 "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                 "--rdzv-id=deepepochs-multinode", str(TARGET), str(tmp_path / "two.pt")],
+                env=env, stdout=subprocess.DEVNULL, stderr=stream))
+    outputs, stopped = _wait_for(nodes, logs, seconds=180)
+    for rank, (node, stderr) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0 or teardown_abort(node.returncode, stderr) or rank in stopped, stderr[-3000:]
     one = torch.load(tmp_path / "one.pt", weights_only=True)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     assert two["world_size"] == 2 and one["world_size"] == 1
