@@ -1,5 +1,5 @@
-"""Exact position, in one process: the training order of a plain DataLoader is a function
-of (seed, epoch); a refit after a fault continues at the last commit point with the same order and the
+"""Exact position, in one process: with data_order='global' the training order of a plain DataLoader is a
+function of (seed, epoch) (by default it is the DataLoader's own: tests/test_loader_order.py); a refit after a fault continues at the last commit point with the same order and the
 same torch random numbers, skipping at the sampler (skipped batches are never loaded); a resumed run keeps
 the order's seed. References: the documented permutation computed here, and uninterrupted runs."""
 
@@ -72,11 +72,12 @@ def _trainer(model, loss, callbacks=(), k=3, **kw):
                    **kw)
 
 
-def test_a_shuffled_epochs_order_is_the_seeded_permutation_of_seed_and_epoch():
-    """shuffle=True in one process: epoch e trains on randperm(n, Generator().manual_seed(seed + e)) with
-    seed the process's torch.initial_seed() when fit began, whatever the global generator does between."""
+def test_a_shuffled_epochs_global_order_is_the_seeded_permutation_of_seed_and_epoch():
+    """shuffle=True in one process with data_order='global': epoch e (1-based) trains on randperm(n,
+    Generator().manual_seed(seed + e)) with seed the process's torch.initial_seed() when fit began, whatever
+    the global generator does between."""
     order = Order()
-    trainer = _trainer(_model(), F.cross_entropy, [order], k=1)
+    trainer = _trainer(_model(), F.cross_entropy, [order], k=1, data_order="global")
     torch.manual_seed(1234)
     data = DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
     trainer.fit(data, epochs=1)
@@ -90,10 +91,10 @@ def test_a_shuffled_epochs_order_is_the_seeded_permutation_of_seed_and_epoch():
 
 @pytest.mark.parametrize("where", ["dataloader", "sampler"])
 def test_a_dataloader_with_its_own_generator_is_ordered_by_that_generators_seed(where):
-    """A generator given to the DataLoader, or to its RandomSampler, keeps deciding the order (its seed
-    replaces the process's)."""
+    """data_order='global': a generator given to the DataLoader, or to its RandomSampler, keeps deciding the
+    order (its seed replaces the process's)."""
     order = Order()
-    trainer = _trainer(_model(), F.cross_entropy, [order], k=1)
+    trainer = _trainer(_model(), F.cross_entropy, [order], k=1, data_order="global")
     dataset, generator = Indexed(), torch.Generator().manual_seed(77)
     if where == "dataloader":
         data = DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=generator)

@@ -16,10 +16,13 @@ the uninterrupted run's would have.
 
 from __future__ import annotations
 
+import warnings
+
 from deepepochs.data.batch_rules import exact_length, stateful
-from deepepochs.data.sampling import iterate_past, skip_batches
+from deepepochs.data.sampling import DataOrder, iterate_past, loader_order, skip_batches
 from deepepochs.engine import generators, position
 from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.errors import DeepEpochsWarning
 from deepepochs.patches import TensorPatch
 from deepepochs.tasks import EpochTask, TaskMeters, metric_name
 
@@ -87,7 +90,9 @@ def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) ->
 
     A stateful DataLoader (torchdata's) whose state was kept at this task's last commit point continues
     from it (`load_state_dict`), reading past any update applied after it; other data skips at the
-    sampler (`sampling.skip_batches`), or on another world size by its global sample count. Sets
+    sampler (`sampling.skip_batches`), or on another world size by its global sample count. A DataLoader in
+    its own order (`sampling.LoaderOrder`) draws the epoch's order from the states the run state kept when
+    the epoch's task first began (`RunState.order_draws`), or keeps them now for a fresh task. Sets
     `ctx.data_source` (the loader whose state `remember_position` keeps) and the resume point's count."""
     loop = ctx.loop
     source = data if stateful(data) else None
@@ -96,10 +101,36 @@ def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) ->
         source.load_state_dict(saved[3])  # continues after the batches committed when it was read
         past = skip - saved[2]  # an update applied after it, whose commit a fault cut short: in order, past it
     elif skip:
+        _check_order(ctx, data, epoch)
         data, skip, past = skip_batches(data, skip, samples, ctx.parts.dist.world_size)
         loop.resume.batches_done = skip  # in this run's batches
+    order = loader_order(data)
+    if order is not None:  # right before the iterator is made (`_replay`): its generators' states are kept here
+        ctx.run.order_draws = order.start(epoch, ctx.task_index, ctx.run.order_draws)
     ctx.data_source = source
     return data, skip, past
+
+
+def _check_order(ctx: Context, data, epoch: int) -> None:
+    """Warn when a task continuing after committed batches cannot continue their order: the order rule
+    changed between the run that committed them and this one (`Trainer(data_order=...)`, or the world size:
+    several processes always train in the global order)."""
+    kept = ctx.run.order_draws
+    kept = kept is not None and (kept.epoch, kept.task_index) == (epoch, ctx.task_index)
+    if loader_order(data) is not None and not kept:
+        warnings.warn(
+            f"resuming inside epoch {epoch}: this run trains on the DataLoader's own order (data_order='loader',"
+            " one process), but what the loader drew for this epoch was not kept (the run that committed its"
+            " batches trained in the global order: data_order='global', several processes or an older"
+            " deepepochs); the rest of the epoch follows a new order, so samples may repeat or be missed."
+            " Resume with data_order='global' to continue that order exactly", DeepEpochsWarning, stacklevel=4)
+    elif kept and isinstance(getattr(data, "sampler", None), DataOrder):
+        warnings.warn(
+            f"resuming inside epoch {epoch}: the run that committed its batches trained on the DataLoader's own"
+            " order (data_order='loader', one process); this run trains in the global order of (seed, epoch)"
+            " (data_order='global', or several processes), so the rest of the epoch follows another order and"
+            " samples may repeat or be missed. Resume in one process with the default data_order to continue"
+            " exactly", DeepEpochsWarning, stacklevel=4)
 
 
 def _replay(ctx: Context, data, skip: int, past: int):

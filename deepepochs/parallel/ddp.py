@@ -45,7 +45,7 @@ from torch.utils.data import (
     DistributedSampler,
 )
 
-from deepepochs.data.sampling import ShortestShard, len_or_minus_one, shard
+from deepepochs.data.sampling import ShortestShard, len_or_minus_one, own_order, shard
 from deepepochs.errors import DistributedError
 from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.patches import TensorPatch, _map_tensors
@@ -63,6 +63,9 @@ class _PolicyBase:
     #: Whether the model is sharded (FSDP): then any forward and any whole-gradient read is a collective
     #: every rank must join (callbacks that read the model on rank 0 alone check it).
     shards_model = False
+    #: The training order of a plain DataLoader (`Trainer(data_order=...)`): 'global', the (seed, epoch)
+    #: order of `DataOrder` every world size shares; one process may train on the DataLoader's own ('loader').
+    data_order = "global"
 
     def __init__(self):
         self.order_seed: int | None = None
@@ -105,10 +108,11 @@ class SingleProcess(_PolicyBase):
     local_rank = 0
     is_main = True
 
-    def __init__(self, device: torch.device, split_batches: bool = False):
+    def __init__(self, device: torch.device, split_batches: bool = False, data_order: str = "loader"):
         super().__init__()
         self.device = device
         self.model = None
+        self.data_order = data_order
 
     def wrap_model(self, model: torch.nn.Module, ddp_kwargs: Mapping | None = None) -> torch.nn.Module:
         """The module the step calls (DDP wraps it; one process uses it as is, `ddp_kwargs` unused)."""
@@ -116,12 +120,16 @@ class SingleProcess(_PolicyBase):
         return model
 
     def prepare_dataloader(self, dataloader, stage: str):
-        """The iterable a task iterates: a plain training DataLoader gets the seeded order (`DataOrder`,
-        as under DDP with one rank); everything else is used as given."""
+        """The iterable a task iterates: a plain training DataLoader keeps its own order, rebuilt around its
+        sampler so that a resumed epoch draws it again and skips at the sampler (`LoaderOrder`, the default
+        'loader'), or gets the global order of (seed, epoch) (`DataOrder`, as under DDP with one rank:
+        'global'); everything else is used as given."""
         if stage != "train":
             return dataloader
-        if self.order_seed is None:
+        if self.order_seed is None:  # kept for 'global' in any case: a checkpoint carries it to any world size
             self.order_seed = torch.initial_seed() % 2**62
+        if self.data_order == "loader":
+            return own_order(dataloader) or dataloader
         sharded = shard(dataloader, stage, 0, 1, False, self)
         if sharded is None:
             return dataloader
