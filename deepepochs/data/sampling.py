@@ -127,6 +127,14 @@ class LoaderOrder(Sampler[int]):
     def __len__(self) -> int:
         return len(self.sampler)
 
+    def generators(self) -> list:
+        """The user's generators this order draws from (the DataLoader's, the sampler's), each once."""
+        found = []
+        for generator in (self.loader_generator, getattr(self.sampler, "generator", None)):
+            if generator is not None and not any(generator is known for known in found):
+                found.append(generator)
+        return found
+
     def start(self, epoch: int, task_index: int, kept: OrderDraws | None) -> OrderDraws:
         """Call right before the task makes its epoch's iterator. With `kept` of this epoch and task (a refit
         or a resume of it) the loader's generator goes back to its state then and the sampler will draw its
@@ -184,14 +192,20 @@ def skip_batches(data, count: int, samples: int | None = None, world_size: int =
     """`(data, how many batches are skipped, how many of them the caller iterates past)`.
 
     `count` batches of this rank, or with `samples` (a snapshot of another world size) the samples all
-    ranks consumed: this rank's shard then skips `samples / world_size`. A seeded-order DataLoader skips at
-    the sampler (the skipped samples are never loaded: none to iterate past); anything else is iterated past
+    ranks consumed: this rank's shard then skips `samples / world_size`. A DataLoader in one of our orders
+    (`DataOrder`, `LoaderOrder`) skips at the sampler (the skipped samples are never loaded: none to iterate
+    past), or with worker processes is iterated past them (the workers' random streams then continue as in
+    the uninterrupted run); anything else is iterated past
     `count` batches by the caller (`iterate_past`), which continues the interrupted order only when the
     order is fixed: for other data (a user's random sampler, an IterableDataset, a generator) a
     `DeepEpochsWarning` says the resumed epoch may repeat or miss samples."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, (DataOrder, LoaderOrder)) and isinstance(data, DataLoader):
         batch = data.batch_size or 1
+        if samples is None and data.num_workers:
+            # Worker processes draw their random numbers (augmentation) in the order they load samples:
+            # they load the skipped batches again, so the batches after them get the uninterrupted draws.
+            return data, count, count
         if samples is None:
             sampler.skip = count * batch
             return data, count, 0

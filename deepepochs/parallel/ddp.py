@@ -70,6 +70,31 @@ class _PolicyBase:
     def __init__(self):
         self.order_seed: int | None = None
         self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()
+        # The generators of the user's own training DataLoaders (data_order='loader'), in the order first met,
+        # and the states a loaded checkpoint holds for generators not met yet (the next fit's loaders).
+        self._loader_generators: list[torch.Generator] = []
+        self._pending_generator_states: list = []
+
+    def loader_generator_states(self) -> list:
+        """The states of the generators the training DataLoaders of this process draw from in their own
+        order (a DataLoader's or its RandomSampler's `generator`), in the order first met: a checkpoint
+        keeps them beside torch's, so a resumed run's later epochs draw what the uninterrupted run drew."""
+        return [generator.get_state() for generator in self._loader_generators]
+
+    def continue_loader_generators(self, states: list) -> None:
+        """Put back `loader_generator_states()` of a checkpoint: into the generators met already, and into
+        those the next training DataLoaders bring, in the same order."""
+        met = self._loader_generators
+        for generator, state in zip(met, states):
+            generator.set_state(state)
+        self._pending_generator_states = list(states[len(met):])
+
+    def _meet_generators(self, generators) -> None:
+        for generator in generators:
+            if not any(generator is known for known in self._loader_generators):
+                self._loader_generators.append(generator)
+                if self._pending_generator_states:
+                    generator.set_state(self._pending_generator_states.pop(0))
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the training samplers: a new permutation each epoch, the same on every rank."""
@@ -129,7 +154,11 @@ class SingleProcess(_PolicyBase):
         if self.order_seed is None:  # kept for 'global' in any case: a checkpoint carries it to any world size
             self.order_seed = torch.initial_seed() % 2**62
         if self.data_order == "loader":
-            return own_order(dataloader) or dataloader
+            own = own_order(dataloader)
+            if own is None:
+                return dataloader
+            self._meet_generators(own.sampler.generators())
+            return own
         sharded = shard(dataloader, stage, 0, 1, False, self)
         if sharded is None:
             return dataloader
