@@ -187,8 +187,8 @@ def test_resuming_inside_an_epoch_under_another_order_rule_warns(tmp_path, writt
     """A mid-epoch snapshot continues in the rule it was written with; resumed under the other rule (the
     option changed, or the world size: several processes train in the global order), the rest of the
     epoch follows another order, which a warning says."""
-    trainer, _, _ = _trainer(callbacks=[SnapshotCallback(tmp_path / "all", every_n_updates=5, keep=100)], running_id="run",
-                             data_order=written, epochs=1)
+    snapshots = SnapshotCallback(tmp_path / "all", every_n_updates=5, keep=100)
+    trainer, _, _ = _trainer(callbacks=[snapshots], running_id="run", data_order=written, epochs=1)
     trainer.fit(*_loaders("global"))
     trainer.close()
     (tmp_path / "one" / "run").mkdir(parents=True)
