@@ -36,7 +36,8 @@ from torch.utils.data import (
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 
 __all__ = ["DataOrder", "EvalShardSampler", "LoaderOrder", "OrderDraws", "PaddingBatch", "ShortestShard",
-           "is_plain", "iterate_past", "len_or_minus_one", "loader_order", "own_order", "shard", "skip_batches"]
+           "is_plain", "iterate_past", "len_or_minus_one", "loader_order", "own_order", "shard", "skip_batches",
+           "user_generators"]
 
 
 class PaddingBatch:
@@ -127,14 +128,6 @@ class LoaderOrder(Sampler[int]):
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def generators(self) -> list:
-        """The user's generators this order draws from (the DataLoader's, the sampler's), each once."""
-        found = []
-        for generator in (self.loader_generator, getattr(self.sampler, "generator", None)):
-            if generator is not None and not any(generator is known for known in found):
-                found.append(generator)
-        return found
-
     def start(self, epoch: int, task_index: int, kept: OrderDraws | None) -> OrderDraws:
         """Call right before the task makes its epoch's iterator. With `kept` of this epoch and task (a refit
         or a resume of it) the loader's generator goes back to its state then and the sampler will draw its
@@ -180,6 +173,20 @@ class LoaderOrder(Sampler[int]):
 
 
 _END = object()
+
+
+def user_generators(data) -> list:
+    """The generators a DataLoader was given or made for itself (its own `generator`, its sampler's, e.g.
+    torchdata's stateful `RandomSampler`), each once: what its epochs' orders and base seeds draw from
+    besides torch's global generator."""
+    sampler = getattr(data, "sampler", None)
+    if isinstance(sampler, LoaderOrder):
+        sampler = sampler.sampler
+    found = []
+    for generator in (getattr(data, "generator", None), getattr(sampler, "generator", None)):
+        if isinstance(generator, torch.Generator) and not any(generator is known for known in found):
+            found.append(generator)
+    return found
 
 
 def loader_order(data) -> LoaderOrder | None:

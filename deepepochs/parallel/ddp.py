@@ -45,7 +45,8 @@ from torch.utils.data import (
     DistributedSampler,
 )
 
-from deepepochs.data.sampling import ShortestShard, len_or_minus_one, own_order, shard
+from deepepochs.data.batch_rules import stateful
+from deepepochs.data.sampling import ShortestShard, len_or_minus_one, own_order, shard, user_generators
 from deepepochs.errors import DistributedError
 from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.patches import TensorPatch, _map_tensors
@@ -77,7 +78,8 @@ class _PolicyBase:
 
     def loader_generator_states(self) -> list:
         """The states of the generators the training DataLoaders of this process draw from in their own
-        order (a DataLoader's or its RandomSampler's `generator`), in the order first met: a checkpoint
+        order (a DataLoader's or its sampler's `generator`: data_order='loader', or a stateful DataLoader),
+        in the order first met: a checkpoint
         keeps them beside torch's, so a resumed run's later epochs draw what the uninterrupted run drew."""
         return [generator.get_state() for generator in self._loader_generators]
 
@@ -153,11 +155,14 @@ class SingleProcess(_PolicyBase):
             return dataloader
         if self.order_seed is None:  # kept for 'global' in any case: a checkpoint carries it to any world size
             self.order_seed = torch.initial_seed() % 2**62
+        if stateful(dataloader):  # used as given (its own order); its generators travel in checkpoints
+            self._meet_generators(user_generators(dataloader))
+            return dataloader
         if self.data_order == "loader":
             own = own_order(dataloader)
             if own is None:
                 return dataloader
-            self._meet_generators(own.sampler.generators())
+            self._meet_generators(user_generators(own))
             return own
         sharded = shard(dataloader, stage, 0, 1, False, self)
         if sharded is None:
