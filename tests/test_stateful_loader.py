@@ -42,11 +42,12 @@ class Samples(Dataset):
 
 def _loader(kind):
     """A shuffling StatefulDataLoader: with 2 workers and its own generator ('workers'), or augmentation in
-    the main process and torch's global generator ('main')."""
+    the main process with its own generator ('generator') or torch's global one ('main')."""
     if kind == "workers":
         return stateful.StatefulDataLoader(Samples(noise=False), batch_size=BATCH, shuffle=True, num_workers=2,
                                            generator=torch.Generator().manual_seed(9))
-    return stateful.StatefulDataLoader(Samples(noise=True), batch_size=BATCH, shuffle=True)
+    generator = torch.Generator().manual_seed(9) if kind == "generator" else None
+    return stateful.StatefulDataLoader(Samples(noise=True), batch_size=BATCH, shuffle=True, generator=generator)
 
 
 class FailOnce(Callback):
@@ -90,7 +91,7 @@ def _assert_equal(got, want):
             assert got[name] == value, name
 
 
-@pytest.fixture(scope="module", params=["workers", "main"])
+@pytest.fixture(scope="module", params=["workers", "generator", "main"])
 def uninterrupted(request, tmp_path_factory):
     """The uninterrupted run, writing a snapshot at every update (all kept)."""
     folder = tmp_path_factory.mktemp("snapshots")
