@@ -8,7 +8,7 @@ import attrs
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["METRIC_PATCHES", "NONFINITE", "OTHER_NAMES", "PRECISIONS", "STRATEGIES", "TrainerConfig",
+__all__ = ["DATA_ORDERS", "METRIC_PATCHES", "NONFINITE", "OTHER_NAMES", "PRECISIONS", "STRATEGIES", "TrainerConfig",
            "check_choice", "check_run_name", "unknown_keywords"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -49,6 +49,8 @@ OTHER_NAMES = {
 METRIC_PATCHES = ("auto", "tensor", "mean", "confusion")
 NONFINITE = ("raise", "skip")
 STRATEGIES = ("ddp", "fsdp")
+#: The training orders (`deepepochs.data.sampling`): the DataLoader's own, or the global (seed, epoch) one.
+DATA_ORDERS = ("loader", "global")
 
 
 def check_choice(name: str, value, choices, hint: str = "") -> None:
@@ -95,6 +97,14 @@ def _choice(choices, hint=""):
     return check
 
 
+def _data_order(_instance, attribute, value):
+    if value is not None:
+        check_choice(attribute.name, value, DATA_ORDERS,
+                     "'loader' (one process) trains on the DataLoader's own order, 'global' on the (seed, epoch)"
+                     " order every world size shares; leave it unset (None) for 'loader' in one process and"
+                     " 'global' under several")
+
+
 def _positive_int(_instance, attribute, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{attribute.name} must be a positive int (got {value!r})")
@@ -134,6 +144,10 @@ class TrainerConfig:
             to `init_process_group` when the Trainer creates the group): a hung rank then ends the whole
             run with `DistributedError` instead of hanging it. Default 600 (torch's default for gloo is
             30 minutes).
+        data_order: the training order of a plain DataLoader: 'loader' (one process only: the batches the
+            DataLoader itself yields, as in a plain loop after the same seed), 'global' (the
+            `DistributedSampler` order of (seed, epoch), the same for any world size), or None (the
+            default: 'loader' in one process, 'global' under several).
     """
 
     epochs: int = attrs.field(default=1000, validator=_positive_int)
@@ -152,3 +166,4 @@ class TrainerConfig:
     strategy: str = attrs.field(
         default="ddp", validator=_choice(STRATEGIES, "'fsdp' shards the model with FSDP2 (fully_shard)"))
     dist_timeout: float = attrs.field(default=600, validator=_positive_seconds)
+    data_order: str | None = attrs.field(default=None, validator=_data_order)

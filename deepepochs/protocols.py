@@ -94,8 +94,13 @@ class DistPolicy(Protocol):
     device: torch.device
     shards_model: bool
     order_seed: int | None
+    data_order: str
 
     def set_epoch(self, epoch: int) -> None: ...
+
+    def loader_generator_states(self) -> list: ...
+
+    def continue_loader_generators(self, states: list) -> None: ...
 
     def shard_model(self, model: torch.nn.Module, optimizers: Any) -> None: ...
 

@@ -1,7 +1,8 @@
-"""Exact position, in one process: the training order of a plain DataLoader is a function
-of (seed, epoch); a refit after a fault continues at the last commit point with the same order and the
-same torch random numbers, skipping at the sampler (skipped batches are never loaded); a resumed run keeps
-the order's seed. References: the documented permutation computed here, and uninterrupted runs."""
+"""Exact position, in one process: with data_order='global' the training order of a plain DataLoader is
+a function of (seed, epoch) (by default it is the DataLoader's own: tests/test_loader_order.py); a refit
+after a fault continues at the last commit point with the same order and the same torch random numbers,
+skipping at the sampler (skipped batches are never loaded), in either order; a resumed run keeps the
+order's seed. References: the documented permutation computed here, and uninterrupted runs."""
 
 import copy
 
@@ -72,11 +73,12 @@ def _trainer(model, loss, callbacks=(), k=3, **kw):
                    **kw)
 
 
-def test_a_shuffled_epochs_order_is_the_seeded_permutation_of_seed_and_epoch():
-    """shuffle=True in one process: epoch e trains on randperm(n, Generator().manual_seed(seed + e)) with
-    seed the process's torch.initial_seed() when fit began, whatever the global generator does between."""
+def test_a_shuffled_epochs_global_order_is_the_seeded_permutation_of_seed_and_epoch():
+    """shuffle=True in one process with data_order='global': epoch e (1-based) trains on randperm(n,
+    Generator().manual_seed(seed + e)) with seed the process's torch.initial_seed() when fit began, whatever
+    the global generator does between."""
     order = Order()
-    trainer = _trainer(_model(), F.cross_entropy, [order], k=1)
+    trainer = _trainer(_model(), F.cross_entropy, [order], k=1, data_order="global")
     torch.manual_seed(1234)
     data = DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
     trainer.fit(data, epochs=1)
@@ -90,10 +92,10 @@ def test_a_shuffled_epochs_order_is_the_seeded_permutation_of_seed_and_epoch():
 
 @pytest.mark.parametrize("where", ["dataloader", "sampler"])
 def test_a_dataloader_with_its_own_generator_is_ordered_by_that_generators_seed(where):
-    """A generator given to the DataLoader, or to its RandomSampler, keeps deciding the order (its seed
-    replaces the process's)."""
+    """data_order='global': a generator given to the DataLoader, or to its RandomSampler, keeps deciding the
+    order (its seed replaces the process's)."""
     order = Order()
-    trainer = _trainer(_model(), F.cross_entropy, [order], k=1)
+    trainer = _trainer(_model(), F.cross_entropy, [order], k=1, data_order="global")
     dataset, generator = Indexed(), torch.Generator().manual_seed(77)
     if where == "dataloader":
         data = DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=generator)
@@ -104,14 +106,14 @@ def test_a_dataloader_with_its_own_generator_is_ordered_by_that_generators_seed(
     assert order.seen[1] == torch.randperm(N, generator=torch.Generator().manual_seed(77 + 1)).tolist()
 
 
-def _run(fail_at=None, fuse=True):
+def _run(fail_at=None, fuse=True, order=None):
     """Three epochs with shuffle=True, dropout, Adam, a step-wise scheduler and k=3; with `fail_at`, the
     loss raises once and fit is called again. Returns the final weights, optimizer and scheduler state."""
     torch.manual_seed(5)
     model = _model()
     loss = FailingLoss(fail_at)
     callbacks = [] if fuse else [Order()]
-    trainer = _trainer(model, loss, callbacks, fuse_steps=fuse)
+    trainer = _trainer(model, loss, callbacks, fuse_steps=fuse, data_order=order)
     data = DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
     if fail_at is None:
         trainer.fit(data)
@@ -128,13 +130,14 @@ def _run(fail_at=None, fuse=True):
 
 @pytest.mark.parametrize("fail_at", [2, 7, 10, 11, 14, 21, 30])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_a_refit_after_a_fault_ends_bit_identical_to_the_uninterrupted_run(fail_at, fuse):
+@pytest.mark.parametrize("order", ["loader", "global"])
+def test_a_refit_after_a_fault_ends_bit_identical_to_the_uninterrupted_run(fail_at, fuse, order):
     """Epochs of 10 batches in windows of 3 (1-3, 4-6, 7-9, 10). Faults at the loss of batch 2 (inside the
     first window), 7 (a window's first batch), 10 (the tail window), 11 and 14 (epoch 2's first batch and
     second window), 21 and 30 (epoch 3): the refit ends with exactly the weights, Adam state and scheduler
-    of a run never interrupted, dropout included (fused micro-batches, and every edge)."""
-    want = _run()
-    got = _run(fail_at, fuse)
+    of a run never interrupted, dropout included (fused micro-batches, and every edge), in either order."""
+    want = _run(order=order)
+    got = _run(fail_at, fuse, order)
     for k, v in want[0].items():
         assert torch.equal(got[0][k], v), k
     assert repr(got[1]) == repr(want[1])

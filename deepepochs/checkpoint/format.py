@@ -23,9 +23,11 @@ yours keeps other objects in its state). Keys:
                     (best value and epoch, epochs without improvement, last saved epoch). Every
                     file holds every monitor's state, whichever monitor wrote it.
 `rng`               dict, the Python, NumPy and PyTorch (CPU, CUDA) generator states of a one-process
-                    run (`deepepochs.utils.rng_state`), None under DDP. Restored on load in a
-                    one-process run, so a resumed run shuffles and drops out exactly as the
-                    uninterrupted one would; under DDP each rank keeps its own generators.
+                    run (`deepepochs.utils.rng_state`), and under 'loaders' those of the generators
+                    its training DataLoaders were given (their own order, `data_order='loader'`; absent
+                    in files of older versions), None under DDP. Restored on load in a one-process
+                    run, so a resumed run shuffles and drops out exactly as the uninterrupted one
+                    would; under DDP each rank keeps its own generators.
 `order_seed`        int or None, the seed of the training order (`deepepochs.data.sampling.DataOrder`):
                     with it, later epochs of a resumed run see the order the uninterrupted run saw,
                     in any process and at any world size. None in files of older versions.

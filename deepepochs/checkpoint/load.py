@@ -204,5 +204,6 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
     if ckpt.rng is not None and trainer.world_size == 1:
         try:
             set_rng_state(ckpt.rng)
+            trainer.dist.continue_loader_generators(list(ckpt.rng.get("loaders") or []))
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path}: the random generator states do not fit: {e!r}") from e

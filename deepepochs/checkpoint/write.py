@@ -68,7 +68,8 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) ->
         schedulers=opts["schedulers"],
         scaler=trainer.precision.state_dict(),
         monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
-        rng=rng_state() if trainer.world_size == 1 else None,  # under DDP every rank has its own
+        # under DDP every rank has its own; the user's training loaders' generators (their own order) beside
+        rng={**rng_state(), "loaders": trainer.dist.loader_generator_states()} if trainer.world_size == 1 else None,
         order_seed=trainer.dist.order_seed,
         history=plain_records(_run_records(trainer, position)),
     )

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from deepepochs.data.sampling import LoaderOrder
 from deepepochs.errors import ConfigError
 
 __all__ = [
@@ -137,7 +138,8 @@ def batch_size_of(batch_x, batch_y, batch_size_fn=None) -> int:
 def exact_length(data) -> int | None:
     """The number of batches `data` yields when its length is known to be exact: a list, a tuple, or a
     DataLoader over a map-style dataset with torch's own sequential, random or distributed sampler
-    (deepepochs' `DataOrder` included); None for anything else (a length may be missing or an estimate).
+    (deepepochs' `DataOrder` and `LoaderOrder` included); None for anything else (a length may be missing
+    or an estimate).
 
     The training loop then knows a task's last batch by counting, so it never reads a batch ahead: a
     batch is loaded right before it runs, which keeps random draws in loading (augmentation in the main
@@ -145,7 +147,8 @@ def exact_length(data) -> int | None:
     if isinstance(data, (list, tuple)):
         return len(data)
     if (isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset)
-            and (isinstance(data.sampler, (SequentialSampler, RandomSampler, DistributedSampler)) or stateful(data))):
+            and (isinstance(data.sampler, (SequentialSampler, RandomSampler, DistributedSampler, LoaderOrder))
+                 or stateful(data))):
         return len(data)
     return None
 

@@ -1,8 +1,11 @@
-"""Where data goes in a run of several processes (and, for the training order, in one process too).
+"""Where data goes in a run of several processes, and the training order in one process.
 
-- `DataOrder`: the training order of a plain DataLoader as a function of (seed, epoch), sharded by rank.
+- `DataOrder`: the global training order of a plain DataLoader, a function of (seed, epoch), sharded by rank
+  (several processes; one process with `data_order='global'`).
+- `LoaderOrder`, `OrderDraws`: one process's default order (`data_order='loader'`), the DataLoader's own
+  sampler drawing as it would in a plain loop, with what it drew kept so that a resumed epoch draws it again.
 - `skip_batches`, `iterate_past`: continuing an epoch past its committed batches (at the sampler when the order
-  is ours).
+  is one of these two).
 - `EvalShardSampler`: evaluation shards holding each sample exactly once.
 - `ShortestShard`: training data without a length, ended on every rank at the shortest shard.
 - `PaddingBatch`: a forward a rank runs only to meet the other ranks' collectives (FSDP evaluation).
@@ -18,6 +21,8 @@ import inspect
 import itertools
 import warnings
 
+import attrs
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -30,8 +35,9 @@ from torch.utils.data import (
 
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 
-__all__ = ["DataOrder", "EvalShardSampler", "PaddingBatch", "ShortestShard", "is_plain", "iterate_past",
-           "len_or_minus_one", "shard", "skip_batches"]
+__all__ = ["DataOrder", "EvalShardSampler", "LoaderOrder", "OrderDraws", "PaddingBatch", "ShortestShard",
+           "is_plain", "iterate_past", "len_or_minus_one", "loader_order", "own_order", "shard", "skip_batches",
+           "user_generators"]
 
 
 class PaddingBatch:
@@ -74,18 +80,139 @@ class DataOrder(DistributedSampler):
         return itertools.islice(super().__iter__(), skip, None)
 
 
+@attrs.define(slots=True, eq=False)
+class OrderDraws:
+    """What a training task's DataLoader drew its epoch's order from, in the loader's own order (one process,
+    `data_order='loader'`): kept in the run state when the task first makes its epoch's iterator, so that a
+    refit or a resumed snapshot of that epoch draws exactly the same order and worker seeds.
+
+    Attributes:
+        epoch: the 1-based epoch (the loop's count) the draws belong to.
+        task_index: the training task (0-based).
+        loader: the state of the DataLoader's own `generator` just before the epoch's iterator drew its base
+            seed (the worker seeds); None when it has none (it draws from torch's global generator, which the
+            run's random state at the task's start covers).
+        sampler: the state of the generator the `RandomSampler` drew the epoch's permutation from (its own,
+            or torch's global CPU generator) just before it drew; None for a sequential order, or before
+            the sampler drew.
+    """
+
+    epoch: int
+    task_index: int
+    loader: torch.Tensor | None = None
+    sampler: torch.Tensor | None = None
+
+
+class LoaderOrder(Sampler[int]):
+    """A plain DataLoader's own sampler (the `SequentialSampler` or `RandomSampler` its `shuffle=` or the
+    caller made), iterated as it is: one process trains on exactly the batches a plain loop over the
+    DataLoader gets after the same seed, and every random draw (the permutation, from the sampler's
+    generator or torch's global one; the base seed of the iterator) happens where the plain loop's does.
+
+    What a resumed epoch needs besides: `start` puts back (or keeps) the generators' states of the epoch's
+    first iterator (`OrderDraws`), and `skip` (set by `skip_batches`) drops the next iteration's first
+    samples, so skipped batches are never loaded.
+
+    Args:
+        sampler: the DataLoader's sampler.
+        loader_generator: the DataLoader's own `generator` (its iterators' base seeds), or None.
+    """
+
+    def __init__(self, sampler, loader_generator=None):
+        self.sampler = sampler
+        self.loader_generator = loader_generator
+        self.skip = 0
+        self.draws: OrderDraws | None = None
+        self._replay = None
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def start(self, epoch: int, task_index: int, kept: OrderDraws | None) -> OrderDraws:
+        """Call right before the task makes its epoch's iterator. With `kept` of this epoch and task (a refit
+        or a resume of it) the loader's generator goes back to its state then and the sampler will draw its
+        permutation from the state it drew from; otherwise the loader's generator state is kept now and the
+        sampler's when it draws. Returns the record, which the run state holds (it is filled in place)."""
+        if kept is not None and (kept.epoch, kept.task_index) == (epoch, task_index):
+            if kept.loader is not None and self.loader_generator is not None:
+                self.loader_generator.set_state(kept.loader)
+            self._replay = kept.sampler
+            self.draws = kept
+        else:
+            generator = self.loader_generator
+            self._replay = None
+            self.draws = OrderDraws(epoch, task_index, None if generator is None else generator.get_state())
+        return self.draws
+
+    def __iter__(self):
+        # Called where a plain loop's DataLoader iterator first asks its sampler (BatchSampler's first
+        # batch): the permutation is drawn here, at once, so that its draw is where the plain loop's is.
+        skip, self.skip = self.skip, 0
+        replay, self._replay = self._replay, None
+        if not isinstance(self.sampler, RandomSampler):
+            return itertools.islice(iter(self.sampler), skip, None)
+        generator = self.sampler.generator  # None: RandomSampler seeds itself from torch's global generator
+        now = None
+        if replay is not None:
+            if generator is None:
+                now = torch.get_rng_state()
+                torch.set_rng_state(replay)
+            else:
+                generator.set_state(replay)
+        if self.draws is not None:
+            self.draws.sampler = torch.get_rng_state() if generator is None else generator.get_state()
+        indices = iter(self.sampler)
+        first = next(indices, _END)  # the RandomSampler draws its permutation now
+        if now is not None and skip:
+            # The task continues after committed batches: torch's generator is the commit point's again
+            # (the iterator was made from the task's first states, `engine.continuation`).
+            torch.set_rng_state(now)
+        if first is _END:
+            return iter(())
+        return itertools.islice(itertools.chain((first,), indices), skip, None)
+
+
+_END = object()
+
+
+def user_generators(data) -> list:
+    """The generators a DataLoader was given or made for itself (its own `generator`, its sampler's, e.g.
+    torchdata's stateful `RandomSampler`), each once: what its epochs' orders and base seeds draw from
+    besides torch's global generator."""
+    sampler = getattr(data, "sampler", None)
+    if isinstance(sampler, LoaderOrder):
+        sampler = sampler.sampler
+    found = []
+    for generator in (getattr(data, "generator", None), getattr(sampler, "generator", None)):
+        if isinstance(generator, torch.Generator) and not any(generator is known for known in found):
+            found.append(generator)
+    return found
+
+
+def loader_order(data) -> LoaderOrder | None:
+    """The `LoaderOrder` of a DataLoader `own_order` made, else None."""
+    sampler = getattr(data, "sampler", None)
+    return sampler if isinstance(sampler, LoaderOrder) and isinstance(data, DataLoader) else None
+
+
 def skip_batches(data, count: int, samples: int | None = None, world_size: int = 1):
     """`(data, how many batches are skipped, how many of them the caller iterates past)`.
 
     `count` batches of this rank, or with `samples` (a snapshot of another world size) the samples all
-    ranks consumed: this rank's shard then skips `samples / world_size`. A seeded-order DataLoader skips at
-    the sampler (the skipped samples are never loaded: none to iterate past); anything else is iterated past
+    ranks consumed: this rank's shard then skips `samples / world_size`. A DataLoader in one of our orders
+    (`DataOrder`, `LoaderOrder`) skips at the sampler (the skipped samples are never loaded: none to iterate
+    past), or with worker processes is iterated past them (the workers' random streams then continue as in
+    the uninterrupted run); anything else is iterated past
     `count` batches by the caller (`iterate_past`), which continues the interrupted order only when the
     order is fixed: for other data (a user's random sampler, an IterableDataset, a generator) a
     `DeepEpochsWarning` says the resumed epoch may repeat or miss samples."""
     sampler = getattr(data, "sampler", None)
-    if isinstance(sampler, DataOrder) and isinstance(data, DataLoader):
+    if isinstance(sampler, (DataOrder, LoaderOrder)) and isinstance(data, DataLoader):
         batch = data.batch_size or 1
+        if samples is None and data.num_workers:
+            # Worker processes draw their random numbers (augmentation) in the order they load samples:
+            # they load the skipped batches again, so the batches after them get the uninterrupted draws.
+            return data, count, count
         if samples is None:
             sampler.skip = count * batch
             return data, count, 0
@@ -207,6 +334,17 @@ _COPIED = tuple(
     )
     if name in _DATALOADER_PARAMETERS
 )
+
+
+def own_order(dataloader):
+    """A plain training DataLoader (`is_plain`) rebuilt around its own sampler (`LoaderOrder`): the same
+    batches, workers, generator and random draws; or None when `dataloader` is to be used as given."""
+    if not is_plain(dataloader):
+        return None
+    settings = {name: getattr(dataloader, name) for name in _COPIED}
+    sampler = LoaderOrder(dataloader.sampler, dataloader.generator)
+    return DataLoader(dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler,
+                      drop_last=dataloader.drop_last, **settings)
 
 
 def shard(dataloader, stage: str, rank: int, world_size: int, split_batches: bool, policy=None):

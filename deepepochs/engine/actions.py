@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from deepepochs.data.sampling import user_generators
 from deepepochs.engine import buffers, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
@@ -364,13 +365,14 @@ def zero_grad(ctx: Context) -> None:
 @action
 def remember_position(ctx: Context) -> None:
     """What a refit continues from besides the batch count: torch's generators, the model's buffers (what
-    the window's forwards changed) and a stateful loader's position, all as they are right after the
+    the window's forwards changed) and a stateful loader's position and generators, all as they are right after the
     window's update (no batch is read ahead of a window's end)."""
     remember_random_state(ctx)
     buffers.keep(ctx)
     if ctx.data_source is not None:
-        point = ctx.loop.resume
-        ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, ctx.data_source.state_dict())
+        point, source = ctx.loop.resume, ctx.data_source
+        ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, source.state_dict())
+        ctx.run.data_generators = (point.epoch, point.task_index, [g.get_state() for g in user_generators(source)])
 
 
 @action

@@ -16,10 +16,14 @@ the uninterrupted run's would have.
 
 from __future__ import annotations
 
+import warnings
+
 from deepepochs.data.batch_rules import exact_length, stateful
-from deepepochs.data.sampling import iterate_past, skip_batches
-from deepepochs.engine import generators, position
+from deepepochs.data.sampling import DataOrder, iterate_past, loader_order, skip_batches, user_generators
+from deepepochs.engine import generators as random_streams
+from deepepochs.engine import position
 from deepepochs.engine.context import Context, ResumePoint
+from deepepochs.errors import DeepEpochsWarning
 from deepepochs.patches import TensorPatch
 from deepepochs.tasks import EpochTask, TaskMeters, metric_name
 
@@ -75,34 +79,77 @@ class TrainingBatches:
     def __init__(self, ctx: Context, data, epoch: int, skip: int, samples: int | None):
         self._ctx = ctx
         self.total = exact_length(data)
-        self._data, self.start, self._past = _position(ctx, data, epoch, skip, samples)
+        self._data, self.start, self._past, self._generators = _position(ctx, data, epoch, skip, samples)
 
     def __iter__(self):
-        return _replay(self._ctx, self._data, self.start, self._past)
+        return _replay(self._ctx, self._data, self.start, self._past, self._generators)
 
 
-def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) -> tuple[object, int, int]:
-    """A training task's data positioned after its `skip` committed batches: `(data, skip, past)`, `skip`
-    in this run's batches, `past` the batches to read and drop when the data cannot skip them itself.
+def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) -> tuple[object, int, int, list]:
+    """A training task's data positioned after its `skip` committed batches: `(data, skip, past, generators)`,
+    `skip` in this run's batches, `past` the batches to read and drop when the data cannot skip them itself,
+    `generators` the `(generator, state)` pairs to put back once the epoch's iterator is made.
 
     A stateful DataLoader (torchdata's) whose state was kept at this task's last commit point continues
     from it (`load_state_dict`), reading past any update applied after it; other data skips at the
-    sampler (`sampling.skip_batches`), or on another world size by its global sample count. Sets
+    sampler (`sampling.skip_batches`), or on another world size by its global sample count. A DataLoader in
+    its own order (`sampling.LoaderOrder`) draws the epoch's order from the states the run state kept when
+    the epoch's task first began (`RunState.order_draws`), or keeps them now for a fresh task. Sets
     `ctx.data_source` (the loader whose state `remember_position` keeps) and the resume point's count."""
     loop = ctx.loop
     source = data if stateful(data) else None
-    saved, past = ctx.run.data_state, 0
+    saved, past, generators = ctx.run.data_state, 0, []
     if skip and source is not None and saved is not None and saved[:2] == (epoch, ctx.task_index):
         source.load_state_dict(saved[3])  # continues after the batches committed when it was read
         past = skip - saved[2]  # an update applied after it, whose commit a fault cut short: in order, past it
+        kept = ctx.run.data_generators
+        if kept is not None and kept[:2] == (epoch, ctx.task_index):
+            # Making the restored iterator draws from the loader's generators again (torchdata's
+            # StatefulDataLoader: its sampler's permutation, the base seed), leaving them where the
+            # uninterrupted run's never were; they go back to the commit point's states after it.
+            generators = list(zip(user_generators(source), kept[2]))
+        if getattr(source, "num_workers", 0):
+            warnings.warn(
+                f"resuming inside epoch {epoch} with a stateful DataLoader of {source.num_workers} worker processes:"
+                " its order and batches continue exactly, but it starts its workers' random generators afresh"
+                " (torchdata seeds them from the base seed, not where they stood), so random draws inside the"
+                " workers (augmentation in the dataset) differ from the uninterrupted run's for the rest of this"
+                " epoch; make the dataset keep its generator in its own state (torchdata's Stateful protocol)"
+                " or load in the main process (num_workers=0) for an exact resume", DeepEpochsWarning, stacklevel=4)
     elif skip:
+        _check_order(ctx, data, epoch)
         data, skip, past = skip_batches(data, skip, samples, ctx.parts.dist.world_size)
         loop.resume.batches_done = skip  # in this run's batches
+    order = loader_order(data)
+    if order is not None:  # right before the iterator is made (`_replay`): its generators' states are kept here
+        ctx.run.order_draws = order.start(epoch, ctx.task_index, ctx.run.order_draws)
     ctx.data_source = source
-    return data, skip, past
+    return data, skip, past, generators
 
 
-def _replay(ctx: Context, data, skip: int, past: int):
+def _check_order(ctx: Context, data, epoch: int) -> None:
+    """Warn when a task continuing after committed batches cannot continue their order: the order rule
+    changed between the run that committed them and this one (`Trainer(data_order=...)`, or the world size:
+    several processes always train in the global order)."""
+    kept = ctx.run.order_draws
+    kept = kept is not None and (kept.epoch, kept.task_index) == (epoch, ctx.task_index)
+    if loader_order(data) is not None and not kept:
+        warnings.warn(
+            f"resuming inside epoch {epoch}: this run trains on the DataLoader's own order (data_order='loader',"
+            " one process), but what the loader drew for this epoch was not kept (the run that committed its"
+            " batches trained in the global order: data_order='global', several processes or an older"
+            " deepepochs); the rest of the epoch follows a new order, so samples may repeat or be missed."
+            " Resume with data_order='global' to continue that order exactly", DeepEpochsWarning, stacklevel=4)
+    elif kept and isinstance(getattr(data, "sampler", None), DataOrder):
+        warnings.warn(
+            f"resuming inside epoch {epoch}: the run that committed its batches trained on the DataLoader's own"
+            " order (data_order='loader', one process); this run trains in the global order of (seed, epoch)"
+            " (data_order='global', or several processes), so the rest of the epoch follows another order and"
+            " samples may repeat or be missed. Resume in one process with the default data_order to continue"
+            " exactly", DeepEpochsWarning, stacklevel=4)
+
+
+def _replay(ctx: Context, data, skip: int, past: int, generators: list):
     """The training task's batch iterator, made so that random streams replay exactly.
 
     A refit resuming the task mid-way (`run.random_replay` holds the task's states) makes the iterator
@@ -113,12 +160,20 @@ def _replay(ctx: Context, data, skip: int, past: int):
     replay, run.random_replay = run.random_replay, None
     if skip and replay is not None and replay[0] is not None:
         run.task_random_state = replay[0]
-        generators.set_random_state(ctx, replay[0])
-        batches = iterate_past(iter(data), past)
-        generators.set_random_state(ctx, replay[1])
+        random_streams.set_random_state(ctx, replay[0])
+        batches = _put_back(iter(data), generators)
+        batches = iterate_past(batches, past)
+        random_streams.set_random_state(ctx, replay[1])
         return batches
-    run.task_random_state = generators.random_state(ctx)
-    return iterate_past(iter(data), past)
+    run.task_random_state = random_streams.random_state(ctx)
+    return iterate_past(_put_back(iter(data), generators), past)
+
+
+def _put_back(batches, generators: list):
+    """`batches` (an iterator just made) after putting each `(generator, state)` of `generators` back."""
+    for generator, state in generators:
+        generator.set_state(state)
+    return batches
 
 
 def _adopt(meters: TaskMeters, task: EpochTask) -> TaskMeters:

@@ -111,6 +111,15 @@ class RunState:
         data_state: `(epoch, task index, batches done, state_dict())` of a stateful training DataLoader
             at the last complete commit point: a refit or a resumed snapshot continues it with
             `load_state_dict` instead of skipping batches.
+        data_generators: `(epoch, task index, states)`: the states of a stateful training DataLoader's
+            generators (`deepepochs.data.sampling.user_generators`) at the last commit point; a refit or a
+            resumed snapshot puts them back once it has made the epoch's iterator (torchdata's
+            `StatefulDataLoader` draws from them again then), so the epochs after it draw what the
+            uninterrupted run drew.
+        order_draws: what the running (or last) training task's DataLoader drew its epoch's order from,
+            in the loader's own order (`deepepochs.data.sampling.OrderDraws`, one process,
+            `data_order='loader'`), filled in place as it draws: a refit or a resumed snapshot of that epoch
+            draws the same order; None otherwise.
         buffers: the model's buffers (persistent or not, by name) at the last commit point of the running
             fit, which a rollback writes back into the model (`deepepochs.engine.buffers`); None outside a
             fit.
@@ -135,6 +144,9 @@ class RunState:
                                              snapshot="the position's random states, per rank")
     random_replay: tuple | None = _field(None, copy=SHARED, snapshot="derived from the position's random states")
     data_state: tuple | None = _field(None, copy=SHARED, snapshot="the position's data state, per rank")
+    data_generators: tuple | None = _field(None, copy=SHARED)
+    # Filled in place by the loader's sampler when it draws (deep-copied by a capture: two small tensors).
+    order_draws: object | None = _field(None)
     # Copied in place at every commit point (`buffers.keep`), so a capture copies them (once per epoch end).
     buffers: dict | None = _field(None)
 

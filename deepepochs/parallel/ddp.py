@@ -45,7 +45,8 @@ from torch.utils.data import (
     DistributedSampler,
 )
 
-from deepepochs.data.sampling import ShortestShard, len_or_minus_one, shard
+from deepepochs.data.batch_rules import stateful
+from deepepochs.data.sampling import ShortestShard, len_or_minus_one, own_order, shard, user_generators
 from deepepochs.errors import DistributedError
 from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.patches import TensorPatch, _map_tensors
@@ -63,10 +64,39 @@ class _PolicyBase:
     #: Whether the model is sharded (FSDP): then any forward and any whole-gradient read is a collective
     #: every rank must join (callbacks that read the model on rank 0 alone check it).
     shards_model = False
+    #: The training order of a plain DataLoader (`Trainer(data_order=...)`): 'global', the (seed, epoch)
+    #: order of `DataOrder` every world size shares; one process may train on the DataLoader's own ('loader').
+    data_order = "global"
 
     def __init__(self):
         self.order_seed: int | None = None
         self._epoch_samplers: weakref.WeakSet = weakref.WeakSet()
+        # The generators of the user's own training DataLoaders (data_order='loader'), in the order first met,
+        # and the states a loaded checkpoint holds for generators not met yet (the next fit's loaders).
+        self._loader_generators: list[torch.Generator] = []
+        self._pending_generator_states: list = []
+
+    def loader_generator_states(self) -> list:
+        """The states of the generators the training DataLoaders of this process draw from in their own
+        order (a DataLoader's or its sampler's `generator`: data_order='loader', or a stateful DataLoader),
+        in the order first met: a checkpoint
+        keeps them beside torch's, so a resumed run's later epochs draw what the uninterrupted run drew."""
+        return [generator.get_state() for generator in self._loader_generators]
+
+    def continue_loader_generators(self, states: list) -> None:
+        """Put back `loader_generator_states()` of a checkpoint: into the generators met already, and into
+        those the next training DataLoaders bring, in the same order."""
+        met = self._loader_generators
+        for generator, state in zip(met, states):
+            generator.set_state(state)
+        self._pending_generator_states = list(states[len(met):])
+
+    def _meet_generators(self, generators) -> None:
+        for generator in generators:
+            if not any(generator is known for known in self._loader_generators):
+                self._loader_generators.append(generator)
+                if self._pending_generator_states:
+                    generator.set_state(self._pending_generator_states.pop(0))
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the training samplers: a new permutation each epoch, the same on every rank."""
@@ -105,10 +135,11 @@ class SingleProcess(_PolicyBase):
     local_rank = 0
     is_main = True
 
-    def __init__(self, device: torch.device, split_batches: bool = False):
+    def __init__(self, device: torch.device, split_batches: bool = False, data_order: str = "loader"):
         super().__init__()
         self.device = device
         self.model = None
+        self.data_order = data_order
 
     def wrap_model(self, model: torch.nn.Module, ddp_kwargs: Mapping | None = None) -> torch.nn.Module:
         """The module the step calls (DDP wraps it; one process uses it as is, `ddp_kwargs` unused)."""
@@ -116,12 +147,23 @@ class SingleProcess(_PolicyBase):
         return model
 
     def prepare_dataloader(self, dataloader, stage: str):
-        """The iterable a task iterates: a plain training DataLoader gets the seeded order (`DataOrder`,
-        as under DDP with one rank); everything else is used as given."""
+        """The iterable a task iterates: a plain training DataLoader keeps its own order, rebuilt around its
+        sampler so that a resumed epoch draws it again and skips at the sampler (`LoaderOrder`, the default
+        'loader'), or gets the global order of (seed, epoch) (`DataOrder`, as under DDP with one rank:
+        'global'); everything else is used as given."""
         if stage != "train":
             return dataloader
-        if self.order_seed is None:
+        if self.order_seed is None:  # kept for 'global' in any case: a checkpoint carries it to any world size
             self.order_seed = torch.initial_seed() % 2**62
+        if stateful(dataloader):  # used as given (its own order); its generators travel in checkpoints
+            self._meet_generators(user_generators(dataloader))
+            return dataloader
+        if self.data_order == "loader":
+            own = own_order(dataloader)
+            if own is None:
+                return dataloader
+            self._meet_generators(user_generators(own))
+            return own
         sharded = shard(dataloader, stage, 0, 1, False, self)
         if sharded is None:
             return dataloader

@@ -54,7 +54,7 @@ def check_ddp_kwargs(ddp_kwargs) -> dict:
 
 
 def select_policy(device: torch.device, split_batches: bool = False, timeout: float = 600,
-                  fsdp: FSDPConfig | None = None, precision: str = "fp32"):
+                  fsdp: FSDPConfig | None = None, precision: str = "fp32", data_order: str | None = None):
     """The policy for this process: `DDPPolicy` (or `FSDPPolicy` when `fsdp`, an `FSDPConfig`, is given) in a
     job of several processes, else `SingleProcess` (one process: the strategy makes no difference).
 
@@ -62,7 +62,9 @@ def select_policy(device: torch.device, split_batches: bool = False, timeout: fl
     `WORLD_SIZE > 1` (torchrun, `deepepochs.launch`), or by an initialised default process group of
     several ranks (the caller set it up; it stays the caller's to destroy). `timeout`: seconds a
     collective of a group created here waits for the other ranks (`Trainer(dist_timeout=...)`).
-    `precision` picks FSDP's mixed-precision policy.
+    `precision` picks FSDP's mixed-precision policy. `data_order` (`Trainer(data_order=...)`, checked by
+    `TrainerConfig`): None takes 'loader' in one process and 'global' under several; 'loader' under several
+    processes is a `ConfigError` (each process must train on its shard of one global order).
     """
     several = False
     if dist.is_available() and dist.is_initialized():
@@ -75,7 +77,13 @@ def select_policy(device: torch.device, split_batches: bool = False, timeout: fl
             )
         several = True
     if not several:
-        return SingleProcess(device, split_batches)
+        return SingleProcess(device, split_batches, data_order or "loader")
+    if data_order == "loader":
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else env_int("WORLD_SIZE")
+        raise ConfigError(
+            f"data_order='loader' trains on the DataLoader's own order, which only one process can do; this job"
+            f" has {world} processes, which train on shards of"
+            " the global order of (seed, epoch): pass data_order='global' or leave data_order unset")
     if fsdp is not None:
         return FSDPPolicy(device, split_batches, timeout, fsdp, precision)
     return DDPPolicy(device, split_batches, timeout)

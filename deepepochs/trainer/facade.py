@@ -77,6 +77,13 @@ class TrainerBase(StepMethods):
             parameters, default 1_000_000, gets its own `fully_shard`; or module classes, or a callable
             `(module) -> bool`), 'reshard_after_forward' (True, False or an int) and 'mixed_precision' (a
             `MixedPrecisionPolicy`; default from `precision`). Checked in any run; see `deepepochs.parallel.fsdp`.
+        data_order: the order a plain training DataLoader (`DataLoader(dataset, batch_size=..., shuffle=...)`)
+            is trained in: 'loader' (one process only) the batches the DataLoader itself yields, as a plain
+            loop `for x, y in dl` after the same seed gets them (its sampler and generator as you built
+            them; dropout draws the plain loop's stream); 'global' the `DistributedSampler` order of
+            (seed, epoch), the same for any world size (one process then equals a DDP run with the global
+            batch). None (default): 'loader' in one process, 'global' under several. Exact resume holds
+            for both; see the exact-resume guide.
         dist_timeout: under DDP, seconds a collective waits for the other ranks before the run fails with
             `DistributedError` (a hung or far slower rank); default 600. Applies when the Trainer creates
             the process group (launch/torchrun); a group you created keeps its own timeout.
@@ -113,18 +120,19 @@ class TrainerBase(StepMethods):
                  metric_patch="auto", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
-                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, **unknown):
+                 strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, data_order=None,
+                 **unknown):
         check_keywords(device, opt, unknown, TrainerBase.__init__)
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
-            fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout)
+            fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout, data_order=data_order)
         args = check_arguments(model, loss, resume, running_id, device, strategy, ddp_kwargs, fsdp_kwargs, targets)
         resume, running_id, device, ddp_kwargs = args.resume, args.running_id, args.device, args.ddp_kwargs
         target_key, pick_targets = args.target_key, args.pick_targets
         dist = select_policy(device, split_batches=self.config.split_batches, timeout=self.config.dist_timeout,
-                             fsdp=args.fsdp, precision=self.config.precision)
+                             fsdp=args.fsdp, precision=self.config.precision, data_order=self.config.data_order)
         self.device = dist.device
         self.metrics = as_metric_list(metrics, "metrics")
         self.resume = resume

@@ -24,7 +24,8 @@ def main(out: str) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = Trainer(model, F.cross_entropy, Optimizer(opt, sched, sched_on="step"), epochs=3, device="cpu",
-                      gradient_accumulation_steps=2, log_batch=False, show_info=False)
+                      gradient_accumulation_steps=2, log_batch=False, show_info=False,
+                      data_order="global")  # one process equals the nodes: the order every world size shares
     try:
         records = trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8 // world, shuffle=True),
                               DataLoader(TensorDataset(x[:30], y[:30]), batch_size=8))

@@ -45,6 +45,7 @@ def train() -> dict:
             callbacks.append(SignalOneRank())
     trainer = Trainer(model, F.cross_entropy, Optimizer(opt, sched, sched_on="step"), epochs=3, device="cpu",
                       callbacks=callbacks, resume=bool(folder), running_id="ddp", gradient_accumulation_steps=2,
+                      data_order="global",  # one process trains as 2 ranks do, and a snapshot moves between them
                       log_batch=False, show_info=False)
     try:
         batch = int(os.environ.get(BATCH_ENV, "4"))
