@@ -22,6 +22,8 @@ from deepepochs.errors import ConfigError, DeepEpochsWarning
 
 __all__ = [
     "REMOVED",
+    "MetricValue",
+    "item_values",
     "TensorDict",
     "TensorTuple",
     "batches",
@@ -303,6 +305,57 @@ def concat(parts, dim: int = 0):
     if isinstance(first, (tuple, list)):
         return TensorTuple(concat(list(column), dim) for column in zip(*parts))
     raise ConfigError(f"concat() joins tensors, or tuples/dicts of tensors (got a list of {type(first).__name__})")
+
+
+class MetricValue(float):
+    """A metric value as a callback of the user's code receives it: a float that also answers `.item()`
+    (deepepochs 0.6 handed hooks tensors, and 0.6 code calls `metrics['loss'].item()`). It pickles and
+    copies as a plain float, so a record that keeps one holds nothing `torch.load(weights_only=True)`
+    refuses."""
+
+    __slots__ = ()
+
+    def item(self) -> float:
+        """The value as a plain float (what `tensor.item()` gave in 0.6)."""
+        return float(self)
+
+    def __reduce__(self):
+        return (float, (float(self),))
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
+class _ItemValues(Mapping):
+    """A read-only view of a metrics mapping whose float values come as `MetricValue`s (computed lazily, so
+    a batch's metrics are still synced only when a key is read)."""
+
+    __slots__ = ("_metrics",)
+
+    def __init__(self, metrics: Mapping):
+        self._metrics = metrics
+
+    def __getitem__(self, key):
+        value = self._metrics[key]
+        return MetricValue(value) if type(value) is float else value
+
+    def __iter__(self):
+        return iter(self._metrics)
+
+    def __len__(self):
+        return len(self._metrics)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+def item_values(metrics):
+    """`metrics` (a mapping of metric values) as hooks of user callbacks see it: float values answer
+    `.item()` (`MetricValue`); a dict becomes a new dict (the trainer's own records keep plain floats), a
+    lazy mapping (a batch's metrics) a lazy view; anything else is returned as it is."""
+    if isinstance(metrics, dict):
+        return {k: MetricValue(v) if type(v) is float else v for k, v in metrics.items()}
+    return _ItemValues(metrics) if isinstance(metrics, Mapping) else metrics
 
 
 def sum_dicts(dicts):
