@@ -24,6 +24,7 @@ __all__ = [
     "REMOVED",
     "MetricValue",
     "item_values",
+    "moved",
     "TensorDict",
     "TensorTuple",
     "batches",
@@ -109,6 +110,32 @@ def removed(name: str):
         raise AttributeError(f"module 'deepepochs' has no attribute {name!r}")
     raise ImportError(f"deepepochs.{name} (deepepochs 0.6) was removed: {reason}. See docs/MIGRATION.md.",
                       name=name)
+
+
+def moved(module: str, names: dict[str, str] | None = None, target: str = "deepepochs"):
+    """A module `__getattr__` for deepepochs 0.6's import paths (`deepepochs.loops`, `deepepochs.tools`,
+    `deepepochs.optimizer`, `deepepochs.patches.ConfusionPatch`, `deepepochs.trainer.EpochTask`): a name of
+    `names` (`{name: module it lives in now}`; None: any name `target` has) is returned from where it lives
+    now, with a `DeprecationWarning` naming that path; a 0.6 name that is gone raises `removed`'s ImportError.
+    The warning is raised from the `__getattr__` call, so it points at the user's import line."""
+    import importlib
+
+    def __getattr__(name: str):
+        home = target if names is None else names.get(name)
+        if name.startswith("__") or home is None:
+            if name in REMOVED:
+                removed(name)
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(home), name, None)
+        if value is None:
+            if name in REMOVED:
+                removed(name)
+            raise AttributeError(f"module {module!r} has no attribute {name!r} (and {home} has none either)")
+        warnings.warn(f"{module}.{name} is deepepochs 0.6's import path; import it as `from {home} import {name}`",
+                      DeprecationWarning, stacklevel=2)
+        return value
+
+    return __getattr__
 
 
 _MIGRATION = "See docs/MIGRATION.md ('Accelerate arguments are gone')."
@@ -358,9 +385,22 @@ def item_values(metrics):
     return _ItemValues(metrics) if isinstance(metrics, Mapping) else metrics
 
 
+class _Sums(dict):
+    """A dict whose keys also read as attributes (`sums.loss`), as 0.6's `sum_dicts` result did."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"sum_dicts(...) has no key {name!r} (keys: {sorted(map(str, self))})") from None
+
+
 def sum_dicts(dicts):
-    """Key-wise sum of dicts: `{k: d1[k] + d2[k] + ...}`; a key missing from some dicts sums the others."""
-    out: dict = {}
+    """Key-wise sum of dicts: `{k: d1[k] + d2[k] + ...}`; a key missing from some dicts sums the others.
+    The keys read as attributes too (`sum_dicts(ds).loss`), as in 0.6."""
+    out = _Sums()
     for d in dicts:
         for k, v in d.items():
             out[k] = v if k not in out else out[k] + v
@@ -396,7 +436,29 @@ def to_numpy(data):
     return data
 
 
-def plot_confusion(cm, class_names=None, normalize: bool = False, title: str | None = None):
+def plot_confusion(cm, *args, **kwargs):
+    """`plot_confusion(cm, class_names=None, normalize=False, title=None, cmap='Blues')`, or in deepepochs
+    0.6.18's signature `plot_confusion(cm, class_num, class_names=None, norm_dec=2, cmap='Blues', info='')`
+    (told apart by an int second argument, or `class_num=`): the same figure, 0.6.18's title
+    ("Confusion matrix (<count>)" and `info`); `norm_dec` is accepted and, as in 0.6.18, changes nothing
+    (the counts are drawn as integers). See `_plot_confusion` for the arguments.
+    """
+    legacy = "class_num" in kwargs or (args and isinstance(args[0], int) and not isinstance(args[0], bool))
+    return _plot_confusion_0618(cm, *args, **kwargs) if legacy else _plot_confusion(cm, *args, **kwargs)
+
+
+def _plot_confusion_0618(cm, class_num, class_names=None, norm_dec=2, cmap="Blues", info=""):
+    """0.6.18's signature of `plot_confusion`."""
+    counts = np.asarray(to_numpy(cm))
+    if counts.ndim != 2 or counts.shape[0] != class_num:
+        raise ConfigError(f"class_num must be the size of the [C, C] matrix cm (got class_num={class_num} for"
+                          f" a matrix of shape {list(counts.shape)})")
+    names = class_names if class_names and len(class_names) == class_num else None  # 0.6.18 ignored others
+    title = f"Confusion matrix ({int(counts.sum())})" + (f"\n{info}" if info else "")
+    return _plot_confusion(cm, names, title=title, cmap=cmap)
+
+
+def _plot_confusion(cm, class_names=None, normalize: bool = False, title: str | None = None, cmap: str = "Blues"):
     """Draw a confusion matrix (rows: true class, columns: predicted class) with its counts in the cells;
     returns the matplotlib Figure (e.g. for `writer.add_figure` or `fig.savefig`).
 
@@ -407,6 +469,7 @@ def plot_confusion(cm, class_names=None, normalize: bool = False, title: str | N
         class_names: C labels for the axes (default 0..C-1).
         normalize: show each row as fractions of its true class (rows that are all zero stay zero).
         title: the figure's title.
+        cmap: the matplotlib colour map.
     """
     cm = np.asarray(to_numpy(cm), dtype=np.float64)
     if cm.ndim != 2 or cm.shape[0] != cm.shape[1]:
@@ -425,7 +488,7 @@ def plot_confusion(cm, class_names=None, normalize: bool = False, title: str | N
         cm = np.divide(cm, rows, out=np.zeros_like(cm), where=rows > 0)
     fig = Figure(figsize=(1 + 0.6 * c, 1 + 0.6 * c))  # no pyplot: nothing global, works without a display
     ax = fig.add_subplot()
-    ax.imshow(cm, cmap="Blues")
+    ax.imshow(cm, cmap=cmap)
     ax.set_xticks(range(c), names, rotation=45)
     ax.set_yticks(range(c), names)
     ax.set_xlabel("predicted")

@@ -97,3 +97,109 @@ def test_metric_values_in_user_hooks_answer_item_and_records_stay_plain_floats(t
     assert loaded["records"] == records
     assert type(pickle.loads(pickle.dumps(kept["loss"]))) is float
     assert type(copy.deepcopy(kept)["loss"]) is float
+
+
+# ---- helpers, optimizers, callbacks: 0.6.18's spellings ----
+def test_optimizer_lr_accessors_answer_as_in_0618():
+    """`trainer.opt.get_current_lr()` (one optimizer: a float; several: a list), `trainer.opt[i].get_last_lr()`
+    (the scheduler's, None without one), checked against the torch optimizer and scheduler themselves."""
+    from deepepochs import Optimizer
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    first = torch.optim.SGD(net[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(net[1].parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(first, 1, gamma=0.5)
+    trainer = Trainer(net, F.cross_entropy, [Optimizer(first, sched), second], epochs=2, **QUIET)
+    trainer.fit(data())
+    assert trainer.opt.get_current_lr() == [first.param_groups[0]["lr"], 0.5] == [0.025, 0.5]
+    assert trainer.opt[0].get_last_lr() == sched.get_last_lr() and trainer.opt[1].get_last_lr() is None
+    assert trainer.opt.get_last_lr() == [sched.get_last_lr(), None]
+    assert trainer.opt[0].param_groups is first.param_groups
+    net = model()
+    single = Trainer(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=0.3), **QUIET)
+    assert single.opt.get_current_lr() == 0.3 and single.opt.get_last_lr() is None
+
+
+def test_plot_confusion_takes_both_signatures():
+    """0.7's `plot_confusion(cm, class_names, normalize, title)` and 0.6.18's `plot_confusion(cm, class_num,
+    class_names, norm_dec, cmap, info)` draw the same matrix; 0.6.18's title counts the samples."""
+    pytest.importorskip("matplotlib")
+    from deepepochs import plot_confusion
+
+    cm = torch.tensor([[3, 1], [0, 4]])
+    new = plot_confusion(cm, ["a", "b"], False, "T")
+    old = plot_confusion(cm, 2, ["a", "b"], 2, "Reds", "run 1")
+    assert new.axes[0].get_title() == "T"
+    assert old.axes[0].get_title() == "Confusion matrix (8)\nrun 1"
+    for fig in (new, old):
+        assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["a", "b"]
+        assert sorted(t.get_text() for t in fig.axes[0].texts) == ["0", "1", "3", "4"]
+    with pytest.raises(ConfigError, match=r"class_num must be the size .* class_num=3"):
+        plot_confusion(cm, 3)
+
+
+def test_confusion_metrics_takes_beta_third_as_0618_did():
+    """`ConfusionMetrics(metrics, average, beta, name)` positionally: the F-beta equals the formula on the
+    matrix counted by hand."""
+    from deepepochs import ConfusionMetrics
+
+    preds, targets = torch.tensor([1, 1, 0, 1, 0, 0, 1]), torch.tensor([1, 0, 0, 1, 1, 1, 1])
+    patch = ConfusionMetrics(["fbeta"], "binary", 2.0, "B.").load(preds, targets)
+    values = {patch.name + key: value for key, value in patch().items()}  # the trainer shows them so
+    tp, fp, fn = 3, 1, 2
+    p, r = tp / (tp + fp), tp / (tp + fn)
+    assert values["B.fb"] == pytest.approx((1 + 4) * p * r / (4 * p + r))
+
+
+def test_set_seed_takes_a_string_of_digits_and_sum_dicts_reads_keys_as_attributes():
+    """`set_seed('3')` seeds as `set_seed(3)`; `sum_dicts([...]).a` is the sum's key 'a'."""
+    from deepepochs import set_seed, sum_dicts
+
+    set_seed("3")
+    a = torch.rand(3)
+    set_seed(3)
+    assert torch.equal(a, torch.rand(3))
+    with pytest.raises(ConfigError, match=r"seed must be an int.*got 'x'"):
+        set_seed("x")
+    sums = sum_dicts([{"a": 1, "b": 2}, {"a": 3}])
+    assert sums == {"a": 4, "b": 2} and sums.a == 4
+    with pytest.raises(AttributeError, match="no key 'c'"):
+        _ = sums.c
+
+
+def test_interprete_callbacks_top_is_top_samples():
+    """0.6.18's `InterpreteCallback.top()` returns what `top_samples()` does."""
+    from deepepochs import InterpreteCallback
+
+    per_sample = lambda preds, targets: F.cross_entropy(preds, targets, reduction="none")
+    interp = InterpreteCallback(per_sample, k=5)
+    trainer = Trainer(model(), F.cross_entropy, epochs=1, callbacks=[interp], **QUIET)
+    trainer.fit(data(), data())
+    top = interp.top()
+    assert len(top) == 5 and top == interp.top_samples()
+
+
+@pytest.mark.parametrize("path, name, new", [
+    ("deepepochs.loops", "flatten_dict", "deepepochs"),
+    ("deepepochs.loops", "TensorTuple", "deepepochs"),
+    ("deepepochs.tools", "plot_confusion", "deepepochs"),
+    ("deepepochs.optimizer", "Optimizer", "deepepochs"),
+    ("deepepochs.patches", "ConfusionPatch", "deepepochs"),
+    ("deepepochs.trainer", "EpochTask", "deepepochs"),
+])
+def test_0618_import_paths_work_with_a_deprecation_warning_naming_the_new_one(path, name, new):
+    """`from deepepochs.loops import flatten_dict` gives the same object as `from deepepochs import ...`, with
+    a DeprecationWarning that names the new path and points at the importing line."""
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=rf"{path}\.{name} .* `from {new} import {name}`") as caught:
+        value = getattr(importlib.import_module(path), name)
+    assert value is getattr(importlib.import_module(new), name)
+    assert caught[0].filename == __file__
+
+
+def test_a_removed_name_on_an_old_path_names_its_replacement():
+    """`from deepepochs.optimizer import Optimizers` raises the ImportError `from deepepochs import Optimizers`
+    raises (with the replacement)."""
+    with pytest.raises(ImportError, match=r"Optimizers .* was removed: pass several optimizers as a list"):
+        from deepepochs.optimizer import Optimizers  # noqa: F401
