@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from deepepochs import Callback, ConfigError, Trainer
+from deepepochs import Callback, ConfigError, EpochTask, Trainer, TrainerBase
 
 QUIET = dict(log_batch=False, show_info=False, device="cpu")
 
@@ -203,3 +203,119 @@ def test_a_removed_name_on_an_old_path_names_its_replacement():
     raises (with the replacement)."""
     with pytest.raises(ImportError, match=r"Optimizers .* was removed: pass several optimizers as a list"):
         from deepepochs.optimizer import Optimizers  # noqa: F401
+
+
+# ---- what steps and tasks find on `self` ----
+class Recorder(EpochTask):
+    """A 0.6.18 task step reading the attributes 0.6.18 gave it."""
+
+    seen: list
+
+    def step(self, batch_x, batch_y, **step_args):
+        self.seen.append(dict(size=self.current_batch_size, batches=self.batchs, counted=self.get_batch_size(
+            batch_x, batch_y), val_freq=self.val_freq, epochs=self.max_epochs, main=self.main_process,
+            metrics=list(self.metrics), same=self.model.model is self.raw_model))
+        out = self.model(batch_x)
+        self.loss(out, batch_y)
+
+
+def test_a_0618_task_step_finds_the_attributes_0618_gave_it(capsys):
+    """`self.current_batch_size`, `self.batchs`, `self.get_batch_size(x, y)`, `self.val_freq`, `self.max_epochs`,
+    `self.main_process`, `self.print`, `self.model.model` and `self.metrics` (the stage's metrics and the
+    task's own), compared with the data and arguments given."""
+    from deepepochs.metrics import accuracy, f1
+
+    x, y = torch.randn(20, 4), torch.randint(0, 2, (20,))
+    dl = DataLoader(TensorDataset(x, y), batch_size=8)  # batches of 8, 8, 4
+    Recorder.seen = []
+    trainer = Trainer(model(), F.cross_entropy, epochs=3, metrics=[accuracy], **QUIET)
+    trainer.fit(train_tasks=Recorder(dl), val_tasks=Recorder(dl, metrics=[f1]), val_freq=2)
+    train, val = Recorder.seen[:3], Recorder.seen[6:9]  # epoch 1, then validation after epoch 2
+    assert [s["size"] for s in train] == [s["counted"] for s in train] == [8, 8, 4]
+    assert {s["batches"] for s in train} == {3} and {s["epochs"] for s in train} == {3}
+    assert train[0]["val_freq"] is None and val[0]["val_freq"] == 2
+    assert all(s["main"] and s["same"] for s in Recorder.seen)
+    assert train[0]["metrics"] == [accuracy] and val[0]["metrics"] == [accuracy, f1]
+    trainer.print("only on rank 0")
+    assert "only on rank 0" in capsys.readouterr().out
+    assert "model" not in dict(trainer.raw_model.named_modules()) and "model" not in trainer.raw_model.state_dict()
+
+
+def test_load_checkpoint_chains_and_keeps_the_files_contents(tmp_path):
+    """`trainer.load_checkpoint(path).test(dl)` tests the loaded weights (0.6.18 chained); the contents
+    are `trainer.last_checkpoint`."""
+    from deepepochs import CheckCallback
+
+    dl = data()
+    first = Trainer(model(), F.cross_entropy, epochs=2, callbacks=[CheckCallback("loss", ckpt_dir=tmp_path)],
+                    running_id="a", **QUIET)
+    first.fit(dl, dl)
+    expected = first.test(dl)
+    path = next(tmp_path.glob("a/*.ckpt"))
+    fresh = Trainer(model(seed=5), F.cross_entropy, **QUIET)
+    assert fresh.load_checkpoint(path).test(dl) == expected
+    assert fresh.last_checkpoint.epoch == 2
+
+
+class LossOptimizeIndex(TrainerBase):
+    def train_step(self, batch_x, batch_y, **step_args):
+        self.loss(self.model(batch_x), batch_y, do_optimize=False)
+        self.loss.optimize(optimize_index=1)  # 0.6.18's spelling
+
+
+def test_loss_optimize_takes_an_optimize_index():
+    """`self.loss.optimize(optimize_index=1)` updates optimizer 1 only: the other layer keeps its weights."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    before = [p.detach().clone() for p in net.parameters()]
+    opts = [torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[1].parameters(), lr=0.1)]
+    LossOptimizeIndex(net, F.cross_entropy, opts, epochs=1, **QUIET).fit(data())
+    after = list(net.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(after[:2], before[:2]))
+    assert not any(torch.equal(a, b) for a, b in zip(after[2:], before[2:]))
+
+
+@pytest.mark.parametrize("cls, kind", [("TensorPatch", "tensor"), ("MeanPatch", "mean"),
+                                       ("ConfusionPatch", "confusion")])
+def test_metric_patch_takes_0618s_patch_classes(cls, kind):
+    """`Trainer(metric_patch=TensorPatch)` (0.6.18's documented form) is `metric_patch='tensor'`: same records."""
+    import deepepochs
+    from deepepochs.metrics import accuracy
+
+    runs = []
+    for value in (getattr(deepepochs, cls), kind):
+        trainer = Trainer(model(), F.cross_entropy, epochs=1, metrics=[accuracy], metric_patch=value, **QUIET)
+        assert trainer.config.metric_patch == kind
+        runs.append(trainer.fit(data(), data()))
+    assert runs[0] == runs[1]
+
+
+def test_metric_patch_refuses_another_class_naming_the_accepted_ones():
+    from deepepochs import PatchBase
+
+    class Mine(PatchBase):
+        pass
+
+    with pytest.raises(ConfigError, match=r"metric_patch must be .* TensorPatch \(= 'tensor'\).*got the class Mine"):
+        Trainer(model(), F.cross_entropy, metric_patch=Mine, **QUIET)
+
+
+class SubBatchLoss(TrainerBase):
+    """A training call with do_optimize=False and no do_metric, then the update: 0.6.18 computed metrics."""
+
+    def train_step(self, batch_x, batch_y, **step_args):
+        self.loss(self.model(batch_x), batch_y, do_optimize=False)
+        self.optimize()
+
+
+def test_a_loss_call_without_do_metric_computes_the_metrics_as_0618():
+    """The training accuracy of such a step equals the default step's (the same model and data)."""
+    from deepepochs.metrics import accuracy
+
+    records = []
+    for cls in (SubBatchLoss, Trainer):
+        net = model()
+        trainer = cls(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=0.1), epochs=2,
+                      metrics=[accuracy], **QUIET)
+        records.append(trainer.fit(data()))
+    assert len(records[0]["train"]["accuracy"]) == 2
+    assert records[0]["train"]["accuracy"] == records[1]["train"]["accuracy"]

@@ -61,7 +61,7 @@ def make_tasks(ctx: Context, stage: str, dataloader, tasks, metrics, do_loss, ba
             )
         task.trainer = parts.facade
         task.stage = stage
-        task.all_metrics = check_metric_names([*metrics, *task.metrics], f"the {stage} task {i}")
+        task.all_metrics = check_metric_names([*metrics, *task.own_metrics], f"the {stage} task {i}")
         if task.batch_size is None:
             task.batch_size = batch_size
         task.data = parts.dist.prepare_dataloader(task.dataloader, stage)
