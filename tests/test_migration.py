@@ -5,6 +5,7 @@ tests/test_migration_doc.py; the tests here check what the page says about them.
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -319,3 +320,68 @@ def test_a_loss_call_without_do_metric_computes_the_metrics_as_0618():
         records.append(trainer.fit(data()))
     assert len(records[0]["train"]["accuracy"]) == 2
     assert records[0]["train"]["accuracy"] == records[1]["train"]["accuracy"]
+
+
+# ---- intentional differences: said once, loudly ----
+def test_a_second_fit_with_epochs_trains_to_that_total_and_says_so_once():
+    """`fit(epochs=3)` after 2 epochs trains 1 more (0.6.18: 3 more), with a MigrationWarning naming both and
+    the replacement, once per trainer; a first fit says nothing."""
+    from deepepochs import MigrationWarning
+
+    trainer = Trainer(model(), F.cross_entropy, epochs=2, **QUIET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MigrationWarning)
+        trainer.fit(data(), epochs=2)
+    with pytest.warns(MigrationWarning, match=r"fit\(epochs=3\) trains up to 3 epochs in total: 2 are done, so"
+                      r" this fit trains 1 more; deepepochs 0.6.18 trained 3 more.*completed_epochs \+ 3") as w:
+        records = trainer.fit(data(), epochs=3)
+    assert w[0].filename == __file__
+    assert len(records["train"]["loss"]) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MigrationWarning)
+        records = trainer.fit(data(), epochs=trainer.loop.completed_epochs + 1)  # once per trainer
+    assert len(records["train"]["loss"]) == 4
+
+
+def test_test_gives_the_model_its_pre_test_weights_back_and_says_so_once(tmp_path):
+    """With a best checkpoint, test() evaluates its weights (equal to a fresh model loaded from the file),
+    then the model holds the last epoch's weights again; a MigrationWarning says 0.6.18 kept the tested ones
+    and how to keep them, the first time only."""
+    from deepepochs import CheckCallback, MigrationWarning
+
+    dl = data()
+    check = CheckCallback("loss", ckpt_dir=tmp_path)
+    trainer = Trainer(model(), F.cross_entropy, epochs=3, callbacks=[check], running_id="r", **QUIET)
+    trainer.fit(dl, dl)
+    last = [p.detach().clone() for p in trainer.raw_model.parameters()]
+    path = check.path(trainer)
+    with pytest.warns(MigrationWarning, match=r"gives the model its pre-test weights back; deepepochs 0\.6\.18"
+                      r" left the checkpoint's weights.*load_checkpoint\(.*best\.ckpt'\)"):
+        tested = trainer.test(dl)
+    assert all(torch.equal(p, q) for p, q in zip(trainer.raw_model.parameters(), last))
+    assert Trainer(model(seed=3), F.cross_entropy, **QUIET).load_checkpoint(path).test(dl) == tested
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MigrationWarning)
+        trainer.test(dl)
+
+
+def test_resume_decisions_are_reported_also_with_show_info_false(tmp_path, capsys):
+    """A resume says which run and file it loaded (and a fresh start why), with show_info=False too; the run
+    header stays off."""
+    from deepepochs import CheckCallback
+
+    dl = data()
+    quiet = dict(QUIET, show_info=False)
+    first = Trainer(model(), F.cross_entropy, epochs=1, callbacks=[CheckCallback("loss", ckpt_dir=tmp_path)],
+                    running_id="run1", **quiet)
+    first.fit(dl, dl)
+    capsys.readouterr()
+    again = Trainer(model(), F.cross_entropy, epochs=2, callbacks=[CheckCallback("loss", ckpt_dir=tmp_path)],
+                    resume=True, **quiet)
+    again.fit(dl, dl)
+    out = capsys.readouterr().out
+    assert "Resumed run run1" in out and "run1" in out and "parameters" not in out.lower()
+    fresh = Trainer(model(), F.cross_entropy, epochs=1,
+                    callbacks=[CheckCallback("loss", ckpt_dir=tmp_path / "empty")], resume=True, **quiet)
+    fresh.fit(dl, dl)
+    assert "starting run" in capsys.readouterr().out

@@ -30,7 +30,7 @@ from deepepochs.tasks import as_metric_list
 from deepepochs.torch_private import compiled_module
 from deepepochs.trainer.arguments import check_arguments, check_call, check_int, check_keywords, to_device
 from deepepochs.trainer.resume_policy import resume_run
-from deepepochs.trainer.step_methods import StepMethods, expose_module_as_model
+from deepepochs.trainer.step_methods import StepMethods, epochs_are_a_total, expose_module_as_model
 from deepepochs.training.lr_sweep import LRFindResult
 from deepepochs.training.optim import Optimizers
 from deepepochs.training.precision import Precision
@@ -280,6 +280,7 @@ class TrainerBase(StepMethods):
             return {"train": {}, "val": {}}
         if epochs is not None:
             self.config = attrs.evolve(self.config, epochs=epochs)  # validated like the constructor's
+            epochs_are_a_total(self, epochs)
         check_int("val_freq", val_freq)
         if train_dl is not None and train_tasks:
             raise ConfigError("pass either train_dl or train_tasks to fit(), not both")

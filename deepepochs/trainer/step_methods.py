@@ -9,14 +9,28 @@ uses too. `TrainerBase` derives from it and sets `_ctx`, the engine's `Context`;
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from deepepochs.engine import steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.stage_tasks import default_step
-from deepepochs.errors import ConfigError
+from deepepochs.errors import ConfigError, MigrationWarning
 
-__all__ = ["LossCall", "StepMethods", "expose_module_as_model"]
+__all__ = ["LossCall", "StepMethods", "epochs_are_a_total", "expose_module_as_model"]
+
+
+def epochs_are_a_total(trainer, epochs: int) -> None:
+    """`fit(epochs=k)` on a trainer with epochs done: k is the total target (0.6.18 trained k more), said
+    once per trainer with a `MigrationWarning`."""
+    done = trainer.loop.completed_epochs
+    if done and not getattr(trainer, "_told_epochs_total", False):
+        trainer._told_epochs_total = True
+        warnings.warn(
+            f"fit(epochs={epochs}) trains up to {epochs} epochs in total: {done} are done, so this fit trains"
+            f" {max(epochs - done, 0)} more; deepepochs 0.6.18 trained {epochs} more. For that, pass"
+            f" fit(epochs=trainer.loop.completed_epochs + {epochs})", MigrationWarning, stacklevel=3)
 
 
 def expose_module_as_model(module) -> None:
