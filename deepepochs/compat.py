@@ -407,14 +407,15 @@ def sum_dicts(dicts):
     return out
 
 
-def flatten_dict(d: Mapping, sep: str = ".", prefix: str = "") -> dict:
-    """A nested dict as one level, the keys of each level joined with `sep`:
-    `{'a': {'b': 1}, 'c': 2}` -> `{'a.b': 1, 'c': 2}`."""
+def flatten_dict(d: Mapping, parent_key: str = "", sep: str = ".") -> dict:
+    """A nested dict as one level, the keys of each level joined with `sep`, all behind `parent_key` when
+    given: `{'a': {'b': 1}, 'c': 2}` -> `{'a.b': 1, 'c': 2}`; with `parent_key='p'`, `{'p.a.b': 1, 'p.c': 2}`.
+    The argument order is deepepochs 0.6.18's, `(d, parent_key, sep)`."""
     out = {}
     for k, v in d.items():
-        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        key = f"{parent_key}{sep}{k}" if parent_key else str(k)
         if isinstance(v, Mapping):
-            out.update(flatten_dict(v, sep, key))
+            out.update(flatten_dict(v, key, sep))
         else:
             out[key] = v
     return out

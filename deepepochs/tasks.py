@@ -13,7 +13,7 @@ from deepepochs.errors import ConfigError
 
 __all__ = [
     "STEP_NAMES", "TASK_SUFFIX_NOTE", "BatchMetrics", "EpochTask", "TaskMeters", "check_metric_names", "flatten_value",
-    "merge_stage_metrics", "merge_values", "metric_name", "per_class", "rename", "step_kwargs",
+    "ahead_of", "merge_stage_metrics", "merge_values", "metric_name", "per_class", "rename", "step_kwargs",
 ]
 
 #: Step-method lookup order per stage: `step` first, then the stage's own, then `evaluate_step`.
@@ -178,6 +178,14 @@ def check_metric_names(metrics, where: str) -> list:
         seen[name] = m
         out.append(m)
     return out
+
+
+def ahead_of(first: list, then: list, keep_first: bool = False) -> list:
+    """Two metric lists as one in deepepochs 0.6.18's order: `first`, then `then`, a metric both hold
+    listed once, where `then` has it (or, with `keep_first`, where `first` has it)."""
+    if keep_first:
+        return [*first, *(m for m in then if not any(m is f for f in first))]
+    return [*(m for m in first if not any(m is t for t in then)), *then]
 
 
 def as_metric_list(metrics, argname: str) -> list:

@@ -236,7 +236,7 @@ def test_a_0618_task_step_finds_the_attributes_0618_gave_it(capsys):
     assert {s["batches"] for s in train} == {3} and {s["epochs"] for s in train} == {3}
     assert train[0]["val_freq"] is None and val[0]["val_freq"] == 2
     assert all(s["main"] and s["same"] for s in Recorder.seen)
-    assert train[0]["metrics"] == [accuracy] and val[0]["metrics"] == [accuracy, f1]
+    assert train[0]["metrics"] == [accuracy] and val[0]["metrics"] == [f1, accuracy]  # the task's own first
     trainer.print("only on rank 0")
     assert "only on rank 0" in capsys.readouterr().out
     assert "model" not in dict(trainer.raw_model.named_modules()) and "model" not in trainer.raw_model.state_dict()
@@ -385,3 +385,64 @@ def test_resume_decisions_are_reported_also_with_show_info_false(tmp_path, capsy
                     callbacks=[CheckCallback("loss", ckpt_dir=tmp_path / "empty")], resume=True, **quiet)
     fresh.fit(dl, dl)
     assert "starting run" in capsys.readouterr().out
+
+
+# ---- smaller differences: restored, or documented ----
+def test_flatten_dict_takes_0618s_parent_key_then_separator():
+    """`flatten_dict(d, 'p')` puts every key behind 'p.' (0.6.18's `parent_key`); `sep=` joins the levels."""
+    from deepepochs import flatten_dict
+
+    d = {"a": {"b": 1, "c": {"d": 2}}, "e": 3}
+    assert flatten_dict(d) == {"a.b": 1, "a.c.d": 2, "e": 3}
+    assert flatten_dict(d, "p") == {"p.a.b": 1, "p.a.c.d": 2, "p.e": 3}
+    assert flatten_dict(d, "p", "/") == flatten_dict(d, parent_key="p", sep="/") == {"p/a/b": 1, "p/a/c/d": 2,
+                                                                                      "p/e": 3}
+
+
+def _named(name):
+    def metric(preds, targets):
+        return float((preds.argmax(1) == targets).float().mean()) + len(name)  # distinct values per name
+    metric.__name__ = metric.__qualname__ = name
+    return metric
+
+
+def test_columns_follow_0618s_order_of_stage_fit_and_trainer_metrics():
+    """0.6.18 listed a stage's own metrics (`train_metrics=`) first, then fit's `metrics=`, then the trainer's,
+    each once (a metric given twice stays where the later list has it); a task's own before its stage's."""
+    from deepepochs import EpochTask
+
+    own, fit_m, shared, trainer_m, task_m = (_named(n) for n in ("own", "fit_m", "shared", "trainer_m", "task_m"))
+    trainer = Trainer(model(), F.cross_entropy, epochs=1, metrics=[trainer_m, shared], **QUIET)
+    records = trainer.fit(data(), val_tasks=[EpochTask(data(), metrics=[task_m])], metrics=[fit_m, shared],
+                          train_metrics=[own, shared])
+    assert list(records["train"]) == ["loss", "own", "fit_m", "shared", "trainer_m"]
+    assert list(records["val"]) == ["loss", "task_m", "fit_m", "shared", "trainer_m"]
+    assert list(trainer.test(data(), metrics=[own, trainer_m])) == ["loss", "own", "trainer_m", "shared"]
+
+
+class Order(Callback):
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx):
+        self.log.append(("before", self.name))
+
+    def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
+        self.log.append(("after", self.name))
+
+
+def test_callbacks_run_in_the_order_of_the_list_not_of_their_creation():
+    """Documented difference: 0.6.18 ran callbacks in the order they were created; here `before` hooks run
+    in the order of `callbacks=[...]` and `after` hooks in reverse."""
+    log = []
+    first, second = Order("created first", log), Order("created second", log)
+    Trainer(model(), F.cross_entropy, epochs=1, callbacks=[second, first], **QUIET).fit(data())
+    assert log == [("before", "created second"), ("before", "created first"),
+                   ("after", "created first"), ("after", "created second")]
+
+
+def test_records_always_hold_a_val_entry_empty_without_validation():
+    """Documented difference: `fit()` without validation returns `{'train': {...}, 'val': {}}` (0.6.18 had no
+    'val' key); `records['val']` is falsy, so `if records['val']:` tells the cases apart."""
+    records = Trainer(model(), F.cross_entropy, epochs=2, **QUIET).fit(data())
+    assert set(records) == {"train", "val"} and records["val"] == {} and len(records["train"]["loss"]) == 2

@@ -26,7 +26,7 @@ from deepepochs.parallel.strategy import select_policy
 from deepepochs.patches.selection import patch_kind
 from deepepochs.reporting.console import Console
 from deepepochs.reporting.summary_writer import RunWriters
-from deepepochs.tasks import as_metric_list
+from deepepochs.tasks import ahead_of, as_metric_list
 from deepepochs.torch_private import compiled_module
 from deepepochs.trainer.arguments import check_arguments, check_call, check_int, check_keywords, to_device
 from deepepochs.trainer.resume_policy import resume_run
@@ -285,13 +285,14 @@ class TrainerBase(StepMethods):
         if train_dl is not None and train_tasks:
             raise ConfigError("pass either train_dl or train_tasks to fit(), not both")
         driver = self._driver
-        common = [*self.metrics, *as_metric_list(metrics, "metrics")]
+        # 0.6.18's column order: a stage's own metrics, then fit's, then the trainer's (each metric once)
+        common = ahead_of(as_metric_list(metrics, "metrics"), self.metrics, keep_first=True)
         train = driver.make_tasks("train", train_dl, train_tasks,
-                                  [*common, *as_metric_list(train_metrics, "train_metrics")], True, batch_size)
+                                  ahead_of(as_metric_list(train_metrics, "train_metrics"), common), True, batch_size)
         if not train:
             raise ConfigError("fit() needs training data: pass train_dl or train_tasks")
         val = driver.make_tasks("val", val_dl, val_tasks,
-                                [*common, *as_metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
+                                ahead_of(as_metric_list(val_metrics, "val_metrics"), common), do_val_loss, batch_size)
         for task in val:
             task.val_freq = val_freq  # 0.6's task.val_freq
         return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
@@ -301,7 +302,7 @@ class TrainerBase(StepMethods):
         floats that also have `.item()`, as 0.6's NumPy results had."""
         self._check_open("test")
         driver = self._driver
-        tasks = driver.make_tasks("test", test_dl, tasks, [*self.metrics, *as_metric_list(metrics, "metrics")],
+        tasks = driver.make_tasks("test", test_dl, tasks, ahead_of(as_metric_list(metrics, "metrics"), self.metrics),
                                   do_loss, batch_size)
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
