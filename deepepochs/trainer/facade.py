@@ -298,8 +298,8 @@ class TrainerBase(StepMethods):
         return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
-        """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are
-        floats that also have `.item()`, as 0.6's NumPy results had."""
+        """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are plain
+        floats (0.6 returned NumPy 0-d arrays; `float(v)` reads both)."""
         self._check_open("test")
         driver = self._driver
         tasks = driver.make_tasks("test", test_dl, tasks, ahead_of(as_metric_list(metrics, "metrics"), self.metrics),
