@@ -446,3 +446,259 @@ def test_records_always_hold_a_val_entry_empty_without_validation():
     'val' key); `records['val']` is falsy, so `if records['val']:` tells the cases apart."""
     records = Trainer(model(), F.cross_entropy, epochs=2, **QUIET).fit(data())
     assert set(records) == {"train", "val"} and records["val"] == {} and len(records["train"]["loss"]) == 2
+
+
+# ---- claims without a test elsewhere ----
+def test_the_0618_arguments_of_trainer_fit_and_test_come_in_0618s_order():
+    """`Trainer`, `fit` and `test` take 0.6.18's arguments, positionally in 0.6.18's order."""
+    import inspect
+
+    from deepepochs import InterpreteCallback
+
+    def names(fn, n):
+        return [p for p in inspect.signature(fn).parameters if p != "self"][:n]
+
+    trainer_0618 = ["model", "loss", "opt", "epochs", "device", "callbacks", "metrics", "metric_patch", "resume",
+                    "running_id", "hyper_params", "log_long", "log_batch", "log_tqdm", "show_info", "compile_model"]
+    fit_0618 = ["train_dl", "val_dl", "metrics", "val_freq", "do_val_loss", "batch_size", "train_metrics",
+                "val_metrics", "train_tasks", "val_tasks"]
+    test_0618 = ["test_dl", "metrics", "do_loss", "batch_size", "tasks"]
+    interprete_0618 = ["metric", "k", "mode", "stages", "class_num", "log_dir", "image_data"]
+    assert names(Trainer.__init__, len(trainer_0618)) == trainer_0618
+    assert names(Trainer.fit, len(fit_0618)) == fit_0618
+    assert names(Trainer.test, len(test_0618)) == test_0618
+    assert names(InterpreteCallback.__init__, len(interprete_0618)) == interprete_0618
+
+
+def test_the_default_metric_patch_gives_the_values_of_0618s_tensor_patch():
+    """`metric_patch='auto'` (the default) and 'tensor' (0.6's) give equal records for deepepochs' metrics."""
+    from deepepochs.metrics import accuracy, f1, precision, recall
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(90, 4, generator=g), torch.randint(0, 3, (90,), generator=g)
+    dl = DataLoader(TensorDataset(x, y), batch_size=16)
+    runs = []
+    for kind in ("auto", "tensor"):
+        torch.manual_seed(0)
+        trainer = Trainer(nn.Linear(4, 3), F.cross_entropy, epochs=1, metric_patch=kind,
+                          metrics=[accuracy, f1, precision, recall], **QUIET)
+        runs.append(trainer.fit(dl, dl))
+    assert runs[0].keys() == runs[1].keys()
+    for stage in runs[0]:
+        for name, values in runs[0][stage].items():
+            assert values == pytest.approx(runs[1][stage][name], abs=1e-6), (stage, name)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class StopOrRaise(Callback):
+    def __init__(self, raise_at=None):
+        self.raise_at = raise_at
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        if self.raise_at == (trainer.loop.epoch, batch_idx):
+            raise Boom("from a hook")
+
+    def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
+        if self.raise_at is None and epoch_idx == 1:
+            trainer.request_stop("good enough")
+
+
+def test_request_stop_ends_the_fit_after_the_epoch_and_errors_come_as_raised():
+    """`trainer.request_stop(reason)` (0.6's StopLoopException) ends the fit after that epoch; an error from a
+    hook reaches the caller as it was raised (no wrapper type), and the trainer is usable afterwards."""
+    records = Trainer(model(), F.cross_entropy, epochs=10, callbacks=[StopOrRaise()], **QUIET).fit(data())
+    assert len(records["train"]["loss"]) == 2
+    trainer = Trainer(model(), F.cross_entropy, epochs=2, callbacks=[StopOrRaise(raise_at=(1, 2))], **QUIET)
+    with pytest.raises(Boom, match="from a hook"):
+        trainer.fit(data())
+    trainer.callbacks[0].raise_at = None
+    assert len(trainer.fit(data())["train"]["loss"]) == 2
+
+
+# ---- every row and section of docs/MIGRATION.md names the tests that check it ----
+C6, C06, C18 = "tests/test_compat.py", "tests/test_compat_06.py", "tests/test_compat_0618.py"
+HERE, DOC = "tests/test_migration.py", "tests/test_migration_doc.py::test_each_python_block_of_the_migration_page_runs"
+ROWS = {  # the first cell of a table row (its start) -> the tests that check the row
+    "a second `fit(epochs=k)`": [f"{HERE}::test_a_second_fit_with_epochs_trains_to_that_total_and_says_so_once"],
+    "after `test()` with a `CheckCallback` file": [
+        f"{HERE}::test_test_gives_the_model_its_pre_test_weights_back_and_says_so_once"],
+    "`resume=...` always said": [f"{HERE}::test_resume_decisions_are_reported_also_with_show_info_false"],
+    "precision, recall and F1 of a **two-class**": [f"{C18}::test_two_class_f1_scores_class_1_and_says_so_once"],
+    "with several tasks in a stage": [f"{C18}::test_several_tasks_keep_every_tasks_loss_and_say_how_they_are_named"],
+    "`resume=True` on a run that patience had stopped": [
+        "tests/test_resume_finished.py::test_an_early_stopped_run_resumed_says_it_is_finished_and_returns_its_records",
+        "tests/test_resume_finished.py::test_following_the_finished_message_trains_on_like_0_6"],
+    "`run_tensorboard()` started": [f"{C6}::test_run_tensorboard_outside_a_terminal_warns_with_the_command_and_returns",
+                                    f"{C6}::test_run_tensorboard_in_a_terminal_starts_tensorboard_on_the_folder"],
+    "`device=Accelerator(...)`": [f"{C18}::test_accelerate_arguments_are_refused_up_front_naming_their_replacements"],
+    "`CheckCallback` saved to `./logs`": [f"{C18}::test_resume_with_0_6_checkpoints_in_logs_says_how_to_resume_them"],
+    "`Trainer(model, loss, opt, epochs,": [
+        f"{HERE}::test_the_0618_arguments_of_trainer_fit_and_test_come_in_0618s_order"],
+    "callback hooks and their arguments": [
+        f"{C06}::test_hooks_receive_zero_based_epoch_and_batch_indices_while_the_console_counts_from_one"],
+    "hooks written to take their arguments by keyword": [
+        f"{HERE}::test_hooks_taking_their_arguments_by_keyword_get_them_by_keyword",
+        f"{HERE}::test_a_hook_that_takes_neither_form_is_refused_when_attached"],
+    "metric values in hooks were tensors": [
+        f"{HERE}::test_metric_values_in_user_hooks_answer_item_and_records_stay_plain_floats"],
+    "in a step: `self.current_batch_size`": [f"{HERE}::test_a_0618_task_step_finds_the_attributes_0618_gave_it"],
+    "inside a task's step, `self.metrics`": [f"{HERE}::test_a_0618_task_step_finds_the_attributes_0618_gave_it"],
+    "`trainer.opt.get_current_lr()`": [f"{HERE}::test_optimizer_lr_accessors_answer_as_in_0618"],
+    "`trainer.load_checkpoint(path).test(test_dl)`": [
+        f"{HERE}::test_load_checkpoint_chains_and_keeps_the_files_contents"],
+    "`Trainer(metric_patch=TensorPatch)`": [f"{HERE}::test_metric_patch_takes_0618s_patch_classes",
+                                            f"{HERE}::test_metric_patch_refuses_another_class_naming_the_accepted_ones"],
+    "`set_seed('3')`": [f"{HERE}::test_set_seed_takes_a_string_of_digits_and_sum_dicts_reads_keys_as_attributes"],
+    "`from deepepochs.loops import ...`": [
+        f"{HERE}::test_0618_import_paths_work_with_a_deprecation_warning_naming_the_new_one",
+        f"{HERE}::test_a_removed_name_on_an_old_path_names_its_replacement"],
+    "an update zeroed only the gradients": [
+        "tests/engine/test_kept_grads.py::test_an_optimizer_that_did_not_step_keeps_adding_up_gradients_as_in_a_plain_loop",
+        "tests/engine/test_kept_grads.py::test_a_rollback_puts_back_the_kept_gradients_without_the_discarded_windows_additions",
+        "tests/engine/test_kept_grads.py::test_a_later_fit_continues_from_the_kept_gradients_like_a_longer_plain_loop"],
+    "the columns (and records) of a stage": [
+        f"{HERE}::test_columns_follow_0618s_order_of_stage_fit_and_trainer_metrics"],
+    "`@rename('acc')`": [f"{C06}::test_rename_works_as_a_decorator_and_as_a_call_like_0_6",
+                         f"{C06}::test_rename_prefixes_the_keys_of_a_dict_metric_and_an_empty_name_keeps_them"],
+    "`batch_size=` on `fit`/`test`/`EpochTask`": [
+        f"{C06}::test_batch_size_int_weighs_every_batch_with_that_count_like_0_6",
+        f"{C06}::test_batch_size_function_gives_each_batch_its_weight_in_fit_test_and_epoch_task"],
+    "a custom step that only calls `self.loss(out, y)`": [
+        f"{C06}::test_custom_steps_that_only_call_self_loss_keep_the_trainers_metrics"],
+    "a step splitting its batch by hand": [f"{C18}::test_hand_written_accumulation_with_do_metric_equals_a_plain_loop",
+                                           f"{HERE}::test_a_loss_call_without_do_metric_computes_the_metrics_as_0618",
+                                           f"{HERE}::test_loss_optimize_takes_an_optimize_index"],
+    "older 0.6: `self.loss(..., grad_accumulate=True)`": [
+        f"{C06}::test_0_6_manual_accumulation_with_grad_accumulate_and_loss_optimize_matches_plain_pytorch"],
+    "patches in 0.6.18's spelling": [
+        f"{C18}::test_0618_patch_load_spelling_gives_whole_dataset_values_under_0618_names",
+                                     f"{C18}::test_0618_patch_constructors_keep_the_counts_and_names_they_are_given"],
+    "`ConfusionMetrics(metrics, average, beta=1.0": [
+        f"{C18}::test_0618_patch_load_spelling_gives_whole_dataset_values_under_0618_names",
+        f"{HERE}::test_confusion_metrics_takes_beta_third_as_0618_did"],
+    "a step returning a dict-valued patch under a key": [
+        f"{C18}::test_a_steps_dict_patch_is_prefixed_by_its_key_and_can_be_monitored",
+        f"{C18}::test_the_trainers_own_patches_returned_by_a_step_keep_their_names"],
+    "`Trainer(metric_patch='confusion', metrics=[fn])`": [
+        f"{C18}::test_metric_patch_confusion_takes_a_user_function_of_the_confusion_matrix"],
+    "`InterpreteCallback()` without a metric": [
+        f"{C18}::test_interprete_callback_without_metric_keeps_the_confusion_matrix_only"],
+    "`InterpreteCallback.top()`": [f"{HERE}::test_interprete_callbacks_top_is_top_samples"],
+    "`fit()`/`test()` values were NumPy 0-d arrays": [
+        f"{C18}::test_fit_and_test_values_are_plain_floats_that_torch_load_reads_back"],
+    "`run_tensorboard()` on `LogCallback`": [
+        f"{C6}::test_run_tensorboard_in_a_terminal_starts_tensorboard_on_the_folder"],
+    "`fit(do_val_loss=False)`, `test(do_loss=False)`": [
+        f"{C06}::test_do_val_loss_false_and_do_loss_false_compute_no_evaluation_loss_in_custom_steps"],
+    "`deepepochs.metrics` `precision`/`recall`/`fbeta`/`f1` average": [
+        "tests/test_metrics.py::test_default_average_is_0_6_micro_for_multiclass_and_sklearn_binary_for_two_classes"],
+    "`accuracy(conf_mat=cm)`": [
+        "tests/test_metrics.py::test_conf_mat_keyword_of_0_6_scores_a_given_confusion_matrix_like_sklearn"],
+    "`TensorTuple`, `TensorDict`, `batches`, `concat`": [
+        f"{C6}::test_tensor_tuple_and_tensor_dict_convert_every_tensor_they_hold",
+        f"{C6}::test_batches_splits_along_the_first_dimension_and_concat_joins_the_parts_back",
+        f"{C6}::test_sum_dicts_flatten_dict_and_to_numpy", f"{C6}::test_plot_confusion_draws_the_counts_in_the_cells"],
+    "`InterpreteCallback(metric=None, k=100": [
+        f"{HERE}::test_the_0618_arguments_of_trainer_fit_and_test_come_in_0618s_order",
+        "tests/callbacks/test_interprete.py::test_keeps_exactly_the_k_best_samples_of_the_whole_dataset"],
+    "0.6 checkpoints `{'model_state'": [f"{C06}::test_a_0_6_checkpoint_loads_weights_optimizer_scheduler_and_epoch",
+                                        f"{C06}::test_resume_true_continues_a_0_6_run_and_skips_a_foreign_file_without_aborting"],
+    "`Trainer(running_id=1, resume=1)`": [f"{C06}::test_int_running_id_and_resume_of_0_6_name_the_run_folder"],
+    "`set_seed(1.0)`": [f"{C06}::test_set_seed_takes_0_6s_float_seed_with_an_integral_value"],
+    "a `PatchBase` subclass that sets its state": [
+        f"{C06}::test_a_0_6_patch_that_sets_its_state_in_init_without_load_works_in_a_step"],
+    "`ConfusionPatch(preds, targets, metrics=['accuracy'], name='C.')`": [
+        f"{C06}::test_a_patch_name_prefixes_the_keys_of_its_dict_result_like_0_6"],
+    "`EpochTask(dl, step_args={'scale': 2})`": [
+        f"{C06}::test_epoch_task_step_args_dict_is_one_keyword_as_0_6_18_or_unpacked_for_a_step_without_it"],
+    "`TensorTuple`, `TensorDict`": [f"{C6}::test_tensor_tuple_and_tensor_dict_convert_every_tensor_they_hold"],
+    "`batches(data, batch_size)`": [
+        f"{C6}::test_batches_splits_along_the_first_dimension_and_concat_joins_the_parts_back"],
+    "`concat(parts)`": [f"{C6}::test_batches_splits_along_the_first_dimension_and_concat_joins_the_parts_back"],
+    "`sum_dicts(dicts)`": [f"{C6}::test_sum_dicts_flatten_dict_and_to_numpy",
+                           f"{HERE}::test_set_seed_takes_a_string_of_digits_and_sum_dicts_reads_keys_as_attributes"],
+    "`flatten_dict(d, parent_key=''": [f"{HERE}::test_flatten_dict_takes_0618s_parent_key_then_separator"],
+    "`to_numpy(data)`": [f"{C6}::test_sum_dicts_flatten_dict_and_to_numpy"],
+    "`plot_confusion(cm, class_num": [f"{HERE}::test_plot_confusion_takes_both_signatures",
+                                      f"{C6}::test_plot_confusion_without_matplotlib_says_how_to_install_it"],
+    "`Optimizers`": [f"{C18}::test_helpers_of_0_6s_star_import_name_what_to_use",
+                     f"{C6}::test_a_removed_0_6_name_fails_to_import_with_its_replacement_in_the_message"],
+    "`LinearCosineScheduler`": [f"{C6}::test_a_removed_0_6_name_fails_to_import_with_its_replacement_in_the_message"],
+    "`StopLoopException`": [f"{C6}::test_a_removed_0_6_name_fails_to_import_with_its_replacement_in_the_message",
+                            f"{HERE}::test_request_stop_ends_the_fit_after_the_epoch_and_errors_come_as_raised"],
+    "`LoopException`, `CallbackException`": [
+        f"{C6}::test_a_removed_0_6_name_fails_to_import_with_its_replacement_in_the_message",
+        f"{HERE}::test_request_stop_ends_the_fit_after_the_epoch_and_errors_come_as_raised"],
+    "`LRFindCallback`": [
+        "tests/test_lr_find.py::test_lr_find_callback_makes_fit_a_sweep_as_in_0_6_then_training_resumes"],
+    "`make_runningid`, `batch_size`, `listify`": [f"{C18}::test_helpers_of_0_6s_star_import_name_what_to_use"],
+}
+SECTIONS = {  # the page's "### " headings -> the tests that check what the section says
+    "Two metrics may no longer report the same name": [
+        f"{C06}::test_two_dict_metrics_with_the_same_keys_are_an_error_not_a_silent_overwrite",
+        f"{C06}::test_two_different_metrics_with_one_name_are_refused_before_training",
+        f"{C06}::test_an_empty_rename_on_a_single_value_metric_asks_for_a_name", DOC],
+    "`metric_patch` defaults to `'auto'`": [
+        f"{HERE}::test_the_default_metric_patch_gives_the_values_of_0618s_tensor_patch",
+                                            DOC],
+    "Two-class precision, recall and F1 score class 1": [
+        "tests/test_metrics.py::test_binary_average_scores_class_one_like_sklearn", DOC],
+    "Several tasks in one stage": [f"{C18}::test_several_tasks_keep_every_tasks_loss_and_say_how_they_are_named"],
+    "Resuming a finished run": [
+        "tests/test_resume_finished.py::test_an_early_stopped_run_resumed_says_it_is_finished_and_returns_its_records",
+        "tests/test_resume_finished.py::test_a_run_that_reached_its_target_is_finished_until_the_target_is_raised"],
+    "Older 0.6: a single model input as a list, dict batches as one argument": [
+        f"{C06}::test_a_0_6_step_unpacking_a_single_input_gets_a_hint_to_call_the_model_with_batch_x"],
+    "Keys of dict metrics": [f"{C18}::test_a_steps_dict_patch_is_prefixed_by_its_key_and_can_be_monitored", DOC],
+    "Accelerate arguments are gone": [
+        f"{C18}::test_accelerate_arguments_are_refused_up_front_naming_their_replacements",
+        f"{C18}::test_hand_written_accumulation_with_do_metric_equals_a_plain_loop", DOC],
+    "Exceptions and stopping": [
+        f"{HERE}::test_request_stop_ends_the_fit_after_the_epoch_and_errors_come_as_raised", DOC],
+    "Callback order": [f"{HERE}::test_callbacks_run_in_the_order_of_the_list_not_of_their_creation",
+                       f"{C6}::test_a_0_6_callback_priority_is_refused_with_how_to_order_callbacks"],
+    "Records of a fit without validation": [f"{HERE}::test_records_always_hold_a_val_entry_empty_without_validation"],
+    "Checkpoints": [f"{C06}::test_a_0_6_checkpoint_loads_weights_optimizer_scheduler_and_epoch",
+                    f"{C06}::test_a_0_6_file_of_an_unknown_layout_is_refused_with_how_to_convert_it",
+                    f"{C18}::test_resume_with_0_6_checkpoints_in_logs_says_how_to_resume_them", DOC],
+    "Logging and interpretation": [f"{C6}::test_run_tensorboard_outside_a_terminal_warns_with_the_command_and_returns",
+                                   f"{C18}::test_interprete_callback_without_metric_keeps_the_confusion_matrix_only"],
+    "Helpers": [f"{C6}::test_a_removed_0_6_name_fails_to_import_with_its_replacement_in_the_message",
+                f"{C18}::test_helpers_of_0_6s_star_import_name_what_to_use"],
+}
+
+
+def _page():
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parent.parent / "docs" / "MIGRATION.md").read_text(encoding="utf-8")
+
+
+def _exists(test_id: str) -> bool:
+    import ast
+    from pathlib import Path
+
+    path, name = test_id.split("::")
+    tree = ast.parse((Path(__file__).resolve().parent.parent / path).read_text(encoding="utf-8"))
+    return any(isinstance(node, ast.FunctionDef) and node.name == name for node in tree.body)
+
+
+def test_every_row_of_the_migration_page_names_tests_that_exist():
+    """Each table row of docs/MIGRATION.md (by the start of its first cell) has tests listed in ROWS, each
+    heading of a section in SECTIONS, and every listed test is defined where it says; so a claim added to
+    the page without a test, or a test renamed away from its claim, fails here."""
+    page = _page()
+    rows = [line.split(" | ")[0].lstrip("| ").strip() for line in page.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    rows = [r for r in rows if r not in ("0.6.18", "0.6 behaviour", "0.6 name")]  # the tables' headers
+    uncovered = [r for r in rows if not any(r.startswith(key) for key in ROWS)]
+    assert not uncovered, f"rows without tests in ROWS: {uncovered}"
+    headings = [line[4:].strip() for line in page.splitlines() if line.startswith("### ")]
+    assert sorted(headings) == sorted(SECTIONS), "sections and SECTIONS differ"
+    missing = [t for tests in [*ROWS.values(), *SECTIONS.values()] for t in tests if not _exists(t)]
+    assert not missing, f"listed tests that do not exist: {missing}"
+    stale = [key for key in ROWS if not any(r.startswith(key) for r in rows)]
+    assert not stale, f"ROWS keys that match no row of the page: {stale}"
