@@ -146,3 +146,28 @@ def test_a_rollback_puts_back_the_kept_gradients_without_the_discarded_windows_a
     trainer.fit(dl)
     assert_same(model, plain_loop(dl, 2))
     trainer.close()
+
+
+def test_a_mid_epoch_snapshot_carries_the_kept_gradients_to_a_resumed_run(tmp_path):
+    """A snapshot after each update; a fresh trainer resuming from one written mid-epoch on an odd update (the
+    second optimizer holds a batch's gradients then) ends as the uninterrupted plain loop does."""
+    import shutil
+
+    from deepepochs import SnapshotCallback
+
+    dl = make_dl()
+    model = make_model()
+    first = Alternating(model, F.mse_loss, make_opts(model), epochs=2, running_id="run",
+                        callbacks=[SnapshotCallback(tmp_path / "all", every_n_updates=1, keep=1000)], **QUIET)
+    first.fit(dl)
+    first.close()
+    name = "snapshot-u000000003.ckpt"  # after batch 3 (optimizer 0 stepped): optimizer 1 keeps batch 3's
+    (tmp_path / "one" / "run").mkdir(parents=True)
+    shutil.copy(tmp_path / "all" / "run" / name, tmp_path / "one" / "run" / name)
+    fresh = make_model(seed=7)
+    resumed = Alternating(fresh, F.mse_loss, make_opts(fresh), epochs=2, running_id="run", resume=True,
+                          callbacks=[SnapshotCallback(tmp_path / "one")], **QUIET)
+    resumed.n = 2  # the custom step's own counter: three batches done
+    resumed.fit(dl)
+    assert_same(fresh, plain_loop(dl, 2))
+    resumed.close()
