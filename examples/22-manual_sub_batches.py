@@ -1,8 +1,9 @@
 """Manual sub-batching in a custom training step: split each DataLoader batch by hand.
 
 Each sub-batch calls `self.loss(..., loss_adjust=sub_size / batch_size, do_optimize=False, do_metric=False)`
-(its metrics come from the whole batch, below); non-final sub-batches run inside `self.no_sync()` (no gradient all-reduce under DDP, a no-op in one process); one
-`self.optimize()` applies the whole batch. The update equals a plain step on the full batch.
+(its metrics come from the whole batch, below); non-final sub-batches run inside `self.no_sync()` (no
+gradient all-reduce under DDP, a no-op in one process); one `self.optimize()` applies the whole batch. The
+update equals a plain step on the full batch.
 
 Run: `python examples/22-manual_sub_batches.py [--small]`.
 """
