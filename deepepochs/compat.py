@@ -36,6 +36,7 @@ __all__ = [
     "run_tensorboard",
     "sum_dicts",
     "to_numpy",
+    "warn_at_user_code",
 ]
 
 
@@ -136,6 +137,16 @@ def moved(module: str, names: dict[str, str] | None = None, target: str = "deepe
         return value
 
     return __getattr__
+
+
+def warn_at_user_code(text: str, category: type[Warning]) -> None:
+    """`warnings.warn(text, category)` attributed to the first caller outside the deepepochs package (the
+    user's line that called `fit`, `test`, ...), however deep inside the library it is raised."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, category, stacklevel=level + 1)
 
 
 _MIGRATION = "See docs/MIGRATION.md ('Accelerate arguments are gone')."

@@ -356,8 +356,9 @@ def test_test_gives_the_model_its_pre_test_weights_back_and_says_so_once(tmp_pat
     last = [p.detach().clone() for p in trainer.raw_model.parameters()]
     path = check.path(trainer)
     with pytest.warns(MigrationWarning, match=r"gives the model its pre-test weights back; deepepochs 0\.6\.18"
-                      r" left the checkpoint's weights.*load_checkpoint\(.*best\.ckpt'\)"):
+                      r" left the checkpoint's weights.*load_checkpoint\(.*best\.ckpt'\)") as w:
         tested = trainer.test(dl)
+    assert w[0].filename == __file__  # the user's line
     assert all(torch.equal(p, q) for p, q in zip(trainer.raw_model.parameters(), last))
     assert Trainer(model(seed=3), F.cross_entropy, **QUIET).load_checkpoint(path).test(dl) == tested
     with warnings.catch_warnings():

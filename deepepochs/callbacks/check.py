@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import warnings
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from deepepochs import checkpoint
 from deepepochs.callbacks.base import Callback
 from deepepochs.checkpoint import finished
+from deepepochs.compat import warn_at_user_code
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, MigrationWarning
 
@@ -216,10 +216,10 @@ class CheckCallback(Callback):
         """Give the model its pre-test weights back (0.6.18 kept the tested ones: said once)."""
         if self._test_backup is not None and not self._told_restore:
             self._told_restore = True
-            warnings.warn(
+            warn_at_user_code(
                 "test() evaluated the checkpoint's weights and gives the model its pre-test weights back;"
                 " deepepochs 0.6.18 left the checkpoint's weights in the model. To keep them, load them:"
-                f" trainer.load_checkpoint({str(self._tested)!r})", MigrationWarning, stacklevel=2)
+                f" trainer.load_checkpoint({str(self._tested)!r})", MigrationWarning)
         self._restore(trainer)
 
     def on_interrupted(self, trainer, exception):

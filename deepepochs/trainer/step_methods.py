@@ -9,10 +9,9 @@ uses too. `TrainerBase` derives from it and sets `_ctx`, the engine's `Context`;
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from deepepochs.compat import warn_at_user_code
 from deepepochs.engine import steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.stage_tasks import default_step
@@ -27,10 +26,10 @@ def epochs_are_a_total(trainer, epochs: int) -> None:
     done = trainer.loop.completed_epochs
     if done and not getattr(trainer, "_told_epochs_total", False):
         trainer._told_epochs_total = True
-        warnings.warn(
+        warn_at_user_code(
             f"fit(epochs={epochs}) trains up to {epochs} epochs in total: {done} are done, so this fit trains"
             f" {max(epochs - done, 0)} more; deepepochs 0.6.18 trained {epochs} more. For that, pass"
-            f" fit(epochs=trainer.loop.completed_epochs + {epochs})", MigrationWarning, stacklevel=3)
+            f" fit(epochs=trainer.loop.completed_epochs + {epochs})", MigrationWarning)
 
 
 def expose_module_as_model(module) -> None:
