@@ -27,6 +27,7 @@ from deepepochs.errors import (
     ConfigError,
     DistributedError,
     InvalidTransition,
+    MigrationWarning,
     Preempted,
 )
 from deepepochs.fsm.events import Event
@@ -64,6 +65,7 @@ __all__ = [
     "LRFindCallback",
     "LogCallback",
     "MeanPatch",
+    "MigrationWarning",
     "Optimizer",
     "PatchBase",
     "Preempted",

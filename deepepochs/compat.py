@@ -22,6 +22,9 @@ from deepepochs.errors import ConfigError, DeepEpochsWarning
 
 __all__ = [
     "REMOVED",
+    "MetricValue",
+    "item_values",
+    "moved",
     "TensorDict",
     "TensorTuple",
     "batches",
@@ -33,6 +36,7 @@ __all__ = [
     "run_tensorboard",
     "sum_dicts",
     "to_numpy",
+    "warn_at_user_code",
 ]
 
 
@@ -107,6 +111,42 @@ def removed(name: str):
         raise AttributeError(f"module 'deepepochs' has no attribute {name!r}")
     raise ImportError(f"deepepochs.{name} (deepepochs 0.6) was removed: {reason}. See docs/MIGRATION.md.",
                       name=name)
+
+
+def moved(module: str, names: dict[str, str] | None = None, target: str = "deepepochs"):
+    """A module `__getattr__` for deepepochs 0.6's import paths (`deepepochs.loops`, `deepepochs.tools`,
+    `deepepochs.optimizer`, `deepepochs.patches.ConfusionPatch`, `deepepochs.trainer.EpochTask`): a name of
+    `names` (`{name: module it lives in now}`; None: any name `target` has) is returned from where it lives
+    now, with a `DeprecationWarning` naming that path; a 0.6 name that is gone raises `removed`'s ImportError.
+    The warning is raised from the `__getattr__` call, so it points at the user's import line."""
+    import importlib
+
+    def __getattr__(name: str):
+        home = target if names is None else names.get(name)
+        if name.startswith("__") or home is None:
+            if name in REMOVED:
+                removed(name)
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(home), name, None)
+        if value is None:
+            if name in REMOVED:
+                removed(name)
+            raise AttributeError(f"module {module!r} has no attribute {name!r} (and {home} has none either)")
+        warnings.warn(f"{module}.{name} is deepepochs 0.6's import path; import it as `from {home} import {name}`",
+                      DeprecationWarning, stacklevel=2)
+        return value
+
+    return __getattr__
+
+
+def warn_at_user_code(text: str, category: type[Warning]) -> None:
+    """`warnings.warn(text, category)` attributed to the first caller outside the deepepochs package (the
+    user's line that called `fit`, `test`, ...), however deep inside the library it is raised."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, category, stacklevel=level + 1)
 
 
 _MIGRATION = "See docs/MIGRATION.md ('Accelerate arguments are gone')."
@@ -305,23 +345,88 @@ def concat(parts, dim: int = 0):
     raise ConfigError(f"concat() joins tensors, or tuples/dicts of tensors (got a list of {type(first).__name__})")
 
 
+class MetricValue(float):
+    """A metric value as a callback of the user's code receives it: a float that also answers `.item()`
+    (deepepochs 0.6 handed hooks tensors, and 0.6 code calls `metrics['loss'].item()`). It pickles and
+    copies as a plain float, so a record that keeps one holds nothing `torch.load(weights_only=True)`
+    refuses."""
+
+    __slots__ = ()
+
+    def item(self) -> float:
+        """The value as a plain float (what `tensor.item()` gave in 0.6)."""
+        return float(self)
+
+    def __reduce__(self):
+        return (float, (float(self),))
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
+class _ItemValues(Mapping):
+    """A read-only view of a metrics mapping whose float values come as `MetricValue`s (computed lazily, so
+    a batch's metrics are still synced only when a key is read)."""
+
+    __slots__ = ("_metrics",)
+
+    def __init__(self, metrics: Mapping):
+        self._metrics = metrics
+
+    def __getitem__(self, key):
+        value = self._metrics[key]
+        return MetricValue(value) if type(value) is float else value
+
+    def __iter__(self):
+        return iter(self._metrics)
+
+    def __len__(self):
+        return len(self._metrics)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+def item_values(metrics):
+    """`metrics` (a mapping of metric values) as hooks of user callbacks see it: float values answer
+    `.item()` (`MetricValue`); a dict becomes a new dict (the trainer's own records keep plain floats), a
+    lazy mapping (a batch's metrics) a lazy view; anything else is returned as it is."""
+    if isinstance(metrics, dict):
+        return {k: MetricValue(v) if type(v) is float else v for k, v in metrics.items()}
+    return _ItemValues(metrics) if isinstance(metrics, Mapping) else metrics
+
+
+class _Sums(dict):
+    """A dict whose keys also read as attributes (`sums.loss`), as 0.6's `sum_dicts` result did."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"sum_dicts(...) has no key {name!r} (keys: {sorted(map(str, self))})") from None
+
+
 def sum_dicts(dicts):
-    """Key-wise sum of dicts: `{k: d1[k] + d2[k] + ...}`; a key missing from some dicts sums the others."""
-    out: dict = {}
+    """Key-wise sum of dicts: `{k: d1[k] + d2[k] + ...}`; a key missing from some dicts sums the others.
+    The keys read as attributes too (`sum_dicts(ds).loss`), as in 0.6."""
+    out = _Sums()
     for d in dicts:
         for k, v in d.items():
             out[k] = v if k not in out else out[k] + v
     return out
 
 
-def flatten_dict(d: Mapping, sep: str = ".", prefix: str = "") -> dict:
-    """A nested dict as one level, the keys of each level joined with `sep`:
-    `{'a': {'b': 1}, 'c': 2}` -> `{'a.b': 1, 'c': 2}`."""
+def flatten_dict(d: Mapping, parent_key: str = "", sep: str = ".") -> dict:
+    """A nested dict as one level, the keys of each level joined with `sep`, all behind `parent_key` when
+    given: `{'a': {'b': 1}, 'c': 2}` -> `{'a.b': 1, 'c': 2}`; with `parent_key='p'`, `{'p.a.b': 1, 'p.c': 2}`.
+    The argument order is deepepochs 0.6.18's, `(d, parent_key, sep)`."""
     out = {}
     for k, v in d.items():
-        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        key = f"{parent_key}{sep}{k}" if parent_key else str(k)
         if isinstance(v, Mapping):
-            out.update(flatten_dict(v, sep, key))
+            out.update(flatten_dict(v, key, sep))
         else:
             out[key] = v
     return out
@@ -343,7 +448,29 @@ def to_numpy(data):
     return data
 
 
-def plot_confusion(cm, class_names=None, normalize: bool = False, title: str | None = None):
+def plot_confusion(cm, *args, **kwargs):
+    """`plot_confusion(cm, class_names=None, normalize=False, title=None, cmap='Blues')`, or in deepepochs
+    0.6.18's signature `plot_confusion(cm, class_num, class_names=None, norm_dec=2, cmap='Blues', info='')`
+    (told apart by an int second argument, or `class_num=`): the same figure, 0.6.18's title
+    ("Confusion matrix (<count>)" and `info`); `norm_dec` is accepted and, as in 0.6.18, changes nothing
+    (the counts are drawn as integers). See `_plot_confusion` for the arguments.
+    """
+    legacy = "class_num" in kwargs or (args and isinstance(args[0], int) and not isinstance(args[0], bool))
+    return _plot_confusion_0618(cm, *args, **kwargs) if legacy else _plot_confusion(cm, *args, **kwargs)
+
+
+def _plot_confusion_0618(cm, class_num, class_names=None, norm_dec=2, cmap="Blues", info=""):
+    """0.6.18's signature of `plot_confusion`."""
+    counts = np.asarray(to_numpy(cm))
+    if counts.ndim != 2 or counts.shape[0] != class_num:
+        raise ConfigError(f"class_num must be the size of the [C, C] matrix cm (got class_num={class_num} for"
+                          f" a matrix of shape {list(counts.shape)})")
+    names = class_names if class_names and len(class_names) == class_num else None  # 0.6.18 ignored others
+    title = f"Confusion matrix ({int(counts.sum())})" + (f"\n{info}" if info else "")
+    return _plot_confusion(cm, names, title=title, cmap=cmap)
+
+
+def _plot_confusion(cm, class_names=None, normalize: bool = False, title: str | None = None, cmap: str = "Blues"):
     """Draw a confusion matrix (rows: true class, columns: predicted class) with its counts in the cells;
     returns the matplotlib Figure (e.g. for `writer.add_figure` or `fig.savefig`).
 
@@ -354,6 +481,7 @@ def plot_confusion(cm, class_names=None, normalize: bool = False, title: str | N
         class_names: C labels for the axes (default 0..C-1).
         normalize: show each row as fractions of its true class (rows that are all zero stay zero).
         title: the figure's title.
+        cmap: the matplotlib colour map.
     """
     cm = np.asarray(to_numpy(cm), dtype=np.float64)
     if cm.ndim != 2 or cm.shape[0] != cm.shape[1]:
@@ -372,7 +500,7 @@ def plot_confusion(cm, class_names=None, normalize: bool = False, title: str | N
         cm = np.divide(cm, rows, out=np.zeros_like(cm), where=rows > 0)
     fig = Figure(figsize=(1 + 0.6 * c, 1 + 0.6 * c))  # no pyplot: nothing global, works without a display
     ax = fig.add_subplot()
-    ax.imshow(cm, cmap="Blues")
+    ax.imshow(cm, cmap=cmap)
     ax.set_xticks(range(c), names, rotation=45)
     ax.set_yticks(range(c), names)
     ax.set_xlabel("predicted")

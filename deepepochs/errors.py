@@ -6,6 +6,7 @@ __all__ = [
     "DeepEpochsWarning",
     "DistributedError",
     "InvalidTransition",
+    "MigrationWarning",
     "Preempted",
 ]
 
@@ -28,6 +29,12 @@ class DistributedError(RuntimeError):
 
 class DeepEpochsWarning(UserWarning):
     """Base class of warnings deepepochs emits (tests turn them into errors)."""
+
+
+class MigrationWarning(DeepEpochsWarning):
+    """deepepochs 0.6.18 code met a behaviour that differs on purpose (e.g. `fit(epochs=k)` is a total):
+    said once per trainer, naming 0.6.18's behaviour and how to get it (docs/MIGRATION.md lists them).
+    Silence it with `warnings.filterwarnings('ignore', category=deepepochs.MigrationWarning)`."""
 
 
 class Preempted(SystemExit):

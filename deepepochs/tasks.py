@@ -8,12 +8,12 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from deepepochs.data.batch_rules import check_batch_size
+from deepepochs.data.batch_rules import batch_size_of, check_batch_size
 from deepepochs.errors import ConfigError
 
 __all__ = [
     "STEP_NAMES", "TASK_SUFFIX_NOTE", "BatchMetrics", "EpochTask", "TaskMeters", "check_metric_names", "flatten_value",
-    "merge_stage_metrics", "merge_values", "metric_name", "per_class", "rename", "step_kwargs",
+    "ahead_of", "merge_stage_metrics", "merge_values", "metric_name", "per_class", "rename", "step_kwargs",
 ]
 
 #: Step-method lookup order per stage: `step` first, then the stage's own, then `evaluate_step`.
@@ -71,7 +71,10 @@ class EpochTask:
 
     Subclasses may define `step`, `train_step`, `val_step`, `test_step` or `evaluate_step`; those take
     precedence over the trainer's methods of the same name. Inside them, trainer attributes such as
-    `self.model`, `self.loss`, `self.optimize` and `self.device` are reachable through the task.
+    `self.model`, `self.loss`, `self.optimize` and `self.device` are reachable through the task, and so
+    are deepepochs 0.6's `self.current_batch_size`, `self.max_epochs`, `self.main_process` and
+    `self.print(...)`; the task itself has 0.6's `batchs`, `get_batch_size(batch_x, batch_y)` and (on a
+    validation task) `val_freq`.
 
     Args:
         dataloader: a DataLoader or any iterable of batches.
@@ -92,7 +95,7 @@ class EpochTask:
         if dataloader is None or not hasattr(dataloader, "__iter__"):
             raise ConfigError(f"dataloader must be an iterable of batches (got {type(dataloader).__name__})")
         self.dataloader = dataloader
-        self.metrics = as_metric_list(metrics, "metrics")
+        self.own_metrics = as_metric_list(metrics, "metrics")  # the task's own; `metrics` adds the stage's
         self.do_loss = do_loss
         self.batch_size = check_batch_size(batch_size)
         given = step_args.get("step_args")  # deepepochs 0.6 took them as one dict too: step_args={...}
@@ -106,6 +109,27 @@ class EpochTask:
         self.all_metrics: list = []  # the stage's metrics followed by the task's own
         self.data = dataloader  # what is iterated: the DataLoader, sharded under DDP
         self.step_fn = None  # the step method chosen for the stage
+        self.val_freq: int | None = None  # a validation task's fit(val_freq=...), as 0.6 set it
+
+    @property
+    def metrics(self) -> list:
+        """The metrics the task computes: once a stage adopted it, the stage's and the task's own (as
+        0.6.18's `self.metrics` in a step), before that the task's own (`own_metrics`)."""
+        return self.all_metrics if self.stage is not None else self.own_metrics
+
+    @metrics.setter
+    def metrics(self, value) -> None:
+        self.own_metrics = as_metric_list(value, "metrics")
+
+    @property
+    def batchs(self) -> int:
+        """The number of batches of the task's data (0.6's name; `len(task)`)."""
+        return len(self)
+
+    def get_batch_size(self, batch_x, batch_y) -> int:
+        """A batch's sample count under this task's `batch_size=` rule (0.6's method): the int itself, the
+        function's result, or dim 0 of the first tensor of the label, then of the inputs."""
+        return batch_size_of(batch_x, batch_y, self.batch_size)
 
     def __getattr__(self, name):
         # Only called for attributes the task lacks: fall back to the trainer so that step methods
@@ -154,6 +178,14 @@ def check_metric_names(metrics, where: str) -> list:
         seen[name] = m
         out.append(m)
     return out
+
+
+def ahead_of(first: list, then: list, keep_first: bool = False) -> list:
+    """Two metric lists as one in deepepochs 0.6.18's order: `first`, then `then`, a metric both hold
+    listed once, where `then` has it (or, with `keep_first`, where `first` has it)."""
+    if keep_first:
+        return [*first, *(m for m in then if not any(m is f for f in first))]
+    return [*(m for m in first if not any(m is t for t in then)), *then]
 
 
 def as_metric_list(metrics, argname: str) -> list:

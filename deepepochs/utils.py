@@ -16,12 +16,15 @@ __all__ = ["rng_state", "set_rng_state", "set_seed"]
 def set_seed(seed: int, deterministic: bool = False) -> None:
     """Seed Python, NumPy and PyTorch (all devices); `deterministic` also asks cuDNN for determinism.
 
-    `seed` is an int; a float with an integral value (0.6's examples call `set_seed(1.0)`) counts as that int.
+    `seed` is an int; a float with an integral value (0.6's examples call `set_seed(1.0)`) counts as that int,
+    and so does a string of digits (`set_seed('3')`, which 0.6.18 accepted).
     """
     if isinstance(seed, float) and seed.is_integer():
         seed = int(seed)
+    elif isinstance(seed, str) and seed.strip().lstrip("-").isdigit():
+        seed = int(seed)
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an int (got {seed!r})")
+        raise ConfigError(f"seed must be an int, or an integral float or string of digits (got {seed!r})")
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -1,8 +1,9 @@
 """Manual sub-batching in a custom training step: split each DataLoader batch by hand.
 
-Each sub-batch calls `self.loss(..., loss_adjust=sub_size / batch_size, do_optimize=False)`; non-final
-sub-batches run inside `self.no_sync()` (no gradient all-reduce under DDP, a no-op in one process); one
-`self.optimize()` applies the whole batch. The update equals a plain step on the full batch.
+Each sub-batch calls `self.loss(..., loss_adjust=sub_size / batch_size, do_optimize=False, do_metric=False)`
+(its metrics come from the whole batch, below); non-final sub-batches run inside `self.no_sync()` (no
+gradient all-reduce under DDP, a no-op in one process); one `self.optimize()` applies the whole batch. The
+update equals a plain step on the full batch.
 
 Run: `python examples/22-manual_sub_batches.py [--small]`.
 """
@@ -35,7 +36,7 @@ class SubBatchTrainer(TrainerBase):
             with contextlib.nullcontext() if last else self.no_sync():
                 out = self.model(xs)
                 # weight each sub-batch by its share of the batch: the gradients add up to the batch mean
-                self.loss(out, ys, loss_adjust=len(xs) / n, do_optimize=False)
+                self.loss(out, ys, loss_adjust=len(xs) / n, do_optimize=False, do_metric=False)
             outs.append(out.detach())
         self.optimize()  # one update for the whole batch
         return self.batch_patches(torch.cat(outs), batch_y)  # the task's metrics on the full batch

@@ -234,7 +234,8 @@ def test_load_checkpoint_loads_a_single_renamed_file_and_continues_from_its_epoc
     shutil.copy(_only_file(tmp_path / "ckpt"), copy)
 
     fresh = _trainer(tmp_path, epochs=4, seed=5, callbacks=[])
-    loaded = fresh.load_checkpoint(copy)
+    assert fresh.load_checkpoint(copy) is fresh  # chains, as in 0.6
+    loaded = fresh.last_checkpoint
     assert loaded.epoch == 3 and fresh.loop.completed_epochs == 3
     for got, want in zip(fresh.raw_model.parameters(), first.raw_model.parameters()):
         assert torch.equal(got, want)

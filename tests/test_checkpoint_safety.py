@@ -83,7 +83,7 @@ def test_a_trusted_file_is_loaded_only_when_the_caller_says_so(tmp_path):
     t = _trainer(tmp_path)
     with pytest.raises(CheckpointError, match=r"legacy\.ckpt holds an object of type [\w.]*CustomState"):
         t.load_checkpoint(legacy)
-    ckpt = t.load_checkpoint(legacy, trusted=True)
+    ckpt = t.load_checkpoint(legacy, trusted=True).last_checkpoint
     assert ckpt.monitors["extra"]["custom"].value == 3
     assert t.loop.completed_epochs == 1
     for p, q in zip(t.raw_model.state_dict().values(), data["model"].values()):

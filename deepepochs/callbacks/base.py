@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+from deepepochs.compat import item_values
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import CallbackHooks
 from deepepochs.fsm.machine import load_spec
@@ -101,7 +102,7 @@ class HookTable:
         by_event = {}
         for hook in load_spec().hooks:
             base = getattr(CallbackHooks, hook.name)
-            handlers = [getattr(cb, hook.name) for cb in self.callbacks
+            handlers = [_handler(cb, hook) for cb in self.callbacks
                         if getattr(type(cb), hook.name, base) is not base
                         and hook.name not in getattr(cb, "idle_hooks", ())]
             by_event[hook.name] = tuple(reversed(handlers) if hook.is_after else handlers)
@@ -109,6 +110,46 @@ class HookTable:
 
     def __getitem__(self, event: str) -> tuple:
         return self.by_event[event]
+
+
+#: hook arguments that hold metric values (`MetricValue`s for the user's callbacks)
+METRIC_ARGS = frozenset({"metrics", "train_metrics", "val_metrics"})
+
+
+def _binds_positionally(method, args) -> bool:
+    try:
+        inspect.signature(method).bind(*args)
+    except TypeError:
+        return False
+    return True
+
+
+def _handler(cb, hook):
+    """What the table calls for `cb`'s `hook`: the bound method, called as `method(trainer, *args)`;
+    wrapped when the method is the user's (not defined in deepepochs), whose metric arguments then answer
+    `.item()` as 0.6's tensors did (`compat.item_values`), or when the method takes the arguments by
+    keyword only (0.6 passed every hook argument by keyword: `def on_after_train_batch(self, trainer,
+    **kwargs)`)."""
+    method = getattr(cb, hook.name)
+    names = ("trainer", *hook.args)
+    by_keyword = not _binds_positionally(method, names)
+    users = not (getattr(method, "__module__", None) or "").startswith("deepepochs.")  # where it is defined
+    metric_at = [i for i, name in enumerate(hook.args) if name in METRIC_ARGS] if users else []
+    if not by_keyword and not metric_at:
+        return method
+
+    def call(trainer, *args):
+        if metric_at:
+            args = list(args)
+            for i in metric_at:
+                args[i] = item_values(args[i])
+        if by_keyword:
+            return method(**dict(zip(names, (trainer, *args))))
+        return method(trainer, *args)
+
+    call.__name__ = call.__qualname__ = hook.name
+    call.__wrapped__ = method
+    return call
 
 
 def check_callback(cb) -> None:
@@ -129,12 +170,16 @@ def check_callback(cb) -> None:
         if method is None or method is getattr(CallbackHooks, hook.name):
             continue
         args = ["trainer", *hook.args]
-        try:
-            inspect.signature(getattr(cb, hook.name)).bind(*args)
+        method = getattr(cb, hook.name)
+        if _binds_positionally(method, args):
+            continue
+        try:  # 0.6's keyword style, def on_after_train_batch(self, trainer, **kwargs)
+            inspect.signature(method).bind(**dict.fromkeys(args))
         except TypeError:
-            sig = inspect.signature(getattr(cb, hook.name))
+            sig = inspect.signature(method)
             raise ConfigError(
                 f"{type(cb).__name__}.{hook.name}{sig} cannot take the hook's arguments"
-                f" ({', '.join(args)}); define it as def {hook.name}(self, {', '.join(args)})"
+                f" ({', '.join(args)}), by position or by keyword; define it as"
+                f" def {hook.name}(self, {', '.join(args)})"
             ) from None
 

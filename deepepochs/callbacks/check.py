@@ -20,8 +20,9 @@ import torch
 from deepepochs import checkpoint
 from deepepochs.callbacks.base import Callback
 from deepepochs.checkpoint import finished
+from deepepochs.compat import warn_at_user_code
 from deepepochs.config import check_choice
-from deepepochs.errors import ConfigError
+from deepepochs.errors import ConfigError, MigrationWarning
 
 __all__ = ["CheckCallback"]
 
@@ -83,6 +84,7 @@ class CheckCallback(Callback):
         self.file_name = _UNSAFE.sub("_", self.monitor_id) + checkpoint.SUFFIX
         self._reset()
         self._test_backup = None
+        self._told_restore = False  # the one-time note that test() puts the pre-test weights back
 
     def _reset(self) -> None:
         self.best: float | None = None
@@ -206,11 +208,18 @@ class CheckCallback(Callback):
         ckpt = checkpoint.read_weights(trainer, source)  # under FSDP every rank reads its shards
         # Back up before touching the weights: a failing load_state_dict may have copied some of them.
         self._test_backup = checkpoint.copied_to_cpu(trainer.raw_model.state_dict())
+        self._tested = source
         checkpoint.load_model_state(trainer, ckpt.model, source)
         trainer.console.info(f"Testing the weights of {source} (epoch {ckpt.epoch})")
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
-        """Give the model its pre-test weights back."""
+        """Give the model its pre-test weights back (0.6.18 kept the tested ones: said once)."""
+        if self._test_backup is not None and not self._told_restore:
+            self._told_restore = True
+            warn_at_user_code(
+                "test() evaluated the checkpoint's weights and gives the model its pre-test weights back;"
+                " deepepochs 0.6.18 left the checkpoint's weights in the model. To keep them, load them:"
+                f" trainer.load_checkpoint({str(self._tested)!r})", MigrationWarning)
         self._restore(trainer)
 
     def on_interrupted(self, trainer, exception):

@@ -128,6 +128,10 @@ class InterpreteCallback(Callback):
         check_choice("stage", stage, STAGES)
         return [list(entry[2]) for entry in sorted(self._heaps[stage], reverse=True)]
 
+    def top(self, stage: str | None = None) -> list[list]:
+        """0.6's name of `top_samples`."""
+        return self.top_samples(stage)
+
     def confusion_matrix(self, stage: str | None = None) -> torch.Tensor | None:
         """The `[C, C]` confusion matrix (rows: true class) of the last run of `stage` (None: the stage
         that ran last), with `confusion=True`; None otherwise or before the stage ran."""

@@ -209,12 +209,12 @@ def resume_once(trainer) -> tuple[Path, int] | None:
         folders = dict.fromkeys(Path(d) if run is None else Path(d) / run for d in dirs)
         searched = ", ".join(map(str, folders)) or "nowhere: no CheckCallback"
         found = f"no checkpoint this trainer can load among {len(candidates)}" if candidates else "no checkpoint"
-        trainer.console.info(f"{why}: {found} found (searched {searched}); starting run {trainer.running_id} fresh"
-                              + _hint_06_folder(dirs, candidates))
+        trainer.console.decision(f"{why}: {found} found (searched {searched}); starting run {trainer.running_id} fresh"
+                                  + _hint_06_folder(dirs, candidates))
     else:
         trainer.running_id = path.parent.name
-        trainer.console.info(f"Resumed run {trainer.running_id} ({why}) from {path}:"
-                              f" {_position_text(ckpt, trainer)}")
+        trainer.console.decision(f"Resumed run {trainer.running_id} ({why}) from {path}:"
+                                  f" {_position_text(ckpt, trainer)}")
         loaded = (path, ckpt.epoch)
     trainer.loop.resume_pending = False
     return loaded

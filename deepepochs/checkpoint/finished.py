@@ -93,7 +93,7 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> dict | None:
     else:
         how = f"completed {loop.completed_epochs} of {finished['target_epochs']} epoch(s)"
     if loop.stop is None and loop.completed_epochs < loop.target_epochs:
-        trainer.console.info(f"Run {trainer.running_id} had {how}; training on to epoch {loop.target_epochs}")
+        trainer.console.decision(f"Run {trainer.running_id} had {how}; training on to epoch {loop.target_epochs}")
         return None
     if finished["stop_reason"] is not None:
         on = (f"to train on from its last checkpoint (as deepepochs 0.6 did), delete {Path(folder) / FINISHED_FILE}"
@@ -101,8 +101,8 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> dict | None:
     else:
         on = (f"to train on, raise epochs= above {loop.completed_epochs} (Trainer(epochs=...) or"
               " fit(epochs=...)); to start afresh, pass a new running_id")
-    trainer.console.info(f"Run {trainer.running_id} is finished ({how}); fit() returns its records without"
-                          f" training. {on[0].upper()}{on[1:]}")
+    trainer.console.decision(f"Run {trainer.running_id} is finished ({how}); fit() returns its records without"
+                              f" training. {on[0].upper()}{on[1:]}")
     return copy.deepcopy(records)
 
 
@@ -124,7 +124,7 @@ def report_retrained(trainer, folder, ckpt_epoch: int) -> int:
     if not isinstance(done, int) or done <= ckpt_epoch or trainer.loop.completed_epochs >= done:
         return 0
     again = f"epoch {done}" if done == ckpt_epoch + 1 else f"epochs {ckpt_epoch + 1} to {done}"
-    trainer.console.info(
+    trainer.console.decision(
         f"Run {trainer.running_id} had completed {done} epoch(s), but its newest checkpoint is of epoch"
         f" {ckpt_epoch}: {again} will be trained again (a CheckCallback with save_best=True saves only"
         " improving epochs; add CheckCallback(..., save_best=False) or a SnapshotCallback to resume from"

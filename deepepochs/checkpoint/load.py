@@ -150,6 +150,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
             ckpt = _read_shards(ckpt, path, trainer)
         _apply(trainer, ckpt, path)
         run.buffers = None  # the loaded model's buffers are the next fit's start
+        run.grads = None  # and it starts without gradients (a mid-epoch snapshot's kept ones come back below)
         if ckpt.position is not None:  # a mid-epoch snapshot: the next fit continues inside its epoch
             position.restore(run, ckpt.position, trainer.dist.rank, trainer.device, trainer.world_size)
             # this rank's buffers at the snapshot's commit point (non-persistent ones too); the fit takes them

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from deepepochs.data.sampling import user_generators
-from deepepochs.engine import buffers, position
+from deepepochs.engine import buffers, kept_grads, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
@@ -226,6 +226,7 @@ def open_window(ctx: Context) -> None:
     loop.window_first_size = 0
     loop.window_updated = False
     loop.window_committed = False
+    loop.update_open = False
     loop.finite.clear()
 
 
@@ -256,11 +257,6 @@ def close_window(ctx: Context) -> None:
     loop = ctx.loop
     _fold_window(loop)
     loop.window_pos = 0
-    opts = ctx.parts.opts
-    if len(opts.items) > 1:
-        # With several optimizers a later loss of the step (e.g. a GAN's generator loss) writes gradients
-        # into parameters an earlier update already zeroed; drop them so they cannot leak into the next window.
-        opts.zero_grad(opts.all_indices)
 
 
 # ---- the update ----------------------------------------------------------------------------------------
@@ -278,6 +274,7 @@ def unscale_gradients(ctx: Context) -> None:
     """
     ctx.signals.hold()
     parts, loop = ctx.parts, ctx.loop
+    loop.update_open = True
     opts, indices, finite = parts.opts, loop.update_indices, loop.finite
     finite.clear()
     if parts.precision.scaler is None:
@@ -358,8 +355,15 @@ def update_scaler(ctx: Context) -> None:
 
 @action
 def zero_grad(ctx: Context) -> None:
-    """Drop the updated optimizers' gradients (set to None: the next backward writes, not adds)."""
-    ctx.parts.opts.zero_grad(ctx.loop.update_indices)
+    """Drop the updated optimizers' gradients (set to None: the next backward writes, not adds). The other
+    optimizers' gradients stay, as after a plain loop's `opt.step(); opt.zero_grad()`, and add up until
+    their optimizer's turn; what they hold now is this commit point's (`kept_grads.keep`)."""
+    loop, opts = ctx.loop, ctx.parts.opts
+    indices = loop.update_indices
+    opts.zero_grad(indices)
+    loop.update_open = False
+    if len(indices) < len(opts.items) or ctx.run.grads is not None:  # else nothing is left to keep
+        kept_grads.keep(ctx)
 
 
 @action
@@ -418,7 +422,8 @@ def stop_on_signal(ctx: Context) -> None:
 # ---- rollback ------------------------------------------------------------------------------------------
 @action
 def discard_window(ctx: Context) -> None:
-    """Rollback to the last commit point: drop every gradient, the interrupted update's scaler records,
+    """Rollback to the last commit point: drop every gradient the window added (what the last commit point
+    left to optimizers that did not step comes back as it kept it), the interrupted update's scaler records,
     the window's loss sums and patches, save requests, and what an epoch's end did before it committed
     (the epoch count, epoch-wise scheduler steps, monitor states: `ctx.epoch_undo`); the model's buffers
     (BatchNorm statistics) come back as the last commit point kept them.
@@ -427,6 +432,8 @@ def discard_window(ctx: Context) -> None:
     later post-hook or the scheduler raised): its loss statistics stay and it is not replayed."""
     parts, loop = ctx.parts, ctx.loop
     ctx.signals.drop()
+    if loop.window_updated and loop.update_open:
+        zero_grad(ctx)  # an applied update whose end did not run: what it leaves is its commit point's
     parts.opts.zero_grad(parts.opts.all_indices)
     parts.dist.drop_unsynced_gradients()  # FSDP keeps a no-sync micro-batch's gradients outside `.grad`
     parts.precision.discard_step_state()
@@ -448,6 +455,7 @@ def discard_window(ctx: Context) -> None:
         ctx.epoch_undo.pop()()
     loop.save_requests.clear()
     buffers.put_back(ctx)  # last: the epoch-end undo above may have put back an earlier commit point's
+    kept_grads.put_back(ctx)  # the gradients the optimizers that did not step kept, without this window's
 
 
 @action

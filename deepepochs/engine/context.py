@@ -62,7 +62,8 @@ class LoopState:
     micro-batches (0: no window is open). `resume_tasks`: the training tasks of the fit whose start honours
     a pending `resume=...` (a snapshot's position is checked against them), None otherwise. `epoch_undo`:
     how to undo the epoch-end work done before `commit_epoch`, in order (rollback; empty outside an
-    epoch's end).
+    epoch's end). `update_open`: an update began (`unscale_gradients`) and its `zero_grad` has not run yet,
+    so the gradients it leaves are not kept yet (`kept_grads`).
     """
 
     run: RunState = attrs.Factory(RunState)
@@ -75,6 +76,7 @@ class LoopState:
     window_boundary: bool = False
     window_updated: bool = False
     window_committed: bool = False
+    update_open: bool = False
     val_due: bool = False
     save_requests: list = attrs.Factory(list)
     update_indices: tuple = ()

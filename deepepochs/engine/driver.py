@@ -30,6 +30,7 @@ from deepepochs.engine import (
     buffers,
     continuation,
     generators,
+    kept_grads,
     runstate,
     snapshot_trigger,
     stage_tasks,
@@ -171,7 +172,9 @@ class Driver:
         if not self._started:
             self._started = True
             parts.dist.broadcast_model(parts.raw_model)  # after init callbacks: every rank starts equal
-        parts.opts.drop_stale_grads()
+        parts.opts.drop_stale_grads()  # what user code left between fits; then what the run kept, if anything
+        if run.grads is not None:
+            kept_grads.put_back(ctx)
         while fire(TriggerName.NEXT_EPOCH) == StateName.EPOCH_RUNNING:
             epoch = loop.epoch
             epoch_idx = epoch - 1  # hooks get 0-based epoch indices, as in 0.6; the loop counts from 1

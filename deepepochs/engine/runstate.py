@@ -123,6 +123,9 @@ class RunState:
         buffers: the model's buffers (persistent or not, by name) at the last commit point of the running
             fit, which a rollback writes back into the model (`deepepochs.engine.buffers`); None outside a
             fit.
+        grads: the gradients the optimizers' parameters held at the last commit point (those of optimizers
+            that did not step, by `"<optimizer>.<group>.<position>"`), which a rollback writes back and a
+            fit starts from (`deepepochs.engine.kept_grads`); None when they held none.
     """
 
     running_id: str = _field("", copy=SHARED, snapshot="the checkpoint's running_id (resume names the run)")
@@ -149,6 +152,8 @@ class RunState:
     order_draws: object | None = _field(None)
     # Copied in place at every commit point (`buffers.keep`), so a capture copies them (once per epoch end).
     buffers: dict | None = _field(None)
+    # Replaced whole at commit points where some optimizer did not step (`kept_grads.keep`); None otherwise.
+    grads: dict | None = _field(None, copy=SHARED)
 
 
 def capture(run: RunState) -> RunState:

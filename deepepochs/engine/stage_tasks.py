@@ -10,7 +10,7 @@ from __future__ import annotations
 from deepepochs.data.batch_rules import check_batch_size
 from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
-from deepepochs.tasks import STEP_NAMES, EpochTask, check_metric_names
+from deepepochs.tasks import STEP_NAMES, EpochTask, ahead_of, check_metric_names
 
 __all__ = ["data_length", "default_step", "make_tasks", "resolve_step"]
 
@@ -61,7 +61,8 @@ def make_tasks(ctx: Context, stage: str, dataloader, tasks, metrics, do_loss, ba
             )
         task.trainer = parts.facade
         task.stage = stage
-        task.all_metrics = check_metric_names([*metrics, *task.metrics], f"the {stage} task {i}")
+        # 0.6.18's order: the task's own metrics, then the stage's
+        task.all_metrics = check_metric_names(ahead_of(task.own_metrics, metrics), f"the {stage} task {i}")
         if task.batch_size is None:
             task.batch_size = batch_size
         task.data = parts.dist.prepare_dataloader(task.dataloader, stage)

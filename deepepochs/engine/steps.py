@@ -272,10 +272,10 @@ def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize:
       loss is neither computed nor reported, and None is returned.
     - The call makes the trainer's metric patches from `(model_out, batch_y)` and runs the stage's
       `on_*_metrics` hooks, so a step that only calls `self.loss(out, y)` keeps the trainer's metrics. In
-      training the patches are made before the update, which commits them (as in `default_step`); a call
-      with `do_optimize=False` (a sub-batch whose update comes later) makes none, as in 0.6, unless
-      `do_metric=True`; `do_metric=False` makes none in any stage (0.6.18's hand-written accumulation,
-      which then calls `do_metric` on the whole batch).
+      training the patches are made before the update, which commits them (as in `default_step`). As in
+      0.6.18 every call makes them unless `do_metric=False` (0.6.18's hand-written accumulation passes it
+      per sub-batch, then calls `do_metric` on the whole batch); `do_metric=None` is that default, except
+      for older 0.6's `grad_accumulate=True` spelling (`LossCall`), which makes none.
     """
     task, loop = ctx.task, ctx.loop
     if task is None:  # called outside fit/test: just the loss
@@ -283,9 +283,7 @@ def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize:
     stage = loop.stage
     training = stage == "train"
     value = loss(ctx, model_out, batch_y, loss_adjust, False) if training or task.do_loss else None
-    if do_metric is None:
-        do_metric = not training or do_optimize
-    if do_metric:
+    if do_metric is None or do_metric:
         step_metrics(ctx, value, model_out, batch_y)
     if training and do_optimize:
         optimize(ctx, None)

@@ -18,6 +18,8 @@ The package: :mod:`~deepepochs.patches.base` (the protocol, merging), :mod:`~dee
 nests of tensors). The names here are its public surface.
 """
 
+from deepepochs.compat import moved
+
 # The underscored names are not the user API: other deepepochs modules import these helpers from here.
 from deepepochs.patches.base import PatchBase, merge_patches
 from deepepochs.patches.base import _collective_device as _collective_device
@@ -37,3 +39,5 @@ __all__ = [
     "ValuePatch",
     "merge_patches",
 ]
+
+__getattr__ = moved(__name__, {"ConfusionPatch": "deepepochs", "ConfusionMetrics": "deepepochs"})  # 0.6's paths

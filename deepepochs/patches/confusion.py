@@ -156,7 +156,8 @@ class ConfusionMetrics:
     metric names shown are the dict's keys (the patches it makes have the empty prefix ``name=''`` unless
     ``name`` is given). Arguments are those of :class:`ConfusionPatch`, validated here once.
 
-    deepepochs 0.6.18's spelling works too: ``ConfusionMetrics(metrics, average, beta=1.0,
+    The positional order is 0.6.18's, ``(metrics, average, beta, name)``; ``num_classes`` and ``threshold``
+    are keywords. deepepochs 0.6.18's spelling works too: ``ConfusionMetrics(metrics, average, beta=1.0,
     name='C.').load(preds, targets)`` gives 0.6.18's short keys ('acc', 'p', 'r', 'f1', 'fb' for
     'accuracy', 'precision', 'recall', 'f1', 'fbeta'), all five by default, behind the prefix 'C.'.
 
@@ -180,7 +181,7 @@ class ConfusionMetrics:
     SHORT_NAMES = {"accuracy": "acc", "precision": "p", "recall": "r", "f1": "f1", "fbeta": "fb"}
     """0.6.18's keys for the metrics of :meth:`load`."""
 
-    def __init__(self, metrics=None, average=None, num_classes=None, threshold=0.5, *, beta=1.0, name=None):
+    def __init__(self, metrics=None, average=None, beta=1.0, name=None, *, num_classes=None, threshold=0.5):
         given = _DEFAULT_METRICS if metrics is None else metrics
         if isinstance(given, str):
             given = (given,)

@@ -23,12 +23,31 @@ import torch
 import torch.distributed as dist
 
 from deepepochs import metrics as _metrics
+from deepepochs.errors import ConfigError
 from deepepochs.patches import MeanPatch, PatchBase, TensorPatch, TensorState, _map_tensors
 from deepepochs.patches.confusion import ConfusionPatch
 from deepepochs.patches.streaming import StreamPatch, is_metric_object
 from deepepochs.tasks import metric_name
 
-__all__ = ["confusion_kind", "make_patches", "merge_on_root"]
+__all__ = ["PATCH_CLASSES", "confusion_kind", "make_patches", "merge_on_root", "patch_kind"]
+
+#: deepepochs 0.6's `Trainer(metric_patch=<a patch class>)`: the setting each class stands for.
+PATCH_CLASSES = {TensorPatch: "tensor", MeanPatch: "mean", ConfusionPatch: "confusion"}
+
+
+def patch_kind(metric_patch):
+    """`metric_patch` as a setting name: 0.6's patch classes (`metric_patch=TensorPatch`) become the name of
+    the setting that gives their patches (`'tensor'`, `'mean'`, `'confusion'`); a string is returned as it is
+    (the trainer's configuration checks it); another class is refused, naming the accepted ones."""
+    if not isinstance(metric_patch, type):
+        return metric_patch
+    kind = next((k for cls, k in PATCH_CLASSES.items() if issubclass(metric_patch, cls)), None)
+    if kind is None:
+        accepted = ", ".join(f"{cls.__name__} (= {k!r})" for cls, k in PATCH_CLASSES.items())
+        raise ConfigError(f"metric_patch must be 'auto', 'tensor', 'mean' or 'confusion', or one of the patch"
+                          f" classes {accepted} (got the class {metric_patch.__name__}); a patch of your own is"
+                          " returned by a custom step: return {'name': MyPatch(...)}")
+    return kind
 
 
 def confusion_kind(metric) -> str | None:

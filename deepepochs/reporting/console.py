@@ -64,6 +64,12 @@ class Console:
         if self.show_info:
             self._print(text)
 
+    def decision(self, text: str) -> None:
+        """A decision the run took for the user (which run and checkpoint a resume loaded, or why it starts
+        fresh, or trains nothing): shown on rank 0 whatever `show_info` says, as deepepochs 0.6 did."""
+        if self.enabled:
+            self._print(text)
+
     def note_once(self, key: str, text: str) -> None:
         """An information line shown once per trainer (with show_info=True), e.g. a behaviour that
         differs from deepepochs 0.6."""

@@ -23,13 +23,14 @@ from deepepochs.engine.trial import trial_fit
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import auto_level, render
 from deepepochs.parallel.strategy import select_policy
+from deepepochs.patches.selection import patch_kind
 from deepepochs.reporting.console import Console
 from deepepochs.reporting.summary_writer import RunWriters
-from deepepochs.tasks import as_metric_list
+from deepepochs.tasks import ahead_of, as_metric_list
 from deepepochs.torch_private import compiled_module
 from deepepochs.trainer.arguments import check_arguments, check_call, check_int, check_keywords, to_device
 from deepepochs.trainer.resume_policy import resume_run
-from deepepochs.trainer.step_methods import StepMethods
+from deepepochs.trainer.step_methods import StepMethods, epochs_are_a_total, expose_module_as_model
 from deepepochs.training.lr_sweep import LRFindResult
 from deepepochs.training.optim import Optimizers
 from deepepochs.training.precision import Precision
@@ -125,7 +126,7 @@ class TrainerBase(StepMethods):
         check_keywords(device, opt, unknown, TrainerBase.__init__)
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
-            metric_patch=metric_patch, nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
+            metric_patch=patch_kind(metric_patch), nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
             fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout, data_order=data_order)
         args = check_arguments(model, loss, resume, running_id, device, strategy, ddp_kwargs, fsdp_kwargs, targets)
@@ -146,6 +147,7 @@ class TrainerBase(StepMethods):
         inner = compiled_module(given)  # torch.compile(model) given: save, load and log the module it wraps
         model = given if inner is None else inner
         self.raw_model = model
+        expose_module_as_model(model)  # 0.6's trainer.model.model
         self._opts = Optimizers(opt, model)
         self._opts.check_covers(model)
         dist.shard_model(model, [item.opt for item in self._opts.items])  # FSDP: in place, before compiling
@@ -166,6 +168,7 @@ class TrainerBase(StepMethods):
         self._ctx = Context(parts, loop, loss_fn=loss)
         self._driver = Driver(self._ctx)
         self._closed = False
+        self.last_checkpoint = None  # what load_checkpoint loaded last
         self._writers = RunWriters(self)  # TensorBoard writers, created on first use
         self.add_callbacks(callbacks or [])
 
@@ -285,25 +288,29 @@ class TrainerBase(StepMethods):
             return {"train": {}, "val": {}}
         if epochs is not None:
             self.config = attrs.evolve(self.config, epochs=epochs)  # validated like the constructor's
+            epochs_are_a_total(self, epochs)
         check_int("val_freq", val_freq)
         if train_dl is not None and train_tasks:
             raise ConfigError("pass either train_dl or train_tasks to fit(), not both")
         driver = self._driver
-        common = [*self.metrics, *as_metric_list(metrics, "metrics")]
+        # 0.6.18's column order: a stage's own metrics, then fit's, then the trainer's (each metric once)
+        common = ahead_of(as_metric_list(metrics, "metrics"), self.metrics, keep_first=True)
         train = driver.make_tasks("train", train_dl, train_tasks,
-                                  [*common, *as_metric_list(train_metrics, "train_metrics")], True, batch_size)
+                                  ahead_of(as_metric_list(train_metrics, "train_metrics"), common), True, batch_size)
         if not train:
             raise ConfigError("fit() needs training data: pass train_dl or train_tasks")
         val = driver.make_tasks("val", val_dl, val_tasks,
-                                [*common, *as_metric_list(val_metrics, "val_metrics")], do_val_loss, batch_size)
+                                ahead_of(as_metric_list(val_metrics, "val_metrics"), common), do_val_loss, batch_size)
+        for task in val:
+            task.val_freq = val_freq  # 0.6's task.val_freq
         return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
-        """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are
-        floats that also have `.item()`, as 0.6's NumPy results had."""
+        """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are plain
+        floats (0.6 returned NumPy 0-d arrays; `float(v)` reads both)."""
         self._check_open("test")
         driver = self._driver
-        tasks = driver.make_tasks("test", test_dl, tasks, [*self.metrics, *as_metric_list(metrics, "metrics")],
+        tasks = driver.make_tasks("test", test_dl, tasks, ahead_of(as_metric_list(metrics, "metrics"), self.metrics),
                                   do_loss, batch_size)
         if not tasks:
             raise ConfigError("test() needs data: pass test_dl or tasks")
@@ -422,9 +429,10 @@ class TrainerBase(StepMethods):
         schedulers, GradScaler, completed epoch and the monitors' state; the next `fit` continues with the
         following epoch. Every rank calls it (DDP, FSDP: there each rank reads its own shards).
 
-        Overrides a pending `resume=...`; the running id stays as it is. Returns the file's contents as a
-        `deepepochs.checkpoint.Checkpoint`. Raises `CheckpointError` naming the path when the file is
-        missing, unreadable, truncated or does not fit this trainer.
+        Overrides a pending `resume=...`; the running id stays as it is. Returns the trainer, so that calls
+        chain as in deepepochs 0.6 (`trainer.load_checkpoint(path).test(test_dl)`); the file's contents, a
+        `deepepochs.checkpoint.Checkpoint`, are `trainer.last_checkpoint`. Raises `CheckpointError` naming
+        the path when the file is missing, unreadable, truncated or does not fit this trainer.
 
         The file is read with `torch.load(weights_only=True)`: nothing in it can run code. A file that
         holds other objects (e.g. a custom scheduler's state with objects of its own) is refused, naming
@@ -432,9 +440,9 @@ class TrainerBase(StepMethods):
         files you made yourself.
         """
         self._check_open("load_checkpoint")
-        ckpt = load_into(self, path, trusted=trusted)
+        self.last_checkpoint = load_into(self, path, trusted=trusted)
         self.loop.resume_pending = False
-        return ckpt
+        return self
 
     def explain(self) -> str:
         """What a training batch of this trainer runs: a few lines in short (precision, accumulation,

@@ -9,12 +9,36 @@ uses too. `TrainerBase` derives from it and sets `_ctx`, the engine's `Context`;
 
 from __future__ import annotations
 
+import torch
+
+from deepepochs.compat import warn_at_user_code
 from deepepochs.engine import steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.stage_tasks import default_step
-from deepepochs.errors import ConfigError
+from deepepochs.errors import ConfigError, MigrationWarning
 
-__all__ = ["LossCall", "StepMethods"]
+__all__ = ["LossCall", "StepMethods", "epochs_are_a_total", "expose_module_as_model"]
+
+
+def epochs_are_a_total(trainer, epochs: int) -> None:
+    """`fit(epochs=k)` on a trainer with epochs done: k is the total target (0.6.18 trained k more), said
+    once per trainer with a `MigrationWarning`."""
+    done = trainer.loop.completed_epochs
+    if done and not getattr(trainer, "_told_epochs_total", False):
+        trainer._told_epochs_total = True
+        warn_at_user_code(
+            f"fit(epochs={epochs}) trains up to {epochs} epochs in total: {done} are done, so this fit trains"
+            f" {max(epochs - done, 0)} more; deepepochs 0.6.18 trained {epochs} more. For that, pass"
+            f" fit(epochs=trainer.loop.completed_epochs + {epochs})", MigrationWarning)
+
+
+def expose_module_as_model(module) -> None:
+    """Make `module.model` the module itself, as deepepochs 0.6's `trainer.model.model` (its model wrapper's
+    `.model`) was, for a module that has no attribute `model` of its own. Set outside torch's module
+    registry (`object.__setattr__`): the module's parameters, buffers, `state_dict()` and `repr` do not
+    change."""
+    if isinstance(module, torch.nn.Module) and not hasattr(module, "model"):
+        object.__setattr__(module, "model", module)
 
 
 class LossCall:
@@ -34,23 +58,24 @@ class LossCall:
         splits its batch by hand; the update then happens once per window via `self.optimize()`.
         `grad_accumulate=True` is older 0.6's name for `do_optimize=False`.
 
-        As in 0.6, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step that
-        only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks. `do_metric` says
-        whether it does: by default it does except for a training call with `do_optimize=False` (a
-        sub-batch, whose metrics come from `self.do_metric(...)` on the whole batch, or add up over the
-        calls with `do_metric=True`). In validation/test with `do_loss=False` it computes no loss and
-        returns None.
+        As in 0.6.18, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step
+        that only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks; several calls
+        of one step add up. `do_metric=False` leaves them out (a sub-batch, whose metrics come from
+        `self.do_metric(...)` on the whole batch); older 0.6's `grad_accumulate=True` leaves them out too.
+        In validation/test with `do_loss=False` it computes no loss and returns None.
         """
-        if grad_accumulate is not None:
+        if grad_accumulate is not None:  # older 0.6: an accumulating call made no metrics
             do_optimize = not grad_accumulate
+            if do_metric is None:
+                do_metric = do_optimize
         if do_metric is not None and not isinstance(do_metric, bool):
             raise ConfigError(f"do_metric must be True, False or None (got {do_metric!r})")
         return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize, do_metric)
 
-    def optimize(self) -> None:
-        """0.6's `self.loss.optimize()`: `trainer.optimize()` (an update of every optimizer, on the
-        window's last micro-batch)."""
-        steps.optimize(self._ctx, None)
+    def optimize(self, optimize_index=None) -> None:
+        """0.6's `self.loss.optimize(optimize_index=None)`: `trainer.optimize(optimize_index)` (an update of
+        those optimizers, None: all, on the window's last micro-batch)."""
+        steps.optimize(self._ctx, optimize_index)
 
     def do_metric(self, loss=None, model_out=None, batch_y=None) -> None:
         """0.6's `self.do_metric(loss, model_out, batch_y)` after sub-batches of one batch: the trainer's
@@ -98,6 +123,27 @@ class StepMethods:
     def evaluate_step(self, batch_x, batch_y, **step_args):
         """Default validation/test step: forward, loss, metric patches (no gradients)."""
         return steps.default_step(self._ctx, batch_x, batch_y, self._ctx.loop.stage)
+
+    # ---- deepepochs 0.6's names, as its steps use them ----
+    @property
+    def current_batch_size(self) -> int:
+        """The sample count of the batch being run (0.6's `self.current_batch_size`)."""
+        return self._ctx.batch_n
+
+    @property
+    def max_epochs(self) -> int:
+        """The epoch target (0.6's `self.max_epochs`; `trainer.config.epochs`)."""
+        return self._ctx.parts.config.epochs
+
+    @property
+    def main_process(self) -> bool:
+        """True on rank 0 and in one process (0.6's `self.main_process`; `trainer.is_main_process`)."""
+        return self._ctx.parts.dist.is_main
+
+    def print(self, *args, **kwargs) -> None:
+        """`print(...)` on rank 0 only (0.6's `self.print`)."""
+        if self._ctx.parts.dist.is_main:
+            print(*args, **kwargs)
 
     def batch_patches(self, model_out, batch_y, metrics=None) -> dict:
         """`{name: Patch}` for `metrics` (default: the current task's) under the trainer's metric_patch."""

@@ -66,6 +66,20 @@ class Optimizer:
         if self.sched_with_loss and self.sched_on != "epoch":
             raise ConfigError("sched_with_loss=True needs sched_on='epoch' (got sched_on='step')")
 
+    @property
+    def param_groups(self) -> list:
+        """The optimizer's parameter groups (0.6's `trainer.opt.param_groups`)."""
+        return self.opt.param_groups
+
+    def get_current_lr(self) -> float:
+        """The learning rate of the optimizer's first parameter group now (0.6's accessor)."""
+        return self.opt.param_groups[0]["lr"]
+
+    def get_last_lr(self) -> list | None:
+        """The scheduler's `get_last_lr()` (one rate per parameter group), or None without a scheduler, as
+        in 0.6."""
+        return None if self.scheduler is None else self.scheduler.get_last_lr()
+
 
 def _check_scheduler(opt, scheduler) -> None:
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
@@ -142,6 +156,17 @@ class Optimizers(Sequence):
 
     def __getitem__(self, i):
         return self.items[i]
+
+    def get_current_lr(self):
+        """Each optimizer's `get_current_lr()`: one float with one optimizer, else a list in `optimize_index`
+        order (0.6's `trainer.opt` was the one `Optimizer` itself, or a list of them)."""
+        rates = [item.get_current_lr() for item in self.items]
+        return rates[0] if len(rates) == 1 else rates
+
+    def get_last_lr(self):
+        """Each optimizer's `get_last_lr()`, one value with one optimizer, else a list (as `get_current_lr`)."""
+        rates = [item.get_last_lr() for item in self.items]
+        return rates[0] if len(rates) == 1 else rates
 
     def __len__(self):
         return len(self.items)
