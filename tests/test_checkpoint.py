@@ -122,7 +122,8 @@ def test_checkpoint_is_a_plain_dict_with_the_documented_keys_and_no_absolute_pat
     assert len(data["optimizers"]) == len(data["schedulers"]) == 1
     assert data["schedulers"][0]["last_epoch"] == 2
     assert set(data["monitors"]) == {"val-loss.latest"}
-    assert set(data["rng"]) == {"python", "numpy", "torch", "cuda"}
+    assert set(data["rng"]) == {"python", "numpy", "torch", "cuda", "loaders"}
+    assert data["rng"]["loaders"] == []  # the training DataLoader was given no generator of its own
     assert data["order_seed"] == torch.initial_seed() % 2**62  # the seed of this process when fit began
 
     def strings(obj):

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from test_exact_order import FailingLoss  # cross_entropy raising once, after the forward drew its dropout
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -70,20 +71,6 @@ def plain_loop(kind):
             for x, y in val:
                 F.cross_entropy(model(x), y)
     return model.state_dict(), opt.state_dict()
-
-
-class FailingLoss:
-    """cross_entropy, raising once on call `fail_at` (1-based; None: never), after the forward drew its
-    dropout mask."""
-
-    def __init__(self, fail_at=None):
-        self.fail_at, self.calls = fail_at, 0
-
-    def __call__(self, out, y):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("injected fault")
-        return F.cross_entropy(out, y)
 
 
 def _trainer(loss=F.cross_entropy, callbacks=(), epochs=EPOCHS, **kw):

@@ -11,11 +11,12 @@ import warnings
 
 import pytest
 import torch
+from test_snapshots import FailOnce  # raises once, after a given training batch of a given epoch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from deepepochs import Callback, Optimizer, SnapshotCallback, Trainer
+from deepepochs import Optimizer, SnapshotCallback, Trainer
 from deepepochs.errors import DeepEpochsWarning
 
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
@@ -48,18 +49,6 @@ def _loader(kind):
                                            generator=torch.Generator().manual_seed(9))
     generator = torch.Generator().manual_seed(9) if kind == "generator" else None
     return stateful.StatefulDataLoader(Samples(noise=True), batch_size=BATCH, shuffle=True, generator=generator)
-
-
-class FailOnce(Callback):
-    """Raises once, after training batch `batch` (0-based) of epoch `epoch` (inside a window)."""
-
-    def __init__(self, epoch, batch):
-        self.at = (epoch, batch)
-
-    def on_after_train_batch(self, trainer, metrics, batch_idx):
-        if (trainer.loop.epoch, batch_idx) == self.at:
-            self.at = None
-            raise RuntimeError("injected")
 
 
 def _trainer(callbacks=(), resume=False):
