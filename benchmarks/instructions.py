@@ -60,7 +60,7 @@ WORKLOADS = {
     "tiny_loader": ("tiny", "loader", ["raw", "deepepochs", "ignite", "lightning", "deepepochs_every_edge",
                                        "raw_acc4", "raw_acc4_seeded", "deepepochs_acc4"], 16, 48),
     "tiny_tensors": ("tiny", "tensors", ["raw", "deepepochs", "ignite", "lightning"], 16, 48),
-    "mlp_loader": ("mlp", "loader", ["raw", "deepepochs", "ignite", "lightning"], 4, 8),
+    "mlp_loader": ("mlp", "loader", ["raw", "deepepochs", "ignite", "lightning"], 2, 4),
 }
 QUICK_SIZES = (4, 8)
 PEER_MODULES = {"ignite": "ignite", "lightning": "lightning"}
@@ -98,14 +98,28 @@ class Counter:
         return total
 
 
+class Prebatched:
+    """A re-iterable sequence of ready-made batches (a plain list would be taken by Lightning for a list of
+    loaders)."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
 def feed(model_name: str, kind: str, n: int, pool: list):
-    """The first `n` batches of `pool`: as a DataLoader over a TensorDataset (`loader`) or the list."""
+    """The first `n` batches of `pool`: as a DataLoader over a TensorDataset (`loader`) or `Prebatched`."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     batches = pool[:n]
     if kind == "tensors":
-        return batches
+        return Prebatched(batches)
     x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     return DataLoader(TensorDataset(x, y), batch_size=len(batches[0][0]))
 
@@ -298,14 +312,21 @@ def main(argv=None) -> int:
 
         def count(job):
             start = time.perf_counter()
-            row = run_one(*job, shim, folder, args.repeats, args.quick)
+            try:
+                row = run_one(*job, shim, folder, args.repeats, args.quick)
+            except RuntimeError as e:  # reported, and the other loops still counted
+                print(e, file=sys.stderr)
+                return {"failed": str(e)[-2000:]}
             print(f"{job[0]} {job[1]}: {row['per_batch']:,.0f} instructions per batch"
                   f" ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
             return row
 
         with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
             for (workload, loop), row in zip(jobs, pool.map(count, jobs)):
-                results[workload][loop] = row
+                if "failed" in row:
+                    skipped[f"{workload} {loop}"] = row["failed"]
+                else:
+                    results[workload][loop] = row
     for loops in results.values():
         for loop, row in loops.items():
             ref = reference(loop)
