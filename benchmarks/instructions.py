@@ -63,7 +63,6 @@ WORKLOADS = {
     "mlp_loader": ("mlp", "loader", ["raw", "deepepochs", "ignite", "lightning"], 2, 4),
 }
 QUICK_SIZES = (4, 8)
-PEER_MODULES = {"ignite": "ignite", "lightning": "lightning"}
 TITLES = {"tiny_loader": "tiny (Linear 16→2, batch 32), DataLoader",
           "tiny_tensors": "tiny (Linear 16→2, batch 32), pre-batched tensors",
           "mlp_loader": "MLP 784-512-512-10, batch 128, DataLoader"}
@@ -182,9 +181,9 @@ def build_shim(folder: str) -> str:
 
 def reference(loop: str) -> str | None:
     """The loop a loop's ratio is taken against."""
-    import loop_overhead as lo
+    from loop_overhead import VARIANTS
 
-    return lo.VARIANTS[loop].reference
+    return VARIANTS[loop].reference
 
 
 def table(results: dict) -> str:
@@ -289,6 +288,8 @@ def main(argv=None) -> int:
     for w in workloads:
         if w not in WORKLOADS:
             parser.error(f"unknown workload {w!r}; choose from {list(WORKLOADS)}")
+    from loop_overhead import available_variants  # imports torch and deepepochs: not before the worker needs them
+
     wanted = {name for name in args.loops.split(",") if name}
     t0 = time.perf_counter()
     results: dict = {}
@@ -296,17 +297,9 @@ def main(argv=None) -> int:
     jobs = []
     for workload in workloads:
         results[workload] = {}
-        for loop in WORKLOADS[workload][2]:
-            if wanted and loop not in wanted:
-                continue
-            module = PEER_MODULES.get(loop)
-            if module is not None:
-                try:
-                    __import__(module)
-                except ImportError as e:
-                    skipped[loop] = f"not installed ({e.msg}); pip install -e '.[bench]'"
-                    continue
-            jobs.append((workload, loop))
+        loops, missing = available_variants([loop for loop in WORKLOADS[workload][2] if not wanted or loop in wanted])
+        skipped.update(missing)
+        jobs += [(workload, loop) for loop in loops]
     with tempfile.TemporaryDirectory(prefix="deepepochs-callgrind-") as folder:
         shim = build_shim(folder)
 
