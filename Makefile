@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 DOCS_OUT ?= docs/_build/html
 
 .PHONY: venv install install-runtime install-docs demo test test-fast lint gen check-gen graph bench \
-	bench-memory docs docs-check clean
+	bench-instructions bench-memory docs docs-check clean
 
 # ---- environments: one stamp per install level, redone when pyproject.toml changes ----
 $(PYTHON):
@@ -98,6 +98,12 @@ bench: install
 	$(PYTHON) benchmarks/batch_segments.py
 	$(PYTHON) benchmarks/batch_segments.py --model mlp
 	$(PYTHON) benchmarks/finite_check.py
+
+# Instructions per batch under callgrind (needs valgrind and gcc: apt-get install valgrind gcc), each loop in
+# its own process: the raw loop, deepepochs, pytorch-ignite, Lightning (~12 min on a 2-core machine)
+bench-instructions: install
+	$(PIP) install -q -e ".[bench]"
+	nice -n 10 $(PYTHON) benchmarks/instructions.py
 
 bench-memory: install-runtime
 	$(PYTHON) benchmarks/memory_steady.py

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks of one GPU session, as one short script (a few minutes on one H200):
-#   1. tests/gpu (fp16/bf16 autocast, GradScaler state and skips, clipping after unscale, accumulation);
+#   1. tests/gpu (fp16/bf16 autocast, GradScaler state and skips, clipping after unscale, accumulation, the
+#      host synchronisations per training batch in steady state, per precision);
 #   2. the throughput benchmark, deepepochs and the raw loop, fp32/fp16/bf16 (PERF-2);
 #   3. the smoke training run on CUDA (checkpoint, resume, test on the best weights).
 # Everything lands in $OUT (default benchmarks/results/gpu): gpu_checks.json (environment, test summary,

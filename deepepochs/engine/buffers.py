@@ -51,8 +51,9 @@ class BufferCopies:
         return cls(kept, owners, live, [b.detach() for b in live], copies)
 
     def current(self, kept: dict) -> bool:
-        """Whether these pairs still describe `kept` and the model's buffers (none replaced since)."""
-        return kept is self.kept and buffers_unchanged(self.owners, self.live)
+        """Whether these pairs still describe `kept` and the model's buffers (none replaced since); a model
+        without buffers has nothing to compare."""
+        return kept is self.kept and (not self.owners or buffers_unchanged(self.owners, self.live))
 
 
 def copy_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -65,9 +66,9 @@ def keep(ctx: Context, fresh: bool = False) -> None:
     tensors kept since the fit's start (`fresh`: into new ones, as when none are kept yet). One copy call
     per update; after a restore of the run state (an epoch's end undone) or when a module replaced a
     buffer instead of changing it in place, the copies are made anew by name."""
-    run, model = ctx.run, ctx.parts.raw_model
-    copies = ctx.buffer_copies
-    if fresh or run.buffers is None or copies is None or not copies.current(run.buffers):
+    run, copies = ctx.loop.run, ctx.buffer_copies
+    if fresh or copies is None or run.buffers is None or not copies.current(run.buffers):
+        model = ctx.parts.raw_model
         run.buffers = copy_of(model)
         ctx.buffer_copies = BufferCopies.of(model, run.buffers)
     elif copies.copies:

@@ -17,7 +17,9 @@ def random_state(ctx: Context) -> tuple:
     """torch's generator states: the CPU's, and the training GPU's (None elsewhere), as copies of the
     generators (`Generator.clone_state`: no state tensor is made; `state_tensor` makes one)."""
     device = ctx.parts.device
-    return torch.default_generator.clone_state(), _gpu_copy(device) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return torch.default_generator.clone_state(), None
+    return torch.default_generator.clone_state(), _gpu_copy(device)
 
 
 def _gpu_copy(device: torch.device):
@@ -53,6 +55,6 @@ def remember_random_state(ctx: Context) -> None:
     from them, so it draws the random numbers (dropout, augmentation in torch) the uninterrupted run drew.
     Once per update; a copy of each generator is kept rather than its state tensor, which costs a third
     as much inside a training loop. Python's and NumPy's generators are not kept (10-70x dearer to read)."""
-    ctx.random_state = random_state(ctx)
+    ctx.loop.run.random_state = random_state(ctx)  # the run state's own field (`ctx.random_state` aliases it)
 
 
