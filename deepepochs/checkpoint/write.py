@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs.checkpoint import shard_storage
+from deepepochs.checkpoint import names, shard_storage
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
 from deepepochs.errors import CheckpointError
@@ -70,6 +70,7 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) ->
         monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
         rng=rng_state() if trainer.world_size == 1 else None,  # under DDP every rank has its own
         order_seed=trainer.dist.order_seed,
+        param_names=names.param_names(trainer),
         history=plain_records(_run_records(trainer, position)),
     )
 
