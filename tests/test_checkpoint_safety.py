@@ -227,9 +227,9 @@ def test_another_scheduler_kind_or_optimizer_count_is_refused_before_anything_ch
 
 @pytest.mark.parametrize("damage", ["monitor", "scaler"])
 def test_a_damaged_monitor_or_scaler_state_leaves_everything_as_it_was(tmp_path, damage):
-    """What a file check cannot foresee fails while applying: a monitor state whose patience counter is
-    not a number, a scaler state of the wrong type. CheckpointError, and the weights, optimizer, monitor
-    and epoch count are those from before the load (the weights and optimizer were loaded first)."""
+    """A monitor state whose patience counter is not a number, a scaler state of the wrong type: the field
+    rules refuse them with CheckpointError naming the field and the type found, and the weights, optimizer,
+    monitor and epoch count are those from before the load."""
     path, data = _saved_checkpoint(tmp_path)
     if damage == "monitor":
         (state,) = data["monitors"].values()
@@ -246,7 +246,9 @@ def test_a_damaged_monitor_or_scaler_state_leaves_everything_as_it_was(tmp_path,
     before = _state(t)
     monitor = t.callbacks[0] if hasattr(t.callbacks[0], "monitor_id") else None
     monitor_before = None if monitor is None else dict(monitor.state_dict())
-    with pytest.raises(CheckpointError, match=r"could not be loaded .*nothing was changed"):
+    field = (r"monitors\['train-loss.latest'\]\['bad_epochs'\] must be an int \(got str 'many'\)" if damage == "monitor"
+             else r"scaler must have the keys .*\(got \['scale'\]\)")
+    with pytest.raises(CheckpointError, match=r"nothing was loaded: " + field):
         t.load_checkpoint(path)
     _assert_unchanged(t, before)
     if monitor is not None:
