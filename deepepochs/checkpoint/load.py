@@ -85,7 +85,7 @@ def check_fits(trainer, ckpt: Checkpoint, path) -> None:
     and changes nothing when this raises."""
     try:
         try:
-            mapped = names.by_name(trainer, ckpt, path, warn=False)
+            mapped = names.by_name(trainer, ckpt, path)
         except CheckpointError:
             if not _model_problems(trainer, ckpt):
                 raise
@@ -173,6 +173,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     path = Path(path)
     ckpt = read_checkpoint(path, trusted) if ckpt is None else ckpt
     check_fits(trainer, ckpt, path)  # all or nothing: every mismatch is found before anything changes
+    names.warn_positional(ckpt, path)
     backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
     run = trainer.loop.run
     run_backup = runstate.capture(run)  # the run state (history, position, random state) as well

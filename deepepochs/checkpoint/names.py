@@ -22,7 +22,7 @@ import attrs
 from deepepochs.checkpoint.format import Checkpoint
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 
-__all__ = ["by_name", "param_names", "saved_names"]
+__all__ = ["by_name", "param_names", "saved_names", "warn_positional"]
 
 
 def param_names(trainer) -> list[list[str | None]]:
@@ -57,19 +57,25 @@ def _described(value) -> str:
     return type(value).__name__
 
 
-def by_name(trainer, ckpt: Checkpoint, path, warn: bool = True) -> Checkpoint:
+def warn_positional(ckpt: Checkpoint, path) -> None:
+    """A `DeepEpochsWarning` when `ckpt` records no parameter names but optimizer states (a file of an older
+    deepepochs or of other code): they load by position, as torch maps them."""
+    if ckpt.param_names is not None or (isinstance(ckpt.shards, Mapping) and ckpt.shards.get("params") is not None):
+        return
+    if any(isinstance(s, Mapping) and (s.get("state") or len(s.get("param_groups") or ()) > 1)
+           for s in ckpt.optimizers):
+        warnings.warn(f"checkpoint {path} records no parameter names (it was written by an older deepepochs or"
+                      " by other code): its optimizer states are mapped to the parameters by position, as torch"
+                      " does; if the parameter list was reordered since, parameters get each other's states."
+                      " Save it again with this deepepochs to map them by name", DeepEpochsWarning, stacklevel=3)
+
+
+def by_name(trainer, ckpt: Checkpoint, path) -> Checkpoint:
     """`ckpt` with each optimizer's state and param groups in this trainer's parameter order (see the
-    module docstring). `CheckpointError` names the parameters when the file's are not this trainer's;
-    `warn`: a file without names gets the positional-mapping warning."""
+    module docstring); unchanged when it records no names (`warn_positional`). `CheckpointError` names
+    the parameters when the file's are not this trainer's."""
     saved = saved_names(ckpt, path)
     if saved is None:
-        stateful = any(isinstance(s, Mapping) and (s.get("state") or len(s.get("param_groups") or ()) > 1)
-                       for s in ckpt.optimizers)
-        if warn and stateful:
-            warnings.warn(f"checkpoint {path} records no parameter names (it was written by an older deepepochs):"
-                          " its optimizer states are mapped to the parameters by position, as torch does; if the"
-                          " parameter list was reordered since, parameters get each other's states. Save it again"
-                          " with this deepepochs to map them by name", DeepEpochsWarning, stacklevel=3)
         return ckpt
     live = param_names(trainer)
     if len(live) != len(saved):
