@@ -74,8 +74,14 @@ def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
                                   " commit)")
         return _with_shard_specs(_read_file(path / shard_storage.SIDE_CAR, trusted), path)
     ckpt = _read_file(path, trusted)
+    if ckpt.shards is None:
+        return ckpt
+    if path.name != shard_storage.SIDE_CAR:
+        raise CheckpointError(f"checkpoint {path}: field 'shards' must be None in a single checkpoint file (only a"
+                              f" sharded folder's {shard_storage.SIDE_CAR} names shards) (got"
+                              f" {type(ckpt.shards).__name__})")
     # the checkpoint.pt of a sharded checkpoint, named itself: the folder around it is the checkpoint
-    return ckpt if ckpt.shards is None else _with_shard_specs(ckpt, path.parent)
+    return _with_shard_specs(ckpt, path.parent)
 
 
 _TRUST_HINT = ". If you made this file yourself, load it with trainer.load_checkpoint(path, trusted=True)"

@@ -28,11 +28,14 @@ import torch
 from deepepochs.checkpoint.format import FORMAT_VERSION, Checkpoint, monitors_of
 from deepepochs.utils import rng_state
 
-__all__ = ["MAX_COUNT", "RANGES", "finished_problems", "like", "problems", "progress_problems"]
+__all__ = ["MAX_COUNT", "MAX_LR", "RANGES", "finished_problems", "like", "problems", "progress_problems"]
 
 #: The largest counter (epoch, step, update, batch) a file may record: far beyond any run, far below the
 #: values at which float arithmetic on a counter loses whole units.
 MAX_COUNT = 2**40
+#: The largest learning rate a file may hold: far above any schedule's, far below where one update
+#: takes a weight out of float32's range.
+MAX_LR = 1e6
 _MAX_INT = 2**64  # any other int (a generator's state word, a time in nanoseconds) fits in 64 bits
 _MAX_TEXT = 4096  # characters of a string field (a run id, a stop reason)
 
@@ -209,10 +212,17 @@ def problems(trainer, ckpt: Checkpoint) -> list[str]:
 
 
 def _model(trainer, saved, out: list) -> None:
-    """The model's entries must be tensors (keys and shapes are the fit check's)."""
-    bad = [f"model[{key!r}] must be a tensor (got {_got(value)})" for key, value in saved.items()
-           if not isinstance(value, torch.Tensor) and not (key.endswith("_extra_state") if isinstance(key, str)
-                                                           else False)]
+    """The model's entries must be tensors, its parameters finite (a buffer may hold inf: a mask); keys and
+    shapes are the fit check's."""
+    parameters = {name for name, _ in trainer.raw_model.named_parameters()}
+    bad = []
+    for key, value in saved.items():
+        if not isinstance(value, torch.Tensor):
+            if not (isinstance(key, str) and key.endswith("_extra_state")):
+                bad.append(f"model[{key!r}] must be a tensor (got {_got(value)})")
+        elif key in parameters and value.device.type != "meta" and value.is_floating_point() \
+                and not bool(torch.isfinite(value).all()):
+            bad.append(f"model[{key!r}] must be finite, it is a parameter (got {_got(value)} holding inf or NaN)")
     out.extend(bad[:5])
 
 
@@ -240,8 +250,12 @@ def _optimizers(trainer, ckpt: Checkpoint, out: list) -> None:
             keys, want = set(group) - {"params"}, set(live) - {"params"}
             if (keys ^ want) - _OPTIONAL_GROUP_KEYS:
                 continue  # another optimizer's state: the fit check names it
+            before = len(out)
             for key in sorted(keys & want, key=str):
                 like(group[key], live[key], f"{where}[{key!r}]", out, key)
+            _rate(group, where, out)
+            if len(out) == before:
+                _steps(opt, j, {k: v for k, v in group.items() if k != "params"}, where, out)
             params = group.get("params")
             wanted = list(range(count, count + len(live["params"])))
             if not isinstance(params, list) or params != wanted:
@@ -262,23 +276,35 @@ def _optimizers(trainer, ckpt: Checkpoint, out: list) -> None:
             if not isinstance(values, Mapping):
                 out.append(f"{where} must be a dict (got {_got(values)})")
                 continue
-            if values:
-                _param_state(values, params[pid], opt, groups_of[pid], where, out)
+            if values and isinstance(groups[groups_of[pid]], Mapping):
+                hyper = {k: v for k, v in groups[groups_of[pid]].items() if k != "params"}
+                _param_state(values, params[pid], opt, hyper, where, out)
+
+
+def _rate(group: Mapping, field: str, out: list) -> None:
+    """A param group's learning rate at most `MAX_LR`, and `lr * weight_decay` below 1: beyond that every
+    update's decay overshoots zero (the weights flip sign and grow), which no schedule intends."""
+    lr, decay = group.get("lr"), group.get("weight_decay")
+    if _number(lr) and math.isfinite(lr) and lr > MAX_LR:
+        out.append(f"{field}['lr'] must be at most {MAX_LR:g} (got {_got(lr)})")
+    elif _number(lr) and _number(decay) and math.isfinite(lr) and math.isfinite(decay) and lr * decay >= 1:
+        out.append(f"{field}: lr * weight_decay must be below 1, else each update's decay overshoots zero (got lr"
+                   f" {lr!r}, weight_decay {decay!r})")
 
 
 def _span(ids: list) -> str:
     return f"[{ids[0]}..{ids[-1]}]" if len(ids) > 1 else str(ids)
 
 
-def _param_state(values: Mapping, param, opt, group: int, field: str, out: list) -> None:
-    """One parameter's optimizer state against what this optimizer keeps for it."""
-    live = opt.state.get(param)
-    reference = dict(live) if live else _reference_state(opt, group)
-    if reference is None:  # the optimizer cannot be stepped on a stand-in: tensors must be finite at least
-        reference = {key: None for key in values}
-        proxy_shape = None
-    else:
-        proxy_shape = tuple(param.shape) if live else (2,)
+def _param_state(values: Mapping, param, opt, hyper: Mapping, field: str, out: list) -> None:
+    """One parameter's optimizer state against what this optimizer keeps for it under the file's
+    hyper-parameters `hyper` of its group (a flag such as Adam's `amsgrad` decides which states it keeps)."""
+    reference = _reference_state(opt, hyper, param.device)
+    proxy_shape = (2,)
+    if reference is None:  # the optimizer cannot be stepped on a stand-in: the trainer's own, if it stepped
+        live = opt.state.get(param)
+        reference = dict(live) if live else {key: None for key in values}
+        proxy_shape = tuple(param.shape)
     if set(values) != set(reference):
         out.append(f"{field} must hold the states {sorted(map(str, reference))} that {type(opt).__name__} keeps (got"
                    f" {sorted(map(str, values))})")
@@ -324,32 +350,59 @@ def _finite_tensor(value: torch.Tensor, field: str, key, out: list) -> None:
 _REFERENCES: dict = {}
 
 
-def _reference_state(opt, group: int) -> dict | None:
-    """What `opt` keeps per parameter, from a throwaway optimizer of its class with the param group's
-    hyper-parameters, stepped once on a zero-gradient stand-in parameter of 2 elements (so a state of the
-    parameter's shape has shape (2,)); None when it cannot be made or stepped."""
-    hyper = {k: v for k, v in opt.param_groups[group].items() if k != "params"}
-    key = (type(opt), repr(sorted(hyper.items(), key=lambda kv: str(kv[0]))))
+def _reference_state(opt, hyper: Mapping, device) -> dict | None:
+    """What `opt` keeps per parameter, from a throwaway optimizer of its class with the hyper-parameters
+    `hyper`, stepped once on a zero-gradient stand-in parameter of 2 elements on `device` (so a state of
+    the parameter's shape has shape (2,)); None when it cannot be made or stepped."""
+    try:
+        key = (type(opt), str(device), repr(sorted(hyper.items(), key=lambda kv: str(kv[0]))))
+    except Exception:
+        return None
     if key in _REFERENCES:
         return _REFERENCES[key]
     reference = None
-    stand_in = torch.zeros(2, requires_grad=True)
-    stand_in.grad = torch.zeros(2)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            proxy = type(opt)([{**hyper, "params": [stand_in]}])
-            try:
-                proxy.step()
-            except TypeError:  # an optimizer that needs a closure (LBFGS)
-                proxy.step(lambda: torch.zeros(()))
-        reference = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                     for k, v in proxy.state.get(stand_in, {}).items()}
-    except Exception:  # another constructor, a device it needs: the generic checks only
+        reference = _stepped(type(opt), hyper, device)
+    except Exception:  # another constructor, a device it needs: see `_steps`
         reference = None
     if len(_REFERENCES) < 64:
         _REFERENCES[key] = reference
     return reference
+
+
+def _stepped(cls, hyper: Mapping, device) -> dict:
+    """The per-parameter state of a `cls` optimizer with the param group `hyper` after one step on a
+    stand-in; raises what the optimizer raises."""
+    stand_in = torch.zeros(2, device=device, requires_grad=True)
+    stand_in.grad = torch.zeros(2, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proxy = cls([{**hyper, "params": [stand_in]}])
+        try:
+            proxy.step()
+        except TypeError:  # an optimizer that needs a closure (LBFGS)
+            proxy.step(lambda: torch.zeros((), device=device))
+    state = proxy.state.get(stand_in, {})
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _steps(opt, group: int, hyper: Mapping, field: str, out: list) -> None:
+    """A problem when the file's hyper-parameters `hyper` make the optimizer fail a step that its own
+    (group `group`'s) take (a flag such as `capturable` or `fused` on a device that lacks it)."""
+    live = {k: v for k, v in opt.param_groups[group].items() if k != "params"}
+    if not opt.param_groups[group]["params"] or hyper == live:
+        return
+    device = opt.param_groups[group]["params"][0].device
+    try:
+        _stepped(type(opt), live, device)
+    except Exception:
+        return  # the optimizer cannot be stepped on a stand-in at all: nothing to compare
+    try:
+        _stepped(type(opt), hyper, device)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        out.append(f"{field} holds hyper-parameters with which {type(opt).__name__} fails its step here"
+                   f" ({type(e).__name__}: {first})")
 
 
 def _rng(saved, field: str, out: list) -> None:
