@@ -16,6 +16,7 @@ more than the file's own size.
 from __future__ import annotations
 
 import pickle
+import pickletools
 import re
 import struct
 import zipfile
@@ -25,7 +26,7 @@ import torch
 
 from deepepochs.errors import CheckpointError
 
-__all__ = ["MAX_RECORDS", "check_archive", "load_plain", "refused_types"]
+__all__ = ["MAX_RECORDS", "check_archive", "load_plain", "pickled_globals", "refused_types"]
 
 #: The most records a file may hold: one per tensor storage (a model's tensors and its optimizers' states)
 #: plus a few of metadata; a million covers models far larger than any one file holds.
@@ -121,20 +122,51 @@ _TYPE_PATTERNS = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"got <class '([\w.
 
 
 def refused_types(exc: BaseException, path=None) -> list[str]:
-    """The types (or functions) a weights-only read of `path` refused, as dotted names: those torch's
-    message names, else the globals `torch.serialization.get_unsafe_globals_in_checkpoint` finds in the
-    file's pickle (it scans it without running anything). Empty when the failure was no refusal."""
+    """The types (or functions) a weights-only read of `path` refused, as dotted names: the one torch's
+    message names, else those the file's pickle refers to (`pickled_globals`). Empty when the failure was
+    no refusal."""
+    if not isinstance(exc, pickle.UnpicklingError):
+        return []
     text = str(exc)
     for pattern in _TYPE_PATTERNS:
         match = pattern.search(text)
-        if match is not None and isinstance(exc, pickle.UnpicklingError):
+        if match is not None:
             return [match.group(1)]
-    if path is None or not isinstance(exc, pickle.UnpicklingError):
-        return []
+    return pickled_globals(path) if path is not None else []
+
+
+# What `torch.save` itself refers to in the pickle of plain data: torch's tensor and storage rebuilding,
+# and OrderedDict (a state_dict()).
+_PLAIN_MODULES = ("torch", "collections")
+
+
+def pickled_globals(path) -> list[str]:
+    """The globals (`module.name`) the pickle of the file at `path` (checked by `check_archive`) refers to
+    besides torch's own and OrderedDict, found by reading its opcodes without running any (every protocol:
+    GLOBAL, INST, and STACK_GLOBAL after the two strings that name it). Empty when it cannot be read."""
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except Exception:  # the pickle cannot be scanned either: a damaged file, which the caller reports
+        with zipfile.ZipFile(path) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            data = archive.read(name)
+        found, strings, memo, top = [], [], {}, None
+        for opcode, arg, _pos in pickletools.genops(data):
+            kind = opcode.name
+            if kind in ("GLOBAL", "INST"):
+                found.append(str(arg).replace(" ", "."))
+            elif kind == "STACK_GLOBAL" and len(strings) >= 2:
+                found.append(f"{strings[-2]}.{strings[-1]}")
+            if kind == "MEMOIZE":  # the memo keeps what is on top of the stack: a name may come back from it
+                memo[len(memo)] = top
+                continue
+            if kind in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = top
+                continue
+            top = memo.get(arg) if kind in ("GET", "BINGET", "LONG_BINGET") else arg if "UNICODE" in kind else None
+            if isinstance(top, str):
+                strings = [*strings[-1:], top]
+    except Exception:  # a pickle that cannot even be scanned: the caller reports a damaged file
         return []
+    return list(dict.fromkeys(n for n in found if n.split(".", 1)[0] not in _PLAIN_MODULES))
 
 
 def load_plain(path, what: str, mmap: bool = False, hint: str = ""):
@@ -150,6 +182,10 @@ def load_plain(path, what: str, mmap: bool = False, hint: str = ""):
             raise CheckpointError(
                 f"{what} {path} holds an object of type {', '.join(refused)}, not only tensors, numbers, strings"
                 f" and containers; it was not loaded, since unpickling it could run code from the file{hint}") from e
+        reason = re.search(r"Unsupported operand \d+|Unsupported [^\n]*", str(e))
+        if isinstance(e, pickle.UnpicklingError) and reason is not None:
+            raise CheckpointError(f"{what} {path} holds pickle data the weights-only reader refuses ({reason.group(0)}:"
+                                  " torch.save never writes it); it was not loaded") from e
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(f"cannot read {what} {path}: the file is truncated or corrupt ({type(e).__name__}:"
                               f" {first})") from e

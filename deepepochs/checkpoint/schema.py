@@ -411,7 +411,15 @@ def _rng(saved, field: str, out: list) -> None:
         out.append(f"{field} must be a dict of the 'python', 'numpy', 'torch' and 'cuda' generator states (got"
                    f" {_got(saved)})")
         return
-    for key in ("python", "numpy", "torch"):
+    python = saved["python"]
+    ok = (isinstance(python, (list, tuple)) and len(python) == 3 and isinstance(python[0], int)
+          and isinstance(python[1], (list, tuple)) and len(python[1]) == len(live["python"][1])
+          and all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 2**32 for k in python[1])
+          and (python[2] is None or (_number(python[2]) and math.isfinite(python[2]))))
+    if not ok:  # (version, 625 words of 32 bits, the cached gaussian: None or a number)
+        out.append(f"{field}['python'] must be Python's generator state [version, {len(live['python'][1])} ints"
+                   f" in [0, 2**32), None or a finite number] (got {_got(python)})")
+    for key in ("numpy", "torch"):
         like(saved[key], live[key], f"{field}[{key!r}]", out, key)
     cuda = saved.get("cuda", [])
     if not isinstance(cuda, list) or not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.dim() == 1
