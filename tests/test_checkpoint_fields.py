@@ -135,7 +135,7 @@ def _set(obj, path, value):
 
 
 def _replacements(leaf):
-    plain = [None, -1, 2**62, "x", math.nan, math.inf, [], {}, True, 0]
+    plain = [None, -1, 2**62, "x", math.nan, math.inf, [], {}, True]
     if isinstance(leaf, torch.Tensor):
         nan = torch.full_like(leaf, math.nan) if leaf.is_floating_point() else torch.zeros(7)
         return [*plain, torch.tensor(0.0), torch.zeros(7), nan]

@@ -141,6 +141,8 @@ def _problems(trainer, ckpt: Checkpoint, path) -> list[str]:
             params = [p for h in have for p in h["params"]]
             ids = [pid for g in groups for pid in g.get("params", ())]
             for pid, param in zip(ids, params):
+                if isinstance(pid, bool) or not isinstance(pid, int):
+                    continue  # the field rules name a damaged index
                 for name, value in (state.get("state", {}).get(pid) or {}).items():
                     if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
                         problems.append(f"optimizer {i} ({kind}) state {name!r} of parameter {pid}: shape"

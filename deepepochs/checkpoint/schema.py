@@ -464,6 +464,15 @@ def _position(pos, epoch, out: list) -> None:
     _int_field(pos["world_size"], "position['world_size']", 1, 1 << 20, out)
     _int_field(pos.get("batch_size"), "position['batch_size']", 1, MAX_COUNT, out, none=True)
     _int_field(pos.get("samples_done"), "position['samples_done']", 0, MAX_COUNT, out, none=True)
+    size, samples = pos.get("batch_size"), pos.get("samples_done")
+    if (size is None) != (samples is None):
+        out.append(f"position['batch_size'] and position['samples_done'] must both be None (data without a batch"
+                   f" size) or both ints (got {_got(size)} and {_got(samples)})")
+    elif all(isinstance(v, int) and not isinstance(v, bool) for v in (size, samples, pos["batches_done"],
+                                                                        pos["world_size"])) \
+            and samples != pos["batches_done"] * size * pos["world_size"]:
+        out.append(f"position['samples_done'] must be batches_done x batch_size x world_size,"
+                   f" {pos['batches_done'] * size * pos['world_size']} (got {_got(samples)})")
     ranks = pos["ranks"]
     if not isinstance(ranks, list) or (isinstance(pos["world_size"], int) and len(ranks) != pos["world_size"]):
         out.append(f"position['ranks'] must be a list of one record per process (got {_got(ranks)})")
