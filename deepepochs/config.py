@@ -80,14 +80,33 @@ def _precision(_instance, attribute, value):
     check_choice(attribute.name, value, PRECISIONS, hint)
 
 
+#: The most bytes a run name may take: one folder name, which file systems limit to 255 bytes.
+MAX_RUN_NAME_BYTES = 255
+
+
 def check_run_name(name: str, argname: str) -> None:
     """Raise ConfigError unless `name` can be one folder name under a checkpoint or log folder: a
-    non-empty string without path separators, not `.` or `..` (so it can never point outside them)."""
-    bad = (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-           or "\0" in name or os.path.isabs(name))
+    non-empty string without path separators, not `.` or `..` (so it can never point outside them), of
+    printable characters the file system encodes, at most `MAX_RUN_NAME_BYTES` bytes long."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{argname} must be a str (or an int): it becomes a folder under ckpt_dir and log_dir"
+                          f" (got {type(name).__name__})")
+    bad = (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name))
     if bad:
         raise ConfigError(f"{argname} must be a plain folder name (no path separators, not '.' or '..'): it"
                           f" becomes a folder under ckpt_dir and log_dir (got {name!r})")
+    control = sorted({c for c in name if ord(c) < 32 or ord(c) == 127})
+    if control:
+        raise ConfigError(f"{argname} must hold printable characters only: it becomes a folder name (got {name!r},"
+                          f" with {', '.join(map(repr, control))})")
+    try:
+        size = len(os.fsencode(name))
+    except UnicodeError:
+        raise ConfigError(f"{argname} holds characters this file system cannot store in a folder name (got"
+                          f" {name!r}); use letters, digits, '-', '_' and '.'") from None
+    if size > MAX_RUN_NAME_BYTES:
+        raise ConfigError(f"{argname} must be at most {MAX_RUN_NAME_BYTES} bytes long, a folder name's limit (got"
+                          f" {size} bytes: {name[:40]!r}...); use a shorter name")
 
 
 def _choice(choices, hint=""):

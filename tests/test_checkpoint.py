@@ -22,7 +22,7 @@ from deepepochs import Callback, CheckCallback, CheckpointError, Optimizer, Trai
 from deepepochs.errors import DeepEpochsWarning
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
-        "history", "monitors", "rng", "order_seed", "position", "shards"}
+        "history", "monitors", "rng", "order_seed", "position", "shards", "param_names"}
 
 
 def _loader(n=64, batch_size=16, seed=0):
@@ -120,6 +120,7 @@ def test_checkpoint_is_a_plain_dict_with_the_documented_keys_and_no_absolute_pat
     assert data["scaler"] is None
     assert list(data["model"]) == list(trainer.raw_model.state_dict())
     assert len(data["optimizers"]) == len(data["schedulers"]) == 1
+    assert data["param_names"] == [[name for name, _ in trainer.raw_model.named_parameters()]]
     assert data["schedulers"][0]["last_epoch"] == 2
     assert set(data["monitors"]) == {"val-loss.latest"}
     assert set(data["rng"]) == {"python", "numpy", "torch", "cuda", "loaders"}

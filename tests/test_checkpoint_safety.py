@@ -109,6 +109,34 @@ def test_a_running_id_or_resume_that_would_leave_the_folder_is_refused(tmp_path,
     assert not (tmp_path / "escape").exists()
 
 
+@pytest.mark.parametrize(("name", "message"), [
+    ("r" * 256, r"running_id must be at most 255 bytes long, a folder name's limit \(got 256 bytes"),
+    ("\u00e9" * 128, r"running_id must be at most 255 bytes long, a folder name's limit \(got 256 bytes"),
+    ("run\n2", r"running_id must hold printable characters only: .*'\\n'"),
+    ("run\x7f", r"running_id must hold printable characters only"),
+    ("\ud800", r"running_id holds characters this file system cannot store"),
+    (2.5, r"running_id must be a str \(or an int\).*\(got float\)"),
+    (["run"], r"running_id must be a str \(or an int\).*\(got list\)"),
+])
+def test_a_running_id_the_file_system_would_refuse_is_refused_at_construction(tmp_path, name, message):
+    """A run name longer than a folder name may be, with control characters, one the file system cannot
+    encode, or not a string: ConfigError when the Trainer is made, not an OSError at the first save."""
+    with pytest.raises(ConfigError, match=message):
+        _trainer(tmp_path, running_id=name)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_the_longest_running_id_a_folder_takes_trains_and_saves(tmp_path):
+    """255 bytes is a folder name's limit on the usual file systems: such a run saves and resumes."""
+    name = "r" * 255
+    trainer = _trainer(tmp_path, running_id=name)
+    trainer.fit(regression_batches())
+    assert (tmp_path / "ckpt" / name / "train-loss.latest.ckpt").is_file()
+    again = _trainer(tmp_path, running_id=name, resume=True, epochs=2)
+    again.fit(regression_batches())
+    assert again.loop.completed_epochs == 2
+
+
 def _dead_pid():
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     return int(proc.stdout)
@@ -227,9 +255,9 @@ def test_another_scheduler_kind_or_optimizer_count_is_refused_before_anything_ch
 
 @pytest.mark.parametrize("damage", ["monitor", "scaler"])
 def test_a_damaged_monitor_or_scaler_state_leaves_everything_as_it_was(tmp_path, damage):
-    """What a file check cannot foresee fails while applying: a monitor state whose patience counter is
-    not a number, a scaler state of the wrong type. CheckpointError, and the weights, optimizer, monitor
-    and epoch count are those from before the load (the weights and optimizer were loaded first)."""
+    """A monitor state whose patience counter is not a number, a scaler state of the wrong type: the field
+    rules refuse them with CheckpointError naming the field and the type found, and the weights, optimizer,
+    monitor and epoch count are those from before the load."""
     path, data = _saved_checkpoint(tmp_path)
     if damage == "monitor":
         (state,) = data["monitors"].values()
@@ -246,7 +274,9 @@ def test_a_damaged_monitor_or_scaler_state_leaves_everything_as_it_was(tmp_path,
     before = _state(t)
     monitor = t.callbacks[0] if hasattr(t.callbacks[0], "monitor_id") else None
     monitor_before = None if monitor is None else dict(monitor.state_dict())
-    with pytest.raises(CheckpointError, match=r"could not be loaded .*nothing was changed"):
+    field = (r"monitors\['train-loss.latest'\]\['bad_epochs'\] must be an int \(got str 'many'\)" if damage == "monitor"
+             else r"scaler must have the keys .*\(got \['scale'\]\)")
+    with pytest.raises(CheckpointError, match=r"nothing was loaded: " + field):
         t.load_checkpoint(path)
     _assert_unchanged(t, before)
     if monitor is not None:

@@ -4,6 +4,7 @@ is raised trains on; a stale or missing record changes nothing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Callback, CheckCallback, Trainer
 from deepepochs.checkpoint.finished import FINISHED_FILE
+from deepepochs.errors import DeepEpochsWarning
 
 
 def _loader(seed=0):
@@ -103,7 +105,7 @@ def test_a_run_that_reached_its_target_is_finished_until_the_target_is_raised(tm
 
 def test_a_record_older_than_the_checkpoint_or_unreadable_is_ignored(tmp_path):
     """A finished record from before the loaded checkpoint's epoch (stale) or a damaged one does not stop
-    the resumed run from training."""
+    the resumed run from training; the damaged one is named in a warning."""
     first, _ = _run(tmp_path, epochs=2, patience=0, save_best=False)
     first.fit(_loader(), _loader(1))
     first.close()
@@ -116,5 +118,6 @@ def test_a_record_older_than_the_checkpoint_or_unreadable_is_ignored(tmp_path):
         assert len(stale.fit(_loader(), _loader(1))["train"]["loss"]) == 3 and counter.batches == 3
     marker.write_bytes(b"not a torch file")
     damaged, counter = _run(tmp_path, epochs=4, resume=True, patience=0, save_best=False)
-    with damaged:
+    with damaged, pytest.warns(DeepEpochsWarning, match=r"resume ignored .*finished\.pt: cannot read run-end record"
+                                                         r" .*truncated or corrupt"):
         assert len(damaged.fit(_loader(), _loader(1))["train"]["loss"]) == 4 and counter.batches == 3

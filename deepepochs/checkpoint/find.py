@@ -17,9 +17,7 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-
-from deepepochs.checkpoint import shard_storage
+from deepepochs.checkpoint import archive, shard_storage
 from deepepochs.checkpoint.format import SUFFIX, Checkpoint, monitors_of
 from deepepochs.checkpoint.load import check_fits, load_into
 from deepepochs.checkpoint.read import exists, modified_ns, read_checkpoint
@@ -53,10 +51,7 @@ def _recorded_progress(path: Path) -> tuple[int, int, int] | None:
     updates are what a `SnapshotCallback` recorded in every checkpoint of the run, 0 without one."""
     target = path / shard_storage.SIDE_CAR if path.is_dir() else path
     try:
-        try:
-            data = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # a file of the legacy (not zip) format cannot be memory-mapped
-            data = torch.load(target, map_location="cpu", weights_only=True)
+        data = archive.load_plain(target, "checkpoint", mmap=True)
     except Exception:  # unreadable: ordered last, and the loader says why it is skipped
         return None
     if not isinstance(data, Mapping):

@@ -31,11 +31,11 @@ loads an older epoch than that says which epochs are trained again and why (`rep
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
-import torch
-
-from deepepochs.checkpoint import plain_records, write_atomic
+from deepepochs.checkpoint import archive, plain_records, schema, write_atomic
+from deepepochs.errors import CheckpointError, DeepEpochsWarning
 
 __all__ = ["FINISHED_FILE", "PROGRESS_FILE", "apply_finished", "read_finished", "report_retrained",
            "write_finished", "write_progress"]
@@ -58,18 +58,39 @@ def write_finished(trainer, folder) -> Path:
     return write_atomic(data, Path(folder) / FINISHED_FILE)
 
 
-def read_finished(folder) -> dict | None:
-    """The run-end record in `folder`, or None when there is none or it cannot be read (a run without a
-    readable record is resumed as unfinished, as before this record existed)."""
+def _ignored(path: Path, why: str) -> None:
+    """Say that a damaged record beside the checkpoints is not used (the checkpoint itself still loads)."""
+    warnings.warn(f"resume ignored {path}: {why}; the checkpoint itself was loaded. Delete the file (it is"
+                  " rewritten at the run's next epoch end or finish)", DeepEpochsWarning, stacklevel=3)
+
+
+def _read_record(path: Path, what: str):
+    """The record at `path` (bounded and weights-only, `archive.load_plain`), or None with a warning when it
+    cannot be read."""
+    try:
+        return archive.load_plain(path, what)
+    except CheckpointError as e:
+        _ignored(path, str(e))
+        return None
+
+
+def read_finished(folder, ckpt_epoch: int = 0, history=None) -> dict | None:
+    """The run-end record in `folder` that a resume from a checkpoint of `ckpt_epoch` completed epochs (whose
+    history is `history`, None when unknown) may use, or None: there is none, it is older than the
+    checkpoint (stale), or it breaks its rules (`schema.finished_problems`: then with a `DeepEpochsWarning`;
+    a run without a usable record is resumed as unfinished, as before this record existed)."""
     path = Path(folder) / FINISHED_FILE
     if not path.is_file():
         return None
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # a damaged marker must not block a resume: the checkpoint itself is what counts
+    data = _read_record(path, "run-end record")
+    if data is None:
         return None
-    keys = {"completed_epochs", "target_epochs", "stop_reason", "stop_source", "records"}
-    if not isinstance(data, dict) or not keys <= set(data) or not isinstance(data["completed_epochs"], int):
+    done = data.get("completed_epochs") if isinstance(data, dict) else None
+    if isinstance(done, int) and not isinstance(done, bool) and 0 <= done < ckpt_epoch:
+        return None  # stale: a fit went on after it and saved later epochs
+    problems = schema.finished_problems(data, ckpt_epoch, history)
+    if problems:
+        _ignored(path, "its fields break the run-end record's rules: " + "; ".join(problems))
         return None
     return data
 
@@ -78,8 +99,8 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> dict | None:
     """After a resume loaded a checkpoint of epoch `ckpt_epoch` from `folder`: if the run's end record
     counts, restore its epoch count, history and early stop, say so, and return its records when the next
     fit has nothing to train (else None)."""
-    finished = read_finished(folder)
-    if finished is None or finished["completed_epochs"] < ckpt_epoch:
+    finished = read_finished(folder, ckpt_epoch, trainer.history)
+    if finished is None:
         return None
     loop = trainer.loop
     loop.completed_epochs = loop.epoch = finished["completed_epochs"]
@@ -116,12 +137,15 @@ def report_retrained(trainer, folder, ckpt_epoch: int) -> int:
     more epochs (its progress record says so), say which epochs will be trained again and why. Returns
     how many."""
     path = Path(folder) / PROGRESS_FILE
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
-    except Exception:  # a damaged record must not block a resume: the checkpoint itself is what counts
-        data = None
-    done = data.get("completed_epochs") if isinstance(data, dict) else None
-    if not isinstance(done, int) or done <= ckpt_epoch or trainer.loop.completed_epochs >= done:
+    data = _read_record(path, "progress record") if path.is_file() else None
+    if data is None:
+        return 0
+    problems = schema.progress_problems(data)
+    if problems:  # a damaged record must not block a resume: the checkpoint itself is what counts
+        _ignored(path, "its fields break the progress record's rule: " + "; ".join(problems))
+        return 0
+    done = data["completed_epochs"]
+    if done <= ckpt_epoch or trainer.loop.completed_epochs >= done:
         return 0
     again = f"epoch {done}" if done == ckpt_epoch + 1 else f"epochs {ckpt_epoch + 1} to {done}"
     trainer.console.decision(

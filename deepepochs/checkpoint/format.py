@@ -38,6 +38,10 @@ yours keeps other objects in its state). Keys:
                     name, 'params': per optimizer, its parameters' names in index order}`; `model` is
                     then empty and `optimizers` hold no tensors (they are in the shards). None in a
                     single file.
+`param_names`       list or None: per optimizer, its parameters' names (the model's `named_parameters()`)
+                    in the index order of its state, so a reordered parameter list loads by name
+                    (`deepepochs.checkpoint.names`); None for a parameter the model does not hold. None in
+                    files of older versions (mapped by position, with a warning).
 `history`           dict or None: the run's records up to `epoch`, `{'train': {name: [per epoch]},
                     'val': {...}}` (floats), so a resumed `fit()` returns the whole run's records.
                     None in files of older versions (the resumed history then starts empty).
@@ -98,6 +102,12 @@ def _non_negative_int(_instance, attribute, value):
         raise CheckpointError(f"checkpoint key {attribute.name!r} must be a non-negative int (got {value!r})")
 
 
+def _str(_instance, attribute, value):
+    """attrs validator: a str, else `CheckpointError` naming the key and the type found."""
+    if not isinstance(value, str):
+        raise CheckpointError(f"checkpoint key {attribute.name!r} must be a str (got {type(value).__name__})")
+
+
 def _mapping(_instance, attribute, value):
     """attrs validator: a mapping, else `CheckpointError` naming the key."""
     if not isinstance(value, Mapping):
@@ -120,7 +130,7 @@ class Checkpoint:
     """
 
     format_version: int = attrs.field(default=1, validator=_non_negative_int)
-    running_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    running_id: str = attrs.field(default="", validator=_str)
     epoch: int = attrs.field(default=0, validator=_non_negative_int)
     world_size: int = attrs.field(default=1, validator=_non_negative_int)
     model: Mapping = attrs.field(factory=dict, validator=_mapping)
@@ -132,6 +142,7 @@ class Checkpoint:
     order_seed: int | None = None
     position: Mapping | None = None
     shards: Mapping | None = None
+    param_names: list | None = None
     history: Mapping | None = None
 
     def to_dict(self) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from deepepochs.checkpoint import names, schema
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header
@@ -78,7 +79,31 @@ def check_fits(trainer, ckpt: Checkpoint, path) -> None:
     """Raise `CheckpointError` (naming `path` and every mismatch found) unless `ckpt` can be loaded into
     `trainer` whole: model keys and shapes, the number of optimizers, each optimizer's kind (its param
     groups' hyper-parameter names), group and parameter counts and per-parameter state shapes, each
-    scheduler's kind (its state's keys). Loading checks first and changes nothing when this raises."""
+    scheduler's kind (its state's keys), and every field's rule (`schema`: types, ranges, finiteness, the
+    same keys and hyper-parameter types as the trainer's own states, each optimizer state's shape). The
+    optimizer states are compared in the trainer's parameter order (`names.by_name`). Loading checks first
+    and changes nothing when this raises."""
+    try:
+        try:
+            mapped = names.by_name(trainer, ckpt, path)
+        except CheckpointError:
+            if not _model_problems(trainer, ckpt):
+                raise
+            mapped = ckpt  # the file is of another model: that is what the message says
+        problems = _problems(trainer, mapped, path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a damaged field the checks did not foresee: still the file's fault, named
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"checkpoint {path} could not be checked against this trainer ({type(e).__name__}:"
+                              f" {first}); nothing was loaded") from e
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this trainer; nothing was loaded: "
+                              + "; ".join(problems))
+
+
+def _model_problems(trainer, ckpt: Checkpoint) -> list[str]:
+    """How the file's model state differs from the trainer's: keys and shapes."""
     problems = []
     model_state = trainer.raw_model.state_dict()
     saved = _unwrap_keys(ckpt.model, set(model_state))
@@ -87,6 +112,12 @@ def check_fits(trainer, ckpt: Checkpoint, path) -> None:
         problems.append(f"model keys differ (missing {missing[:5]}, unexpected {unexpected[:5]})")
     problems += [f"model {k}: shape {_shape(saved[k])} in the file, {_shape(v)} in the model"
                  for k, v in model_state.items() if k in saved and _shape(saved[k]) != _shape(v)]
+    return problems
+
+
+def _problems(trainer, ckpt: Checkpoint, path) -> list[str]:
+    """`check_fits`'s findings, `ckpt` already in the trainer's parameter order."""
+    problems = _model_problems(trainer, ckpt)
     items = trainer.opt.items
     if len(ckpt.optimizers) != len(items):
         problems.append(f"{len(ckpt.optimizers)} optimizer state(s) in the file, {len(items)} optimizer(s) in the"
@@ -110,6 +141,8 @@ def check_fits(trainer, ckpt: Checkpoint, path) -> None:
             params = [p for h in have for p in h["params"]]
             ids = [pid for g in groups for pid in g.get("params", ())]
             for pid, param in zip(ids, params):
+                if isinstance(pid, bool) or not isinstance(pid, int):
+                    continue  # the field rules name a damaged index
                 for name, value in (state.get("state", {}).get(pid) or {}).items():
                     if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
                         problems.append(f"optimizer {i} ({kind}) state {name!r} of parameter {pid}: shape"
@@ -125,9 +158,9 @@ def check_fits(trainer, ckpt: Checkpoint, path) -> None:
             position.check(ckpt.position, trainer.world_size, path)
         except CheckpointError as e:
             problems.append(str(e))
-    if problems:
-        raise CheckpointError(f"checkpoint {path} does not fit this trainer; nothing was loaded: "
-                              + "; ".join(problems))
+    if not problems:  # the file has this trainer's layout: now every field's rule
+        problems += schema.problems(trainer, ckpt)
+    return problems
 
 
 def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = False) -> Checkpoint:
@@ -142,12 +175,15 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     path = Path(path)
     ckpt = read_checkpoint(path, trusted) if ckpt is None else ckpt
     check_fits(trainer, ckpt, path)  # all or nothing: every mismatch is found before anything changes
+    names.warn_positional(ckpt, path)
     backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
     run = trainer.loop.run
     run_backup = runstate.capture(run)  # the run state (history, position, random state) as well
     try:
         if ckpt.shards is not None:
             ckpt = _read_shards(ckpt, path, trainer)
+            check_fits(trainer, ckpt, path)  # the tensors themselves now (finite optimizer states)
+        ckpt = names.by_name(trainer, ckpt, path)
         _apply(trainer, ckpt, path)
         run.buffers = None  # the loaded model's buffers are the next fit's start
         run.grads = None  # and it starts without gradients (a mid-epoch snapshot's kept ones come back below)

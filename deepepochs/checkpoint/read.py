@@ -12,15 +12,13 @@ tensors otherwise).
 
 from __future__ import annotations
 
-import pickle
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
 import torch
 
-from deepepochs.checkpoint import shard_storage
+from deepepochs.checkpoint import archive, shard_storage
 from deepepochs.checkpoint.format import Checkpoint
 from deepepochs.errors import CheckpointError
 from deepepochs.parallel.ddp import is_dtensor
@@ -76,8 +74,17 @@ def read_checkpoint(path, trusted: bool = False) -> Checkpoint:
                                   " commit)")
         return _with_shard_specs(_read_file(path / shard_storage.SIDE_CAR, trusted), path)
     ckpt = _read_file(path, trusted)
+    if ckpt.shards is None:
+        return ckpt
+    if path.name != shard_storage.SIDE_CAR:
+        raise CheckpointError(f"checkpoint {path}: field 'shards' must be None in a single checkpoint file (only a"
+                              f" sharded folder's {shard_storage.SIDE_CAR} names shards) (got"
+                              f" {type(ckpt.shards).__name__})")
     # the checkpoint.pt of a sharded checkpoint, named itself: the folder around it is the checkpoint
-    return ckpt if ckpt.shards is None else _with_shard_specs(ckpt, path.parent)
+    return _with_shard_specs(ckpt, path.parent)
+
+
+_TRUST_HINT = ". If you made this file yourself, load it with trainer.load_checkpoint(path, trusted=True)"
 
 
 def _read_file(path: Path, trusted: bool) -> Checkpoint:
@@ -85,17 +92,13 @@ def _read_file(path: Path, trusted: bool) -> Checkpoint:
     it is missing, holds an object that is not plain data (naming its type), or is truncated or corrupt."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist")
+    if not trusted:
+        return Checkpoint.from_dict(archive.load_plain(path, "checkpoint", hint=_TRUST_HINT), path)
+    archive.check_archive(path)  # a trusted file's size is bounded too
     try:
-        data = torch.load(path, map_location="cpu", weights_only=not trusted)
+        data = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
-        offending = re.search(r"GLOBAL ([\w.]+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
-        if offending is not None:
-            raise CheckpointError(
-                f"checkpoint {path} holds an object of type {offending.group(1)}, not only tensors, numbers,"
-                " strings and containers; it was not loaded, since unpickling it could run code from the file."
-                " If you made this file yourself, load it with trainer.load_checkpoint(path, trusted=True)"
-            ) from e
-        first = str(e).split("\n")[0]
+        first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(f"cannot read checkpoint {path}: the file is truncated or corrupt"
                               f" ({type(e).__name__}: {first})") from e
     return Checkpoint.from_dict(data, path)

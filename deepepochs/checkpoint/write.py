@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs.checkpoint import shard_storage
+from deepepochs.checkpoint import names, shard_storage
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
 from deepepochs.errors import CheckpointError
@@ -71,6 +71,7 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) ->
         # under DDP every rank has its own; the user's training loaders' generators (their own order) beside
         rng={**rng_state(), "loaders": trainer.dist.loader_generator_states()} if trainer.world_size == 1 else None,
         order_seed=trainer.dist.order_seed,
+        param_names=names.param_names(trainer),
         history=plain_records(_run_records(trainer, position)),
     )
 
