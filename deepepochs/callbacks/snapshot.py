@@ -53,7 +53,7 @@ class SnapshotCallback(Callback):
             not by count.
         every_n_minutes: write at the first commit point once this many minutes passed since the last
             snapshot (agreed over the ranks under DDP); None: not by time.
-        on_signals: signal names (or numbers) that stop the fit: the current update completes, a snapshot
+        on_signals: signal names (or numbers) that stop the fit: the update in progress completes, a snapshot
             is written, and `fit` raises `deepepochs.Preempted` (a `SystemExit` with exit status
             `exit_code`). Under DDP a signal reaching any rank stops every rank at the same commit point
             (one small all-reduce per commit point while signals are armed). SIGINT (Ctrl-C) is not

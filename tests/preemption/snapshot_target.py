@@ -3,7 +3,7 @@
 `python snapshot_target.py <ckpt_dir> <out.pt> [--every N] [--epochs E] [--workers W --context C
 [--persistent]] [--accumulate K] [--slow-data S] [--requeue]`: fp32 on the CPU, shuffle=True, dropout, Adam,
 a step-wise StepLR, k=3 accumulation (`--accumulate`), DataLoader worker processes (`--workers`, started by
-`--context`: fork, spawn or forkserver; each prints `worker <id>` when it starts; `--slow-data`: each
+`--context`: fork, spawn or forkserver; each prints `worker <id> <pid>` when it starts; `--slow-data`: each
 sample takes S seconds to load, the results are the same), `SnapshotCallback(every_n_updates=N)` (with
 `--requeue`: requeue=True, a SLURM job requeues itself when preempted) and `resume=True`; prints
 `training` when the fit starts and writes the final weights, optimizer and scheduler states (and the fit's
@@ -14,6 +14,7 @@ SnapshotCallback is attached (the uninterrupted reference run).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -26,7 +27,7 @@ import deepepochs as de
 
 def worker_ready(worker_id: int) -> None:
     """Each DataLoader worker says it started (the tests signal the job once its workers run)."""
-    print(f"worker {worker_id}", flush=True)
+    print(f"worker {worker_id} {os.getpid()}", flush=True)
 
 
 class SlowData(torch.utils.data.Dataset):
@@ -81,8 +82,9 @@ def main() -> None:
                          epochs=args.epochs, callbacks=callbacks, resume=args.every is not None, running_id="run",
                          gradient_accumulation_steps=args.accumulate, log_batch=False, show_info=False)
     records = trainer.fit(train, val)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                "records": records}, args.out)
+    if trainer.dist.is_main:  # under DDP (srun --ntasks=2) rank 0 writes it
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "records": records}, args.out)
 
 
 if __name__ == "__main__":
