@@ -1,14 +1,14 @@
 """A training run for the preemption tests (run as a script; killed at random moments by the tests).
 
 `python snapshot_target.py <ckpt_dir> <out.pt> [--every N] [--epochs E] [--workers W --context C
-[--persistent]] [--accumulate K] [--slow-data S] [--requeue]`: fp32 on the CPU, shuffle=True, dropout, Adam,
-a step-wise StepLR, k=3 accumulation (`--accumulate`), DataLoader worker processes (`--workers`, started by
-`--context`: fork, spawn or forkserver; each prints `worker <id> <pid>` when it starts; `--slow-data`: each
-sample takes S seconds to load, the results are the same), `SnapshotCallback(every_n_updates=N)` (with
-`--requeue`: requeue=True, a SLURM job requeues itself when preempted) and `resume=True`; prints
-`training` when the fit starts and writes the final weights, optimizer and scheduler states (and the fit's
-records) to `out.pt` when it ends. Exits with `Preempted`'s status on SIGTERM. Without `--every` no
-SnapshotCallback is attached (the uninterrupted reference run).
+[--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue]`: fp32 on the CPU, shuffle=True,
+dropout, Adam, a step-wise StepLR, k=3 accumulation (`--accumulate`), M samples (600), DataLoader worker
+processes (`--workers`, started by `--context`: fork, spawn or forkserver; each prints `worker <id> <pid>`
+when it starts; `--slow-data`: each sample takes S seconds to load, the results are the same),
+`SnapshotCallback(every_n_updates=N)` (with `--requeue`: requeue=True, a SLURM job requeues itself when
+preempted) and `resume=True`; prints `training` when the fit starts and writes the final weights, optimizer
+and scheduler states (and the fit's records) to `out.pt` when it ends. Exits with `Preempted`'s status on
+SIGTERM. Without `--every` no SnapshotCallback is attached (the uninterrupted reference run).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--persistent", action="store_true")
     parser.add_argument("--accumulate", type=int, default=3)
     parser.add_argument("--slow-data", type=float, default=0.0)
+    parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--requeue", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -68,7 +69,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(600, 8, generator=g), torch.randint(0, 4, (600,), generator=g)
+    x, y = torch.randn(args.samples, 8, generator=g), torch.randint(0, 4, (args.samples,), generator=g)
     loader = {} if not args.workers else {"num_workers": args.workers, "multiprocessing_context": args.context,
                                           "persistent_workers": args.persistent, "worker_init_fn": worker_ready}
     dataset = TensorDataset(x, y) if not args.slow_data else SlowData(TensorDataset(x, y), args.slow_data)

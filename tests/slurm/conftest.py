@@ -60,13 +60,17 @@ class Slurm:
         return dict(re.findall(r"(\w+)=(\S*)", done.stdout))
 
     def wait(self, job_id: str, timeout: float = 180, restarts: int = 0) -> dict[str, str]:
-        """Wait until the job finished (after `restarts` requeues at least); its fields."""
+        """Wait until the job finished (after `restarts` requeues at least); its fields. A requeued job
+        waits for a begin time SLURM sets a while ahead; it is released at once."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             fields = self.job(job_id)
             if fields.get("JobState") in FINISHED and int(fields.get("Restarts", "0")) >= restarts:
                 return fields
-            time.sleep(0.5)
+            if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True,
+                               timeout=60)
+            time.sleep(0.3)
         subprocess.run(["scancel", job_id], timeout=60)
         raise AssertionError(f"job {job_id} did not finish within {timeout} s: {self.job(job_id)}")
 

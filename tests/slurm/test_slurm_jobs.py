@@ -20,26 +20,31 @@ from conftest import TARGET
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-EPOCHS = "3"
+
+SIZE = ("--epochs", "2", "--samples", "240")  # 2 epochs of 60 batches, 20 updates
 
 
 def _command(ckpt, out, *args) -> str:
-    return shlex.join([sys.executable, str(TARGET), str(ckpt), str(out), "--every", "7", "--epochs", EPOCHS, *args])
+    return shlex.join([sys.executable, str(TARGET), str(ckpt), str(out), "--every", "7", *SIZE, *args])
 
 
-def _reference(tmp_path, *args):
+def _reference(folder, *args):
     """The uninterrupted run, outside SLURM (the same machine and torch: the same numbers)."""
-    folder = tmp_path / "reference"
-    done = subprocess.run([sys.executable, str(TARGET), str(folder), str(folder / "ref.pt"), "--epochs", EPOCHS,
-                           *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(TARGET), str(folder), str(folder / "ref.pt"), *SIZE, *args],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(folder / "ref.pt", weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def fork_reference(tmp_path_factory):
+    return _reference(tmp_path_factory.mktemp("fork-reference"), *FORK)
+
+
 def _finish_here(ckpt, out, *args):
     """Continue a stopped run to its end outside SLURM."""
-    done = subprocess.run([sys.executable, str(TARGET), str(ckpt), str(out), "--every", "7", "--epochs", EPOCHS,
-                           *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(TARGET), str(ckpt), str(out), "--every", "7", *SIZE, *args],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out, weights_only=True)
 
@@ -59,7 +64,7 @@ def _assert_same(result, reference):
         assert _states_equal(result[key], reference[key]), key
 
 
-SPAWN = ("--workers", "2", "--context", "spawn")
+SPAWN = ("--workers", "2", "--context", "spawn", "--persistent")  # started once: spawn is slow to start
 FORK = ("--workers", "2", "--context", "fork")
 
 
@@ -77,10 +82,12 @@ def test_scancel_term_full_stops_a_job_with_spawn_workers_and_a_resubmitted_job_
     assert not out.exists()
     again = slurm.submit(tmp_path, _command(ckpt, out, *SPAWN), "--ntasks=1", "--cpus-per-task=1")
     assert slurm.wait(again)["JobState"] == "COMPLETED", output.read_text()[-3000:]
-    _assert_same(torch.load(out, weights_only=True), _reference(tmp_path, *SPAWN))
+    (tmp_path / "reference").mkdir()
+    _assert_same(torch.load(out, weights_only=True), _reference(tmp_path / "reference", *SPAWN))
 
 
-def test_a_usr1_to_the_batch_step_stops_the_job_which_requeues_itself_and_continues_exactly(slurm, tmp_path):
+def test_a_usr1_to_the_batch_step_stops_the_job_which_requeues_itself_and_continues_exactly(slurm, tmp_path,
+                                                                                             fork_reference):
     """USR1 to the batch step only (what `#SBATCH --signal=B:USR1@N` sends before the time limit), fork
     workers: a snapshot, `scontrol requeue` (requeue=True), and the requeued job ends as the uninterrupted
     run."""
@@ -94,22 +101,24 @@ def test_a_usr1_to_the_batch_step_stops_the_job_which_requeues_itself_and_contin
     assert "Preempted by SIGUSR1 at a commit point; snapshot" in text, text[-3000:]
     assert f"SLURM job {job} requeued" in text, text[-3000:]
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", fields
-    _assert_same(torch.load(out, weights_only=True), _reference(tmp_path, *FORK))
+    _assert_same(torch.load(out, weights_only=True), fork_reference)
 
 
-def test_a_job_at_its_time_limit_with_fork_workers_stops_with_a_snapshot_that_continues_exactly(slurm, tmp_path):
+def test_a_job_at_its_time_limit_with_fork_workers_stops_with_a_snapshot_that_continues_exactly(slurm, tmp_path,
+                                                                                               fork_reference):
     """`--time=1`: at the limit SLURM sends SIGTERM to every process of the job (the workers die too); the
     job leaves a snapshot, from which the run ends as the uninterrupted one. The data is slowed down in the
-    job only (each sample sleeps), so that the limit falls inside the first epoch."""
+    job only (each sample sleeps 1 s: an epoch takes 2 minutes), so that the limit (60 s, checked by SLURM
+    every 30 s) falls inside the first epoch; the run is finished outside SLURM at full speed."""
     ckpt, out, output = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "job.out"
-    job = slurm.submit(tmp_path, _command(ckpt, out, *FORK, "--slow-data", "0.1"), "--ntasks=1",
+    job = slurm.submit(tmp_path, _command(ckpt, out, *FORK, "--slow-data", "1"), "--ntasks=1",
                        "--cpus-per-task=1", "--time=1")
     fields = slurm.wait(job, timeout=240)
     text = output.read_text()
     assert fields["JobState"] == "TIMEOUT", fields
     assert "Preempted by SIGTERM at a commit point; snapshot" in text, text[-3000:]
     assert not out.exists()
-    _assert_same(_finish_here(ckpt, out, *FORK), _reference(tmp_path, *FORK))
+    _assert_same(_finish_here(ckpt, out, *FORK), fork_reference)
 
 
 def test_a_two_task_srun_job_trains_ddp_from_slurm_variables_and_a_stopped_job_continues_exactly(slurm, tmp_path):
