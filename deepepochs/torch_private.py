@@ -55,6 +55,23 @@ FSDP2's per-parameter records (`FSDPModule._get_fsdp_state()._fsdp_param_groups[
     way to reach the module a compiled wrapper holds.
     Fallback: `compiled_module` says None and the wrapper is saved as it is (prefixed keys, which
     loading strips).
+`torch.utils.data._utils.signal_handling._set_SIGCHLD_handler` (the DataLoader's SIGCHLD handler)
+    Used by `SnapshotCallback` while it listens for signals: torch installs, at the first multi-process
+    DataLoader iterator, a SIGCHLD handler that raises `RuntimeError` anywhere in the main thread as soon
+    as a worker dies (in the middle of writing a snapshot, too). Installed first, through this call, it can
+    be wrapped: a worker killed by a signal the callback listens for is part of the preemption, not a data
+    error, and other worker deaths still reach torch's handler. Why: no public API installs it or lets a
+    caller filter it.
+    Fallback: `install_loader_child_handler` does nothing; torch's handler is then installed by the first
+    iterator, after (and around) the callback's, and a worker's death raises as before.
+`_MultiProcessingDataLoaderIter._shutdown_workers` (a DataLoader iterator's worker shutdown)
+    Used when a fit stops on a listed signal with an iterator whose workers the signal killed: it joins
+    them and takes their pids out of the table torch's SIGCHLD handler checks, so that the handler, put
+    back when the fit ends, does not raise at exit for workers that were part of the preemption. Why:
+    torch shuts an iterator down only when it is exhausted or collected, which a stopped fit's traceback
+    delays until after the handler is back.
+    Fallback: `shutdown_loader_workers` does nothing (the workers are shut down when the iterator is
+    collected).
 """
 
 from __future__ import annotations
@@ -74,7 +91,9 @@ __all__ = [
     "fsdp_unsynced_grads_private",
     "grads_finite_on_host",
     "grads_nonfinite",
+    "install_loader_child_handler",
     "scaler_forget",
+    "shutdown_loader_workers",
     "scaler_forget_all",
     "scaler_records_private",
     "scaler_unscale",
@@ -399,3 +418,22 @@ def compiled_module(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module that `model` wraps when `model` is `torch.compile(module)`'s wrapper; else None."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def install_loader_child_handler() -> None:
+    """Install torch's DataLoader SIGCHLD handler now (main thread, once per process), so that a handler set
+    after it can wrap it (see the module doc); a no-op where torch has no such handler."""
+    try:
+        from torch.utils.data._utils import signal_handling
+        install = signal_handling._set_SIGCHLD_handler
+    except (ImportError, AttributeError):
+        return
+    install()
+
+
+def shutdown_loader_workers(iterator) -> None:
+    """Shut down a multi-process DataLoader iterator's workers now (see the module doc); anything else is
+    left alone."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()

@@ -31,8 +31,10 @@ after an epoch's commit, in `fit_running`) fires the hot trigger `snapshot`: `sa
 `snapshot_due`, and `stop_signalled` (a listed signal arrived, on any rank) leads to `preempted`, whose
 `stop_on_signal` raises `Preempted`; the interrupt edge then rolls back nothing. A signal that arrives
 after the fit's last commit point (while its snapshot is written, in `on_after_fit`) fires `snapshot` once
-more, from `fit_done`, where `stop_signalled` alone decides: the fit stops without another snapshot. Without the
-callback the trigger is never fired.
+more, from `fit_done`, where `stop_signalled` alone decides: the fit stops without another snapshot. Once a
+signal arrived no batch is fetched: at a window's start the fit stops at that commit point (`task_train`);
+inside an open window (`window_open`) `snapshot` drops the window and stops at the last commit point. Without
+the callback the trigger is never fired.
 """
 
 from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
@@ -239,6 +241,13 @@ TRANSITIONS = [
         E("snapshot", state, "preempted", "A listed signal arrived: a last snapshot is written, then the fit"
           " stops.", conditions=["snapshot_due", "stop_signalled"], actions=["save_snapshot", "stop_on_signal"]),
     )),
+    E("snapshot", "window_open", "preempted", "A listed signal arrived inside an accumulation window: its next"
+      " micro-batch is not fetched (the scheduler's signal killed the DataLoader workers too), the window is"
+      " dropped, a snapshot of the last commit point is written, then the fit stops.",
+      conditions=["stop_signalled"], actions=["discard_window", "save_snapshot", "stop_on_signal"]),
+    E("snapshot", "window_open", None, "Inside a window, a snapshot is taken only to stop the fit.",
+      unless=["stop_signalled"], error="snapshot fired inside an open accumulation window without a stop signal;"
+                                       " mid-window snapshots are written at the window's commit point"),
     E("snapshot", "fit_done", "preempted", "A listed signal arrived after the fit's last commit point (while its"
       " snapshot was written, in the fit's end hooks): the fit stops; the snapshot written there holds everything.",
       conditions=["stop_signalled"], actions=["stop_on_signal"]),

@@ -163,23 +163,37 @@ class SendAt(Callback):
 
 
 @needs_sigterm
-def test_sigterm_completes_the_window_writes_a_snapshot_and_raises_preempted(tmp_path, uninterrupted):
+def test_sigterm_inside_a_window_fetches_no_more_of_it_and_stops_at_the_last_commit_point(tmp_path, uninterrupted):
+    """The rest of the open window is not fetched (a scheduler's signal kills DataLoader workers too): the
+    window is dropped, the snapshot is the last commit point's, and the resume is exact."""
     before = signal.getsignal(signal.SIGTERM)
-    trainer, _ = _trainer(tmp_path, callbacks=[SendAt(signal.SIGTERM, 2, 7)])  # batch 8 of 18: window 3 ends at 9
+    trainer, _ = _trainer(tmp_path, callbacks=[SendAt(signal.SIGTERM, 2, 7)])  # batch 8 of 18: window 3 is 7-9
     with pytest.raises(Preempted) as info:
         _fit(trainer)
     stop = info.value
     assert isinstance(stop, SystemExit) and stop.code == 143 and stop.signal_name == "SIGTERM"
-    assert stop.path == tmp_path / "run" / "snapshot-u000000009.ckpt" and stop.path.is_file()
-    assert read_checkpoint(stop.path).position["batches_done"] == 9
+    assert stop.path == tmp_path / "run" / "snapshot-u000000008.ckpt" and stop.path.is_file()  # 6 + 2 updates
+    assert read_checkpoint(stop.path).position["batches_done"] == 6
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is given back
     records = [(r.source, r.trigger, r.dest) for r in stop.deepepochs_flight_record]
-    assert records[-3:] == [("task_train", "snapshot", "preempted"), ("preempted", "interrupt", "rollback"),
+    assert records[-3:] == [("window_open", "snapshot", "preempted"), ("preempted", "interrupt", "rollback"),
                             ("rollback", "recover", "idle")]
     resumed, model = _trainer(tmp_path, resume=True, every_n_updates=None)
     records = _fit(resumed)
     assert _equal(_state(resumed, model), uninterrupted[0])
     assert _last(records) == _last(uninterrupted[1])
+
+
+@needs_sigterm
+def test_sigterm_at_a_windows_end_stops_at_that_commit_point(tmp_path, uninterrupted):
+    """A signal after a window's last batch: that window commits, and the fit stops there."""
+    trainer, _ = _trainer(tmp_path, callbacks=[SendAt(signal.SIGTERM, 2, 8)])  # batch 9 closes window 3
+    with pytest.raises(Preempted) as info:
+        _fit(trainer)
+    assert read_checkpoint(info.value.path).position["batches_done"] == 9
+    resumed, model = _trainer(tmp_path, resume=True, every_n_updates=None)
+    _fit(resumed)
+    assert _equal(_state(resumed, model), uninterrupted[0])
 
 
 @needs_sigterm

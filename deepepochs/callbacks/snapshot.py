@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import signal
+import sys
 import threading
 import time
 import warnings
 from pathlib import Path
 
-from deepepochs import checkpoint
+from deepepochs import checkpoint, slurm, torch_private
 from deepepochs.callbacks.base import Callback
-from deepepochs.errors import ConfigError, DeepEpochsWarning
+from deepepochs.errors import ConfigError, DeepEpochsWarning, Preempted
 
 __all__ = ["SnapshotCallback"]
 
@@ -51,7 +53,7 @@ class SnapshotCallback(Callback):
             not by count.
         every_n_minutes: write at the first commit point once this many minutes passed since the last
             snapshot (agreed over the ranks under DDP); None: not by time.
-        on_signals: signal names (or numbers) that stop the fit: the current update completes, a snapshot
+        on_signals: signal names (or numbers) that stop the fit: the update in progress completes, a snapshot
             is written, and `fit` raises `deepepochs.Preempted` (a `SystemExit` with exit status
             `exit_code`). Under DDP a signal reaching any rank stops every rank at the same commit point
             (one small all-reduce per commit point while signals are armed). SIGINT (Ctrl-C) is not
@@ -61,10 +63,18 @@ class SnapshotCallback(Callback):
             `on_after_fit`) still ends `fit` with `Preempted` (the last snapshot holds everything), and one
             arriving later goes to the previous handler. Signals sent for the process's own faults
             (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, ...) and SIGCHLD are refused. The defaults absent on
-            this platform (SIGUSR1 on Windows) are left out.
+            this platform (SIGUSR1 on Windows) are left out. A scheduler signals the whole job, DataLoader
+            workers included: a worker killed by a listed signal counts as that signal arriving (not as a
+            data error), and once a signal arrived the fit fetches no further batch; in an accumulation
+            window still open then, its micro-batches are dropped and the snapshot is the last commit
+            point's (see `deepepochs.engine.snapshot_trigger`).
         keep: how many snapshot files to keep (the most progressed: completed epochs, then updates).
         exit_code: the exit status of `Preempted`; None: 128 + the signal's number (143 for SIGTERM), what
             a shell reports for a process ended by that signal.
+        requeue: in a SLURM job, ask SLURM to requeue it (`scontrol requeue $SLURM_JOB_ID`, from rank 0)
+            once a signal stopped the fit and its snapshot is written, so that the same sbatch script runs
+            again and `resume=True` continues; a failed requeue is reported on stderr and `Preempted` is
+            raised all the same. Outside a SLURM job (no `SLURM_JOB_ID`) it is refused.
 
     Example:
         >>> snap = SnapshotCallback(every_n_minutes=30)            # and on SIGTERM / SIGUSR1
@@ -76,8 +86,13 @@ class SnapshotCallback(Callback):
 
     def __init__(self, ckpt_dir="./checkpoints", every_n_updates: int | None = None,
                  every_n_minutes: float | None = None, on_signals=_DEFAULT_SIGNALS, keep: int = 2,
-                 exit_code: int | None = None):
+                 exit_code: int | None = None, requeue: bool = False):
         super().__init__()
+        if not isinstance(requeue, bool):
+            raise ConfigError(f"SnapshotCallback requeue must be True or False (got {requeue!r})")
+        if requeue and not slurm.in_slurm_job():
+            raise ConfigError("SnapshotCallback requeue=True requeues a SLURM job, but this process runs outside"
+                              " one (SLURM_JOB_ID is not set); start it with sbatch, or leave requeue=False")
         if every_n_updates is not None and (isinstance(every_n_updates, bool)
                                             or not isinstance(every_n_updates, int) or every_n_updates < 1):
             raise ConfigError(f"SnapshotCallback every_n_updates must be None or an int >= 1 (got"
@@ -95,7 +110,7 @@ class SnapshotCallback(Callback):
         self.ckpt_dir = Path(ckpt_dir)
         self.every_n_updates, self.every_n_minutes = every_n_updates, every_n_minutes
         self.signals = _signal_names(on_signals, on_signals is _DEFAULT_SIGNALS)
-        self.keep, self._exit_code = keep, exit_code
+        self.keep, self._exit_code, self.requeue = keep, exit_code, requeue
         self.updates = 0  # committed windows of the run (restored from snapshots: the count goes on)
         # when the run's first fit started (time.time_ns()), kept through resumes: a fresh run named like an
         # older one in the same folder starts a new count, and resume ranks its files above the older run's
@@ -107,7 +122,25 @@ class SnapshotCallback(Callback):
 
     def __repr__(self) -> str:
         return (f"SnapshotCallback(ckpt_dir={str(self.ckpt_dir)!r}, every_n_updates={self.every_n_updates},"
-                f" every_n_minutes={self.every_n_minutes}, on_signals={self.signals}, keep={self.keep})")
+                f" every_n_minutes={self.every_n_minutes}, on_signals={self.signals}, keep={self.keep},"
+                f" requeue={self.requeue})")
+
+    @property
+    def pending_signal(self) -> str | None:
+        """The listed signal that arrived (or killed a DataLoader worker) since the fit began, or None."""
+        return self._signal
+
+    def signal_after_error(self, timeout: float = 1.0) -> str | None:
+        """After a fetch failed: the listed signal that arrived, or that killed a child (a DataLoader worker)
+        within `timeout` seconds. A dying worker closes its connections before its exit status can be read,
+        so the fetch may fail before SIGCHLD says why."""
+        deadline = time.monotonic() + timeout
+        while self._signal is None and self._previous:
+            self._signal = _killed_by(self.signals)
+            if self._signal is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return self._signal
 
     @property
     def must_agree(self) -> bool:
@@ -187,6 +220,12 @@ class SnapshotCallback(Callback):
 
     def on_interrupted(self, trainer, exception):
         self._disarm()
+        if self.requeue and isinstance(exception, Preempted) and trainer.dist.is_main:
+            try:
+                done = slurm.requeue()
+            except (ConfigError, RuntimeError) as exc:
+                done = f"not requeued: {exc}"
+            print(f"deepepochs: {done}", file=sys.stderr, flush=True)
 
     def _arm(self) -> None:
         if not self.signals or self._previous:
@@ -199,6 +238,12 @@ class SnapshotCallback(Callback):
         for name in self.signals:
             number = signal.Signals[name]
             self._previous[number] = signal.signal(number, self._handle)
+        if hasattr(signal, "SIGCHLD"):
+            # torch's DataLoader handler raises in the main thread wherever it is when a worker dies (while a
+            # snapshot is written, too): it is installed now, so that ours comes first and can tell a worker
+            # killed by a listed signal (the scheduler signalled the whole job) from a worker that failed.
+            torch_private.install_loader_child_handler()
+            self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._child_exited)
 
     def _disarm(self) -> None:
         previous, self._previous = self._previous, {}
@@ -208,6 +253,36 @@ class SnapshotCallback(Callback):
     def _handle(self, signum, frame) -> None:
         if self._signal is None:
             self._signal = signal.Signals(signum).name
+
+    def _child_exited(self, signum, frame) -> None:
+        """SIGCHLD while armed: a child killed by a listed signal is that signal arriving; any other exit
+        goes to the handler this one replaced (torch's, which raises for a failed DataLoader worker), unless
+        a signal already arrived: the fit is stopping, and nothing may interrupt the snapshot it writes."""
+        if self._signal is None:
+            self._signal = _killed_by(self.signals)
+        if self._signal is not None:
+            return
+        previous = self._previous.get(signal.SIGCHLD)
+        if callable(previous):
+            previous(signum, frame)
+
+
+def _killed_by(names: tuple[str, ...]) -> str | None:
+    """The name of the listed signal that killed the first child waiting to be reaped, or None. The child is
+    left waiting (`WNOWAIT`): its owner (multiprocessing, torch's worker checks) still reaps it."""
+    if not hasattr(os, "waitid"):  # not on every platform; there a dead worker raises as torch decides
+        return None
+    try:
+        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return None
+    if info is None or info.si_code not in (os.CLD_KILLED, os.CLD_DUMPED):
+        return None
+    try:
+        name = signal.Signals(info.si_status).name
+    except ValueError:
+        return None
+    return name if name in names else None
 
 
 def _signal_names(on_signals, default: bool) -> tuple[str, ...]:

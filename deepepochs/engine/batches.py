@@ -90,6 +90,9 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     console = parts.console
     log_batch = console.log_batch or console.log_tqdm
     snapshot_writer = ctx.snapshots
+    guarded = None
+    if snapshot_writer is not None and snapshot_writer.signals:  # no batch is fetched once a signal arrived
+        data = guarded = snapshot_trigger.fetches(ctx, data)
     if k == 1:  # every batch closes its window
         batches = zip(data, itertools.repeat(True))
     elif total is None:
@@ -97,32 +100,38 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     else:  # counted: a batch beyond `total` (a length that lied) still runs, closing its own window
         batches = zip(data, itertools.chain(itertools.repeat(False, max(total - loop.batch_idx - 1, 0)),
                                             itertools.repeat(True)))
-    for batch, is_last in batches:
-        if micro_batch is not None:
-            if k > 1 and loop.window_pos == 0:
-                hop(BEGIN_WINDOW)
-            value, patches = micro_batch(ctx, meters, split, batch, is_last)
-        else:
-            if loop.window_pos == 0:
-                hop(BEGIN_WINDOW)
-            batch_x, batch_y, n = steps.read_batch(ctx, split, batch, is_last)
-            hop(BEGIN_BATCH)
-            if before_hooks:  # hooks get 0-based indices, as in 0.6
-                emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)
-            if autocast is None:
-                result = step_fn(batch_x, batch_y, **step_args)
+    try:
+        for batch, is_last in batches:
+            if micro_batch is not None:
+                if k > 1 and loop.window_pos == 0:
+                    hop(BEGIN_WINDOW)
+                value, patches = micro_batch(ctx, meters, split, batch, is_last)
             else:
-                with autocast():  # forward and loss of default and custom steps alike
+                if loop.window_pos == 0:
+                    hop(BEGIN_WINDOW)
+                batch_x, batch_y, n = steps.read_batch(ctx, split, batch, is_last)
+                hop(BEGIN_BATCH)
+                if before_hooks:  # hooks get 0-based indices, as in 0.6
+                    emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)
+                if autocast is None:
                     result = step_fn(batch_x, batch_y, **step_args)
-            value, patches = steps.count_batch(ctx, meters, result, n)
-            hop(END_BATCH)
-        if after_hooks:
-            emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
-        if log_batch:
-            console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches),
-                          meters.skipped)
-        if snapshot_writer is not None and loop.window_pos == 0 and loop.window_committed:
-            snapshot_trigger.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
+                else:
+                    with autocast():  # forward and loss of default and custom steps alike
+                        result = step_fn(batch_x, batch_y, **step_args)
+                value, patches = steps.count_batch(ctx, meters, result, n)
+                hop(END_BATCH)
+            if after_hooks:
+                emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
+            if log_batch:
+                console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches),
+                              meters.skipped)
+            if snapshot_writer is not None and loop.window_pos == 0 and loop.window_committed:
+                snapshot_trigger.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
+    except snapshot_trigger.FetchStopped as stop:  # a listed signal: stop before the next batch
+        snapshot_trigger.stop_fetching(ctx, stop.signal)
+    finally:
+        if guarded is not None:
+            guarded.close()
 
 
 def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, split=None) -> None:

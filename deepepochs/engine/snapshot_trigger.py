@@ -10,16 +10,26 @@ paid.
 
 Under DDP a signal may reach only some ranks, and minutes differ per rank: when the writer listens for
 signals or counts minutes, one small all-reduce per commit point makes every rank take the same edge.
+
+Fetching stops too. A scheduler signals the whole job: the DataLoader workers die with the main process's
+signal, and a fetch after it would wait for them and fail. So once a listed signal arrived (or killed a
+worker: `SnapshotCallback` counts that as the signal), no further batch is fetched (`fetches`): at a
+window's start the fit stops at that commit point, inside an open accumulation window its micro-batches
+are dropped and it stops at the last commit point (the `snapshot` edge from `window_open`). A fetch that
+fails once a signal arrived is part of the preemption, not a data error. Under DDP one rank's fetch may
+fail where another's succeeds, so the ranks agree after every fetch (one more small all-reduce per
+micro-batch while signals are armed) and stop together.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepepochs import torch_private
 from deepepochs.engine.context import Context
 from deepepochs.fsm.events import TriggerName
 
-__all__ = ["after_fit", "commit_point", "find_writer"]
+__all__ = ["FetchStopped", "after_fit", "commit_point", "fetches", "find_writer", "stop_fetching"]
 
 SNAPSHOT = TriggerName.SNAPSHOT.value  # a plain str: fired per commit point (see batches.py)
 
@@ -43,21 +53,74 @@ def after_fit(ctx: Context) -> None:
     _fire(ctx, False, ctx.snapshots.late_signal(), only_signal=True)
 
 
+class FetchStopped(Exception):
+    """Raised by `fetches` in place of the next batch: a listed signal arrived (on some rank); `signal` names
+    it. The batch loop catches it and stops the fit (`stop_fetching`)."""
+
+    def __init__(self, signal: str):
+        super().__init__(signal)
+        self.signal = signal
+
+
+def fetches(ctx: Context, data):
+    """Iterate `data` until a listed signal arrives: then raise `FetchStopped` instead of fetching (see the
+    module doc). Under DDP every rank agrees after each fetch, so all stop at the same micro-batch."""
+    writer, dist = ctx.snapshots, ctx.parts.dist
+    agree = dist.world_size > 1
+    it = iter(data)
+    try:
+        while True:
+            batch, end = None, False
+            if writer.pending_signal is None:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    end = True
+                except (OSError, EOFError, RuntimeError):  # how a worker's death shows, before SIGCHLD or after
+                    if writer.signal_after_error() is None:  # no listed signal: a data error, the fit's to handle
+                        raise
+            signal = writer.pending_signal
+            if agree:
+                _, signal = _agree(ctx, False, signal)
+            if signal is not None:
+                raise FetchStopped(signal)
+            if end:
+                return
+            yield batch
+    finally:  # closed by the batch loop; stopping: the workers the signal killed are shut down
+        if writer.pending_signal is not None:
+            torch_private.shutdown_loader_workers(it)
+
+
+def stop_fetching(ctx: Context, signal: str) -> None:
+    """Stop the fit on `signal` (every rank agreed) before the next batch is fetched: the `snapshot` trigger
+    from the window's start (this commit point) or from inside an open window (its micro-batches are
+    dropped; the snapshot is the last commit point's). Raises `Preempted`."""
+    loop = ctx.loop
+    loop.snapshot_due, loop.stop_signal = True, signal
+    ctx.machine.fire(SNAPSHOT)
+
+
+def _agree(ctx: Context, due: bool, signal: str | None) -> tuple[bool, str | None]:
+    """(due, signal) agreed over the ranks: due on any rank, the first listed signal any rank received."""
+    names = ctx.snapshots.signals
+    flags = torch.zeros(1 + len(names), device=ctx.parts.device)
+    flags[0] = float(due)
+    if signal is not None:
+        flags[1 + names.index(signal)] = 1.0
+    flags = ctx.parts.dist.reduce_sum(flags).tolist()
+    if signal is None:
+        signal = next((name for name, n in zip(names, flags[1:]) if n > 0), None)
+    return flags[0] > 0, signal
+
+
 def _fire(ctx: Context, due: bool, signal: str | None, only_signal: bool = False) -> None:
     """Fire `snapshot` with its guards' inputs (`snapshot_due`, `stop_signal`), agreed over the ranks first
     when the writer's decision can differ between them (signals, minutes); with `only_signal`, fire only
     when a signal arrived."""
     writer, loop, dist = ctx.snapshots, ctx.loop, ctx.parts.dist
     if dist.world_size > 1 and writer.must_agree:
-        names = writer.signals
-        flags = torch.zeros(1 + len(names), device=ctx.parts.device)
-        flags[0] = float(due)
-        if signal is not None:
-            flags[1 + names.index(signal)] = 1.0
-        flags = dist.reduce_sum(flags).tolist()
-        due = flags[0] > 0
-        if signal is None:
-            signal = next((name for name, n in zip(names, flags[1:]) if n > 0), None)
+        due, signal = _agree(ctx, due, signal)
     if only_signal and signal is None:
         return
     loop.snapshot_due = not only_signal and (due or signal is not None)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from deepepochs import slurm
 from deepepochs.errors import ConfigError, DistributedError
 from deepepochs.parallel.ddp import DDPPolicy, SingleProcess
 from deepepochs.parallel.fsdp import FSDPConfig, FSDPPolicy
@@ -59,7 +60,8 @@ def select_policy(device: torch.device, split_batches: bool = False, timeout: fl
     job of several processes, else `SingleProcess` (one process: the strategy makes no difference).
 
     A job of several processes is recognised by `RANK` and `WORLD_SIZE` in the environment with
-    `WORLD_SIZE > 1` (torchrun, `deepepochs.launch`), or by an initialised default process group of
+    `WORLD_SIZE > 1` (torchrun, `deepepochs.launch`, or a task of `srun --ntasks=N`, whose SLURM variables
+    `deepepochs.slurm.adopt_environment` turns into them), or by an initialised default process group of
     several ranks (the caller set it up; it stays the caller's to destroy). `timeout`: seconds a
     collective of a group created here waits for the other ranks (`Trainer(dist_timeout=...)`).
     `precision` picks FSDP's mixed-precision policy. `data_order` (`Trainer(data_order=...)`, checked by
@@ -67,6 +69,8 @@ def select_policy(device: torch.device, split_batches: bool = False, timeout: fl
     processes is a `ConfigError` (each process must train on its shard of one global order).
     """
     several = False
+    if not (dist.is_available() and dist.is_initialized()):
+        slurm.adopt_environment()  # a task of `srun --ntasks=N`: ranks and rendezvous from SLURM's variables
     if dist.is_available() and dist.is_initialized():
         several = dist.get_world_size() > 1
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and env_int("WORLD_SIZE") > 1:

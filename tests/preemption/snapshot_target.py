@@ -1,22 +1,47 @@
 """A training run for the preemption tests (run as a script; killed at random moments by the tests).
 
-`python snapshot_target.py <ckpt_dir> <out.pt> [--every N] [--epochs E]`: fp32 on the CPU, shuffle=True,
-dropout, Adam, a step-wise StepLR, k=3 accumulation, `SnapshotCallback(every_n_updates=N)` and
-`resume=True`; prints `training` when the fit starts and writes the final weights, optimizer and
-scheduler states (and the fit's records) to `out.pt` when it ends. Exits with `Preempted`'s status on
+`python snapshot_target.py <ckpt_dir> <out.pt> [--every N] [--epochs E] [--workers W --context C
+[--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue]`: fp32 on the CPU, shuffle=True,
+dropout, Adam, a step-wise StepLR, k=3 accumulation (`--accumulate`), M samples (600), DataLoader worker
+processes (`--workers`, started by `--context`: fork, spawn or forkserver; each prints `worker <id> <pid>`
+when it starts; `--slow-data`: each sample takes S seconds to load, the results are the same),
+`SnapshotCallback(every_n_updates=N)` (with `--requeue`: requeue=True, a SLURM job requeues itself when
+preempted) and `resume=True`; prints `training` when the fit starts and writes the final weights, optimizer
+and scheduler states (and the fit's records) to `out.pt` when it ends. Exits with `Preempted`'s status on
 SIGTERM. Without `--every` no SnapshotCallback is attached (the uninterrupted reference run).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import deepepochs as de
+
+
+def worker_ready(worker_id: int) -> None:
+    """Each DataLoader worker says it started (the tests signal the job once its workers run)."""
+    print(f"worker {worker_id} {os.getpid()}", flush=True)
+
+
+class SlowData(torch.utils.data.Dataset):
+    """A dataset whose samples take `seconds` each to load (a job that runs into its time limit)."""
+
+    def __init__(self, data, seconds: float):
+        self.data, self.seconds = data, seconds
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        time.sleep(self.seconds)
+        return self.data[index]
 
 
 class Announce(de.Callback):
@@ -30,6 +55,13 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--every", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--context", default=None)
+    parser.add_argument("--persistent", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=3)
+    parser.add_argument("--slow-data", type=float, default=0.0)
+    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument("--requeue", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -37,18 +69,23 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(600, 8, generator=g), torch.randint(0, 4, (600,), generator=g)
-    train = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+    x, y = torch.randn(args.samples, 8, generator=g), torch.randint(0, 4, (args.samples,), generator=g)
+    loader = {} if not args.workers else {"num_workers": args.workers, "multiprocessing_context": args.context,
+                                          "persistent_workers": args.persistent, "worker_init_fn": worker_ready}
+    dataset = TensorDataset(x, y) if not args.slow_data else SlowData(TensorDataset(x, y), args.slow_data)
+    train = DataLoader(dataset, batch_size=4, shuffle=True, **loader)
     val = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=32)
     callbacks = [Announce()]
     if args.every is not None:
-        callbacks.append(de.SnapshotCallback(args.ckpt_dir, every_n_updates=args.every, keep=2))
+        callbacks.append(de.SnapshotCallback(args.ckpt_dir, every_n_updates=args.every, keep=2,
+                                             requeue=args.requeue))
     trainer = de.Trainer(model, nn.functional.cross_entropy, de.Optimizer(opt, sched, sched_on="step"),
                          epochs=args.epochs, callbacks=callbacks, resume=args.every is not None, running_id="run",
-                         gradient_accumulation_steps=3, log_batch=False, show_info=False)
+                         gradient_accumulation_steps=args.accumulate, log_batch=False, show_info=False)
     records = trainer.fit(train, val)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                "records": records}, args.out)
+    if trainer.dist.is_main:  # under DDP (srun --ntasks=2) rank 0 writes it
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "records": records}, args.out)
 
 
 if __name__ == "__main__":
