@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from state_compare import assert_same_run  # tests/, on sys.path under pytest
 
 TARGET = Path(__file__).with_name("snapshot_target.py")
 EPOCHS = "3"
@@ -58,21 +59,6 @@ def _wait_for_workers(proc, workers: int) -> None:
             seen.add(line.split()[1])
 
 
-def _states_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _assert_same(result, reference):
-    for key in ("model", "opt", "sched"):
-        assert _states_equal(result[key], reference[key]), key
-
-
 def _skip_unavailable(config):
     args = CONFIGS[config]
     method = args[args.index("--context") + 1]
@@ -97,7 +83,7 @@ def test_the_whole_process_group_signalled_stops_with_143_and_resumes_bit_identi
     assert "Preempted by SIGTERM at a commit point; snapshot" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert not out.exists()  # it stopped before the end
-    _assert_same(_run_to_end(ckpt, out, *args, "--every", "7", "--epochs", EPOCHS), reference)
+    assert_same_run(_run_to_end(ckpt, out, *args, "--every", "7", "--epochs", EPOCHS), reference)
 
 
 def test_a_worker_killed_alone_by_a_listed_signal_is_a_preemption(tmp_path):
@@ -119,7 +105,7 @@ def test_a_worker_killed_alone_by_a_listed_signal_is_a_preemption(tmp_path):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "Preempted by SIGTERM at a commit point; snapshot" in stderr, stderr[-3000:]
-    _assert_same(_run_to_end(ckpt, out, *args, "--every", "7", "--epochs", EPOCHS), reference)
+    assert_same_run(_run_to_end(ckpt, out, *args, "--every", "7", "--epochs", EPOCHS), reference)
 
 
 def test_a_worker_that_fails_on_its_own_is_still_a_data_error(tmp_path):

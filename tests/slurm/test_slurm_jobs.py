@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from conftest import TARGET
+from state_compare import assert_same_run  # tests/, on sys.path under pytest
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -49,21 +50,6 @@ def _finish_here(ckpt, out, *args):
     return torch.load(out, weights_only=True)
 
 
-def _states_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _assert_same(result, reference):
-    for key in ("model", "opt", "sched"):
-        assert _states_equal(result[key], reference[key]), key
-
-
 SPAWN = ("--workers", "2", "--context", "spawn", "--persistent")  # started once: spawn is slow to start
 FORK = ("--workers", "2", "--context", "fork")
 
@@ -83,7 +69,7 @@ def test_scancel_term_full_stops_a_job_with_spawn_workers_and_a_resubmitted_job_
     again = slurm.submit(tmp_path, _command(ckpt, out, *SPAWN), "--ntasks=1", "--cpus-per-task=1")
     assert slurm.wait(again)["JobState"] == "COMPLETED", output.read_text()[-3000:]
     (tmp_path / "reference").mkdir()
-    _assert_same(torch.load(out, weights_only=True), _reference(tmp_path / "reference", *SPAWN))
+    assert_same_run(torch.load(out, weights_only=True), _reference(tmp_path / "reference", *SPAWN))
 
 
 def test_a_usr1_to_the_batch_step_stops_the_job_which_requeues_itself_and_continues_exactly(slurm, tmp_path,
@@ -101,7 +87,7 @@ def test_a_usr1_to_the_batch_step_stops_the_job_which_requeues_itself_and_contin
     assert "Preempted by SIGUSR1 at a commit point; snapshot" in text, text[-3000:]
     assert f"SLURM job {job} requeued" in text, text[-3000:]
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", fields
-    _assert_same(torch.load(out, weights_only=True), fork_reference)
+    assert_same_run(torch.load(out, weights_only=True), fork_reference)
 
 
 def test_a_job_at_its_time_limit_with_fork_workers_stops_with_a_snapshot_that_continues_exactly(slurm, tmp_path,
@@ -118,7 +104,7 @@ def test_a_job_at_its_time_limit_with_fork_workers_stops_with_a_snapshot_that_co
     assert fields["JobState"] == "TIMEOUT", fields
     assert "Preempted by SIGTERM at a commit point; snapshot" in text, text[-3000:]
     assert not out.exists()
-    _assert_same(_finish_here(ckpt, out, *FORK), fork_reference)
+    assert_same_run(_finish_here(ckpt, out, *FORK), fork_reference)
 
 
 @pytest.mark.xfail(reason="not passing yet: srun, signalled by scancel --full, forces the step's termination and"
@@ -145,5 +131,5 @@ def test_a_two_task_srun_job_trains_ddp_from_slurm_variables_and_a_stopped_job_c
     assert not out.exists()
     again = slurm.submit(tmp_path, srun + _command(ckpt, out, *args), *options, name="ddp")
     assert slurm.wait(again)["JobState"] == "COMPLETED", output.read_text()[-3000:]
-    _assert_same(torch.load(out, weights_only=True), torch.load(ref_out, weights_only=True))
+    assert_same_run(torch.load(out, weights_only=True), torch.load(ref_out, weights_only=True))
     assert not [p for p in os.listdir(ckpt / "run") if p.endswith(".tmp")]

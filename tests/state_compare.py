@@ -1,0 +1,26 @@
+"""What the preemption and SLURM tests compare a resumed run with: every model, optimizer and scheduler
+tensor of an uninterrupted run, bit for bit and of the same dtype.
+
+Test modules import this from tests/ (pytest puts it on `sys.path`, as for checkpoint_helpers)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def states_equal(a, b) -> bool:
+    """Whether two nested states (tensors in dicts, lists and tuples) are equal: tensors bit for bit and of
+    the same dtype, everything else by `==`."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def assert_same_run(result, reference) -> None:
+    """Assert that a run's saved `model`, `opt` and `sched` states equal the reference run's."""
+    for key in ("model", "opt", "sched"):
+        assert states_equal(result[key], reference[key]), key
