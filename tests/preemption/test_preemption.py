@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from state_compare import states_equal  # tests/, on sys.path under pytest
 
 TARGET = Path(__file__).with_name("snapshot_target.py")
 KILLS = int(os.environ.get("DEEPEPOCHS_KILLS", "20"))
@@ -45,6 +46,8 @@ def _interrupt(ckpt_dir, out, sig, delay: float):
     status, or None when the run ended before the signal."""
     proc = _start(ckpt_dir, out, "--every", "1", "--epochs", EPOCHS)
     line = proc.stdout.readline()  # 'training': the imports are done and fit has begun
+    while line and line.strip() != "training":  # before it: the resume decision, printed whatever show_info says
+        line = proc.stdout.readline()
     assert line.strip() == "training", (line, proc.stderr.read()[-3000:])
     time.sleep(delay)
     if proc.poll() is None:
@@ -57,17 +60,7 @@ def _interrupt(ckpt_dir, out, sig, delay: float):
 
 def _same(a, b) -> bool:
     return (all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-            and _states_equal(a["opt"], b["opt"]) and a["sched"] == b["sched"])
-
-
-def _states_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b))
-    return a == b
+            and states_equal(a["opt"], b["opt"]) and a["sched"] == b["sched"])
 
 
 @pytest.fixture(scope="module")
