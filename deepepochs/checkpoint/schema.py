@@ -92,6 +92,14 @@ def _in_range(field: str, name, value, out: list) -> None:
         out.append(f"{field} must lie in {shown} (got {_got(value)})")
 
 
+def _bounded(field: str, name, value, out: list) -> None:
+    """A number that must fit in 64 bits and in the range its field name has (if any)."""
+    if abs(value) >= _MAX_INT:
+        out.append(f"{field} must fit in 64 bits (got {_got(value)})")
+    else:
+        _in_range(field, name, value, out)
+
+
 def like(saved, live, field: str, out: list, name=None) -> None:
     """Add to `out` a problem for every way `saved` (a value read from a file, at `field`) is not like the
     trainer's own `live` value (see the module docstring); `name` is the key it is stored under (its range)."""
@@ -108,10 +116,8 @@ def like(saved, live, field: str, out: list, name=None) -> None:
     if isinstance(live, int):
         if isinstance(saved, bool) or not isinstance(saved, int):
             out.append(f"{field} must be an int (got {_got(saved)})")
-        elif abs(saved) >= _MAX_INT:
-            out.append(f"{field} must fit in 64 bits (got {_got(saved)})")
         else:
-            _in_range(field, name, saved, out)
+            _bounded(field, name, saved, out)
         return
     if isinstance(live, float):
         if not _number(saved):
@@ -130,10 +136,8 @@ def like(saved, live, field: str, out: list, name=None) -> None:
             return
         if not _number(saved) or (isinstance(saved, float) and math.isnan(saved)):
             out.append(f"{field} must be None or a number, not NaN (got {_got(saved)})")
-        elif abs(saved) >= _MAX_INT:
-            out.append(f"{field} must fit in 64 bits (got {_got(saved)})")
         else:
-            _in_range(field, name, saved, out)
+            _bounded(field, name, saved, out)
         return
     if isinstance(live, Mapping):
         if not isinstance(saved, Mapping):

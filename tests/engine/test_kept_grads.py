@@ -7,28 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from test_optimize import make_dl, make_model  # a small regression set and model (tests/, on sys.path)
+from test_rollback import Boom, RaiseInState  # raises once when the machine enters a state
 
-from deepepochs import Callback, TrainerBase
+from deepepochs import TrainerBase
 
 QUIET = dict(log_batch=False, show_info=False, device="cpu")
-
-
-class Boom(Exception):
-    """The injected fault."""
-
-
-def make_dl(n=56, batch_size=8):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(n, 1, generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
-
-
-def make_model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
 def make_opts(model):
@@ -69,25 +53,10 @@ def assert_same(model, ref):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=f"{name}.grad")
 
 
-class RaiseInState(Callback):
-    """Raises once when the machine enters `state` at (1-based epoch, 1-based batch) `at`."""
-
-    def __init__(self, state, at):
-        self.state, self.at, self.armed = state, at, True
-
-    def on_attach(self, trainer):
-        def probe(dest):
-            if self.armed and dest == self.state and (trainer.loop.epoch, trainer.loop.batch_idx) == self.at:
-                self.armed = False
-                raise Boom(f"injected in {dest}")
-
-        trainer.machine.probe = probe
-
-
 def test_an_optimizer_that_did_not_step_keeps_adding_up_gradients_as_in_a_plain_loop():
     """Two epochs of alternating updates: weights and the gradients left at the end equal the plain loop's
     (optimizer 1's gradients of the last batch are still there)."""
-    dl = make_dl()
+    dl = make_dl(56)
     model = make_model()
     trainer = Alternating(model, F.mse_loss, make_opts(model), epochs=2, **QUIET)
     trainer.fit(dl)
@@ -100,7 +69,7 @@ def test_an_optimizer_that_did_not_step_keeps_adding_up_gradients_as_in_a_plain_
 def test_a_later_fit_continues_from_the_kept_gradients_like_a_longer_plain_loop():
     """fit(epochs=1), then fit(epochs=3) (a total): the same as three epochs of the plain loop; gradients
     user code leaves between fits are dropped first."""
-    dl = make_dl()
+    dl = make_dl(56)
     model = make_model()
     trainer = Alternating(model, F.mse_loss, make_opts(model), epochs=1, **QUIET)
     trainer.fit(dl)
@@ -125,7 +94,7 @@ def test_a_rollback_puts_back_the_kept_gradients_without_the_discarded_windows_a
     """A fault at each point of an update in the second epoch, then a refit: the run ends as the
     uninterrupted plain loop does. After the fault the model holds what the last commit point kept: the
     plain loop's state after the batches that committed."""
-    dl = make_dl()
+    dl = make_dl(56)
     model = make_model()
     trainer = Alternating(model, F.mse_loss, make_opts(model), epochs=2, fuse_steps=fuse_steps,
                           callbacks=[RaiseInState(state, (2, batch))], **QUIET)
@@ -155,7 +124,7 @@ def test_a_mid_epoch_snapshot_carries_the_kept_gradients_to_a_resumed_run(tmp_pa
 
     from deepepochs import SnapshotCallback
 
-    dl = make_dl()
+    dl = make_dl(56)
     model = make_model()
     first = Alternating(model, F.mse_loss, make_opts(model), epochs=2, running_id="run",
                         callbacks=[SnapshotCallback(tmp_path / "all", every_n_updates=1, keep=1000)], **QUIET)

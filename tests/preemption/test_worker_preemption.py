@@ -86,13 +86,8 @@ def test_the_whole_process_group_signalled_stops_with_143_and_resumes_bit_identi
     assert_same_run(_run_to_end(ckpt, out, *args, "--every", "7", "--epochs", EPOCHS), reference)
 
 
-def test_a_worker_killed_alone_by_a_listed_signal_is_a_preemption(tmp_path):
-    """Only one DataLoader worker gets SIGTERM (the scheduler reached it first): the fit stops at a commit
-    point with `Preempted`, not with torch's worker error, and the resume is exact."""
-    args = CONFIGS["fork"]
-    reference = _run_to_end(tmp_path / "ref", tmp_path / "ref.pt", *args, "--epochs", EPOCHS)
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out.pt"
-    proc = _start(ckpt, out, *args, "--every", "7", "--epochs", EPOCHS)
+def _worker_pids(proc):
+    """The pids of the target's DataLoader workers, once it runs two (skips where /proc cannot list them)."""
     _wait_for_workers(proc, 2)
     time.sleep(0.3)
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
@@ -101,7 +96,17 @@ def test_a_worker_killed_alone_by_a_listed_signal_is_a_preemption(tmp_path):
         pytest.skip("needs /proc to find the workers")
     workers = [int(pid) for pid in children.read_text().split()]
     assert workers, "the target runs no worker"
-    os.kill(workers[0], signal.SIGTERM)
+    return workers
+
+
+def test_a_worker_killed_alone_by_a_listed_signal_is_a_preemption(tmp_path):
+    """Only one DataLoader worker gets SIGTERM (the scheduler reached it first): the fit stops at a commit
+    point with `Preempted`, not with torch's worker error, and the resume is exact."""
+    args = CONFIGS["fork"]
+    reference = _run_to_end(tmp_path / "ref", tmp_path / "ref.pt", *args, "--epochs", EPOCHS)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.pt"
+    proc = _start(ckpt, out, *args, "--every", "7", "--epochs", EPOCHS)
+    os.kill(_worker_pids(proc)[0], signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "Preempted by SIGTERM at a commit point; snapshot" in stderr, stderr[-3000:]
@@ -113,13 +118,7 @@ def test_a_worker_that_fails_on_its_own_is_still_a_data_error(tmp_path):
     is torch's worker error as before: the fit fails, no `Preempted`."""
     args = CONFIGS["fork"]
     proc = _start(tmp_path / "ckpt", tmp_path / "out.pt", *args, "--every", "7", "--epochs", EPOCHS)
-    _wait_for_workers(proc, 2)
-    time.sleep(0.3)
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-    if not children.exists():
-        proc.kill()
-        pytest.skip("needs /proc to find the workers")
-    os.kill(int(children.read_text().split()[0]), signal.SIGKILL)
+    os.kill(_worker_pids(proc)[0], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
     assert "DataLoader worker" in stderr and "Preempted" not in stderr, stderr[-3000:]
