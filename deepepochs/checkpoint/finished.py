@@ -34,7 +34,7 @@ import copy
 import warnings
 from pathlib import Path
 
-from deepepochs.checkpoint import archive, plain_records, schema, write_atomic
+from deepepochs.checkpoint import archive, field_rules, plain_records, write_atomic
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 
 __all__ = ["FINISHED_FILE", "PROGRESS_FILE", "apply_finished", "read_finished", "report_retrained",
@@ -77,7 +77,7 @@ def _read_record(path: Path, what: str):
 def read_finished(folder, ckpt_epoch: int = 0, history=None) -> dict | None:
     """The run-end record in `folder` that a resume from a checkpoint of `ckpt_epoch` completed epochs (whose
     history is `history`, None when unknown) may use, or None: there is none, it is older than the
-    checkpoint (stale), or it breaks its rules (`schema.finished_problems`: then with a `DeepEpochsWarning`;
+    checkpoint (stale), or it breaks its rules (`field_rules.finished_problems`: then with a `DeepEpochsWarning`;
     a run without a usable record is resumed as unfinished, as before this record existed)."""
     path = Path(folder) / FINISHED_FILE
     if not path.is_file():
@@ -88,7 +88,7 @@ def read_finished(folder, ckpt_epoch: int = 0, history=None) -> dict | None:
     done = data.get("completed_epochs") if isinstance(data, dict) else None
     if isinstance(done, int) and not isinstance(done, bool) and 0 <= done < ckpt_epoch:
         return None  # stale: a fit went on after it and saved later epochs
-    problems = schema.finished_problems(data, ckpt_epoch, history)
+    problems = field_rules.finished_problems(data, ckpt_epoch, history)
     if problems:
         _ignored(path, "its fields break the run-end record's rules: " + "; ".join(problems))
         return None
@@ -140,7 +140,7 @@ def report_retrained(trainer, folder, ckpt_epoch: int) -> int:
     data = _read_record(path, "progress record") if path.is_file() else None
     if data is None:
         return 0
-    problems = schema.progress_problems(data)
+    problems = field_rules.progress_problems(data)
     if problems:  # a damaged record must not block a resume: the checkpoint itself is what counts
         _ignored(path, "its fields break the progress record's rule: " + "; ".join(problems))
         return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs.checkpoint import names, schema
+from deepepochs.checkpoint import field_rules, names
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header
@@ -79,7 +79,7 @@ def check_fits(trainer, ckpt: Checkpoint, path) -> None:
     """Raise `CheckpointError` (naming `path` and every mismatch found) unless `ckpt` can be loaded into
     `trainer` whole: model keys and shapes, the number of optimizers, each optimizer's kind (its param
     groups' hyper-parameter names), group and parameter counts and per-parameter state shapes, each
-    scheduler's kind (its state's keys), and every field's rule (`schema`: types, ranges, finiteness, the
+    scheduler's kind (its state's keys), and every field's rule (`field_rules`: types, ranges, finiteness, the
     same keys and hyper-parameter types as the trainer's own states, each optimizer state's shape). The
     optimizer states are compared in the trainer's parameter order (`names.by_name`). Loading checks first
     and changes nothing when this raises."""
@@ -159,7 +159,7 @@ def _problems(trainer, ckpt: Checkpoint, path) -> list[str]:
         except CheckpointError as e:
             problems.append(str(e))
     if not problems:  # the file has this trainer's layout: now every field's rule
-        problems += schema.problems(trainer, ckpt)
+        problems += field_rules.problems(trainer, ckpt)
     return problems
 
 

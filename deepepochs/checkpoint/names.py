@@ -100,14 +100,14 @@ def _reordered(state, had: list[str], live_groups, have: list[str], path, i: int
     """One optimizer's `state_dict()` whose parameters are named `had` (in index order) renumbered to the
     live order `have`, its param groups matched to the live groups by the parameters they hold."""
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list):
-        return state  # damaged: the schema check says how
+        return state  # damaged: the field rules say how
     groups = state["param_groups"]
     if not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
-        return state  # damaged: the schema check says how
+        return state  # damaged: the field rules say how
     flat = [pid for g in groups for pid in g["params"]]
     plain = all(isinstance(pid, int) and not isinstance(pid, bool) for pid in flat) and len(set(flat)) == len(flat)
     if not plain or len(flat) != len(had):
-        return state  # damaged (the schema check says how), or another parameter count (the fit check says so)
+        return state  # damaged (the field rules say how), or another parameter count (the fit check says so)
     name_of = dict(zip(flat, had))
     index = {name: k for k, name in enumerate(have)}
     by_members = {frozenset(name_of[pid] for pid in g["params"]): g for g in groups}
