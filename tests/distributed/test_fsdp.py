@@ -439,7 +439,8 @@ def test_a_mid_epoch_fsdp_snapshot_resumes_exactly_in_one_process(ranks, out_dir
     shutil.copytree(out_dir / "snapshots-1", ckpt_dir)
     model = T.make_model()
     snap = SnapshotCallback(ckpt_dir, every_n_updates=3, on_signals=())
-    with Trainer(model, F.cross_entropy, T.make_optimizer(model), resume=S.SNAPSHOT_RUN_ID,
+    # data_order='global': the order the 2 processes trained in, which one process continues exactly
+    with Trainer(model, F.cross_entropy, T.make_optimizer(model), resume=S.SNAPSHOT_RUN_ID, data_order="global",
                  **T.trainer_kwargs(callbacks=[snap])) as trainer:
         # the documented resume policy for another world size (this model draws no random numbers)
         with pytest.warns(DeepEpochsWarning, match="resuming a mid-epoch snapshot of 2 process"):

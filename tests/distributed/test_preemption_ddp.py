@@ -30,10 +30,11 @@ def test_a_signal_on_one_rank_stops_both_at_one_commit_point_and_the_resume_is_e
     stop = info.value
     assert stop.code == 143 and stop.signal_name == "SIGTERM"
     # 96 samples, 2 ranks, batch 4: 12 batches per rank and epoch, windows of 2; the signal came after
-    # batch 5 of epoch 2, so both ranks stopped after the window ending at batch 6.
+    # batch 5 of epoch 2, inside the window of batches 5 and 6: the rest of that window is dropped (no batch
+    # is fetched once a signal arrived), so both ranks stopped at the commit point after batch 4.
     snap = read_checkpoint(stop.path)
-    assert snap.epoch == 1 and snap.position["batches_done"] == 6 and snap.position["world_size"] == 2
-    assert len(snap.position["ranks"]) == 2 and snap.position["samples_done"] == 6 * 4 * 2
+    assert snap.epoch == 1 and snap.position["batches_done"] == 4 and snap.position["world_size"] == 2
+    assert len(snap.position["ranks"]) == 2 and snap.position["samples_done"] == 4 * 4 * 2
     monkeypatch.delenv(preempt_targets.SIGNAL_RANK_ENV)
     resumed = launch_with_deadline(preempt_targets.train, 120)
     assert resumed["completed"] == 3
@@ -66,7 +67,8 @@ def test_a_snapshot_resumes_on_another_world_size_with_the_same_global_batch(tmp
     monkeypatch.setenv(preempt_targets.SIGNAL_RANK_ENV, "0")
     with pytest.raises(Preempted) as info:
         run(saved)
-    assert read_checkpoint(info.value.path).position["samples_done"] == 6 * 8  # 6 global batches of 8
+    # 4 global batches of 8: the signal after the 5th dropped the rest of its window of 2
+    assert read_checkpoint(info.value.path).position["samples_done"] == 4 * 8
     monkeypatch.delenv(preempt_targets.SIGNAL_RANK_ENV)
     if resumed_on == 1:
         with pytest.warns(DeepEpochsWarning, match="random generators are re-derived"):
