@@ -737,6 +737,8 @@ def _crafted(every_update, tmp_path, name="snapshot-u000000004.ckpt", **position
     its position's entries replaced by `position`."""
     data = torch.load(every_update[0] / name, weights_only=True)
     data["position"] = {**data["position"], **position}
+    pos = data["position"]  # the samples done follow the batches done, as in a file the library wrote
+    pos["samples_done"] = pos["batches_done"] * pos["batch_size"] * pos["world_size"]
     (tmp_path / "run").mkdir(exist_ok=True)
     torch.save(data, tmp_path / "run" / name)
     return tmp_path / "run" / name
