@@ -14,6 +14,7 @@ import torch
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback, run_finder
 from deepepochs.checkpoint import load_into
+from deepepochs.checkpoint.run_lock import hold_run
 from deepepochs.config import TrainerConfig
 from deepepochs.engine import compiled
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
@@ -109,6 +110,14 @@ class TrainerBase(StepMethods):
             runs per batch and one process, each micro-batch takes one fused edge of the machine (any
             precision and accumulation; bit-identical results); False takes every edge, which gives a
             finer flight record (for debugging).
+        run_lock: a fit locks its run's folders (`<ckpt_dir>/<running_id>` of each checkpoint or snapshot
+            callback, `<log_dir>/<running_id>` of each logging callback) from before a pending resume reads
+            them until it ends, so that two live processes never train one run (a requeued job starting
+            while its predecessor still runs). When another live process holds the lock: 'error' (default)
+            raises `RunLockedError` naming it (pid, host, since when, lock file), 'wait' waits for it to end
+            (with `resume=True` the fit then continues from what it wrote); 'off' takes no lock. A lock left
+            by a killed process is taken over, with a message. Under DDP rank 0 takes it; `test`, `predict`
+            and `find_lr` take none (they write no checkpoint).
 
     Example:
         >>> trainer = Trainer(nn.Linear(16, 2), F.cross_entropy, epochs=5)
@@ -122,13 +131,14 @@ class TrainerBase(StepMethods):
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
                  strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, data_order=None,
-                 **unknown):
+                 run_lock="error", **unknown):
         check_keywords(device, opt, unknown, TrainerBase.__init__)
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=patch_kind(metric_patch), nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
-            fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout, data_order=data_order)
+            fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout, data_order=data_order,
+            run_lock=run_lock)
         args = check_arguments(model, loss, resume, running_id, device, strategy, ddp_kwargs, fsdp_kwargs, targets)
         resume, running_id, device, ddp_kwargs = args.resume, args.running_id, args.device, args.ddp_kwargs
         target_key, pick_targets = args.target_key, args.pick_targets
@@ -303,7 +313,8 @@ class TrainerBase(StepMethods):
                                 ahead_of(as_metric_list(val_metrics, "val_metrics"), common), do_val_loss, batch_size)
         for task in val:
             task.val_freq = val_freq  # 0.6's task.val_freq
-        return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
+        with hold_run(self, self.config.run_lock):  # before a pending resume reads the run's folders
+            return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are plain
