@@ -35,6 +35,7 @@ from deepepochs.trainer.step_methods import StepMethods, epochs_are_a_total, exp
 from deepepochs.training.lr_sweep import LRFindResult
 from deepepochs.training.optim import Optimizers
 from deepepochs.training.precision import Precision
+from deepepochs.utils import every_step
 
 __all__ = ["Trainer", "TrainerBase"]
 
@@ -507,14 +508,11 @@ class TrainerBase(StepMethods):
             return
         self._check_open("close")
         self._closed = True
-        errors = self._hooks.close(self)  # every callback's on_close, even if one fails
-        try:
-            self._writers.close()  # after on_close, so callbacks can still write their last records
-        except Exception as e:
-            errors.append(e)
-        self._console.close()
-        self._dist.close()
-        self._opts.unbind_updates()
+        errors = []
+        every_step([
+            lambda: errors.extend(self._hooks.close(self)),  # every callback's on_close, even if one fails
+            self._writers.close,  # after on_close, so callbacks can still write their last records
+            self._console.close, self._dist.close, self._opts.unbind_updates], errors)
         if errors:
             raise errors[0]
 
