@@ -130,13 +130,17 @@ class RunLock:
         """Lock one folder: (holder text, None) when another process holds it, else (None, the record a
         dead holder left or None)."""
         path = folder / LOCK_FILE
-        while True:
+        for _attempt in range(100):  # each retry follows a release by another process: a few at most
             made = not folder.exists()
-            folder.mkdir(parents=True, exist_ok=True)
             try:
+                folder.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
             except FileNotFoundError:
                 continue  # the folder's last holder removed it just now: make it again
+            except OSError:
+                # A folder this process cannot make or write (a file in its place, no permission): nothing can
+                # be written there, and the fit's first save says so, naming it; there is nothing to lock.
+                return None, None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -162,6 +166,8 @@ class RunLock:
             self._held.append((path, fd, made))
             _HELD.add(fd)
             return None, previous
+        raise RunLockedError(f"could not lock the run folder {folder}: its lock file {path} kept being removed while"
+                             " this process locked it; is another program deleting it?")
 
     def release(self) -> None:
         """Remove and unlock every lock file held (removed first: a process that opened it meanwhile sees
