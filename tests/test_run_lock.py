@@ -180,6 +180,25 @@ def test_test_predict_and_find_lr_take_no_lock(held, tmp_path):
     trainer.close()
 
 
+def test_resume_true_without_a_running_id_locks_the_run_it_will_load(tmp_path):
+    """The resume's run (the newest checkpoint's, 'old'), not the trainer's start-time name, is locked
+    before it loads: a refusal names it."""
+    first = _trainer(tmp_path)
+    first.running_id = "old"
+    first.fit(_data())
+    first.close()
+    other = RunLock([tmp_path / "ckpt" / "old"], "old")
+    other.try_acquire()
+    try:
+        trainer = Trainer(nn.Linear(4, 2), F.cross_entropy, epochs=2, resume=True, log_batch=False, show_info=False,
+                          callbacks=[CheckCallback("loss", on_stage="train", ckpt_dir=tmp_path / "ckpt")])
+        with pytest.raises(RunLockedError, match="run 'old' is being trained by another process"):
+            trainer.fit(_data())
+        assert trainer.loop.completed_epochs == 0, "refused before the resume loaded anything"
+    finally:
+        other.release()
+
+
 def test_run_lock_off_trains_while_the_run_is_locked(held, tmp_path):
     """run_lock='off' takes no lock (file systems without flock)."""
     trainer = _trainer(tmp_path, run_lock="off")

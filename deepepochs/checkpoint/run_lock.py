@@ -60,11 +60,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_held_in_child)
 
 
-def run_folders(trainer) -> list[Path]:
-    """The folders a fit of `trainer` writes: `<ckpt_dir>/<run>` of each checkpoint monitor and
-    `<log_dir>/<run>` of each logging callback (a callback with a `log_dir`), once each. The run is the one
-    the fit will train: a pending `resume=...`'s (the named run, or with `resume=True` and no `running_id`
-    the run of the most progressed checkpoint found), else `trainer.running_id`."""
+def run_folders(trainer) -> tuple[str, list[Path]]:
+    """The run a fit of `trainer` will train and the folders it writes: `<ckpt_dir>/<run>` of each checkpoint
+    monitor and `<log_dir>/<run>` of each logging callback (a callback with a `log_dir`), once each. The run
+    is a pending `resume=...`'s (the named run, or with `resume=True` and no `running_id` the run of the most
+    progressed checkpoint found), else `trainer.running_id`."""
     run = str(trainer.running_id)
     if trainer.loop.resume_pending:
         named, _, _ = resume_scope(trainer)
@@ -73,7 +73,7 @@ def run_folders(trainer) -> list[Path]:
     roots = [m.ckpt_dir for m in monitors_of(trainer)]
     roots += [cb.log_dir for cb in trainer.callbacks if isinstance(getattr(cb, "log_dir", None), (str, os.PathLike))]
     folders = {os.path.abspath(os.path.join(os.fspath(root), run)): None for root in roots}
-    return [Path(f) for f in sorted(folders)]  # one order for every process: two waiting fits cannot deadlock
+    return run, [Path(f) for f in sorted(folders)]  # one order everywhere: two waiting fits cannot deadlock
 
 
 def _holder_text(info: dict | None, path: Path) -> str:
@@ -205,11 +205,11 @@ def _acquire(trainer, wait: bool) -> RunLock:
     """Lock the run folders on rank 0, trying until they are free when `wait`; every rank returns the lock
     (holding files on rank 0 only) or raises `RunLockedError`."""
     dist, console = trainer.dist, trainer.console
-    folders = run_folders(trainer) if dist.is_main else []
-    lock = RunLock(folders, str(trainer.running_id))
+    run, folders = run_folders(trainer) if dist.is_main else (None, [])
+    lock = RunLock(folders, run)
     waiting = False
     while True:
-        status, detail = dist.broadcast_object(_try(lock) if folders else ("ok", []))
+        status, detail, run = dist.broadcast_object((*(_try(lock) if folders else ("ok", [])), run))
         if status == "ok":
             for line in detail:
                 console.decision(f"deepepochs: {line}")
@@ -217,11 +217,11 @@ def _acquire(trainer, wait: bool) -> RunLock:
         if status == "failed":
             raise RunLockedError(detail)
         if not wait:
-            raise RunLockedError(f"run {lock.running_id!r} is being trained by another process: {detail}; wait for it"
+            raise RunLockedError(f"run {run!r} is being trained by another process: {detail}; wait for it"
                                  " to end (or stop it), or pass Trainer(run_lock='wait') to wait for it")
         if not waiting:
             waiting = True
-            console.decision(f"deepepochs: waiting for run {lock.running_id!r}, which another process trains: {detail}")
+            console.decision(f"deepepochs: waiting for run {run!r}, which another process trains: {detail}")
         time.sleep(POLL_SECONDS)
 
 

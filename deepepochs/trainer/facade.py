@@ -291,7 +291,8 @@ class TrainerBase(StepMethods):
 
         With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
         training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
-        that is finished (see `deepepochs.checkpoint.finished`) trains nothing."""
+        that is finished (see `deepepochs.checkpoint.finished`) trains nothing. While it runs, the run's
+        folders are locked against other processes (`run_lock`)."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
