@@ -29,6 +29,7 @@ from deepepochs.errors import (
     InvalidTransition,
     MigrationWarning,
     Preempted,
+    RunLockedError,
 )
 from deepepochs.fsm.events import Event
 from deepepochs.fsm.flight import save_flight_record
@@ -69,6 +70,7 @@ __all__ = [
     "Optimizer",
     "PatchBase",
     "Preempted",
+    "RunLockedError",
     "SnapshotCallback",
     "StreamPatch",
     "TensorDict",

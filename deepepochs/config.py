@@ -8,8 +8,8 @@ import attrs
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["DATA_ORDERS", "METRIC_PATCHES", "NONFINITE", "OTHER_NAMES", "PRECISIONS", "STRATEGIES", "TrainerConfig",
-           "check_choice", "check_run_name", "unknown_keywords"]
+__all__ = ["DATA_ORDERS", "METRIC_PATCHES", "NONFINITE", "OTHER_NAMES", "PRECISIONS", "RUN_LOCKS", "STRATEGIES",
+           "TrainerConfig", "check_choice", "check_run_name", "unknown_keywords"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 #: Other libraries' precision names (Lightning's, plain numbers) and what they are here.
@@ -51,6 +51,8 @@ NONFINITE = ("raise", "skip")
 STRATEGIES = ("ddp", "fsdp")
 #: The training orders (`deepepochs.data.sampling`): the DataLoader's own, or the global (seed, epoch) one.
 DATA_ORDERS = ("loader", "global")
+#: What a fit does when another live process trains the same run (`deepepochs.checkpoint.run_lock`).
+RUN_LOCKS = ("error", "wait", "off")
 
 
 def check_choice(name: str, value, choices, hint: str = "") -> None:
@@ -167,6 +169,9 @@ class TrainerConfig:
             DataLoader itself yields, as in a plain loop after the same seed), 'global' (the
             `DistributedSampler` order of (seed, epoch), the same for any world size), or None (the
             default: 'loader' in one process, 'global' under several).
+        run_lock: what a fit does when another live process trains the same run (holds the lock on its
+            checkpoint or log folder): 'error' (default) raises `RunLockedError` naming it, 'wait' waits for
+            it to end, 'off' takes no lock (file systems without `flock`).
     """
 
     epochs: int = attrs.field(default=1000, validator=_positive_int)
@@ -186,3 +191,6 @@ class TrainerConfig:
         default="ddp", validator=_choice(STRATEGIES, "'fsdp' shards the model with FSDP2 (fully_shard)"))
     dist_timeout: float = attrs.field(default=600, validator=_positive_seconds)
     data_order: str | None = attrs.field(default=None, validator=_data_order)
+    run_lock: str = attrs.field(
+        default="error", validator=_choice(RUN_LOCKS, "'error' fails when another process trains the run, 'wait'"
+                                                      " waits for it to end, 'off' takes no lock"))

@@ -8,6 +8,7 @@ __all__ = [
     "InvalidTransition",
     "MigrationWarning",
     "Preempted",
+    "RunLockedError",
 ]
 
 
@@ -25,6 +26,11 @@ class CheckpointError(RuntimeError):
 
 class DistributedError(RuntimeError):
     """A distributed process failed or the process group is in an unusable state."""
+
+
+class RunLockedError(RuntimeError):
+    """Another live process trains the same run (its folders are locked: `Trainer(run_lock=...)`); the message
+    names the holder's pid, host, start time and lock file. Also raised when the folders cannot be locked."""
 
 
 class DeepEpochsWarning(UserWarning):

@@ -1,4 +1,5 @@
-"""Small helpers: `set_seed`, and the random number generators' states for checkpoints."""
+"""Small helpers: `set_seed`, the random number generators' states for checkpoints, and `every_step`
+(releasing several things whatever one of them raises)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["rng_state", "set_rng_state", "set_seed"]
+__all__ = ["every_step", "rng_state", "set_rng_state", "set_seed"]
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:
@@ -63,3 +64,19 @@ def set_rng_state(state: dict) -> None:
     if cuda and torch.cuda.is_available():
         for index, device_state in enumerate(cuda[:torch.cuda.device_count()]):
             torch.cuda.set_rng_state(device_state, index)
+
+
+def every_step(steps, errors: list) -> None:
+    """Call each of `steps` whatever the ones before raised: an `Exception` is appended to `errors`; a
+    `KeyboardInterrupt` (any other `BaseException`) is raised once every step ran, so that a Ctrl-C in the
+    middle of releasing things (a trainer's `close`) still releases the rest."""
+    interrupt = None
+    for step in steps:
+        try:
+            step()
+        except Exception as e:
+            errors.append(e)
+        except BaseException as e:
+            interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt

@@ -9,6 +9,7 @@ One reason to change per module:
   killed saves' temporary files, `consolidate`.
 - `load`: the fit check against a trainer and the all-or-nothing load.
 - `find`: finding the most progressed checkpoint and honouring `Trainer(resume=...)`.
+- `run_lock`: the lock a fit holds on its run folders, so that one live process trains a run.
 """
 
 from deepepochs.checkpoint.find import by_progress, find_checkpoint, find_checkpoints, resume_once, resume_scope

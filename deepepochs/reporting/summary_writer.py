@@ -4,15 +4,20 @@
 A run writes into `<log_dir>/<running_id>`. Every logging callback that asks for the same `log_dir` gets
 the same `torch.utils.tensorboard.SummaryWriter`, so `fit` followed by `test` (and the log, interpretation
 and analysis callbacks together) write one run. `SummaryWriter` starts a background thread that writes
-event files; `Trainer.close()` flushes the writers and joins that thread. Only the main process writes:
-other ranks get a `NullWriter`, whose methods do nothing.
+event files; `Trainer.close()` flushes the writers and joins that thread, and so does the garbage collector
+when it frees a trainer that was never closed (or the interpreter's exit), so that no thread outlives its
+trainer. Only the main process writes: other ranks get a `NullWriter`, whose methods do nothing.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import struct
+import weakref
+
+from deepepochs.utils import every_step
 
 __all__ = ["CSV_FILE", "DEFAULT_LOG_DIR", "CsvRecord", "NullWriter", "RunWriters", "add_hparams_record", "add_png"]
 
@@ -53,6 +58,9 @@ class RunWriters:
         self._trainer = trainer
         self._writers: dict[str, object] = {}
         self._closed = False
+        # Closes the writers when this object is freed without close() (an unclosed trainer dropped): the
+        # writer threads hold no reference to their trainer, so they would run until the process ends.
+        self._finalizer = weakref.finalize(self, _close_writers, self._writers)
 
     def default_dir(self) -> str:
         """The folder used when a callback passes `log_dir=None`: the folder of the first writer already
@@ -93,18 +101,32 @@ class RunWriters:
 
     def close(self) -> None:
         """Flush and close every writer (joining its writer thread); idempotent."""
-        if self._closed:
-            return
         self._closed = True
-        errors = []
-        for writer in self._writers.values():
-            try:
-                writer.close()
-            except Exception as e:  # close the others even if one fails (e.g. a full disk)
-                errors.append(e)
-        self._writers.clear()
-        if errors:
-            raise errors[0]
+        self._finalizer()  # runs `_close_writers` once
+
+
+def _close_writers(writers: dict) -> None:
+    """Close every writer in `writers` (joining its thread) and empty it: the others even if one fails (e.g.
+    a full disk), raising the first error after them, and after a `KeyboardInterrupt` too (`every_step`)."""
+    errors = []
+    try:
+        every_step([functools.partial(_close, writer) for writer in writers.values()], errors)
+    finally:
+        writers.clear()
+    if errors:
+        raise errors[0]
+
+
+def _close(writer) -> None:
+    """Close `writer`; when a `KeyboardInterrupt` cut its close (perhaps before its thread was joined),
+    close it once more before the interrupt goes on: `SummaryWriter.close` can be repeated until it ends."""
+    try:
+        writer.close()
+    except Exception:
+        raise
+    except BaseException:
+        writer.close()
+        raise
 
 
 def add_png(writer, tag: str, png: bytes, global_step: int | None = None) -> None:

@@ -14,6 +14,7 @@ import torch
 from deepepochs.callbacks.base import HookTable
 from deepepochs.callbacks.lr_find import LRFindCallback, run_finder
 from deepepochs.checkpoint import load_into
+from deepepochs.checkpoint.run_lock import hold_run
 from deepepochs.config import TrainerConfig
 from deepepochs.engine import compiled
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
@@ -34,6 +35,7 @@ from deepepochs.trainer.step_methods import StepMethods, epochs_are_a_total, exp
 from deepepochs.training.lr_sweep import LRFindResult
 from deepepochs.training.optim import Optimizers
 from deepepochs.training.precision import Precision
+from deepepochs.utils import every_step
 
 __all__ = ["Trainer", "TrainerBase"]
 
@@ -109,6 +111,14 @@ class TrainerBase(StepMethods):
             runs per batch and one process, each micro-batch takes one fused edge of the machine (any
             precision and accumulation; bit-identical results); False takes every edge, which gives a
             finer flight record (for debugging).
+        run_lock: a fit locks its run's folders (`<ckpt_dir>/<running_id>` of each checkpoint or snapshot
+            callback, `<log_dir>/<running_id>` of each logging callback) from before a pending resume reads
+            them until it ends, so that two live processes never train one run (a requeued job starting
+            while its predecessor still runs). When another live process holds the lock: 'error' (default)
+            raises `RunLockedError` naming it (pid, host, since when, lock file), 'wait' waits for it to end
+            (with `resume=True` the fit then continues from what it wrote); 'off' takes no lock. A lock left
+            by a killed process is taken over, with a message. Under DDP rank 0 takes it; `test`, `predict`
+            and `find_lr` take none (they write no checkpoint).
 
     Example:
         >>> trainer = Trainer(nn.Linear(16, 2), F.cross_entropy, epochs=5)
@@ -122,13 +132,14 @@ class TrainerBase(StepMethods):
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
                  strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, data_order=None,
-                 **unknown):
+                 run_lock="error", **unknown):
         check_keywords(device, opt, unknown, TrainerBase.__init__)
         self.config = TrainerConfig(
             epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=patch_kind(metric_patch), nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
-            fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout, data_order=data_order)
+            fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout, data_order=data_order,
+            run_lock=run_lock)
         args = check_arguments(model, loss, resume, running_id, device, strategy, ddp_kwargs, fsdp_kwargs, targets)
         resume, running_id, device, ddp_kwargs = args.resume, args.running_id, args.device, args.ddp_kwargs
         target_key, pick_targets = args.target_key, args.pick_targets
@@ -280,7 +291,8 @@ class TrainerBase(StepMethods):
 
         With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
         training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
-        that is finished (see `deepepochs.checkpoint.finished`) trains nothing."""
+        that is finished (see `deepepochs.checkpoint.finished`) trains nothing. While it runs, the run's
+        folders are locked against other processes (`run_lock`)."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
@@ -303,7 +315,8 @@ class TrainerBase(StepMethods):
                                 ahead_of(as_metric_list(val_metrics, "val_metrics"), common), do_val_loss, batch_size)
         for task in val:
             task.val_freq = val_freq  # 0.6's task.val_freq
-        return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
+        with hold_run(self, self.config.run_lock):  # before a pending resume reads the run's folders
+            return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are plain
@@ -496,14 +509,11 @@ class TrainerBase(StepMethods):
             return
         self._check_open("close")
         self._closed = True
-        errors = self._hooks.close(self)  # every callback's on_close, even if one fails
-        try:
-            self._writers.close()  # after on_close, so callbacks can still write their last records
-        except Exception as e:
-            errors.append(e)
-        self._console.close()
-        self._dist.close()
-        self._opts.unbind_updates()
+        errors = []
+        every_step([
+            lambda: errors.extend(self._hooks.close(self)),  # every callback's on_close, even if one fails
+            self._writers.close,  # after on_close, so callbacks can still write their last records
+            self._console.close, self._dist.close, self._opts.unbind_updates], errors)
         if errors:
             raise errors[0]
 

@@ -5,6 +5,7 @@ Event files are read back with TensorBoard's own reader, `EventAccumulator`.
 
 import collections
 import contextlib
+import gc
 import io
 import os
 import re
@@ -249,6 +250,49 @@ def test_close_flushes_and_stops_every_writer_thread(tmp_path):
     assert "output/model/mean" in read_run(tmp_path / "b" / "run").Tags()["scalars"]
     with pytest.raises(RuntimeError, match="closed"):
         trainer.writer()
+
+
+def test_trainers_never_closed_leave_no_writer_thread_once_collected(tmp_path):
+    """20 trainers fitted with a LogCallback and dropped without close(): once the garbage collector frees
+    them, the thread count is back where it was and their runs' events are on disk."""
+    train_dl, _ = loaders()
+    gc.collect()
+    before = threading.active_count()
+    for i in range(20):
+        trainer = Trainer(nn.Linear(8, 2), F.cross_entropy, epochs=1, callbacks=[LogCallback(tmp_path)],
+                          running_id=f"run{i}", log_batch=False, show_info=False)
+        trainer.fit(train_dl)
+    del trainer
+    gc.collect()
+    assert threading.active_count() == before
+    assert scalars(read_run(tmp_path / "run19"), "loss/train")
+
+
+def test_a_keyboard_interrupt_inside_close_still_stops_the_writer_threads(tmp_path, monkeypatch):
+    """Ctrl-C while close() closes the first writer's event file: the interrupt reaches the caller, but only
+    after every writer was closed (its thread joined) and the rest of the trainer released."""
+    from torch.utils.tensorboard.writer import FileWriter
+
+    train_dl, val_dl = loaders()
+    before = writer_threads()
+    trainer = make_trainer(nn.Linear(8, 2), [LogCallback(tmp_path), AnalyzeCallback(log_dir=tmp_path / "b")],
+                           epochs=1)
+    trainer.fit(train_dl, val_dl)
+    close, calls = FileWriter.close, []
+
+    def interrupted_close(self):
+        calls.append(self)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # before the event file is closed and its thread joined
+        close(self)
+
+    monkeypatch.setattr(FileWriter, "close", interrupted_close)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.close()
+    assert len(calls) == 3, "the interrupted writer closed again, then the other one"
+    assert writer_threads() - before == set()
+    assert scalars(read_run(tmp_path / "run"), "loss/val")
+    trainer.close()  # closed: nothing left to do
 
 
 def test_an_interrupted_fit_records_where_the_loop_failed(tmp_path):

@@ -6,6 +6,7 @@ compares the files with references it computes itself (plain PyTorch and a singl
 The data, model and optimizer builders are shared with the parent so both sides start identically.
 """
 
+import json
 import os
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Callback, CheckCallback, InterpreteCallback, Trainer
-from deepepochs.errors import CheckpointError, ConfigError, DistributedError
+from deepepochs.checkpoint.run_lock import LOCK_FILE, RunLock
+from deepepochs.errors import CheckpointError, ConfigError, DistributedError, RunLockedError
 
 __all__ = [
     "BATCH",
@@ -176,6 +178,35 @@ def _save_failure_on_rank_0(out: Path) -> dict:
         records = t.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
         return {"error": error, "completed": t.loop.completed_epochs, "records": records,
                 "written": monitor.path(t).is_file()}
+
+
+def _run_lock_on_rank_0(out: Path) -> dict:
+    """Another process holds run `run`'s checkpoint folder (rank 0 itself, through a second descriptor): the
+    fit raises RunLockedError on both ranks, the same message, before training; once the folder is free both
+    ranks fit, and during that fit the lock file names rank 0 (the one process that locks)."""
+    folder = out / "locked"
+    other = RunLock([folder / "run"], "run")
+    if os.environ["RANK"] == "0":
+        assert other.try_acquire() == (None, [])
+    seen = []
+
+    class Look(Callback):
+        def on_before_epoch(self, trainer, *args):
+            seen.append(json.loads((folder / "run" / LOCK_FILE).read_text())["pid"])
+
+    monitor = CheckCallback("loss", on_stage="train", ckpt_dir=folder)
+    model = make_model()
+    with Trainer(model, F.cross_entropy, make_optimizer(model),
+                 **trainer_kwargs(callbacks=[monitor, Look()], epochs=2, running_id="run")) as t:
+        try:
+            t.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
+            error = None
+        except RunLockedError as exc:
+            error = str(exc)
+        other.release()
+        t.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
+        return {"error": error, "pid": os.getpid(), "seen": seen, "completed": t.loop.completed_epochs,
+                "left": (folder / "run" / LOCK_FILE).exists()}
 
 
 def _tiny_test_set() -> dict:
@@ -362,6 +393,7 @@ def run_scenarios() -> int:
     results["main_process_first"] = _main_process_first(out)
     results["user_group"] = _user_group_survives_close(out)
     results["save_failure"] = _save_failure_on_rank_0(out)
+    results["run_lock"] = _run_lock_on_rank_0(out)
     torch.save(results, out / f"rank{rank}.pt")
     return rank
 

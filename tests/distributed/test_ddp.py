@@ -301,6 +301,18 @@ def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_at_that_save(ranks):
     assert ranks[0]["save_failure"]["written"]
 
 
+@pytest.mark.distributed
+def test_only_rank_0_locks_the_run_and_a_refusal_stops_every_rank(ranks):
+    """A run another process trains: both ranks' fit raise RunLockedError with rank 0's message (none waits
+    in a collective); once free, both train, and the lock file names rank 0 throughout; rank 0 removes it."""
+    errors = [rank["run_lock"]["error"] for rank in ranks]
+    pid = ranks[0]["run_lock"]["pid"]
+    assert errors[0] == errors[1] and f"is being trained by another process: pid {pid} on host" in errors[0]
+    for rank in ranks:
+        assert rank["run_lock"]["seen"] == [pid, pid] and rank["run_lock"]["completed"] == 2
+    assert not ranks[0]["run_lock"]["left"]
+
+
 # ---- a failing rank ends every rank ------------------------------------------------------------------------
 @pytest.mark.distributed
 def test_a_rank_raising_during_training_makes_launch_raise_within_seconds(scripts):

@@ -1,14 +1,15 @@
 """A training run for the preemption tests (run as a script; killed at random moments by the tests).
 
 `python snapshot_target.py <ckpt_dir> <out.pt> [--every N] [--epochs E] [--workers W --context C
-[--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue]`: fp32 on the CPU, shuffle=True,
-dropout, Adam, a step-wise StepLR, k=3 accumulation (`--accumulate`), M samples (600), DataLoader worker
-processes (`--workers`, started by `--context`: fork, spawn or forkserver; each prints `worker <id> <pid>`
-when it starts; `--slow-data`: each sample takes S seconds to load, the results are the same),
-`SnapshotCallback(every_n_updates=N)` (with `--requeue`: requeue=True, a SLURM job requeues itself when
-preempted) and `resume=True`; prints `training` when the fit starts and writes the final weights, optimizer
-and scheduler states (and the fit's records) to `out.pt` when it ends. Exits with `Preempted`'s status on
-SIGTERM. Without `--every` no SnapshotCallback is attached (the uninterrupted reference run).
+[--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue] [--run-lock MODE]`: fp32 on the
+CPU, shuffle=True, dropout, Adam, a step-wise StepLR, k=3 accumulation (`--accumulate`), M samples (600),
+DataLoader worker processes (`--workers`, started by `--context`: fork, spawn or forkserver; each prints
+`worker <id> <pid>` when it starts; `--slow-data`: each sample takes S seconds to load, the results are the
+same), `SnapshotCallback(every_n_updates=N)` (with `--requeue`: requeue=True, a SLURM job requeues itself when
+preempted), `resume=True` and `run_lock=MODE` ('error' unless given); prints `training` when the fit starts
+and writes the final weights, optimizer and scheduler states (and the fit's records) to `out.pt` when it
+ends. Exits with `Preempted`'s status on SIGTERM. Without `--every` no SnapshotCallback is attached (the
+uninterrupted reference run).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--slow-data", type=float, default=0.0)
     parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--requeue", action="store_true")
+    parser.add_argument("--run-lock", default="error")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -81,7 +83,8 @@ def main() -> None:
                                              requeue=args.requeue))
     trainer = de.Trainer(model, nn.functional.cross_entropy, de.Optimizer(opt, sched, sched_on="step"),
                          epochs=args.epochs, callbacks=callbacks, resume=args.every is not None, running_id="run",
-                         gradient_accumulation_steps=args.accumulate, log_batch=False, show_info=False)
+                         gradient_accumulation_steps=args.accumulate, log_batch=False, show_info=False,
+                         run_lock=args.run_lock)
     records = trainer.fit(train, val)
     if trainer.dist.is_main:  # under DDP (srun --ntasks=2) rank 0 writes it
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
