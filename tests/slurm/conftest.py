@@ -76,16 +76,29 @@ class Slurm:
 
     def wait_for_lines(self, output: Path, prefix: str, count: int, job_id: str, timeout: float = 120) -> None:
         """Wait until `count` distinct lines starting with `prefix` are in the job's output."""
+        def seen() -> bool:
+            text = output.read_text() if output.exists() else ""
+            return len({line for line in text.splitlines() if line.startswith(prefix)}) >= count
+        self._until(seen, f"{count} x {prefix!r}", job_id, output, timeout)
+
+    def wait_for_file(self, folder: Path, pattern: str, job_id: str, output: Path, timeout: float = 120) -> None:
+        """Wait until a file matching `pattern` is in `folder` (a snapshot the job wrote)."""
+        self._until(lambda: folder.is_dir() and any(folder.glob(pattern)), str(folder / pattern), job_id, output,
+                    timeout)
+
+    def _until(self, done, what: str, job_id: str, output: Path, timeout: float) -> None:
+        """Poll `done()` until it is true; fail if the job ends first (with its output's end), or cancel it and
+        fail after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = output.read_text() if output.exists() else ""
-            if len({line for line in text.splitlines() if line.startswith(prefix)}) >= count:
+            if done():
                 return
             if self.job(job_id).get("JobState") in FINISHED:
-                raise AssertionError(f"job {job_id} ended before {count} x {prefix!r}: {text[-3000:]}")
+                text = output.read_text() if output.exists() else ""
+                raise AssertionError(f"job {job_id} ended before {what}: {text[-3000:]}")
             time.sleep(0.2)
         subprocess.run(["scancel", job_id], timeout=60)
-        raise AssertionError(f"job {job_id}: no {count} x {prefix!r} within {timeout} s")
+        raise AssertionError(f"job {job_id}: no {what} within {timeout} s")
 
     def scancel(self, job_id: str, *options: str) -> None:
         done = subprocess.run(["scancel", *options, job_id], capture_output=True, text=True, timeout=60)

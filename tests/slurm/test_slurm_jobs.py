@@ -1,6 +1,7 @@
 """Preemption on a real SLURM: jobs signalled by `scancel`, a job that runs into its time limit, a job that
-requeues itself, and a 2-task `srun` DDP job. Every stopped job continues (resubmitted, requeued, or run to
-the end) to a result bit-identical, on every model, optimizer and scheduler tensor, to an uninterrupted run.
+requeues itself, and 2-task `srun` DDP jobs stopped each way the SLURM guide lists. Every stopped job
+continues (resubmitted, requeued, or run to the end) to a result bit-identical, on every model, optimizer
+and scheduler tensor, to an uninterrupted run.
 
 The training script is `tests/preemption/snapshot_target.py`; its DataLoader workers print `worker <id>`
 when they start, which is when the tests signal the job. SLURM is started by `.ci/start-slurm` (the
@@ -107,29 +108,102 @@ def test_a_job_at_its_time_limit_with_fork_workers_stops_with_a_snapshot_that_co
     assert_same_run(_finish_here(ckpt, out, *FORK), fork_reference)
 
 
-@pytest.mark.xfail(reason="not passing yet: srun, signalled by scancel --full, forces the step's termination and"
-                          " the ranks end killed instead of with Preempted", strict=False)
-def test_a_two_task_srun_job_trains_ddp_from_slurm_variables_and_a_stopped_job_continues_exactly(slurm, tmp_path):
-    """`srun --ntasks=2 python train.py`: two DDP ranks from SLURM's variables (no torchrun). Stopped by
-    `scancel --signal=TERM --full`, both ranks end with 143 at one commit point; the resubmitted job ends as
-    an uninterrupted 2-task job."""
-    args = ("--workers", "1", "--context", "fork")
-    ref_out, ckpt, out, output = tmp_path / "ref.pt", tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "ddp.out"
-    options = ("--ntasks=2", "--cpus-per-task=1")
-    srun = "srun --kill-on-bad-exit=0 "
-    reference_job = slurm.submit(tmp_path, srun + _command(tmp_path / "ref", ref_out, *args), *options, name="ref")
-    fields = slurm.wait(reference_job)
-    assert fields["JobState"] == "COMPLETED", (tmp_path / "ref.out").read_text()[-3000:]
-    text = (tmp_path / "ref.out").read_text()
+# `exec srun`: srun is the batch shell (Slurm.submit execs the command), so a signal to the batch step
+# (`#SBATCH --signal=B:USR1@N`, `scancel --batch`) reaches srun, which passes it on to the tasks.
+SRUN = "srun --kill-on-bad-exit=0 "
+DDP = ("--ntasks=2", "--cpus-per-task=1")
+DDP_ARGS = ("--workers", "1", "--context", "fork")
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(slurm, tmp_path_factory):
+    """An uninterrupted 2-task srun job's result; two DDP ranks from SLURM's variables (no torchrun)."""
+    folder = tmp_path_factory.mktemp("ddp-reference")
+    job = slurm.submit(folder, SRUN + _command(folder / "ckpt", folder / "ref.pt", *DDP_ARGS), *DDP, name="ref")
+    fields = slurm.wait(job)
+    text = (folder / "ref.out").read_text()
+    assert fields["JobState"] == "COMPLETED", text[-3000:]
     assert text.count("training") == 2, text[-3000:]  # two ranks, one per task
-    job = slurm.submit(tmp_path, srun + _command(ckpt, out, *args), *options, name="ddp")
+    return torch.load(folder / "ref.pt", weights_only=True)
+
+
+def _stopped_cleanly(text: str, ckpt, out, signal_name: str) -> None:
+    """Rank 0 (only) reports the stop with its snapshot; no result and no half-written file are left."""
+    assert text.count(f"Preempted by {signal_name} at a commit point; snapshot") == 1, text[-3000:]
+    assert not out.exists()
+    assert not [p for p in os.listdir(ckpt / "run") if p.endswith(".tmp")]
+
+
+def _resubmitted_ends_as(reference, slurm, tmp_path, ckpt, out, output) -> str:
+    """Submit the stopped 2-task job again (at full speed), check that it ends as `reference`; its output."""
+    again = slurm.submit(tmp_path, SRUN + _command(ckpt, out, *DDP_ARGS), *DDP, name="ddp")
+    assert slurm.wait(again)["JobState"] == "COMPLETED", output.read_text()[-3000:]
+    assert_same_run(torch.load(out, weights_only=True), reference)
+    return output.read_text()
+
+
+@pytest.mark.parametrize(("stop", "signal_name"), [
+    ((), "SIGTERM"),  # SLURM ends the job: srun cannot kill a step being ended, the tasks get KillWait seconds
+    (("--signal=TERM",), "SIGTERM"),  # the steps only: srun itself is not signalled
+    (("--signal=USR1", "--full"), "SIGUSR1"),  # every process; srun passes USR1 on
+    (("--signal=USR1", "--batch"), "SIGUSR1"),  # the batch shell (srun) only: what `--signal=B:USR1@N` does
+], ids=["cancel", "term-steps", "usr1-full", "usr1-batch"])
+def test_a_two_task_srun_job_stopped_by_scancel_continues_exactly_when_resubmitted(slurm, tmp_path, ddp_reference,
+                                                                                     stop, signal_name):
+    """`exec srun --ntasks=2 python train.py` stopped by `scancel` as the guide says: both ranks stop at one
+    commit point, rank 0 writes the snapshot, and the same job submitted again ends as the uninterrupted
+    2-task job."""
+    ckpt, out, output = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "ddp.out"
+    job = slurm.submit(tmp_path, SRUN + _command(ckpt, out, *DDP_ARGS), *DDP, name="ddp")
     slurm.wait_for_lines(output, "worker ", 2, job)  # one per rank
+    slurm.scancel(job, *stop)
+    slurm.wait(job)
+    _stopped_cleanly(output.read_text(), ckpt, out, signal_name)
+    _resubmitted_ends_as(ddp_reference, slurm, tmp_path, ckpt, out, output)
+
+
+def test_a_two_task_srun_job_warned_before_its_time_limit_stops_and_continues_exactly(slurm, tmp_path,
+                                                                                       ddp_reference):
+    """`--time=2 --signal=USR1@30`: SLURM sends USR1 to the tasks 30 to 60 s before the limit (its check runs
+    every 30 s and sends the signal early rather than late); both ranks stop with a snapshot and the job ends
+    before its limit. Data slowed down in this job only, so that the warning falls inside the first epoch;
+    the job submitted again (at full speed) ends as the uninterrupted 2-task job."""
+    ckpt, out, output = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "ddp.out"
+    job = slurm.submit(tmp_path, SRUN + _command(ckpt, out, *DDP_ARGS, "--slow-data", "0.5"), *DDP, "--time=2",
+                       "--signal=USR1@30", name="ddp")
+    fields = slurm.wait(job, timeout=240)
+    assert fields["JobState"] != "TIMEOUT", (fields, output.read_text()[-3000:])  # it ended before the limit
+    _stopped_cleanly(output.read_text(), ckpt, out, "SIGUSR1")
+    _resubmitted_ends_as(ddp_reference, slurm, tmp_path, ckpt, out, output)
+
+
+def test_a_two_task_srun_job_at_its_time_limit_stops_with_a_snapshot_and_continues_exactly(slurm, tmp_path,
+                                                                                          ddp_reference):
+    """`--time=1` without a warning: SLURM ends the step and sends SIGTERM to the tasks and to srun, which says
+    "forcing job termination" but cannot kill a step SLURM is already ending: the tasks have `KillWait`
+    seconds, and both ranks stop with a snapshot. Data slowed down in this job only, so that the limit falls
+    inside the run; the job submitted again ends as the uninterrupted 2-task job."""
+    ckpt, out, output = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "ddp.out"
+    job = slurm.submit(tmp_path, SRUN + _command(ckpt, out, *DDP_ARGS, "--slow-data", "0.45"), *DDP, "--time=1",
+                       name="ddp")
+    fields = slurm.wait(job, timeout=240)
+    assert fields["JobState"] == "TIMEOUT", (fields, output.read_text()[-3000:])
+    _stopped_cleanly(output.read_text(), ckpt, out, "SIGTERM")
+    _resubmitted_ends_as(ddp_reference, slurm, tmp_path, ckpt, out, output)
+
+
+def test_scancel_term_full_makes_srun_kill_its_tasks_and_the_job_continues_from_its_last_snapshot(slurm, tmp_path,
+                                                                                                ddp_reference):
+    """`scancel --signal=TERM --full` signals srun too, and srun answers a SIGTERM by killing its tasks at
+    once (SLURM 22.05; the guide says to send USR1 or TERM to the steps only): no rank stops cleanly, and the
+    job submitted again continues from the last periodic snapshot to the uninterrupted 2-task job's end."""
+    ckpt, out, output = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "ddp.out"
+    job = slurm.submit(tmp_path, SRUN + _command(ckpt, out, *DDP_ARGS, "--slow-data", "0.1"), *DDP, name="ddp")
+    slurm.wait_for_file(ckpt / "run", "snapshot-u*.ckpt", job, output)
     slurm.scancel(job, "--signal=TERM", "--full")
     slurm.wait(job)
     text = output.read_text()
-    assert text.count("Preempted by SIGTERM at a commit point; snapshot") == 1, text[-3000:]  # rank 0 says it
+    assert "srun: forcing job termination" in text and "Preempted" not in text, text[-3000:]
     assert not out.exists()
-    again = slurm.submit(tmp_path, srun + _command(ckpt, out, *args), *options, name="ddp")
-    assert slurm.wait(again)["JobState"] == "COMPLETED", output.read_text()[-3000:]
-    assert_same_run(torch.load(out, weights_only=True), torch.load(ref_out, weights_only=True))
-    assert not [p for p in os.listdir(ckpt / "run") if p.endswith(".tmp")]
+    text = _resubmitted_ends_as(ddp_reference, slurm, tmp_path, ckpt, out, output)
+    assert "Resumed run run" in text, text[-3000:]
