@@ -64,6 +64,13 @@ FSDP2's per-parameter records (`FSDPModule._get_fsdp_state()._fsdp_param_groups[
     caller filter it.
     Fallback: `install_loader_child_handler` does nothing; torch's handler is then installed by the first
     iterator, after (and around) the callback's, and a worker's death raises as before.
+`torch.autograd.graph._engine_run_backward` (what `torch.autograd.backward` calls once its checks pass)
+    Used by `backward_seeded` to start a training micro-batch's backward from a seed gradient that
+    `steps.backward` made to match its loss. Why: the public call re-derives the pair each time (tuple
+    handling, `__torch_function__` lookups, a symbolic shape comparison): ~300 Python opcodes per batch,
+    more than the rest of the backward call on a small model. The engine itself still rejects a loss that
+    does not require grad, with torch's own message.
+    Fallback: `torch.autograd.backward(root, seed)`.
 `_MultiProcessingDataLoaderIter._shutdown_workers` (a DataLoader iterator's worker shutdown)
     Used when a fit stops on a listed signal with an iterator whose workers the signal killed: it joins
     them and takes their pids out of the table torch's SIGCHLD handler checks, so that the handler, put
@@ -84,6 +91,7 @@ import torch
 
 __all__ = [
     "autocast_enabled",
+    "backward_seeded",
     "buffers_unchanged",
     "copy_tensors",
     "compiled_module",
@@ -100,6 +108,19 @@ __all__ = [
     "scaler_update_with",
     "sums_pay_off",
 ]
+
+_RUN_BACKWARD = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+
+
+def backward_seeded(root: torch.Tensor, seed: torch.Tensor) -> None:
+    """`torch.autograd.backward(root, seed)` for a plain tensor `root` and a `seed` of its shape and dtype
+    (the caller's to ensure): the same engine call, with the same arguments, without the public call's
+    Python checks of the pair."""
+    if _RUN_BACKWARD is None:
+        torch.autograd.backward(root, seed)
+    else:
+        _RUN_BACKWARD((root,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
 
 _PLACEHOLDER = "deepepochs"  # first item of the keys under which set-aside records go back to the scaler
 

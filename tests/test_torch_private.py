@@ -66,6 +66,7 @@ def test_the_private_paths_are_available_on_the_installed_torch():
     update torch_private, or drop the private path if torch now offers a public one)."""
     assert tp.scaler_records_private()
     assert tp.AUTOCAST_ENABLED_PRIVATE
+    assert tp._RUN_BACKWARD is not None  # backward_seeded's engine call
     has_device_query = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 4)
     assert tp.AUTOCAST_QUERY_PUBLIC == has_device_query
 
@@ -418,3 +419,28 @@ def test_without_the_drop_the_unsynced_gradients_would_reach_the_next_window(one
 def test_the_fsdp_probe_says_no_for_a_model_without_fully_shard():
     """No FSDP records to reach (an unsharded model, or a torch whose layout changed): the fallback."""
     assert not tp.fsdp_unsynced_grads_private(make_model())
+
+
+@pytest.mark.parametrize("path", ["private", "fallback"])
+@pytest.mark.parametrize("share", [1.0, 0.25])
+def test_backward_seeded_gives_the_gradients_of_the_public_backward_bit_for_bit(monkeypatch, path, share):
+    """backward_seeded, private engine call or public fallback, accumulates what torch.autograd.backward does."""
+    if path == "fallback":
+        monkeypatch.setattr(tp, "_RUN_BACKWARD", None)
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(5, 3), nn.Linear(5, 3)
+    theirs.load_state_dict(ours.state_dict())
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    for _ in range(2):  # the second backward adds to the first's gradients
+        loss = nn.functional.cross_entropy(ours(x), y)
+        tp.backward_seeded(loss, torch.full_like(loss, share))
+        torch.autograd.backward(nn.functional.cross_entropy(theirs(x), y), torch.full_like(loss, share))
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_backward_seeded_rejects_a_loss_that_does_not_require_grad_as_torch_does():
+    """A loss without a graph raises torch's own RuntimeError through the private engine call too."""
+    loss = torch.tensor(1.0)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        tp.backward_seeded(loss, torch.ones_like(loss))

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from deepepochs import torch_private
 from deepepochs.data.batch_rules import call_model
 from deepepochs.data.outputs import detached, metric_preds, unpicked_preds
 from deepepochs.engine import actions, finite
@@ -349,7 +350,7 @@ def backward(ctx: Context, root: torch.Tensor, share: float) -> None:
             seeds.clear()
         seed = seeds[share] = torch.full_like(root, share)
     if type(root) is torch.Tensor:
-        torch.autograd.backward((root,), (seed,))
+        torch_private.backward_seeded(root, seed)  # the seed matches root: torch's checks of the pair skipped
     else:  # a tensor subclass keeps its own backward
         root.backward(seed)
 
