@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import deepepochs as de
-from deepepochs import slurm
 from deepepochs.errors import ConfigError
+from deepepochs.parallel import slurm
 
 TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
         "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "gpu[07-08],cpu1",

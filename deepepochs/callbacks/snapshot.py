@@ -20,9 +20,10 @@ import time
 import warnings
 from pathlib import Path
 
-from deepepochs import checkpoint, slurm, torch_private
+from deepepochs import checkpoint, torch_private
 from deepepochs.callbacks.base import Callback
 from deepepochs.errors import ConfigError, DeepEpochsWarning, Preempted
+from deepepochs.parallel import slurm
 
 __all__ = ["SnapshotCallback"]
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from deepepochs import slurm
 from deepepochs.errors import ConfigError, DistributedError
+from deepepochs.parallel import slurm
 from deepepochs.parallel.ddp import DDPPolicy, SingleProcess
 from deepepochs.parallel.fsdp import FSDPConfig, FSDPPolicy
 from deepepochs.parallel.process_group import env_int
@@ -61,7 +61,7 @@ def select_policy(device: torch.device, split_batches: bool = False, timeout: fl
 
     A job of several processes is recognised by `RANK` and `WORLD_SIZE` in the environment with
     `WORLD_SIZE > 1` (torchrun, `deepepochs.launch`, or a task of `srun --ntasks=N`, whose SLURM variables
-    `deepepochs.slurm.adopt_environment` turns into them), or by an initialised default process group of
+    `deepepochs.parallel.slurm.adopt_environment` turns into them), or by an initialised default process group of
     several ranks (the caller set it up; it stays the caller's to destroy). `timeout`: seconds a
     collective of a group created here waits for the other ranks (`Trainer(dist_timeout=...)`).
     `precision` picks FSDP's mixed-precision policy. `data_order` (`Trainer(data_order=...)`, checked by
