@@ -125,13 +125,13 @@ def patch_deepepochs():
     """Stamp deepepochs' calls: the registry's guards and actions and the step pieces the compiled
     micro-batch calls (looked up when a task starts), the compiled micro-batch itself, and the finite check
     and generator copy inside the actions; returns an undo."""
-    saved = [(steps, "call_model"), (torch.autograd, "backward"), (generators, "random_state"),
+    saved = [(steps, "call_model"), (torch_private, "backward_seeded"), (generators, "random_state"),
              (torch_private, "grads_finite_on_host"), (compiled, "bind"),
              *((steps, name) for name in compiled.STEP_HELPERS)]
     old = [getattr(owner, name) for owner, name in saved]
     registry = [(table, dict(table)) for table in (actions.ACTIONS, actions.GUARDS)]
     steps.call_model = timed("forward", steps.call_model)
-    torch.autograd.backward = timed("backward", torch.autograd.backward)
+    torch_private.backward_seeded = timed("backward", torch_private.backward_seeded)  # the training backward
     generators.random_state = timed("generator copy (remember_position)", generators.random_state)
     torch_private.grads_finite_on_host = timed("finite check (unscale_gradients)", torch_private.grads_finite_on_host)
     for name in compiled.STEP_HELPERS:
