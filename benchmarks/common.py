@@ -164,6 +164,19 @@ def quiet_stdout():
         yield
 
 
+def print_verdicts(verdict: list, digits: int, heading: str, table: str, skipped: dict) -> None:
+    """The report's end: each budget with its value, limit and verdict, then the full table under `heading`,
+    then the loops that were skipped and why."""
+    print("\n### Budget\n")
+    for v in verdict:
+        print(f"- {v['budget']}: {v['value']:.{digits}f} against {v['limit']:.{digits}f}:"
+              f" {'met' if v['met'] else 'NOT met'}")
+    print(f"\n### {heading}\n")
+    print(table)
+    for name, why in skipped.items():
+        print(f"\n_{name} skipped: {why}_")
+
+
 def write_json(path, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

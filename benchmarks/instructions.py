@@ -49,7 +49,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import RESULTS_DIR, machine_info, median, quiet_stdout, write_json  # noqa: E402
+from common import RESULTS_DIR, machine_info, median, print_verdicts, quiet_stdout, write_json  # noqa: E402
 
 #: Budget, in instructions per batch against the raw loop of the same run: the tiny model with a
 #: DataLoader at most this ratio; pre-batched and the MLP below pytorch-ignite's ratio.
@@ -331,13 +331,7 @@ def main(argv=None) -> int:
     info = machine_info()
     print(f"## Instructions per batch (callgrind; {info['date']}; torch {info['torch']}, 1 thread, Adam)\n")
     print(summary(results))
-    print("\n### Budget\n")
-    for v in verdict:
-        print(f"- {v['budget']}: {v['value']:.4f} against {v['limit']:.4f}: {'met' if v['met'] else 'NOT met'}")
-    print("\n### Every loop\n")
-    print(table(results))
-    for name, why in skipped.items():
-        print(f"\n_{name} skipped: {why}_")
+    print_verdicts(verdict, 4, "Every loop", table(results), skipped)
     if args.output:
         versions = {}
         for name in ("ignite", "lightning"):

@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import FEEDS, RESULTS_DIR, machine_info, median, quantile, quiet_stdout, write_json  # noqa: E402
+from common import FEEDS, RESULTS_DIR, machine_info, median, print_verdicts, quantile, quiet_stdout, write_json  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -612,13 +612,7 @@ def main(argv=None) -> int:
           " batch-to-batch interval over the raw loop's, median over rounds); deepepochs' own µs per batch"
           " beside its ratio. Reproduce with `make bench`.\n")
     print(summary_table(rows))
-    print("\n### Budget\n")
-    for v in verdict:
-        print(f"- {v['budget']}: {v['value']:.3f} against {v['limit']:.3f}: {'met' if v['met'] else 'NOT met'}")
-    print("\n### Every figure\n")
-    print(format_table(rows))
-    for name, why in skipped.items():
-        print(f"\n_{name} skipped: {why}_")
+    print_verdicts(verdict, 3, "Every figure", format_table(rows), skipped)
     payload = {"benchmark": "loop_overhead", "machine": info, "settings": vars(args), "skipped": skipped,
                "summary": summary_table(rows), "budget": verdict, "results": rows}
     snapshots = snapshot_costs(rows)
