@@ -52,8 +52,9 @@ install-docs: $(VENV)/.docs.stamp
 demo: install-runtime
 	$(PYTHON) examples/01-basic.py
 
+# -rs: the reason of every skipped test (a SLURM or GPU test that could not run says why)
 test: install
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -rs $(PYTEST_ARGS)
 
 # ---- everything else ----
 test-fast: install
