@@ -52,9 +52,10 @@ install-docs: $(VENV)/.docs.stamp
 demo: install-runtime
 	$(PYTHON) examples/01-basic.py
 
-# -rs: the reason of every skipped test (a SLURM or GPU test that could not run says why)
+# -rfEs: the failures and errors, then the reason of every skipped test (a SLURM or GPU test that could not
+# run says why)
 test: install
-	$(PYTHON) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -rfEs $(PYTEST_ARGS)
 
 # ---- everything else ----
 test-fast: install

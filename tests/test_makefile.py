@@ -44,7 +44,7 @@ def test_make_test_adds_the_dev_extra_and_runs_pytest_in_the_environment(tmp_pat
     lines = dry_run("test", venv, "PYTEST_ARGS=-k docs")
     installs = [line for line in lines if "pip install" in line]
     assert '"torch==2.13.0"' in installs[0] and installs[-1].endswith('-e ".[dev]"'), installs
-    assert lines[-1] == f"{venv}/bin/python -m pytest -q -rs -k docs"
+    assert lines[-1] == f"{venv}/bin/python -m pytest -q -rfEs -k docs"
 
 
 def test_the_torch_build_can_be_chosen(tmp_path):

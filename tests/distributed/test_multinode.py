@@ -29,7 +29,7 @@ def _wait_for(nodes, logs, seconds: float, grace: float = 20.0):
     workers succeeded waits in its exit barrier (torch's default: 300 s) for every other agent; an agent
     whose worker ended with torch's known abort at interpreter exit never joins it. So once a node has
     ended that way, the others get `grace` seconds, then are stopped (their workers are done: training
-    needed every rank)."""
+    needed every rank), with SIGTERM and, when an agent does not end within 30 s, SIGKILL."""
     deadline = time.monotonic() + seconds
     aborted_at = None
     stopped = set()
@@ -43,8 +43,14 @@ def _wait_for(nodes, logs, seconds: float, grace: float = 20.0):
                     nodes[rank].terminate()
                 break
             time.sleep(0.5)
-        for node in nodes:
-            node.wait(timeout=30)
+        for rank, node in enumerate(nodes):
+            try:
+                node.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                if rank not in stopped:
+                    raise
+                node.kill()  # an agent in its exit barrier may not answer SIGTERM: its workers are done
+                node.wait(timeout=30)
         return [log.read_text() for log in logs], stopped
     finally:
         for node in nodes:
