@@ -66,11 +66,11 @@ def run_folders(trainer) -> tuple[str, list[Path]]:
     is a pending `resume=...`'s (the named run, or with `resume=True` and no `running_id` the run of the most
     progressed checkpoint found), else `trainer.running_id`."""
     run = str(trainer.running_id)
+    roots = [m.ckpt_dir for m in monitors_of(trainer)]
     if trainer.loop.resume_pending:
         named, _, _ = resume_scope(trainer)
-        found = [] if named is not None else find_checkpoints([m.ckpt_dir for m in monitors_of(trainer)], None)
+        found = [] if named is not None else find_checkpoints(roots, None)
         run = named if named is not None else found[0].parent.name if found else run
-    roots = [m.ckpt_dir for m in monitors_of(trainer)]
     roots += [cb.log_dir for cb in trainer.callbacks if isinstance(getattr(cb, "log_dir", None), (str, os.PathLike))]
     folders = {os.path.abspath(os.path.join(os.fspath(root), run)): None for root in roots}
     return run, [Path(f) for f in sorted(folders)]  # one order everywhere: two waiting fits cannot deadlock
