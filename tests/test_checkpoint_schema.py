@@ -109,6 +109,11 @@ CASES = {
                              r"history\['train'\]\['loss'\] must be a list of numbers"),
     "a generator state that is no tensor": (lambda d: d["rng"].update(torch=5),
                                             r"rng\['torch'\] must be a tensor like the trainer's \(got int 5\)"),
+    "per-rank generator states of another world size": (lambda d: d.update(rng={"ranks": [d["rng"]] * 2}),
+                                                        r"rng\['ranks'\] must be a list of one generator state per"
+                                                        r" rank \(1, the file's world_size; got 2 states\)"),
+    "a rank's damaged generator state": (lambda d: d.update(rng={"ranks": [{**d["rng"], "torch": 5}]}),
+                                         r"rng\['ranks'\]\[0\]\['torch'\] must be a tensor like the trainer's"),
 }
 
 

@@ -62,7 +62,16 @@ def problems(trainer, ckpt: Checkpoint) -> list[str]:
             if key == "last" and isinstance(value, float) and math.isnan(value):
                 continue  # the last epoch's value: NaN for an epoch whose every update was skipped
             like(value, live[key], f"{field}[{key!r}]", out, key)
-    if ckpt.rng is not None:
+    if isinstance(ckpt.rng, Mapping) and "ranks" in ckpt.rng:  # a DDP run's: every rank's, in rank order
+        ranks = ckpt.rng["ranks"]
+        if not isinstance(ranks, list) or len(ranks) != ckpt.world_size:
+            found = f"{len(ranks)} states" if isinstance(ranks, list) else got(ranks)
+            out.append(f"rng['ranks'] must be a list of one generator state per rank ({ckpt.world_size}, the file's"
+                       f" world_size; got {found})")
+        else:
+            for rank, state in enumerate(ranks):
+                _rng(state, f"rng['ranks'][{rank}]", out)
+    elif ckpt.rng is not None:
         _rng(ckpt.rng, "rng", out)
     _history(ckpt.history, ckpt.epoch, "history", out)
     if ckpt.position is not None:

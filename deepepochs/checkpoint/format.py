@@ -25,9 +25,10 @@ yours keeps other objects in its state). Keys:
 `rng`               dict, the Python, NumPy and PyTorch (CPU, CUDA) generator states of a one-process
                     run (`deepepochs.utils.rng_state`), and under 'loaders' those of the generators
                     its training DataLoaders were given (their own order, `data_order='loader'`; absent
-                    in files of older versions), None under DDP. Restored on load in a one-process
-                    run, so a resumed run shuffles and drops out exactly as the uninterrupted one
-                    would; under DDP each rank keeps its own generators.
+                    in files of older versions); under DDP `{'ranks': [...]}`, each rank's such dict in
+                    rank order (None in files of older versions). Restored on load at the same world
+                    size, each rank its own, so a resumed run shuffles and drops out exactly as the
+                    uninterrupted one would; on another world size each process keeps its own.
 `order_seed`        int or None, the seed of the training order (`deepepochs.data.sampling.DataOrder`):
                     with it, later epochs of a resumed run see the order the uninterrupted run saw,
                     in any process and at any world size. None in files of older versions.

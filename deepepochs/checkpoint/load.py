@@ -15,7 +15,7 @@ import torch
 from deepepochs.checkpoint import field_rules, names
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
-from deepepochs.checkpoint.write import _header
+from deepepochs.checkpoint.write import _header, generator_states
 from deepepochs.engine import buffers, position, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.parallel.ddp import is_dtensor
@@ -165,7 +165,7 @@ def _problems(trainer, ckpt: Checkpoint, path) -> list[str]:
 
 def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = False) -> Checkpoint:
     """Restore everything a checkpoint holds into `trainer` (model, optimizers, schedulers, scaler,
-    completed epoch, monitors, and in one process the generator states of a one-process run); the
+    completed epoch, monitors, and the generator states of a run of the same world size: each rank its own); the
     trainer's running id is left alone.
 
     Monitors absent from the file keep their state; states of monitors the trainer lacks are ignored.
@@ -210,16 +210,27 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     return ckpt
 
 
+def _own_generator_states(trainer, rng: Mapping | None) -> Mapping | None:
+    """This process's generator states in a file's `rng`: a one-process file's in one process, rank r's of a
+    DDP file on rank r at the same world size; None on another world size (each process keeps its own)."""
+    if rng is None:
+        return None
+    ranks = rng.get("ranks")
+    if ranks is None:
+        return rng if trainer.world_size == 1 else None
+    return ranks[trainer.dist.rank] if len(ranks) == trainer.world_size else None
+
+
 def _backup(trainer) -> Checkpoint:
     """The trainer's state as an independent `Checkpoint` (tensors copied, the weights to the CPU; under
     FSDP each rank's shards, copied where they are)."""
     backup = _header(trainer, None, copied_to_cpu(trainer.raw_model.state_dict()),
-                     copy.deepcopy(trainer.opt.state_dict()))
+                     copy.deepcopy(trainer.opt.state_dict()), generator_states(trainer, gather=False))
     return attrs.evolve(backup, scaler=copy.deepcopy(backup.scaler), monitors=copy.deepcopy(backup.monitors))
 
 
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
-    """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors and (one process) generator states."""
+    """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors and (same world size) generator states."""
     load_model_state(trainer, ckpt.model, path)
     dist, model = trainer.dist, trainer.raw_model
     try:
@@ -238,9 +249,10 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         history.update({"train": {}, "val": {}, **plain_records(ckpt.history)})
     if ckpt.order_seed is not None:  # the training order continues as it was (`sampling.DataOrder`)
         trainer.dist.order_seed = ckpt.order_seed
-    if ckpt.rng is not None and trainer.world_size == 1:
+    rng = _own_generator_states(trainer, ckpt.rng)
+    if rng is not None:
         try:
-            set_rng_state(ckpt.rng)
-            trainer.dist.continue_loader_generators(list(ckpt.rng.get("loaders") or []))
+            set_rng_state(rng)
+            trainer.dist.continue_loader_generators(list(rng.get("loaders") or []))
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path}: the random generator states do not fit: {e!r}") from e

@@ -34,6 +34,7 @@ from deepepochs.utils import rng_state
 
 __all__ = [
     "consolidate",
+    "generator_states",
     "remove",
     "remove_stale_temps",
     "save",
@@ -52,11 +53,26 @@ def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
         raise CheckpointError("under strategy='fsdp' every rank holds shards of the states, so there is no one-file"
                               " snapshot; call deepepochs.checkpoint.save(trainer, path) on every rank (a sharded"
                               " checkpoint folder) and consolidate(path, file) for one file")
-    return _header(trainer, position, trainer.raw_model.state_dict(), trainer.opt.state_dict())
+    return _header(trainer, position, trainer.raw_model.state_dict(), trainer.opt.state_dict(),
+                   generator_states(trainer))
 
 
-def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) -> Checkpoint:
-    """A `Checkpoint` of the trainer's state with the given model and optimizer states."""
+def generator_states(trainer, gather: bool = True):
+    """The `rng` a checkpoint holds: this process's generator states (Python's, NumPy's, torch's, and under
+    'loaders' those of the training DataLoaders' own generators); under DDP `{'ranks': [...]}`, every rank's
+    in rank order (a collective: every rank calls it), or with `gather=False` this rank's alone at its
+    index (a local backup, never a file)."""
+    mine = {**rng_state(), "loaders": trainer.dist.loader_generator_states()}
+    dist = trainer.dist
+    if dist.world_size == 1:
+        return mine
+    if gather:
+        return {"ranks": dist.all_gather_object(mine)}
+    return {"ranks": [mine if rank == dist.rank else None for rank in range(dist.world_size)]}
+
+
+def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rng) -> Checkpoint:
+    """A `Checkpoint` of the trainer's state with the given model, optimizer and generator states."""
     return Checkpoint(
         format_version=1 if position is None else 2,
         position=position,
@@ -68,8 +84,7 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping) ->
         schedulers=opts["schedulers"],
         scaler=trainer.precision.state_dict(),
         monitors={m.monitor_id: m.state_dict() for m in monitors_of(trainer)},
-        # under DDP every rank has its own; the user's training loaders' generators (their own order) beside
-        rng={**rng_state(), "loaders": trainer.dist.loader_generator_states()} if trainer.world_size == 1 else None,
+        rng=rng,
         order_seed=trainer.dist.order_seed,
         param_names=names.param_names(trainer),
         history=plain_records(_run_records(trainer, position)),
@@ -106,6 +121,7 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
         _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
         return path if dist.is_main else None
     flat, params = shard_storage.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
+    rng = generator_states(trainer)  # every rank's, before rank 0 alone commits
     folder = _agreed(dist, path, lambda: _prepare_folder(path))
     try:
         shard_storage.write(flat, path / folder)  # DCP raises on every rank when one fails
@@ -117,7 +133,7 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
     def commit() -> None:
         opts = trainer.opt.state_dict()
         opts["optimizers"] = [_without_tensors(state) for state in opts["optimizers"]]
-        ckpt = _header(trainer, position, {}, opts)
+        ckpt = _header(trainer, position, {}, opts, rng)
         ckpt.format_version, ckpt.shards = 3, {"folder": folder, "params": params}
         write_atomic(ckpt.to_dict(), path / shard_storage.SIDE_CAR)
         shard_storage.remove_unnamed(path, folder)

@@ -1,5 +1,6 @@
 """Targets for the DDP preemption tests: ranks train with a SnapshotCallback; a SIGTERM may reach one rank
-only (`DEEPEPOCHS_TEST_SIGNAL_RANK`), from inside its own loop; the batch size and dropout are set by the
+only (`DEEPEPOCHS_TEST_SIGNAL_RANK`), from inside its own loop (after a training batch of epoch 2, or with
+`DEEPEPOCHS_TEST_SIGNAL_AT=epoch_end` at the end of epoch 1); the batch size and dropout are set by the
 environment, so a snapshot of one world size can resume on another with the same global batch."""
 
 import os
@@ -16,13 +17,22 @@ FOLDER_ENV = "DEEPEPOCHS_TEST_SNAPSHOTS"
 SIGNAL_RANK_ENV = "DEEPEPOCHS_TEST_SIGNAL_RANK"
 BATCH_ENV = "DEEPEPOCHS_TEST_BATCH"  # per-rank batch size (default 4)
 DROPOUT_ENV = "DEEPEPOCHS_TEST_DROPOUT"  # dropout probability (default 0.25)
+SIGNAL_AT_ENV = "DEEPEPOCHS_TEST_SIGNAL_AT"  # 'batch' (default) or 'epoch_end'
 
 
 class SignalOneRank(Callback):
-    """This rank sends itself SIGTERM after its training batch 4 (0-based) of epoch 2."""
+    """This rank sends itself SIGTERM after its training batch 4 (0-based) of epoch 2, or at the end of
+    epoch 1 (its hooks, before the epoch's commit point)."""
+
+    def __init__(self):
+        self.at = os.environ.get(SIGNAL_AT_ENV, "batch")
 
     def on_after_train_batch(self, trainer, metrics, batch_idx):
-        if trainer.loop.epoch == 2 and batch_idx == 4:
+        if self.at == "batch" and trainer.loop.epoch == 2 and batch_idx == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
+        if self.at == "epoch_end" and epoch_idx == 0:
             os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -44,6 +44,27 @@ def test_a_signal_on_one_rank_stops_both_at_one_commit_point_and_the_resume_is_e
     assert resumed["records"] == reference["records"]
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_signal_at_an_epochs_end_leaves_an_epoch_end_snapshot_whose_resume_is_exact(tmp_path, monkeypatch, rank):
+    """The signal reaches one rank in its epoch-end hooks: both ranks stop at the epoch's commit point, whose
+    file has no mid-epoch position but every rank's generator states (dropout on each rank), and the resumed
+    2-rank run ends as the uninterrupted one: the same weights and records."""
+    reference = launch_with_deadline(preempt_targets.train, 120)
+    monkeypatch.setenv(preempt_targets.FOLDER_ENV, str(tmp_path))
+    monkeypatch.setenv(preempt_targets.SIGNAL_RANK_ENV, rank)
+    monkeypatch.setenv(preempt_targets.SIGNAL_AT_ENV, "epoch_end")
+    with pytest.raises(Preempted) as info:
+        launch_with_deadline(preempt_targets.train, 120)
+    snap = read_checkpoint(info.value.path)
+    assert snap.epoch == 1 and snap.position is None and snap.world_size == 2
+    assert len(snap.rng["ranks"]) == 2  # each rank's generators
+    monkeypatch.delenv(preempt_targets.SIGNAL_RANK_ENV)
+    resumed = launch_with_deadline(preempt_targets.train, 120)
+    assert resumed["completed"] == 3
+    assert resumed["weights"] == reference["weights"]
+    assert resumed["records"] == reference["records"]
+
+
 def _close(a, b, tol=1e-5):
     if isinstance(a, list):
         return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
