@@ -53,13 +53,17 @@ def _finish_here(ckpt, out, *args):
 
 SPAWN = ("--workers", "2", "--context", "spawn", "--persistent")  # started once: spawn is slow to start
 FORK = ("--workers", "2", "--context", "fork")
+# Jobs that `scancel` stops once their workers run load each sample in 10-20 ms (1-3 s an epoch, against
+# 0.2-0.4 s at full speed), so that the signal, which SLURM delivers up to a second or more later, still
+# finds the job training: the results are the same; a job submitted again may go at full speed.
+SLOWED = ("--slow-data", "0.01")
 
 
 def test_scancel_term_full_stops_a_job_with_spawn_workers_and_a_resubmitted_job_continues_exactly(slurm, tmp_path):
     """`scancel --signal=TERM --full` (every process of the job, workers too): exit 143 with a snapshot; the
     same script submitted again ends as the uninterrupted run."""
     ckpt, out, output = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "job.out"
-    job = slurm.submit(tmp_path, _command(ckpt, out, *SPAWN), "--ntasks=1", "--cpus-per-task=1")
+    job = slurm.submit(tmp_path, _command(ckpt, out, *SPAWN, *SLOWED), "--ntasks=1", "--cpus-per-task=1")
     slurm.wait_for_lines(output, "worker ", 2, job)
     slurm.scancel(job, "--signal=TERM", "--full")
     fields = slurm.wait(job)
@@ -79,8 +83,8 @@ def test_a_usr1_to_the_batch_step_stops_the_job_which_requeues_itself_and_contin
     workers: a snapshot, `scontrol requeue` (requeue=True), and the requeued job ends as the uninterrupted
     run."""
     ckpt, out, output = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "job.out"
-    job = slurm.submit(tmp_path, _command(ckpt, out, *FORK, "--requeue"), "--ntasks=1", "--cpus-per-task=1",
-                       "--requeue")
+    job = slurm.submit(tmp_path, _command(ckpt, out, *FORK, *SLOWED, "--requeue"), "--ntasks=1",
+                       "--cpus-per-task=1", "--requeue")
     slurm.wait_for_lines(output, "worker ", 2, job)
     slurm.scancel(job, "--signal=USR1", "--batch")
     fields = slurm.wait(job, restarts=1)
@@ -154,8 +158,8 @@ def test_a_two_task_srun_job_stopped_by_scancel_continues_exactly_when_resubmitt
     commit point, rank 0 writes the snapshot, and the same job submitted again ends as the uninterrupted
     2-task job."""
     ckpt, out, output = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "ddp.out"
-    job = slurm.submit(tmp_path, SRUN + _command(ckpt, out, *DDP_ARGS), *DDP, name="ddp")
-    slurm.wait_for_lines(output, "worker ", 2, job)  # one per rank
+    job = slurm.submit(tmp_path, SRUN + _command(ckpt, out, *DDP_ARGS, "--slow-data", "0.02"), *DDP, name="ddp")
+    slurm.wait_for_lines(output, "worker ", 2, job)  # one per rank (1 worker, 120 samples: 2.4 s an epoch)
     slurm.scancel(job, *stop)
     slurm.wait(job)
     _stopped_cleanly(output.read_text(), ckpt, out, signal_name)
