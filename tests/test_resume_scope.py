@@ -118,6 +118,29 @@ def test_resume_true_without_a_running_id_still_takes_the_newest_run(tmp_path, c
         capsys.readouterr().out
 
 
+def test_a_resume_whose_file_already_reached_the_fits_target_says_so_and_trains_nothing(tmp_path, capsys):
+    """A run stopped at its last epoch's end (a snapshot, no finished-run record): the same command again
+    loads that file, says the fit's target is reached (not "continuing with epoch 3") and trains no batch."""
+    model = _model()
+    snapshots = SnapshotCallback(tmp_path, every_n_updates=None)
+    with Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=LR), epochs=2, callbacks=[snapshots],
+                 running_id="run", resume=True, log_batch=False) as first:
+        first.fit(_loader(), _loader(1))
+    capsys.readouterr()
+    model, counter = _model(), CountBatches()
+    with Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=LR), epochs=2,
+                 callbacks=[SnapshotCallback(tmp_path, every_n_updates=None), counter], running_id="run",
+                 resume=True, log_batch=False) as again:
+        records = again.fit(_loader(), _loader(1))
+    out = capsys.readouterr().out
+    assert "2 epoch(s) completed, the fit's target of 2 epoch(s) is reached" in out, out
+    assert "continuing" not in out
+    assert counter.batches == 0 and len(records["train"]["loss"]) == 2
+    weights, _ = _plain(2)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, weights[name], msg=name)
+
+
 def test_a_resume_from_an_older_best_checkpoint_says_which_epochs_are_trained_again(tmp_path, capsys):
     """Only a save_best monitor whose best is epoch 1 (mode='max' on a falling loss); the job dies in epoch
     4, so epochs 2 and 3 were done: the resume says they are trained again and why, and trains them."""

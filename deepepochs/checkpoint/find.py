@@ -169,6 +169,9 @@ def _position_text(ckpt: Checkpoint, trainer) -> str:
     """Where the loaded file continues: after a completed epoch, or inside an epoch (a mid-epoch snapshot)."""
     pos = ckpt.position
     if not isinstance(pos, Mapping) or not {"epoch", "batches_done", "task_index"} <= set(pos):
+        target = trainer.loop.target_epochs
+        if _fit_train_tasks(trainer) is not None and 0 < target <= ckpt.epoch:  # a fit with nothing left
+            return f"{ckpt.epoch} epoch(s) completed, the fit's target of {target} epoch(s) is reached"
         return f"{ckpt.epoch} epoch(s) completed, continuing with epoch {ckpt.epoch + 1}"
     k = trainer.config.gradient_accumulation_steps
     done = int(pos["batches_done"])
