@@ -62,8 +62,8 @@ def generator_states(trainer, gather: bool = True):
     'loaders' those of the training DataLoaders' own generators); under DDP `{'ranks': [...]}`, every rank's
     in rank order (a collective: every rank calls it), or with `gather=False` this rank's alone at its
     index (a local backup, never a file)."""
-    mine = {**rng_state(), "loaders": trainer.dist.loader_generator_states()}
     dist = trainer.dist
+    mine = {**rng_state(), "loaders": dist.loader_generator_states()}
     if dist.world_size == 1:
         return mine
     if gather:
