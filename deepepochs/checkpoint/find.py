@@ -180,7 +180,7 @@ def _position_text(ckpt: Checkpoint, trainer) -> str:
             f" {-(-done // k) + 1} (after {done} batch(es))")
 
 
-def resume_once(trainer) -> tuple[Path, int] | None:
+def resume_once(trainer, lock_run=None) -> tuple[Path, int] | None:
     """Honour `Trainer(resume=...)` at the first fit, test or predict; a no-op afterwards. Returns the
     loaded file's path and epoch, or None when nothing was loaded.
 
@@ -193,17 +193,34 @@ def resume_once(trainer) -> tuple[Path, int] | None:
     progressed checkpoint or raises. The run folder's name becomes `trainer.running_id`, so new checkpoints
     go on into the same (possibly renamed) folder. A
     failed resume stays pending, so fixing the files and calling fit again retries it.
+
+    `lock_run(run)`, when given, is called before a run's files are read and before a run starts fresh, so
+    that the fit holds the lock of the run it loads or trains (`run_lock.lock_resumed_run`): `resume=True`
+    without a `running_id` tries the runs newest first, each under its lock, re-listing its files then.
     """
     if not trainer.loop.resume_pending:
         return None
     loaded = None
     run, required, why = resume_scope(trainer)
     dirs = [m.ckpt_dir for m in monitors_of(trainer)]
-    candidates = find_checkpoints(dirs, run) if required or run is None else _checkpoints_of_run(dirs, run)
-    if required:
-        candidates = candidates[:1]  # the run was named: its most progressed file loads, or the error says why
-    path, ckpt = _load_newest_usable(trainer, candidates, strict=required)
+    lock_run = lock_run or (lambda _run: None)
+    if run is None:  # each run in turn, newest first, read under its lock
+        path = ckpt = None
+        candidates = []
+        for other in dict.fromkeys(p.parent.name for p in find_checkpoints(dirs, None)):
+            lock_run(other)
+            files = _checkpoints_of_run(dirs, other)
+            candidates += files
+            path, ckpt = _load_newest_usable(trainer, files, strict=False)
+            if path is not None:
+                break
+    else:
+        candidates = find_checkpoints(dirs, run) if required else _checkpoints_of_run(dirs, run)
+        if required:
+            candidates = candidates[:1]  # the run was named: its most progressed file loads, or the error says why
+        path, ckpt = _load_newest_usable(trainer, candidates, strict=required)
     if path is None:
+        lock_run(str(trainer.running_id))
         folders = dict.fromkeys(Path(d) if run is None else Path(d) / run for d in dirs)
         searched = ", ".join(map(str, folders)) or "nowhere: no CheckCallback"
         found = f"no checkpoint this trainer can load among {len(candidates)}" if candidates else "no checkpoint"

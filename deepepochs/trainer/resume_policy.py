@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from deepepochs.checkpoint import resume_once
 from deepepochs.checkpoint.finished import apply_finished, report_retrained
+from deepepochs.checkpoint.run_lock import lock_resumed_run
 
 __all__ = ["resume_run"]
 
@@ -17,8 +18,8 @@ def resume_run(trainer) -> None:
     """Load what `resume=...` asks for into `trainer` (`checkpoint.resume_once`: the newest usable
     checkpoint of the run, with the run's history, into its run state); for a finished run (see
     `deepepochs.checkpoint.finished`) also its end, so the next fit trains nothing, and say which epochs a resume
-    trains again."""
-    loaded = resume_once(trainer)
+    trains again. The fit's run lock follows the run the resume reads (`run_lock.lock_resumed_run`)."""
+    loaded = resume_once(trainer, lambda run: lock_resumed_run(trainer, run))
     if loaded is not None:
         apply_finished(trainer, loaded[0].parent, loaded[1])
         report_retrained(trainer, loaded[0].parent, loaded[1])
