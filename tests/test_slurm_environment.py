@@ -4,6 +4,12 @@ requeue=True outside a SLURM job is refused. (Real jobs: tests/slurm/.)"""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 import deepepochs as de
@@ -22,10 +28,93 @@ def test_a_task_of_a_multi_task_step_gets_torchrun_variables_from_slurm():
                                              "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 4242 % 20000)}
 
 
-@pytest.mark.parametrize("nodelist, first", [("vm", "vm"), ("node[3-5,9]", "node3"), ("a1,b2", "a1"),
-                                             ("rack2-n[010-012]", "rack2-n010"), ("x[4]", "x4")])
-def test_the_first_host_of_a_slurm_host_list(nodelist, first):
+#: Host lists in the forms SLURM documents and writes, with the first host `scontrol show hostnames` prints.
+HOST_LISTS = [("vm", "vm"), ("node[3-5,9]", "node3"), ("a1,b2", "a1"), ("rack2-n[010-012]", "rack2-n010"),
+              ("x[4]", "x4"), ("rack[1-2]-node[01-02]", "rack1-node01"), ("a[1-3,5],b7", "a1"),
+              ("node[003-005,9]", "node003"), ("a-b-c", "a-b-c"), ("n[1-2,4-5]-x[7,9]", "n1-x7"),
+              ("a[1-2][3-4]", "a13"), ("n[5,1-3]", "n5"), ("b,a", "b"), ("n[01-2]", "n01"), ("n[1-02]", "n1"),
+              ("a[9-11]", "a9"), ("n[099-101]", "n099"), ("[01]", "01"), ("node-[1-2]", "node-1"),
+              ("h.example.com", "h.example.com"), ("a.b[1-2]", "a.b1"), (",a", "a"), ("a b", "a"),
+              ("n[1-2]\tm", "n1"), ("n[1-2],,m", "n1"), ("ab[1-2]cd-e[3]", "ab1cd-e3"),
+              ("a[1-2],b[3-4]-c[5-6]", "a1"), ("n[12345678901-12345678902]", "n12345678901"), ("n[0-0]", "n0")]
+#: Host lists SLURM refuses ("Invalid hostlist"): text after a bracket group, a range running backwards, an
+#: empty or non-numeric range, nested or unbalanced brackets (anywhere in the list).
+BAD_HOST_LISTS = ["n[01-02]x,plain", "a[1]b", "node[1-2]-gpu", "n[1-2].example.com", "rack[2-1]", "n[a-c]",
+                  "n[]", "n[-2]", "n[1--2]", "n[1,]", "n[,1]", "n[[1]]", "n[1]]", "bgl[123x456]",
+                  "n[1-2],m[3-4]x", "", " , "]
+
+
+@pytest.mark.parametrize("nodelist, first", HOST_LISTS)
+def test_the_first_host_of_a_slurm_host_list_is_the_one_slurm_lists_first(nodelist, first):
+    """Ranges, zero padding, several bracket groups, comma and blank separated lists, dashes in names."""
     assert slurm.first_host(nodelist) == first
+
+
+@pytest.mark.parametrize("nodelist", BAD_HOST_LISTS)
+def test_a_host_list_slurm_refuses_is_refused_naming_it(nodelist):
+    """What SLURM calls an invalid host list is a ConfigError quoting it, never a guessed host."""
+    with pytest.raises(ConfigError, match=re.escape(f"SLURM host list {nodelist!r}")):
+        slurm.first_host(nodelist)
+
+
+def _scontrol_answers() -> bool:
+    if shutil.which("scontrol") is None:
+        return False
+    try:
+        return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _scontrol_answers(), reason="needs a running SLURM (scontrol ping answers): .ci/start-slurm")
+def test_the_first_host_agrees_with_scontrol_show_hostnames():
+    """Against the real SLURM: every valid list's first host is the first line `scontrol show hostnames`
+    prints, and every list this module refuses, SLURM refuses too."""
+    for nodelist, _ in HOST_LISTS:
+        shown = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               timeout=20)
+        assert shown.returncode == 0 and shown.stdout.split("\n")[0] == slurm.first_host(nodelist), nodelist
+    for nodelist in BAD_HOST_LISTS:
+        shown = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               timeout=20)
+        assert shown.returncode != 0 or not shown.stdout.strip(), (nodelist, shown.stdout)
+
+
+@pytest.mark.parametrize("tasks", [{"SLURM_STEP_NUM_TASKS": "4"}, {"SLURM_STEP_NUM_TASKS": None, "SLURM_NTASKS": "4"}])
+@pytest.mark.parametrize("procid", ["4", "9"])
+def test_a_rank_not_below_the_task_count_is_refused_naming_both_variables(tasks, procid):
+    """SLURM_PROCID must be below the task count it is taken with; the message names both variables."""
+    env = dict(TASK, SLURM_PROCID=procid, **{k: v for k, v in tasks.items() if v is not None})
+    for name in [k for k, v in tasks.items() if v is None]:
+        del env[name]
+    source = "SLURM_STEP_NUM_TASKS" if tasks.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    with pytest.raises(ConfigError, match=re.escape(f"SLURM_PROCID={procid} is not below the task count"
+                                                    f" {source}=4")):
+        slurm.torch_environment(env)
+
+
+def test_a_trainer_whose_slurm_rank_is_out_of_range_fails_at_once():
+    """Trainer(...) in such a step raises the ConfigError within seconds (before, it waited forever for ranks
+    that do not exist); run in a child process, bounded in time."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                   "MASTER_"))}
+    env.update(TASK, SLURM_PROCID="2", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost",
+               MASTER_PORT="29581")
+    code = ("import torch, deepepochs as de\nm = torch.nn.Linear(2, 1)\n"
+            "de.Trainer(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("Trainer(...) did not return within 120 s")
+    assert done.returncode == 1
+    assert ("ConfigError: SLURM_PROCID=2 is not below the task count SLURM_STEP_NUM_TASKS=2"
+            in done.stderr.strip().splitlines()[-1]), done.stderr[-2000:]
+
+
+def test_a_bad_host_list_in_a_slurm_step_names_its_variable():
+    with pytest.raises(ConfigError, match=re.escape("SLURM host list 'n[2-1]' (from SLURM_STEP_NODELIST) has an item"
+                                                    " SLURM refuses, 'n[2-1]'")):
+        slurm.torch_environment(dict(TASK, SLURM_STEP_NODELIST="n[2-1]"))
 
 
 def test_the_job_nodelist_and_ntasks_stand_in_for_the_step_ones_and_set_variables_stay():

@@ -8,13 +8,15 @@ variables already set, `adopt_environment` derives them from SLURM's:
 `RANK`          `SLURM_PROCID`
 `WORLD_SIZE`    `SLURM_STEP_NUM_TASKS` (the step's tasks; `SLURM_NTASKS` where it is missing)
 `LOCAL_RANK`    `SLURM_LOCALID`
-`MASTER_ADDR`   the first host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`), `node[01-04]` expanded
+`MASTER_ADDR`   the first host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`), as SLURM expands it
+                (`rack[1-2]-node[01-02]` -> `rack1-node01`)
 `MASTER_PORT`   `MASTER_PORT` if the job set it, else 20000 + `SLURM_JOB_ID` % 20000: every task of the job
                 derives the same port, and jobs sharing a node mostly differ
 ==============  ====================================================================================
 
 The batch script itself (no `SLURM_STEP_ID`: `python train.py` run directly by `sbatch`) is one process,
-whatever `--ntasks` says. A variable set already (torchrun inside the job) is never replaced.
+whatever `--ntasks` says. A variable set already (torchrun inside the job) is never replaced. A rank
+(`SLURM_PROCID`) not below the task count is refused at once: torch would wait forever for the missing ranks.
 """
 
 from __future__ import annotations
@@ -35,15 +37,60 @@ def in_slurm_job(environ=None) -> bool:
     return "SLURM_JOB_ID" in (os.environ if environ is None else environ)
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM host list: `node[03-05,9],gpu1` -> `node03`."""
-    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
-    if not match or not match.group(1) and not match.group(2):
-        raise ConfigError(f"SLURM host list {nodelist!r} names no host")
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+#: One bracket group of a host list item and the text before it: `rack[1-2]` of `rack[1-2]-node[01-02]`.
+_GROUP = re.compile(r"([^\[\]]*)\[([^\[\]]*)\]")
+#: One entry of a bracket group: a number or a rising range of numbers, zero padding kept (`003-005`).
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def _items(nodelist: str) -> list[str]:
+    """The items of a host list: split at commas and blanks outside brackets, empty ones dropped."""
+    items, item, depth = [], "", 0
+    for char in nodelist:
+        depth += (char == "[") - (char == "]")
+        if depth == 0 and (char == "," or char.isspace()):
+            items.append(item)
+            item = ""
+        else:
+            item += char
+    return [i for i in [*items, item] if i]
+
+
+def _first_of_item(item: str) -> str | None:
+    """The first host of one host list item, or None when SLURM would refuse it. An item is a plain name, or
+    one or more bracket groups each after its text (`a[1-2]-b[01-02]`) with nothing after the last; a group
+    lists numbers and rising ranges (`1-3,5`); the first host takes each group's first entry, as written."""
+    if "[" not in item and "]" not in item:
+        return item
+    first, end = "", 0
+    for group in _GROUP.finditer(item):
+        if group.start() != end:
+            return None
+        end = group.end()
+        entries = [_RANGE.fullmatch(entry) for entry in group.group(2).split(",")]
+        if not entries or any(e is None or e.group(2) is not None and int(e.group(2)) < int(e.group(1))
+                              for e in entries):
+            return None
+        first += group.group(1) + entries[0].group(1)
+    return first if end == len(item) and end > 0 else None
+
+
+def first_host(nodelist: str, variable: str = "") -> str:
+    """The first host of a SLURM host list, the one `scontrol show hostnames` prints first:
+    `rack[1-2]-node[01-02]` -> `rack1-node01`, `a[1-3,5],b7` -> `a1`, `node[003-005]` -> `node003`.
+
+    Items are separated by commas or blanks; an item is a host name or a name with bracket groups of numbers
+    and ranges (zero padding kept). A list SLURM refuses (text after a bracket group, a range running
+    backwards, an empty or non-numeric group, unbalanced brackets, no item) is a `ConfigError` quoting it
+    (and naming `variable`, the SLURM variable it came from, when given)."""
+    items = _items(nodelist)
+    firsts = [_first_of_item(item) for item in items]
+    if not items or None in firsts:
+        bad = "names no host" if not items else f"has an item SLURM refuses, {items[firsts.index(None)]!r}"
+        source = f" (from {variable})" if variable else ""
+        raise ConfigError(f"SLURM host list {nodelist!r}{source} {bad}: a host list is hosts and bracketed ranges"
+                          " (`node[01-04,07],gpu1`) separated by commas")
+    return firsts[0]
 
 
 def torch_environment(environ=None) -> dict[str, str] | None:
@@ -55,6 +102,7 @@ def torch_environment(environ=None) -> dict[str, str] | None:
         return None
     tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
     nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST"))
+    nodes_from = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
     missing = [name for name in _NEEDED if name not in env]
     if tasks is None:
         missing.append("SLURM_STEP_NUM_TASKS (or SLURM_NTASKS)")
@@ -66,17 +114,22 @@ def torch_environment(environ=None) -> dict[str, str] | None:
                           " and rendezvous from; start the tasks with srun inside the job, or set RANK,"
                           " WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself")
     values = {name: env[name] for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID")}
+    source = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
     values["tasks"] = tasks
     for name, value in values.items():
         if not value.strip().isdigit():
-            shown = "SLURM_STEP_NUM_TASKS" if name == "tasks" else name
+            shown = source if name == "tasks" else name
             raise ConfigError(f"SLURM variable {shown} must be a non-negative integer (got {value!r})")
     if int(tasks) < 2:
         return None
+    if int(values["SLURM_PROCID"]) >= int(tasks):  # torch would wait forever: that rank is outside the world
+        raise ConfigError(f"SLURM_PROCID={values['SLURM_PROCID'].strip()} is not below the task count"
+                          f" {source}={tasks.strip()}: a task's rank must be one of 0 to the task count - 1; start"
+                          " the tasks with srun inside the job and leave these variables as SLURM sets them")
     port = env.get("MASTER_PORT") or str(20000 + int(values["SLURM_JOB_ID"]) % 20000)
     return {"RANK": values["SLURM_PROCID"].strip(), "WORLD_SIZE": tasks.strip(),
             "LOCAL_RANK": values["SLURM_LOCALID"].strip(),
-            "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes), "MASTER_PORT": port}
+            "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes, nodes_from), "MASTER_PORT": port}
 
 
 def adopt_environment() -> bool:
