@@ -20,5 +20,5 @@ def resume_run(trainer) -> None:
     trains again."""
     loaded = resume_once(trainer)
     if loaded is not None:
-        apply_finished(trainer, loaded[0].parent, loaded[1])
-        report_retrained(trainer, loaded[0].parent, loaded[1])
+        if not apply_finished(trainer, loaded[0].parent, loaded[1]):
+            report_retrained(trainer, loaded[0].parent, loaded[1])

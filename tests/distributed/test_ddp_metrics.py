@@ -83,8 +83,9 @@ def _sklearn_counted(state: dict, classes: int, n: int) -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("classes", [2, S.CLASSES])
 def test_counted_metrics_under_ddp_equal_scikit_learn_on_uneven_single_batch_and_empty_shards(ranks, classes):
-    """Accuracy, precision, recall and F1 (one confusion matrix per batch, shared by the metrics) equal scikit-learn on the whole set on every rank: shards of 2 batches and 1 batch, an empty
-    shard, and in the validation records; each later metric does not count a merged matrix again."""
+    """Accuracy, precision, recall and F1 (one confusion matrix per batch, shared by the metrics) equal
+    scikit-learn on the whole set on every rank: shards of 2 batches and 1 batch, an empty shard, and in the
+    validation records; each later metric does not count a merged matrix again."""
     for rank in ranks:
         counted = rank["counted"][classes]
         sets = [("val", S.COUNTED_SETS[0][0], counted["val"])]
