@@ -171,6 +171,7 @@ class Context:
             whose position `remember_position` keeps; None for other data.
         buffer_copies: which model buffers the running fit's commit points copy where
             (`buffers.BufferCopies`), or None.
+        told: the differences from deepepochs 0.6.18 this trainer has announced (`compat.tell_once`).
     """
 
     parts: Parts
@@ -194,6 +195,7 @@ class Context:
     snapshot_path: object = None
     data_source: object = None
     buffer_copies: object = None
+    told: set = attrs.Factory(set)
 
     @property
     def run(self) -> RunState:
