@@ -123,6 +123,14 @@ class StepMethods:
         last micro-batch; earlier calls let gradients accumulate."""
         steps.optimize(self._ctx, optimize_index)
 
+    @property
+    def carried(self) -> dict:
+        """State a step carries from one batch to the next (an RNN's hidden state, a running queue): a dict
+        to read and write in steps. What it holds at each committed update is kept with the run, so a
+        rollback puts it back, a mid-epoch snapshot stores it (per process) and a resume continues with it;
+        values are tensors, numbers, strings and lists, tuples or str-keyed dicts of them."""
+        return self._ctx.carried
+
     def no_sync(self):
         """Context in which backward does not all-reduce gradients (DDP); a no-op in one process."""
         return steps.no_sync(self._ctx)
