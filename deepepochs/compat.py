@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from deepepochs.errors import ConfigError, DeepEpochsWarning
+from deepepochs.errors import ConfigError, DeepEpochsWarning, MigrationWarning
 
 __all__ = [
     "REMOVED",
@@ -35,6 +35,7 @@ __all__ = [
     "removed",
     "run_tensorboard",
     "sum_dicts",
+    "tell_once",
     "to_numpy",
     "warn_at_user_code",
 ]
@@ -143,10 +144,22 @@ def warn_at_user_code(text: str, category: type[Warning]) -> None:
     """`warnings.warn(text, category)` attributed to the first caller outside the deepepochs package (the
     user's line that called `fit`, `test`, ...), however deep inside the library it is raised."""
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def ours(filename: str) -> bool:  # the package's files, and the micro-batch code it generates
+        return filename.startswith("<deepepochs") or os.path.abspath(filename).startswith(package)
+
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and ours(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(text, category, stacklevel=level + 1)
+
+
+def tell_once(told: set, key: str, text: str) -> None:
+    """A `MigrationWarning` (`warn_at_user_code`) the first time `key` is met in `told`, the set of what one
+    trainer has said: a difference from deepepochs 0.6.18 is announced once per trainer."""
+    if key not in told:
+        told.add(key)
+        warn_at_user_code(text, MigrationWarning)
 
 
 _MIGRATION = "See docs/MIGRATION.md ('Accelerate arguments are gone')."

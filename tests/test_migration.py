@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from deepepochs import Callback, ConfigError, EpochTask, Trainer, TrainerBase
+from deepepochs import Callback, ConfigError, EpochTask, Trainer, TrainerBase, ValuePatch
 
 QUIET = dict(log_batch=False, show_info=False, device="cpu")
 
@@ -102,8 +102,9 @@ def test_metric_values_in_user_hooks_answer_item_and_records_stay_plain_floats(t
 
 # ---- helpers, optimizers, callbacks: 0.6.18's spellings ----
 def test_optimizer_lr_accessors_answer_as_in_0618():
-    """`trainer.opt.get_current_lr()` (one optimizer: a float; several: a list), `trainer.opt[i].get_last_lr()`
-    (the scheduler's, None without one), checked against the torch optimizer and scheduler themselves."""
+    """`trainer.opt.get_current_lr()` and `get_last_lr()` are lists in optimize_index order, a one-item list
+    with one optimizer as in 0.6.18; `trainer.opt[i].get_last_lr()` is the scheduler's (None without one),
+    checked against the torch optimizer and scheduler themselves."""
     from deepepochs import Optimizer
 
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -118,7 +119,8 @@ def test_optimizer_lr_accessors_answer_as_in_0618():
     assert trainer.opt[0].param_groups is first.param_groups
     net = model()
     single = Trainer(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=0.3), **QUIET)
-    assert single.opt.get_current_lr() == 0.3 and single.opt.get_last_lr() is None
+    assert single.opt.get_current_lr() == [0.3] and single.opt.get_last_lr() == [None]
+    assert single.opt[0].get_current_lr() == 0.3
 
 
 def test_plot_confusion_takes_both_signatures():
@@ -323,6 +325,116 @@ def test_a_loss_call_without_do_metric_computes_the_metrics_as_0618():
 
 
 # ---- intentional differences: said once, loudly ----
+def test_grad_clip_callback_clips_like_torch_and_says_once_that_0618s_did_not():
+    """The weights after one epoch equal a plain loop clipping with `clip_grad_value_`; attaching the
+    callback says once (a second trainer with it says nothing more) that 0.6.18's did not clip."""
+    from deepepochs import GradClipCallback, MigrationWarning
+
+    clip = GradClipCallback(0.01)
+    with pytest.warns(MigrationWarning, match=r"GradClipCallback\(max_value=0.01, norm_type=None\) clips the"
+                      r" gradients before every update; deepepochs 0.6.18's GradClipCallback did not clip them"
+                      r" .*leave the callback out") as said:
+        net = model()
+        trainer = Trainer(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=1e-3), epochs=1,
+                          callbacks=[clip], **QUIET)
+    assert said[0].filename == __file__
+    trainer.fit(data())
+    reference = model()
+    opt = torch.optim.SGD(reference.parameters(), lr=1e-3)
+    for x, y in data():
+        F.cross_entropy(reference(x), y).backward()
+        torch.nn.utils.clip_grad_value_(reference.parameters(), 0.01)
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.raw_model.state_dict().values(),
+                                                 reference.state_dict().values()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MigrationWarning)
+        Trainer(model(), F.cross_entropy, epochs=1, callbacks=[clip], **QUIET).close()
+
+
+class TwoLossCalls(TrainerBase):
+    """A step calling `self.loss` twice (with the trainer's metrics each time); `last_only` is the
+    replacement the warning names for 0.6.18's values."""
+
+    last_only = False
+
+    def train_step(self, batch_x, batch_y, **step_args):
+        self.loss(self.model(batch_x * 2), batch_y, do_metric=False if self.last_only else None)
+        last = self.loss(self.model(batch_x), batch_y)
+        if self.last_only:
+            return {"loss": ValuePatch(last.detach(), len(batch_y))}
+        return None
+
+
+def test_two_loss_calls_of_a_step_add_up_and_say_once_how_to_get_0618s_last_call():
+    """With lr=0 (fixed weights): the epoch loss is the sample-weighted mean of the two calls' summed losses
+    and the accuracy pools both calls' outputs, computed here directly, with a MigrationWarning once per
+    trainer; the replacement it names gives 0.6.18's values, the last call's loss and accuracy."""
+    from deepepochs import MigrationWarning
+    from deepepochs.metrics import accuracy
+
+    net = model()
+    x, y = data().dataset.tensors
+    with torch.no_grad():
+        first, last = net(x * 2), net(x)
+    summed = sum(len(yb) * (F.cross_entropy(net(xb * 2), yb) + F.cross_entropy(net(xb), yb)).item()
+                 for xb, yb in data()) / len(y)
+    pooled = ((first.argmax(1) == y).sum() + (last.argmax(1) == y).sum()).item() / (2 * len(y))
+    kwargs = dict(epochs=2, metrics=[accuracy], **QUIET)
+    trainer = TwoLossCalls(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=0.0), **kwargs)
+    with pytest.warns(MigrationWarning, match=r"this step calls self.loss\(...\) with metrics again after an"
+                      r" earlier such call in the same batch: the calls of one step add up .* 0.6.18 reported"
+                      r" the last call's loss and metrics. For 0.6.18's values, pass do_metric=False") as said:
+        records = trainer.fit(data())
+    assert len([w for w in said if issubclass(w.category, MigrationWarning)]) == 1
+    assert records["train"]["loss"] == pytest.approx([summed] * 2, abs=1e-6)
+    assert records["train"]["accuracy"] == pytest.approx([pooled] * 2, abs=1e-6)
+    as_0618 = TwoLossCalls(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=0.0), **kwargs)
+    as_0618.last_only = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MigrationWarning)
+        records = as_0618.fit(data())
+    assert records["train"]["loss"] == pytest.approx([F.cross_entropy(last, y).item()] * 2, abs=1e-6)
+    assert records["train"]["accuracy"] == pytest.approx([(last.argmax(1) == y).float().mean().item()] * 2)
+
+
+class DictLoss(nn.Module):
+    """A model taking a dict batch as keywords and returning its loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.lin(x), y)
+
+
+def test_dict_batches_weigh_their_samples_and_say_once_that_0618_counted_keys():
+    """Dict batches of 16, 16 and 8 samples (lr=0): the epoch loss is the sample-weighted mean of the batch
+    losses, with a MigrationWarning once per trainer naming 0.6.18's count (2 keys) and batch_size=2, which
+    gives 0.6.18's equal weights (the plain mean of the batch losses)."""
+    from deepepochs import MigrationWarning
+
+    x, y = data(n=40).dataset.tensors
+    batches = [{"x": x[i:i + 16], "y": y[i:i + 16]} for i in range(0, 40, 16)]
+    net = DictLoss()
+    with torch.no_grad():
+        losses = [net(**batch).item() for batch in batches]
+    trainer = Trainer(net, None, torch.optim.SGD(net.parameters(), lr=0.0), epochs=2, **QUIET)
+    with pytest.warns(MigrationWarning, match=r"a dict batch weighs its 16 samples .* deepepochs 0.6.18 took its"
+                      r" number of keys \(2\) as its size.* pass batch_size=2 to fit\(\)/test\(\)") as said:
+        records = trainer.fit(batches, batches)
+        tested = trainer.test(batches)
+    assert said[0].filename == __file__
+    assert len([w for w in said if issubclass(w.category, MigrationWarning)]) == 1
+    weighted = (16 * losses[0] + 16 * losses[1] + 8 * losses[2]) / 40
+    assert records["train"]["loss"] == records["val"]["loss"] == pytest.approx([weighted] * 2, abs=1e-6)
+    assert tested["loss"] == pytest.approx(weighted, abs=1e-6)
+    assert trainer.test(batches, batch_size=2)["loss"] == pytest.approx(sum(losses) / 3, abs=1e-6)
+
+
 def test_a_second_fit_with_epochs_trains_to_that_total_and_says_so_once():
     """`fit(epochs=3)` after 2 epochs trains 1 more (0.6.18: 3 more), with a MigrationWarning naming both and
     the replacement, once per trainer; a first fit says nothing."""
@@ -535,6 +647,12 @@ ROWS = {  # the first cell of a table row (its start) -> the tests that check th
     "`run_tensorboard()` started": [f"{C6}::test_run_tensorboard_outside_a_terminal_warns_with_the_command_and_returns",
                                     f"{C6}::test_run_tensorboard_in_a_terminal_starts_tensorboard_on_the_folder"],
     "`device=Accelerator(...)`": [f"{C18}::test_accelerate_arguments_are_refused_up_front_naming_their_replacements"],
+    "`GradClipCallback` did not clip": [
+        f"{HERE}::test_grad_clip_callback_clips_like_torch_and_says_once_that_0618s_did_not"],
+    "a step calling `self.loss(...)` twice with metrics": [
+        f"{HERE}::test_two_loss_calls_of_a_step_add_up_and_say_once_how_to_get_0618s_last_call"],
+    "a dict batch's size was its **number of keys**": [
+        f"{HERE}::test_dict_batches_weigh_their_samples_and_say_once_that_0618_counted_keys"],
     "`CheckCallback` saved to `./logs`": [f"{C18}::test_resume_with_0_6_checkpoints_in_logs_says_how_to_resume_them"],
     "`Trainer(model, loss, opt, epochs,": [
         f"{HERE}::test_the_0618_arguments_of_trainer_fit_and_test_come_in_0618s_order"],
@@ -570,6 +688,7 @@ ROWS = {  # the first cell of a table row (its start) -> the tests that check th
     "a custom step that only calls `self.loss(out, y)`": [
         f"{C06}::test_custom_steps_that_only_call_self_loss_keep_the_trainers_metrics"],
     "a step splitting its batch by hand": [f"{C18}::test_hand_written_accumulation_with_do_metric_equals_a_plain_loop",
+                                           f"{HERE}::test_two_loss_calls_of_a_step_add_up_and_say_once_how_to_get_0618s_last_call",
                                            f"{HERE}::test_a_loss_call_without_do_metric_computes_the_metrics_as_0618",
                                            f"{HERE}::test_loss_optimize_takes_an_optimize_index"],
     "older 0.6: `self.loss(..., grad_accumulate=True)`": [

@@ -4,13 +4,16 @@ is raised trains on; a stale or missing record changes nothing."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from deepepochs import Callback, CheckCallback, Trainer
+from deepepochs import Callback, CheckCallback, Trainer, set_seed
 from deepepochs.checkpoint.finished import FINISHED_FILE
 from deepepochs.errors import DeepEpochsWarning
 
@@ -121,3 +124,66 @@ def test_a_record_older_than_the_checkpoint_or_unreadable_is_ignored(tmp_path):
     with damaged, pytest.warns(DeepEpochsWarning, match=r"resume ignored .*finished\.pt: cannot read run-end record"
                                                          r" .*truncated or corrupt"):
         assert len(damaged.fit(_loader(), _loader(1))["train"]["loss"]) == 4 and counter.batches == 3
+
+
+class _Noisy(torch.utils.data.Dataset):
+    """Samples with NumPy and `random` noise drawn per item (a resume must replay those draws too)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        noise = torch.from_numpy(np.random.normal(0, 0.05, 4).astype("float32")) * random.random()
+        return self.x[i] + noise, self.y[i]
+
+
+def _best_only_fit(folder, epochs, resume=False):
+    """A best-only `CheckCallback('loss', on_stage='val')` run (BatchNorm, dropout, shuffling, noise) whose
+    validation loss is best at epoch 2 of 3; returns its records and final weights."""
+    set_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 4, generator=g)
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Dropout(0.2), nn.Linear(4, 1))
+    check = [] if folder is None else [CheckCallback("loss", on_stage="val", ckpt_dir=folder)]
+    with Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.05), epochs=epochs, callbacks=check,
+                 resume=resume, running_id=None if resume else "run", log_batch=False) as trainer:
+        records = trainer.fit(DataLoader(_Noisy(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=True),
+                              DataLoader(TensorDataset(x[:16], 0.6 * x[:16].sum(1, keepdim=True)), batch_size=8))
+        return records, {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+
+
+@pytest.mark.parametrize("epochs", [3, 5])
+def test_a_finished_run_whose_best_epoch_was_not_its_last_continues_from_the_best_file_like_the_uninterrupted_run(
+        tmp_path, capsys, epochs):
+    """Three epochs, best at epoch 2 (best-only checkpoint), resumed with epochs=3 or 5: the file's
+    progress counts, so epochs 3 onwards train once each under their own labels, and the records and
+    weights equal an uninterrupted run of that many epochs bit for bit; the message says why."""
+    first, _ = _best_only_fit(tmp_path, 3)
+    assert min(range(3), key=first["val"]["loss"].__getitem__) == 1  # the fixture's premise: best at epoch 2
+    capsys.readouterr()
+    resumed, weights = _best_only_fit(tmp_path, epochs, resume=True)
+    out = capsys.readouterr().out
+    expected, expected_weights = _best_only_fit(None, epochs)
+    assert resumed == expected
+    assert all(torch.equal(weights[k], expected_weights[k]) for k in expected_weights)
+    labels = [line.split()[1] for line in out.splitlines() if line.startswith("E ")]
+    assert labels == [f"{e}/{epochs}" for e in range(3, epochs + 1)]
+    assert ("Run run had completed 3 of 3 epoch(s), but its latest state was not saved: its newest checkpoint is"
+            " of epoch 2, so the run continues from there and epoch 3 will be trained again") in out
+    assert "newest checkpoint is of epoch 2: epoch 3 will be trained again" not in out  # said once
+
+
+def test_an_early_stopped_run_resumed_from_its_best_epoch_stays_stopped_and_names_the_loaded_epoch(tmp_path, capsys):
+    """Stopped early after epoch 3 with its best (and only file) of epoch 1: the resume trains nothing and
+    says the weights loaded are those of epoch 1."""
+    first, _ = _run(tmp_path, epochs=10)
+    records = first.fit(_loader(), _loader(1))
+    first.close()
+    capsys.readouterr()
+    again, counter = _run(tmp_path, epochs=10, resume=True)
+    with again:
+        assert again.fit(_loader(), _loader(1)) == records and counter.batches == 0
+    assert "the weights loaded are those of epoch 1, its checkpoint" in capsys.readouterr().out

@@ -20,6 +20,10 @@ on after it and saved later epochs has made it stale. A counting file restores t
 the history and an early stop; `fit()` then trains nothing (the stop, or a reached target, ends it at
 once) and returns the run's records. A run that reached its target trains on when `epochs=` is raised;
 an early-stopped run stays stopped: to train it further, delete its `finished.pt` (or start a new run).
+A run that reached its target after the epoch of the checkpoint loaded (a `save_best=True` monitor whose
+best epoch was not the last) has no saved latest state: the record is not restored, the run says so and
+continues from the loaded file with that file's progress and history (the epochs after it are trained
+again, each recorded once under its own number).
 The file is not a checkpoint (it does not end in `.ckpt`) and is never picked by resume as one.
 
 Progress: a `CheckCallback(save_best=True)` rewrites its checkpoint only when the metric improves, so a
@@ -95,13 +99,37 @@ def read_finished(folder, ckpt_epoch: int = 0, history=None) -> dict | None:
     return data
 
 
-def apply_finished(trainer, folder, ckpt_epoch: int) -> dict | None:
+def _latest_not_saved(trainer, finished: dict, ckpt_epoch: int) -> bool:
+    """Whether the run reached its target after the epoch of the checkpoint loaded (a `save_best=True`
+    monitor kept an earlier, better epoch): then its end is not restored and the run continues from the
+    loaded file, whose progress is the run's; say so (True)."""
+    done = finished["completed_epochs"]
+    if finished["stop_reason"] is not None or done <= ckpt_epoch:
+        return False
+    again = f"epoch {done}" if done == ckpt_epoch + 1 else f"epochs {ckpt_epoch + 1} to {done}"
+    trainer.console.decision(
+        f"Run {trainer.running_id} had completed {done} of {finished['target_epochs']} epoch(s), but its"
+        f" latest state was not saved: its newest checkpoint is of epoch {ckpt_epoch}, so the run continues"
+        f" from there and {again} will be trained again (a CheckCallback with save_best=True saves only"
+        " improving epochs; add CheckCallback(..., save_best=False) or a SnapshotCallback to keep the last"
+        " epoch)")
+    return True
+
+
+def apply_finished(trainer, folder, ckpt_epoch: int) -> bool:
     """After a resume loaded a checkpoint of epoch `ckpt_epoch` from `folder`: if the run's end record
-    counts, restore its epoch count, history and early stop, say so, and return its records when the next
-    fit has nothing to train (else None)."""
+    counts, restore its epoch count, history and early stop and say so. A run that reached its target
+    after the loaded epoch keeps the file's progress (a count from the record would label the epochs
+    trained next wrongly and record some twice) and says that it continues from the file.
+
+    Returns:
+        Whether a message already said which epochs are trained again (`report_retrained` then says
+        nothing more)."""
     finished = read_finished(folder, ckpt_epoch, trainer.history)
     if finished is None:
-        return None
+        return False
+    if _latest_not_saved(trainer, finished, ckpt_epoch):
+        return True
     loop = trainer.loop
     loop.completed_epochs = loop.epoch = finished["completed_epochs"]
     records = finished["records"]
@@ -115,16 +143,18 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> dict | None:
         how = f"completed {loop.completed_epochs} of {finished['target_epochs']} epoch(s)"
     if loop.stop is None and loop.completed_epochs < loop.target_epochs:
         trainer.console.decision(f"Run {trainer.running_id} had {how}; training on to epoch {loop.target_epochs}")
-        return None
+        return False
     if finished["stop_reason"] is not None:
         on = (f"to train on from its last checkpoint (as deepepochs 0.6 did), delete {Path(folder) / FINISHED_FILE}"
               " and fit again; to start afresh, pass a new running_id")
     else:
         on = (f"to train on, raise epochs= above {loop.completed_epochs} (Trainer(epochs=...) or"
               " fit(epochs=...)); to start afresh, pass a new running_id")
+    if ckpt_epoch < loop.completed_epochs:  # stopped early after its best epoch: say which weights are loaded
+        how += f"; the weights loaded are those of epoch {ckpt_epoch}, its checkpoint"
     trainer.console.decision(f"Run {trainer.running_id} is finished ({how}); fit() returns its records without"
                               f" training. {on[0].upper()}{on[1:]}")
-    return copy.deepcopy(records)
+    return False
 
 
 def write_progress(trainer, folder) -> Path:

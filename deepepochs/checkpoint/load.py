@@ -16,7 +16,7 @@ from deepepochs.checkpoint import field_rules, names
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header, generator_states
-from deepepochs.engine import buffers, position, runstate
+from deepepochs.engine import buffers, carried, position, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.parallel.ddp import is_dtensor
 from deepepochs.utils import set_rng_state
@@ -192,6 +192,8 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
             # this rank's buffers at the snapshot's commit point (non-persistent ones too); the fit takes them
             buffers.write(trainer.raw_model, run.buffers)
             run.buffers = None
+            carried.write(trainer.carried, run.carried)  # and what its steps carried there (trainer.carried)
+            run.carried = None
     except BaseException as exc:
         _apply(trainer, backup, "<the state before loading>")
         runstate.restore(run, run_backup)

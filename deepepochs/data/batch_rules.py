@@ -185,13 +185,16 @@ def lookahead(iterable: Iterable, window: int) -> Iterator[tuple[object, bool]]:
 
 
 def batch_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None,
-                   target_key: str | None = None):
+                   target_key: str | None = None, counted_dict=None):
     """`split(batch) -> (batch_x, batch_y, n)`: `prepare_batch` with its arguments bound, for a loop.
 
     On the CPU an `(x, y)` pair of CPU tensors, the common case, costs a few type and flag checks (no
-    device objects made, no further call); anything else goes through `prepare_batch`."""
+    device objects made, no further call); anything else goes through `prepare_batch`. `counted_dict`, when
+    given, is called as `counted_dict(batch, n)` for a dict batch whose samples were counted (no
+    `batch_size_fn`): deepepochs 0.6.18 took its number of keys as its size."""
     if not (has_loss_fn and device.type == "cpu" and batch_size_fn is None):
-        return lambda batch: prepare_batch(batch, has_loss_fn, device, non_blocking, batch_size_fn, target_key)
+        return lambda batch: prepare_batch(batch, has_loss_fn, device, non_blocking, batch_size_fn, target_key,
+                                           counted_dict)
     tensor = torch.Tensor
 
     def split(batch):
@@ -199,13 +202,13 @@ def batch_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, 
             x, y = batch
             if type(x) is tensor and type(y) is tensor and x.is_cpu and y.is_cpu and y.dim():
                 return x, y, y.shape[0]
-        return prepare_batch(batch, True, device, non_blocking, None, target_key)
+        return prepare_batch(batch, True, device, non_blocking, None, target_key, counted_dict)
 
     return split
 
 
 def prepare_batch(batch, has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None,
-                  target_key: str | None = None):
+                  target_key: str | None = None, counted_dict=None):
     """`(batch_x, batch_y, n)`: split, moved to `device`, and the sample count.
 
     The common `(x, y)` pair of tensors takes a short path (one call instead of four per batch).
@@ -221,7 +224,10 @@ def prepare_batch(batch, has_loss_fn: bool, device: torch.device, non_blocking: 
     batch_x, batch_y = split_batch(batch, has_loss_fn, target_key)
     batch_x = to_device(batch_x, device, non_blocking)
     batch_y = to_device(batch_y, device, non_blocking)
-    return batch_x, batch_y, batch_size_of(batch_x, batch_y, batch_size_fn)
+    n = batch_size_of(batch_x, batch_y, batch_size_fn)
+    if counted_dict is not None and batch_size_fn is None and isinstance(batch, Mapping):
+        counted_dict(batch, n)
+    return batch_x, batch_y, n
 
 
 def input_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, batch_size_fn=None,

@@ -37,7 +37,7 @@ from deepepochs.errors import ConfigError, DeepEpochsWarning
 
 __all__ = ["DataOrder", "EvalShardSampler", "LoaderOrder", "OrderDraws", "PaddingBatch", "ShortestShard",
            "is_plain", "iterate_past", "len_or_minus_one", "loader_order", "own_order", "shard", "skip_batches",
-           "user_generators"]
+           "unsplit_warning", "user_generators"]
 
 
 class PaddingBatch:
@@ -306,6 +306,21 @@ def len_or_minus_one(data) -> int:
         return len(data)
     except TypeError:
         return -1
+
+
+def unsplit_warning(data, world_size: int) -> str | None:
+    """What to say about training data that `shard` left as given (not a plain DataLoader): each of the
+    `world_size` processes trains on all of it, unless the caller split it. None when a `DistributedSampler`
+    shows the caller did (as the sampler or inside the batch sampler)."""
+    samplers = (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None))
+    if any(isinstance(s, DistributedSampler) for s in samplers):
+        return None
+    return (f"training data is not split: the {type(data).__name__} given to fit() is not a DataLoader deepepochs"
+            f" can shard, so each of the {world_size} processes trains on all of it as given. Pass a DataLoader"
+            " built with batch_size= and shuffle= (deepepochs gives each process its own share), or shard it"
+            " yourself (e.g. batches[rank::world_size], or a DistributedSampler); if each process was already"
+            " given its own part, silence this with warnings.filterwarnings('ignore', 'training data is not"
+            " split')")
 
 
 def is_plain(dataloader) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from deepepochs.data.sampling import user_generators
-from deepepochs.engine import buffers, kept_grads, position
+from deepepochs.engine import buffers, carried, kept_grads, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
@@ -189,9 +189,10 @@ def save_checkpoints(ctx: Context) -> None:
 @action
 def commit_epoch(ctx: Context) -> None:
     """The epoch is done for good: its count, its records, its epoch-wise scheduler steps, the model's
-    buffers and torch's generators as of now."""
+    buffers, the carried state and torch's generators as of now."""
     remember_random_state(ctx)
     buffers.keep(ctx)
+    carried.keep(ctx)
     loop = ctx.loop
     loop.completed_epochs = loop.epoch
     loop.resume = None
@@ -369,10 +370,12 @@ def zero_grad(ctx: Context) -> None:
 @action
 def remember_position(ctx: Context) -> None:
     """What a refit continues from besides the batch count: torch's generators, the model's buffers (what
-    the window's forwards changed) and a stateful loader's position and generators, all as they are right after the
-    window's update (no batch is read ahead of a window's end)."""
+    the window's forwards changed), the state the steps carry (`trainer.carried`) and a stateful loader's
+    position and generators, all as they are right after the window's update (no batch is read ahead of a
+    window's end)."""
     remember_random_state(ctx)
     buffers.keep(ctx)
+    carried.keep(ctx)
     if ctx.data_source is not None:
         point, source = ctx.loop.resume, ctx.data_source
         ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, source.state_dict())
@@ -455,6 +458,7 @@ def discard_window(ctx: Context) -> None:
         ctx.epoch_undo.pop()()
     loop.save_requests.clear()
     buffers.put_back(ctx)  # last: the epoch-end undo above may have put back an earlier commit point's
+    carried.put_back(ctx)  # likewise
     kept_grads.put_back(ctx)  # the gradients the optimizers that did not step kept, without this window's
 
 

@@ -80,7 +80,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     if fuses(ctx):
         micro_batch = compiled.bind(ctx)[compiled.ONE_BATCH_WINDOW if k == 1 else compiled.IN_WINDOW]
     split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
-                           parts.target_key)
+                           parts.target_key, steps.dict_batch_counted(ctx))
     step_fn, step_args = task.step_fn, step_kwargs(task.step_fn, task.step_args)
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": "train"}
@@ -147,7 +147,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     after_hooks = parts.hooks.by_event[after_batch] if observed else ()
     if split is None:
         split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
-                               parts.target_key)
+                               parts.target_key, steps.dict_batch_counted(ctx))
     step_fn, step_args = task.step_fn, step_kwargs(task.step_fn, task.step_args)
     if step_fn is None:
         step_fn, step_args = functools.partial(steps.default_step, ctx), {"stage": stage}

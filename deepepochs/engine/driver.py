@@ -28,6 +28,7 @@ from deepepochs.engine import (
     actions,
     batches,
     buffers,
+    carried,
     continuation,
     generators,
     kept_grads,
@@ -167,6 +168,7 @@ class Driver:
         finally:
             loop.resume_tasks = None
         buffers.keep(ctx, fresh=True)  # after a resume loaded them: where a fault before any commit returns
+        carried.keep(ctx, fresh=True)
         self._header()
         emit(self.ctx, Event.BEFORE_FIT, epochs)
         if not self._started:
@@ -200,6 +202,7 @@ class Driver:
             snapshot_trigger.after_fit(ctx)
         fire(TriggerName.FINISH)
         buffers.forget(ctx)
+        carried.forget(ctx)
         return copy.deepcopy(ctx.history)  # the whole run's records, resumed epochs included
 
     def _count_epoch(self, epoch):

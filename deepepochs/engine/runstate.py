@@ -126,6 +126,9 @@ class RunState:
         grads: the gradients the optimizers' parameters held at the last commit point (those of optimizers
             that did not step, by `"<optimizer>.<group>.<position>"`), which a rollback writes back and a
             fit starts from (`deepepochs.engine.kept_grads`); None when they held none.
+        carried: what steps carry from batch to batch (`trainer.carried`: an RNN's hidden state, a queue)
+            as the last commit point of the running fit saw it, which a rollback writes back
+            (`deepepochs.engine.carried`); None outside a fit.
     """
 
     running_id: str = _field("", copy=SHARED, snapshot="the checkpoint's running_id (resume names the run)")
@@ -154,6 +157,8 @@ class RunState:
     buffers: dict | None = _field(None)
     # Replaced whole at commit points where some optimizer did not step (`kept_grads.keep`); None otherwise.
     grads: dict | None = _field(None, copy=SHARED)
+    # Replaced whole, by a copy, at commit points (`carried.keep`); a capture copies it (small: hidden states).
+    carried: dict | None = _field(None)
 
 
 def capture(run: RunState) -> RunState:

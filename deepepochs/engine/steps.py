@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from deepepochs import torch_private
+from deepepochs.compat import tell_once
 from deepepochs.data.batch_rules import call_model
 from deepepochs.data.outputs import detached, metric_preds, unpicked_preds
 from deepepochs.engine import actions, finite
@@ -29,9 +30,9 @@ from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 
 __all__ = [
     "backpropagate", "batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss",
-    "count_batch", "custom_step", "default_step", "first_batch_checks", "forward", "loss", "loss_value",
-    "name_by_key", "no_sync", "optimize", "padding_forward", "predict_step", "read_batch", "select_update",
-    "step_metrics", "step_patches", "user_loss",
+    "count_batch", "custom_step", "default_step", "dict_batch_counted", "first_batch_checks", "forward", "loss",
+    "loss_value", "name_by_key", "no_sync", "optimize", "padding_forward", "predict_step", "read_batch",
+    "select_update", "step_metrics", "step_patches", "user_loss",
 ]
 
 #: Per stage, the hooks a step fires: before and after the forward pass, before the metrics.
@@ -98,6 +99,23 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
     if stage == "train":
         ctx.step_patches = patches
     return patches
+
+
+def dict_batch_counted(ctx: Context):
+    """What a task's batch splitter calls for a dict batch whose samples it counted (`batch_splitter`'s
+    `counted_dict`): say once per trainer that deepepochs 0.6.18 took the number of keys as the batch size.
+    None once said, so later tasks pay nothing."""
+    if "dict-batch-size" in ctx.told:
+        return None
+
+    def counted(batch, n: int) -> None:
+        tell_once(ctx.told, "dict-batch-size",
+                  f"a dict batch weighs its {n} samples (the first dimension of its tensors) in the epoch's loss"
+                  f" and mean metrics; deepepochs 0.6.18 took its number of keys ({len(batch)}) as its size, so"
+                  " every batch weighed the same, a short last batch too. For 0.6.18's weights pass"
+                  f" batch_size={len(batch)} to fit()/test() (every batch then counts as that many samples)")
+
+    return counted
 
 
 def read_batch(ctx: Context, split, batch, is_last: bool):

@@ -2,16 +2,17 @@
 
 It runs the ordinary fit (the same steps, precision, accumulation and DDP handling) with only the given
 callbacks attached and the console silent, starting a fresh epoch; whatever ends it (its callbacks end
-it by raising), the model (every buffer included), optimizers, schedulers, GradScaler, every global
-generator and the run state (`deepepochs.engine.runstate`: counters, records, meters, random state, data
-position) are put back as they were before it, so a field added to the run state is restored without a change here.
+it by raising), the model (every buffer included), what steps carry (`trainer.carried`), optimizers,
+schedulers, GradScaler, every global generator and the run state (`deepepochs.engine.runstate`:
+counters, records, meters, random state, data position) are put back as they were before it, so a field
+added to the run state is restored without a change here.
 """
 
 from __future__ import annotations
 
 import copy
 
-from deepepochs.engine import actions, buffers, runstate
+from deepepochs.engine import actions, buffers, carried, runstate
 from deepepochs.fsm.events import ActionName
 from deepepochs.utils import rng_state, set_rng_state
 
@@ -35,6 +36,7 @@ def trial_fit(driver, tasks, callbacks, more_epochs: int):
     saved_run = runstate.capture(run)
     model = {k: v.detach().clone() for k, v in parts.raw_model.state_dict().items()}
     model_buffers = buffers.copy_of(parts.raw_model)  # non-persistent ones too, which state_dict() leaves out
+    live_carried = carried.copied(ctx.carried)  # what the sweep's steps carry must not reach the next fit
     opts = copy.deepcopy(parts.opts.state_dict())
     scaler = copy.deepcopy(parts.precision.state_dict())
     generators = rng_state()
@@ -53,6 +55,7 @@ def trial_fit(driver, tasks, callbacks, more_epochs: int):
         console.enabled, console.log_batch, console.log_tqdm, console.show_info, driver.header_done = shown
         parts.raw_model.load_state_dict(model)
         buffers.write(parts.raw_model, model_buffers)
+        carried.write(ctx.carried, live_carried)
         parts.opts.load_state_dict(opts)
         parts.opts.zero_grad(parts.opts.all_indices)
         parts.precision.load_state_dict(scaler)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -46,8 +47,8 @@ from torch.utils.data import (
 )
 
 from deepepochs.data.batch_rules import stateful
-from deepepochs.data.sampling import ShortestShard, len_or_minus_one, own_order, shard, user_generators
-from deepepochs.errors import DistributedError
+from deepepochs.data.sampling import ShortestShard, len_or_minus_one, own_order, shard, unsplit_warning, user_generators
+from deepepochs.errors import DeepEpochsWarning, DistributedError
 from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.patches import TensorPatch, _map_tensors
 from deepepochs.patches.selection import merge_on_root
@@ -242,6 +243,7 @@ class DDPPolicy(_PolicyBase):
         self.is_main = self.rank == 0
         self._nccl = dist.get_backend() == "nccl"
         self.model: DistributedDataParallel | None = None
+        self._unsplit_said = False  # the warning about training data used as given: once per trainer
 
     @staticmethod
     def _local_device(device: torch.device) -> torch.device:
@@ -316,7 +318,8 @@ class DDPPolicy(_PolicyBase):
 
         With `split_batches` the rebuilt DataLoader's batch size is the original divided by the world size.
         Other iterables (DataLoaders with a user sampler or batch sampler, DataLoader subclasses, iterable
-        datasets, plain iterables) are used unchanged; a user `DistributedSampler` still gets `set_epoch`.
+        datasets, plain iterables) are used unchanged; a user `DistributedSampler` still gets `set_epoch`,
+        and without one rank 0 warns once that such training data is trained whole (`unsplit_warning`).
 
         For training this is a collective: all ranks compare their batch counts, because a rank with more
         training batches than another would wait forever in a gradient all-reduce. Where some rank's data
@@ -327,6 +330,11 @@ class DDPPolicy(_PolicyBase):
         data = dataloader if sharded is None else sharded
         if stage != "train":
             return data
+        said = sharded is not None or not self.is_main or self._unsplit_said
+        message = None if said else unsplit_warning(data, self.world_size)
+        if message is not None:
+            self._unsplit_said = True
+            warnings.warn(message, DeepEpochsWarning, stacklevel=2)
         sampler = getattr(data, "sampler", None)
         count = len_or_minus_one(data)
         gathered = [None] * self.world_size

@@ -127,7 +127,10 @@ class PatchBase(abc.ABC):
         empty patch where a rank saw no batch). Without a process group of 2+ ranks it returns self as is.
         This generic version gathers every rank's attributes with ``all_gather_object`` (tensors via the
         CPU; callables such as the metric stay home, each rank has its own), then adds the patches in rank
-        order, so all ranks end with the same state.
+        order, so all ranks end with the same state. An override replaces the state with new tensors and
+        never reduces into the ones it holds: patches may share a state (the metrics of one batch share one
+        confusion matrix, and a copy shares what it never writes), so an in-place sum would be counted again
+        by the next patch's sync.
 
         Returns:
             self, now holding the merged state.

@@ -132,14 +132,16 @@ class ConfusionPatch(PatchBase):
         """Sum the matrices of all ranks with ``all_reduce`` (see :meth:`PatchBase.sync`).
 
         Ranks may hold matrices of different sizes, so the largest size is agreed first (one host read of
-        one integer), then the padded matrices are summed.
+        one integer), then the padded matrices are summed. The sum is made in a new tensor: the metrics of
+        one batch share its matrix (and :meth:`copy` shares it too), so a sum written into it would be
+        counted again by each later metric's sync.
         """
         if _world_size() == 1:
             return self
         matrix, device = self.state.matrix, _collective_device()
         size = torch.tensor([matrix.shape[0]], dtype=torch.int64, device=device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
-        buffer = _pad_to(matrix, int(size)).to(device)
+        buffer = _pad_to(matrix, int(size)).to(device, copy=True)  # never all_reduce into a shared matrix
         dist.all_reduce(buffer)
         self.state = ConfusionState(buffer.to(matrix.device))
         return self

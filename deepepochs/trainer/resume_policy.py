@@ -21,5 +21,5 @@ def resume_run(trainer) -> None:
     trains again. The fit's run lock follows the run the resume reads (`run_lock.lock_resumed_run`)."""
     loaded = resume_once(trainer, lambda run: lock_resumed_run(trainer, run))
     if loaded is not None:
-        apply_finished(trainer, loaded[0].parent, loaded[1])
-        report_retrained(trainer, loaded[0].parent, loaded[1])
+        if not apply_finished(trainer, loaded[0].parent, loaded[1]):
+            report_retrained(trainer, loaded[0].parent, loaded[1])

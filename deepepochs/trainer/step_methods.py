@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from deepepochs.compat import warn_at_user_code
+from deepepochs.compat import tell_once, warn_at_user_code
 from deepepochs.engine import steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.stage_tasks import default_step
 from deepepochs.errors import ConfigError, MigrationWarning
 
-__all__ = ["LossCall", "StepMethods", "epochs_are_a_total", "expose_module_as_model"]
+__all__ = ["LOSS_CALLS_ADD_UP", "LossCall", "StepMethods", "epochs_are_a_total", "expose_module_as_model"]
 
 
 def epochs_are_a_total(trainer, epochs: int) -> None:
@@ -30,6 +30,14 @@ def epochs_are_a_total(trainer, epochs: int) -> None:
             f"fit(epochs={epochs}) trains up to {epochs} epochs in total: {done} are done, so this fit trains"
             f" {max(epochs - done, 0)} more; deepepochs 0.6.18 trained {epochs} more. For that, pass"
             f" fit(epochs=trainer.loop.completed_epochs + {epochs})", MigrationWarning)
+
+
+LOSS_CALLS_ADD_UP = (
+    "this step calls self.loss(...) with metrics again after an earlier such call in the same batch: the"
+    " calls of one step add up (the batch's loss is their sum and its metrics cover every call's outputs);"
+    " deepepochs 0.6.18 reported the last call's loss and metrics. For 0.6.18's values, pass do_metric=False"
+    " to every call but the last and return {'loss': ValuePatch(last_loss.detach(), len(batch_y))} from the"
+    " step (a returned 'loss' replaces the summed one)")
 
 
 def expose_module_as_model(module) -> None:
@@ -59,9 +67,11 @@ class LossCall:
         `grad_accumulate=True` is older 0.6's name for `do_optimize=False`.
 
         As in 0.6.18, the call also computes the trainer's metrics on `(model_out, batch_y)` (so a step
-        that only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks; several calls
-        of one step add up. `do_metric=False` leaves them out (a sub-batch, whose metrics come from
-        `self.do_metric(...)` on the whole batch); older 0.6's `grad_accumulate=True` leaves them out too.
+        that only calls `self.loss(out, y)` reports them) and runs the `on_*_metrics` hooks. Several calls
+        of one step add up (0.6.18 reported the last one's loss and metrics: a call making metrics after
+        another of its step that did says so once, `LOSS_CALLS_ADD_UP`). `do_metric=False` leaves them
+        out (a sub-batch, whose metrics come from `self.do_metric(...)` on the whole batch); older 0.6's
+        `grad_accumulate=True` leaves them out too.
         In validation/test with `do_loss=False` it computes no loss and returns None.
         """
         if grad_accumulate is not None:  # older 0.6: an accumulating call made no metrics
@@ -70,7 +80,11 @@ class LossCall:
                 do_metric = do_optimize
         if do_metric is not None and not isinstance(do_metric, bool):
             raise ConfigError(f"do_metric must be True, False or None (got {do_metric!r})")
-        return steps.user_loss(self._ctx, model_out, batch_y, loss_adjust, do_optimize, do_metric)
+        ctx = self._ctx
+        if do_metric is not False and ctx.task is not None and ctx.step_patches:
+            # an earlier call of this step made the trainer's metrics too: both calls' losses and metrics add up
+            tell_once(ctx.told, "loss-calls-add-up", LOSS_CALLS_ADD_UP)
+        return steps.user_loss(ctx, model_out, batch_y, loss_adjust, do_optimize, do_metric)
 
     def optimize(self, optimize_index=None) -> None:
         """0.6's `self.loss.optimize(optimize_index=None)`: `trainer.optimize(optimize_index)` (an update of
@@ -108,6 +122,14 @@ class StepMethods:
         """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's
         last micro-batch; earlier calls let gradients accumulate."""
         steps.optimize(self._ctx, optimize_index)
+
+    @property
+    def carried(self) -> dict:
+        """State a step carries from one batch to the next (an RNN's hidden state, a running queue): a dict
+        to read and write in steps. What it holds at each committed update is kept with the run, so a
+        rollback puts it back, a mid-epoch snapshot stores it (per process) and a resume continues with it;
+        values are tensors, numbers, strings and lists, tuples or str-keyed dicts of them."""
+        return self._ctx.carried
 
     def no_sync(self):
         """Context in which backward does not all-reduce gradients (DDP); a no-op in one process."""

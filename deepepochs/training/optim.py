@@ -157,16 +157,15 @@ class Optimizers(Sequence):
     def __getitem__(self, i):
         return self.items[i]
 
-    def get_current_lr(self):
-        """Each optimizer's `get_current_lr()`: one float with one optimizer, else a list in `optimize_index`
-        order (0.6's `trainer.opt` was the one `Optimizer` itself, or a list of them)."""
-        rates = [item.get_current_lr() for item in self.items]
-        return rates[0] if len(rates) == 1 else rates
+    def get_current_lr(self) -> list:
+        """Each optimizer's `get_current_lr()`, a list in `optimize_index` order, also with one optimizer (a
+        one-item list, as deepepochs 0.6.18's `trainer.opt.get_current_lr()` gave); `trainer.opt[i]` answers
+        for one optimizer."""
+        return [item.get_current_lr() for item in self.items]
 
-    def get_last_lr(self):
-        """Each optimizer's `get_last_lr()`, one value with one optimizer, else a list (as `get_current_lr`)."""
-        rates = [item.get_last_lr() for item in self.items]
-        return rates[0] if len(rates) == 1 else rates
+    def get_last_lr(self) -> list:
+        """Each optimizer's `get_last_lr()` (its scheduler's, None without one), a list as `get_current_lr`."""
+        return [item.get_last_lr() for item in self.items]
 
     def __len__(self):
         return len(self.items)

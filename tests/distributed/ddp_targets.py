@@ -9,6 +9,7 @@ The data, model and optimizer builders are shared with the parent so both sides 
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from deepepochs import Callback, CheckCallback, InterpreteCallback, Trainer
 from deepepochs.checkpoint.run_lock import LOCK_FILE, RunLock
@@ -372,6 +373,27 @@ def _user_group_survives_close(out: Path) -> dict:
         dist.destroy_process_group()
 
 
+def _unsplit_data_warnings() -> dict:
+    """The warnings about training data not split, per kind of training data: a list of batches (two fits of
+    one trainer), a plain DataLoader (sharded by deepepochs) and one with the caller's DistributedSampler."""
+    data = make_data(TRAIN_N, 1)
+    kinds = {
+        "list of batches": lambda: [data[i:i + BATCH] for i in range(0, TRAIN_N, BATCH)],
+        "plain DataLoader": lambda: DataLoader(data, batch_size=BATCH, shuffle=True),
+        "DistributedSampler": lambda: DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data)),
+    }
+    out = {}
+    for kind, make in kinds.items():
+        model = make_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(epochs=1)) as trainer:
+                trainer.fit(make())
+                trainer.fit(make(), epochs=2)
+        out[kind] = [str(w.message) for w in caught if "not split" in str(w.message)]
+    return out
+
+
 def run_scenarios() -> int:
     """All two-process scenarios in one launch (process start-up dominates the cost)."""
     out = Path(os.environ[OUT_ENV])
@@ -394,6 +416,7 @@ def run_scenarios() -> int:
     results["user_group"] = _user_group_survives_close(out)
     results["save_failure"] = _save_failure_on_rank_0(out)
     results["run_lock"] = _run_lock_on_rank_0(out)
+    results["unsplit_warnings"] = _unsplit_data_warnings()
     torch.save(results, out / f"rank{rank}.pt")
     return rank
 

@@ -313,6 +313,21 @@ def test_only_rank_0_locks_the_run_and_a_refusal_stops_every_rank(ranks):
     assert not ranks[0]["run_lock"]["left"]
 
 
+@pytest.mark.distributed
+def test_training_data_deepepochs_cannot_split_is_named_once_on_rank_0(ranks):
+    """A list of batches is trained whole on every rank: rank 0 warns once over two fits, saying to pass a
+    DataLoader or shard it yourself; rank 1 says nothing; a plain DataLoader or the caller's
+    DistributedSampler draws no warning."""
+    said = ranks[0]["unsplit_warnings"]
+    assert len(said["list of batches"]) == 1
+    message = said["list of batches"][0]
+    assert message.startswith("training data is not split: the list given to fit() is not a DataLoader deepepochs"
+                              " can shard, so each of the 2 processes trains on all of it as given")
+    assert "Pass a DataLoader built with batch_size= and shuffle=" in message and "shard it yourself" in message
+    assert said["plain DataLoader"] == said["DistributedSampler"] == []
+    assert ranks[1]["unsplit_warnings"] == {kind: [] for kind in said}
+
+
 # ---- a failing rank ends every rank ------------------------------------------------------------------------
 @pytest.mark.distributed
 def test_a_rank_raising_during_training_makes_launch_raise_within_seconds(scripts):

@@ -60,3 +60,36 @@ def test_a_function_keeping_predictions_is_computed_on_rank_0_only(ranks):
     assert ranks[1]["records"]["val"]["sample_count"] == [37.0, 37.0] and ranks[1]["test"]["sample_count"] == 37.0
     assert {48, 37} <= set(ranks[0]["seen"])
     assert max(ranks[1]["seen"]) <= 5  # its first batch per task (checked there), never the merged data
+
+
+def _sklearn_counted(state: dict, classes: int, n: int) -> dict:
+    """scikit-learn's accuracy, precision, recall and F1 of the weights `state` on the
+    whole evaluation set of `n` samples (deepepochs' default average: binary for two classes, else micro)."""
+    from sklearn import metrics as skm
+
+    x, y = S.make_data(n, 4, classes).tensors
+    model = S.make_model(classes)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        pred = model(x).argmax(1).numpy()
+    average = "binary" if classes == 2 else "micro"
+    return {"accuracy": skm.accuracy_score(y, pred),
+            "precision": skm.precision_score(y, pred, average=average, zero_division=0),
+            "recall": skm.recall_score(y, pred, average=average, zero_division=0),
+            "f1": skm.f1_score(y, pred, average=average, zero_division=0)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("classes", [2, S.CLASSES])
+def test_counted_metrics_under_ddp_equal_scikit_learn_on_uneven_single_batch_and_empty_shards(ranks, classes):
+    """Accuracy, precision, recall and F1 (one confusion matrix per batch, shared by the metrics) equal
+    scikit-learn on the whole set on every rank: shards of 2 batches and 1 batch, an empty shard, and in the
+    validation records; each later metric does not count a merged matrix again."""
+    for rank in ranks:
+        counted = rank["counted"][classes]
+        sets = [("val", S.COUNTED_SETS[0][0], counted["val"])]
+        sets += [(f"test of {n} by {batch}", n, values) for (n, batch), values in zip(S.COUNTED_SETS, counted["tests"])]
+        for where, n, values in sets:
+            expected = _sklearn_counted(counted["state"], classes, n)
+            assert {k: float(values[k]) for k in expected} == pytest.approx(expected, abs=1e-6), where
