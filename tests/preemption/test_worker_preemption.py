@@ -126,3 +126,50 @@ def test_a_worker_that_fails_on_its_own_is_still_a_data_error(tmp_path):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
     assert "DataLoader worker" in stderr and "Preempted" not in stderr, stderr[-3000:]
+
+
+# ---- validation workers: the same stop, one stage over ------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """The uninterrupted run (validation without workers: the weights do not depend on them)."""
+    folder = tmp_path_factory.mktemp("reference")
+    return _run_to_end(folder / "ckpt", folder / "ref.pt", "--epochs", EPOCHS)
+
+
+def _wait_for_line(proc, prefix: str) -> None:
+    while True:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]
+        if line.startswith(prefix):
+            return
+
+
+@pytest.mark.parametrize(("context", "sig"), [("fork", signal.SIGTERM), ("spawn", signal.SIGTERM),
+                                              ("spawn", signal.SIGUSR1)])
+def test_the_job_signalled_during_validation_with_workers_stops_at_the_epochs_last_update(tmp_path, reference_run,
+                                                                                        context, sig):
+    """The signal kills the validation DataLoader's workers, so validation cannot finish: the fit ends with
+    `Preempted` (128 + the signal) and a snapshot of the epoch's last update (its training stage done), not
+    with torch's worker error; the resumed run validates that epoch again and ends bit-identical."""
+    if context not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"start method {context!r} is not available here")
+    from deepepochs.checkpoint import read_checkpoint  # noqa: PLC0415
+
+    val = ("--val-workers", "2", "--val-context", context)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.pt"
+    proc = _start(ckpt, out, *val, "--val-slow", "0.02", "--every", "1000", "--epochs", EPOCHS)
+    _wait_for_line(proc, "val-worker ")  # the first epoch's validation runs
+    time.sleep(0.3)
+    os.killpg(proc.pid, sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    assert f"Preempted by {name} at a commit point; snapshot" in stderr, stderr[-3000:]
+    # (with spawn, multiprocessing's resource tracker, in the job too, may print its own KeyError when a
+    # SIGUSR1 ended it: not the fit's)
+    assert "exited unexpectedly" not in stderr and "RuntimeError" not in stderr, stderr[-3000:]
+    snapshots = sorted((ckpt / "run").glob("snapshot-*.ckpt"))
+    assert [p.name for p in snapshots] == ["snapshot-u000000050.ckpt"]  # 150 batches / k=3: epoch 1's last update
+    position = read_checkpoint(snapshots[0]).position
+    assert (position["epoch"], position["task_index"], position["batches_done"]) == (1, 1, 0)  # training done
+    assert_same_run(_run_to_end(ckpt, out, *val, "--every", "1000", "--epochs", EPOCHS), reference_run)
