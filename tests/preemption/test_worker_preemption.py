@@ -173,3 +173,42 @@ def test_the_job_signalled_during_validation_with_workers_stops_at_the_epochs_la
     position = read_checkpoint(snapshots[0]).position
     assert (position["epoch"], position["task_index"], position["batches_done"]) == (1, 1, 0)  # training done
     assert_same_run(_run_to_end(ckpt, out, *val, "--every", "1000", "--epochs", EPOCHS), reference_run)
+
+
+_EVALUATE_SCRIPT = """
+import sys, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import deepepochs as de
+sys.path.insert(0, {folder!r})
+from snapshot_target import SlowData
+
+def ready(worker_id):
+    print("eval-worker", worker_id, flush=True)
+
+x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+model = nn.Linear(8, 4)
+trainer = de.Trainer(model, nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                     callbacks=[de.SnapshotCallback({ckpt!r})], log_batch=False, show_info=False)
+data = DataLoader(SlowData(TensorDataset(x, y), 0.05), batch_size=8, num_workers=2,
+                  multiprocessing_context="fork", worker_init_fn=ready)
+getattr(trainer, sys.argv[1])(data)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stage", ["test", "predict"])
+def test_the_job_signalled_during_test_or_predict_with_workers_ends_by_the_signal(tmp_path, stage):
+    """test() and predict() listen for no signal (a SnapshotCallback arms its signals during fit only): the
+    job's SIGTERM has its default effect, the process ends killed by it, as documented."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(_EVALUATE_SCRIPT.format(folder=str(TARGET.parent), ckpt=str(tmp_path / "ckpt")))
+    proc = subprocess.Popen([sys.executable, str(script), stage], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    _wait_for_line(proc, "eval-worker ")
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert "finished" not in stdout
