@@ -36,17 +36,19 @@ def rank_body() -> float:
     marker `rank-<RANK>` into EXIT_STRESS_DIR once done."""
     import torch  # noqa: PLC0415 (children import what they run)
     from torch.nn import functional as F  # noqa: PLC0415
+    from torch.utils.data import DataLoader, TensorDataset  # noqa: PLC0415
 
     from deepepochs import Trainer  # noqa: PLC0415
 
     torch.manual_seed(0)
-    x = torch.randn(64, 4)
-    data = [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 64, 8)]
-    model = torch.nn.Linear(4, 1)
-    trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.05), epochs=2, device="cpu",
+    features = torch.randn(96, 4)
+    samples = TensorDataset(features, features.sum(1, keepdim=True))
+    train, val = DataLoader(samples, batch_size=8, shuffle=True), DataLoader(samples, batch_size=16)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    trainer = Trainer(model, F.mse_loss, torch.optim.Adam(model.parameters(), lr=0.01), epochs=2, device="cpu",
                       log_batch=False, show_info=False)
-    loss = trainer.fit(data, data[:3])["train"]["loss"][-1]
-    trainer.test(data[:3])
+    loss = trainer.fit(train, val)["train"]["loss"][-1]
+    trainer.test(val)
     if not os.environ.get("EXIT_STRESS_NO_CLOSE"):
         trainer.close()
     open(os.path.join(os.environ["EXIT_STRESS_DIR"], f"rank-{os.environ['RANK']}"), "w").close()

@@ -25,6 +25,7 @@ import signal
 
 import pytest
 import torch
+from state_compare import states_equal  # tests/, on sys.path under pytest
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -78,7 +79,7 @@ def _trainer(folder, resume=False, snapshot_signal=None):
 
 
 def _run(trainer, stage):
-    """Run `stage` on a trainer; what it returns, comparable with `_same`."""
+    """Run `stage` on a trainer; what it returns, comparable with `states_equal`."""
     train, val = _loaders()
     if stage == "fit":
         trainer.fit(train, val)
@@ -95,16 +96,6 @@ def _state(trainer):
     return {"model": trainer.raw_model.state_dict(), "opt": trainer.opt[0].opt.state_dict(),
             "lrs": trainer.opt.lrs(), "scale": trainer.scaler.get_scale() if trainer.scaler is not None else None,
             "history": trainer.history}
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b or (a != a and b != b)  # NaN records equal NaN
 
 
 _REFERENCE: dict = {}
@@ -201,15 +192,15 @@ def test_a_fault_in_any_state_of_any_stage_ends_in_a_documented_outcome(stage, s
         if outcome is None:  # nothing stopped it: the handler in place got the signal
             assert seen[state] >= occurrence, "the fault was never injected"
             assert fault in ("SIGTERM", "SIGUSR1") and recorder.got == [fault]
-            assert _same(result, reference)
+            assert states_equal(result, reference)
             _report(stage, state, fault, "handler in place, unaffected")
             return
         assert trainer.machine.state == "idle"
         if outcome == "rolled back":
-            assert _same(_run(trainer, stage), reference)
+            assert states_equal(_run(trainer, stage), reference)
         else:
             resumed = _trainer(tmp_path / "snap", resume=True, snapshot_signal=fault)
-            assert _same(_run(resumed, stage), reference)
+            assert states_equal(_run(resumed, stage), reference)
         _report(stage, state, fault, outcome)
     finally:
         for sig, handler in previous.items():
