@@ -6,6 +6,8 @@
 #   make test                  the dev extra too, then the whole suite (PYTEST_ARGS="-k docs" for a part)
 #   make docs                  the docs extra, then the site into docs/_build/html, warnings as errors
 #   make docs-check            make docs, then every page rendered in headless Chromium: no clipped table
+#   make fault-matrix          every cell of the fault matrix (make test runs a fixed sample of it)
+#   make exit-stress           200 clean two-process exits under launch and under torchrun, with a busy loop
 #   VENV=path                  another environment folder (default .venv)
 #   TORCH_SPEC=torch==2.6.0    another torch
 #   TORCH_INDEX=URL            the index torch comes from (default: pip's own configuration; on a Linux
@@ -21,7 +23,7 @@ PYTEST_ARGS ?=
 DOCS_OUT ?= docs/_build/html
 
 .PHONY: venv install install-runtime install-docs demo test test-fast lint gen check-gen graph bench \
-	bench-instructions bench-memory docs docs-check clean
+	bench-instructions bench-memory docs docs-check clean fault-matrix exit-stress
 
 # ---- environments: one stamp per install level, redone when pyproject.toml changes ----
 $(PYTHON):
@@ -60,6 +62,15 @@ test: install
 # ---- everything else ----
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not distributed and not slow" $(PYTEST_ARGS)
+
+# the fault matrix in full: every state each stage enters x every fault kind (tests/test_fault_matrix.py)
+fault-matrix: install
+	DEEPEPOCHS_FAULT_MATRIX=full $(PYTHON) -m pytest -q tests/test_fault_matrix.py $(PYTEST_ARGS)
+
+# clean two-process exits repeated under load: 0 hangs and 0 aborts expected (benchmarks/exit_stress.py)
+exit-stress: install
+	$(PYTHON) benchmarks/exit_stress.py --launcher launch --runs 200 --load
+	$(PYTHON) benchmarks/exit_stress.py --launcher torchrun --runs 200 --load
 
 # ruff, then the import contracts of pyproject.toml ([tool.importlinter]); --no-cache: nothing left in the tree
 lint: install

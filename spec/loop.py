@@ -33,7 +33,9 @@ after an epoch's commit, in `fit_running`) fires the hot trigger `snapshot`: `sa
 after the fit's last commit point (while its snapshot is written, in `on_after_fit`) fires `snapshot` once
 more, from `fit_done`, where `stop_signalled` alone decides: the fit stops without another snapshot. Once a
 signal arrived no batch is fetched: at a window's start the fit stops at that commit point (`task_train`);
-inside an open window (`window_open`) `snapshot` drops the window and stops at the last commit point. Without
+inside an open window (`window_open`) `snapshot` drops the window and stops at the last commit point. In
+validation (`task_val`) batches are fetched while they can be; a fetch the signal made fail (it killed the
+DataLoader's workers) fires `snapshot`, which stops at the last commit point, the epoch's last update. Without
 the callback the trigger is never fired.
 """
 
@@ -248,6 +250,15 @@ TRANSITIONS = [
     E("snapshot", "window_open", None, "Inside a window, a snapshot is taken only to stop the fit.",
       unless=["stop_signalled"], error="snapshot fired inside an open accumulation window without a stop signal;"
                                        " mid-window snapshots are written at the window's commit point"),
+    # A fetch of validation data that a listed signal made fail (the scheduler's signal killed the validation
+    # DataLoader's workers) stops the fit here, at the epoch's last update: validation cannot go on.
+    E("snapshot", "task_val", "preempted", "A listed signal killed the validation DataLoader's workers: no"
+      " further batch can be fetched, a snapshot of the last commit point (the epoch's last update) is written,"
+      " then the fit stops; the resumed run validates the epoch again.",
+      conditions=["stop_signalled"], actions=["save_snapshot", "stop_on_signal"]),
+    E("snapshot", "task_val", None, "In validation, a snapshot is taken only to stop the fit.",
+      unless=["stop_signalled"], error="snapshot fired in a validation task without a stop signal; snapshots are"
+                                       " written at commit points"),
     E("snapshot", "fit_done", "preempted", "A listed signal arrived after the fit's last commit point (while its"
       " snapshot was written, in the fit's end hooks): the fit stops; the snapshot written there holds everything.",
       conditions=["stop_signalled"], actions=["stop_on_signal"]),

@@ -10,14 +10,14 @@ import torch
 
 def states_equal(a, b) -> bool:
     """Whether two nested states (tensors in dicts, lists and tuples) are equal: tensors bit for bit and of
-    the same dtype, everything else by `==`."""
+    the same dtype, everything else by `==` (NaN equal to NaN)."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
-    return a == b
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)  # a NaN record equals a NaN record
 
 
 def assert_same_run(result, reference) -> None:

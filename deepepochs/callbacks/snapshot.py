@@ -131,6 +131,12 @@ class SnapshotCallback(Callback):
         """The listed signal that arrived (or killed a DataLoader worker) since the fit began, or None."""
         return self._signal
 
+    @property
+    def listening(self) -> bool:
+        """Whether its signal handlers are installed now (during `fit`, in the main thread): only then can a
+        listed signal stop a stage, or a failed fetch be its doing."""
+        return bool(self._previous)
+
     def signal_after_error(self, timeout: float = 1.0) -> str | None:
         """After a fetch failed: the listed signal that arrived, or that killed a child (a DataLoader worker)
         within `timeout` seconds. A dying worker closes its connections before its exit status can be read,

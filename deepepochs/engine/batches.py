@@ -90,9 +90,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     console = parts.console
     log_batch = console.log_batch or console.log_tqdm
     snapshot_writer = ctx.snapshots
-    guarded = None
-    if snapshot_writer is not None and snapshot_writer.signals:  # no batch is fetched once a signal arrived
-        data = guarded = snapshot_trigger.fetches(ctx, data)
+    data, guarded = snapshot_trigger.guard(ctx, data, "train")  # no batch is fetched once a signal arrived
     if k == 1:  # every batch closes its window
         batches = zip(data, itertools.repeat(True))
     elif total is None:
@@ -154,25 +152,32 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     else:
         step_fn = steps.custom_step(ctx, step_fn)
     console, autocast = parts.console, parts.precision.autocast
-    for batch in parts.dist.pad_eval(data):
-        if type(batch) is PaddingBatch:  # FSDP: this rank's shard has ended; its forward meets the others'
+    data, guarded = snapshot_trigger.guard(ctx, data, stage)  # a fetch a listed signal made fail stops the fit
+    try:
+        for batch in parts.dist.pad_eval(data):
+            if type(batch) is PaddingBatch:  # FSDP: this rank's shard has ended; its forward meets the others'
+                with autocast():
+                    steps.padding_forward(ctx, split(batch.batch)[0])
+                continue
+            loop.batch_idx += 1
+            batch_x, batch_y, n = split(batch)
+            ctx.batch_n, ctx.step_loss = n, None
+            fire(BEGIN_BATCH)
+            if observed:
+                emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)  # 0-based, as in training
             with autocast():
-                steps.padding_forward(ctx, split(batch.batch)[0])
-            continue
-        loop.batch_idx += 1
-        batch_x, batch_y, n = split(batch)
-        ctx.batch_n, ctx.step_loss = n, None
-        fire(BEGIN_BATCH)
-        if observed:
-            emit(ctx, before_batch, batch_x, batch_y, loop.batch_idx - 1)  # 0-based, as in training
-        with autocast():
-            result = step_fn(batch_x, batch_y, **step_args)
-        patches = None if result is None else steps.check_step_result(result, n)
-        value = None if (patches and "loss" in patches) else ctx.step_loss
-        meters.add_batch(value, n, patches)
-        meters.close_window()
-        fire(END_BATCH)
-        if after_hooks:
-            emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
-        if observed:
-            console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+                result = step_fn(batch_x, batch_y, **step_args)
+            patches = None if result is None else steps.check_step_result(result, n)
+            value = None if (patches and "loss" in patches) else ctx.step_loss
+            meters.add_batch(value, n, patches)
+            meters.close_window()
+            fire(END_BATCH)
+            if after_hooks:
+                emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
+            if observed:
+                console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches))
+    except snapshot_trigger.FetchStopped as stop:  # the signal killed the workers: stop at the last commit point
+        snapshot_trigger.stop_fetching(ctx, stop.signal)
+    finally:
+        if guarded is not None:
+            guarded.close()

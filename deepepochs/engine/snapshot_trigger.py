@@ -11,14 +11,23 @@ paid.
 Under DDP a signal may reach only some ranks, and minutes differ per rank: when the writer listens for
 signals or counts minutes, one small all-reduce per commit point makes every rank take the same edge.
 
-Fetching stops too. A scheduler signals the whole job: the DataLoader workers die with the main process's
-signal, and a fetch after it would wait for them and fail. So once a listed signal arrived (or killed a
-worker: `SnapshotCallback` counts that as the signal), no further batch is fetched (`fetches`): at a
-window's start the fit stops at that commit point, inside an open accumulation window its micro-batches
-are dropped and it stops at the last commit point (the `snapshot` edge from `window_open`). A fetch that
-fails once a signal arrived is part of the preemption, not a data error. Under DDP one rank's fetch may
-fail where another's succeeds, so the ranks agree after every fetch (one more small all-reduce per
-micro-batch while signals are armed) and stop together.
+Fetching stops too, in every stage's batch loop (`guard`: training, validation, and test, prediction and
+the LR sweep, where no writer listens). A scheduler signals the whole job: the DataLoader workers die with
+the main process's signal, and a fetch after it would wait for them and fail. A fetch that fails once a
+listed signal arrived (or killed a worker: `SnapshotCallback` counts that as the signal) is part of the
+preemption, not a data error (`fetches`):
+
+- training: once a signal arrived no further batch is fetched: at a window's start the fit stops at that
+  commit point, inside an open accumulation window its micro-batches are dropped and it stops at the last
+  commit point (the `snapshot` edge from `window_open`). Under DDP one rank's fetch may fail where
+  another's succeeds, so the ranks agree after every fetch (one more small all-reduce per micro-batch while
+  signals are armed) and stop together;
+- validation: batches are fetched while they can be (a signal that left the workers alive stops the fit at
+  the epoch's end); a fetch the signal made fail stops the fit at the last commit point, the epoch's last
+  update (the `snapshot` edge from `task_val`): the resumed run validates that epoch again. Ranks do not
+  agree per fetch here (their validation shards may differ in length): each stops at its own failed fetch;
+- test, prediction, the LR sweep: no writer listens (signals are armed during `fit` only), so the data is
+  iterated as given and a signal has its default effect.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from deepepochs import torch_private
 from deepepochs.engine.context import Context
 from deepepochs.fsm.events import TriggerName
 
-__all__ = ["FetchStopped", "after_fit", "commit_point", "fetches", "find_writer", "stop_fetching"]
+__all__ = ["FetchStopped", "after_fit", "commit_point", "fetches", "find_writer", "guard", "stop_fetching"]
 
 SNAPSHOT = TriggerName.SNAPSHOT.value  # a plain str: fired per commit point (see batches.py)
 
@@ -62,16 +71,27 @@ class FetchStopped(Exception):
         self.signal = signal
 
 
-def fetches(ctx: Context, data):
-    """Iterate `data` until a listed signal arrives: then raise `FetchStopped` instead of fetching (see the
-    module doc). Under DDP every rank agrees after each fetch, so all stop at the same micro-batch."""
+def guard(ctx: Context, data, stage: str):
+    """(the batches a stage's loop iterates, the generator to close when it ends or None): `data` guarded by
+    `fetches` while a snapshot writer listens for signals (during `fit`), else `data` as given."""
+    writer = ctx.snapshots
+    if writer is None or not writer.signals or not writer.listening:
+        return data, None
+    guarded = fetches(ctx, data, training=stage == "train")
+    return guarded, guarded
+
+
+def fetches(ctx: Context, data, training: bool = True):
+    """Iterate `data` until a listed signal arrives: then raise `FetchStopped` instead of the next batch (see
+    the module doc). `training`: stop before fetching once a signal arrived, every rank agreeing after each
+    fetch under DDP (all stop at the same micro-batch); else stop only at a fetch the signal made fail."""
     writer, dist = ctx.snapshots, ctx.parts.dist
-    agree = dist.world_size > 1
+    agree = training and dist.world_size > 1
     it = iter(data)
     try:
         while True:
-            batch, end = None, False
-            if writer.pending_signal is None:
+            batch, end, failed = None, False, False
+            if writer.pending_signal is None or not training:
                 try:
                     batch = next(it)
                 except StopIteration:
@@ -79,7 +99,8 @@ def fetches(ctx: Context, data):
                 except (OSError, EOFError, RuntimeError):  # how a worker's death shows, before SIGCHLD or after
                     if writer.signal_after_error() is None:  # no listed signal: a data error, the fit's to handle
                         raise
-            signal = writer.pending_signal
+                    failed = True
+            signal = writer.pending_signal if training or failed else None
             if agree:
                 _, signal = _agree(ctx, False, signal)
             if signal is not None:
@@ -93,9 +114,10 @@ def fetches(ctx: Context, data):
 
 
 def stop_fetching(ctx: Context, signal: str) -> None:
-    """Stop the fit on `signal` (every rank agreed) before the next batch is fetched: the `snapshot` trigger
-    from the window's start (this commit point) or from inside an open window (its micro-batches are
-    dropped; the snapshot is the last commit point's). Raises `Preempted`."""
+    """Stop the fit on `signal` before the next batch is fetched: the `snapshot` trigger from the window's
+    start (this commit point), from inside an open window (its micro-batches are dropped; the snapshot is
+    the last commit point's) or from a validation task (the snapshot is the epoch's last update's). Raises
+    `Preempted`."""
     loop = ctx.loop
     loop.snapshot_due, loop.stop_signal = True, signal
     ctx.machine.fire(SNAPSHOT)

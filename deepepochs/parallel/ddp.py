@@ -234,7 +234,8 @@ class DDPPolicy(_PolicyBase):
         if self.device.type == "cuda":
             # Before the group exists: NCCL binds each rank's communicator to the current device.
             torch.cuda.set_device(self.device)
-        self._group = GroupUse("nccl" if self.device.type == "cuda" else "gloo", timeout)
+        self._group = GroupUse("nccl" if self.device.type == "cuda" else "gloo", timeout,
+                               before_release=self._drop_reducer)
         self.timeout_s = self._group.timeout_s
         self._closed = False
         self.rank = dist.get_rank()
@@ -479,8 +480,18 @@ class DDPPolicy(_PolicyBase):
         if self._closed:
             return
         self._closed = True
-        self.model = None
-        self._group.release()
+        self._group.release()  # drops the reducer first (`_drop_reducer`)
+
+    def _drop_reducer(self) -> None:
+        """Free the DDP wrapper's reducer (and the logger that holds it) now, while the process group is
+        still registered: the reducer holds the group, and freed later (by a garbage collection after the
+        group was destroyed) it would drop the group's last reference with the GIL held, where gloo's
+        destructor can wait forever for its worker thread (see `process_group.destroy_group`)."""
+        model, self.model = self.model, None
+        if model is not None:
+            for name in ("logger", "reducer"):
+                if name in vars(model):
+                    setattr(model, name, None)
 
 
 def is_dtensor(tensor) -> bool:

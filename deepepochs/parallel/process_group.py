@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import gc
 import os
+import weakref
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from deepepochs.errors import DistributedError
+from deepepochs.parallel.exit_watchdog import bounded
 
-__all__ = ["GroupUse", "env_int"]
+__all__ = ["EXIT_RELEASE_BOUND_S", "GroupUse", "destroy_group", "env_int"]
 
 
 def env_int(name: str) -> int:
@@ -45,6 +47,13 @@ _env_store = None
 _groups_initialised = 0
 _group_timeout_s = [None]  # the timeout of the group this module initialised last
 
+# The uses not yet released, which the exit handler releases (a script that never called close()).
+_live_uses: weakref.WeakSet = weakref.WeakSet()
+
+# How long the exit handler may take before the process is ended with a message instead (seconds). A
+# clean release takes milliseconds; it waits only when torch blocks (a peer gone while work is in flight).
+EXIT_RELEASE_BOUND_S = 60.0
+
 
 def _init_group_from_env(backend: str, timeout: float) -> None:
     """Initialise the default process group from the torchrun-style environment variables; its collectives
@@ -59,7 +68,6 @@ def _init_group_from_env(backend: str, timeout: float) -> None:
                 "with torchrun or deepepochs.launch, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
                 "MASTER_PORT"
             ) from exc
-        atexit.register(_release_at_exit)
     store = dist.PrefixStore(f"deepepochs/group-{_groups_initialised}", _env_store)
     _groups_initialised += 1
     dist.init_process_group(backend, store=store, rank=env_int("RANK"), world_size=env_int("WORLD_SIZE"),
@@ -67,21 +75,41 @@ def _init_group_from_env(backend: str, timeout: float) -> None:
 
 
 def _release_at_exit() -> None:
-    """At interpreter exit (atexit, while Python still runs): destroy the group deepepochs created if no
-    `close()` did, and let go of the job's store, so that their C++ threads are joined here.
+    """At interpreter exit (atexit, while Python still runs): release every use of the group deepepochs
+    created that no `close()` released, and let go of the job's store, so that their C++ threads are joined
+    here, within `EXIT_RELEASE_BOUND_S` (past it the process ends with a message, see `exit_watchdog`).
 
-    Why: left to the interpreter's teardown, a TCPStore client and gloo's threads were destroyed while
-    still joinable in 5-7 of 30 clean two-process torchrun runs here (SIGABRT, "terminate called without
-    an active exception", after the script had finished: the launcher, or srun, then reports a failed
-    task); released here, 0 of 30."""
-    global _env_store, _owned_group_users
-    try:
-        if _owned_group_users > 0 and dist.is_initialized():
-            _owned_group_users = 0
-            dist.destroy_process_group()
-    finally:
+    Why here: left to the interpreter's teardown, a TCPStore client and gloo's threads were destroyed while
+    still joinable in 5-7 of 30 clean two-process torchrun runs (SIGABRT, "terminate called without an
+    active exception", after the script had finished: the launcher, or srun, then reports a failed task).
+    Why no `gc.collect()` here: collecting freed a DDP reducer holding the last reference to the group, so
+    gloo's destructor ran with the GIL held and waited for a mutex that gloo's worker thread held while
+    waiting for the GIL to free a tensor (a clean run that never exited). Each use now drops its reducer
+    before the group is destroyed (`destroy_group`), so nothing collected later can hold the group.
+
+    Registered when this module is imported (`import deepepochs`): exit handlers run last-registered first,
+    so a handler the user registers after importing deepepochs runs before this one and still finds the
+    group."""
+    global _env_store
+    with bounded("releasing the process group deepepochs created, at interpreter exit", EXIT_RELEASE_BOUND_S):
+        for use in list(_live_uses):
+            use.release()
         _env_store = None
-        gc.collect()  # the PrefixStores of the destroyed groups held it too
+
+
+atexit.register(_release_at_exit)
+
+
+def destroy_group() -> None:
+    """Destroy the default group so that its last reference is dropped with the GIL released.
+
+    `destroy_process_group` may leave the last reference in a C++ registry, freed with the GIL held; if
+    gloo's worker thread then waits for the GIL (freeing its last tensors) while holding the mutex the
+    destructor waits for, neither moves. Holding the group's Python object over the call makes that object
+    the last reference: torch frees a process group's Python object with the GIL released."""
+    group = dist.group.WORLD
+    dist.destroy_process_group()
+    del group
 
 
 class GroupUse:
@@ -90,6 +118,9 @@ class GroupUse:
     Args:
         backend: the backend of a group initialised here ('nccl' on CUDA, else 'gloo').
         timeout: seconds a collective waits for the other ranks, when the group is initialised here.
+        before_release: called first by `release` (also from the exit handler): drops what of the user's
+            holds the group (a DDP wrapper's reducer), so that the group is never freed by something
+            collected later.
 
     Attributes:
         owned: whether this use holds a group deepepochs created (initialised here, or by an earlier user
@@ -98,8 +129,9 @@ class GroupUse:
             creator chose).
     """
 
-    def __init__(self, backend: str, timeout: float):
+    def __init__(self, backend: str, timeout: float, before_release: Callable[[], None] | None = None):
         global _owned_group_users
+        self._before_release = before_release
         if not dist.is_initialized():
             _init_group_from_env(backend, timeout)
             _owned_group_users = 0
@@ -110,14 +142,19 @@ class GroupUse:
         self.timeout_s = _group_timeout_s[0] if self.owned else None
         if self.owned:
             _owned_group_users += 1
+            _live_uses.add(self)
 
     def release(self) -> None:
         """End this use: the group is destroyed when deepepochs created it and no other user remains. A
         second call does nothing."""
         global _owned_group_users
+        if self._before_release is not None:
+            before, self._before_release = self._before_release, None
+            before()
         if not self.owned:
             return
         self.owned = False
-        _owned_group_users = max(_owned_group_users - 1, 0)  # 0 already when the exit handler released it
+        _live_uses.discard(self)
+        _owned_group_users = max(_owned_group_users - 1, 0)
         if _owned_group_users == 0 and dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_group()

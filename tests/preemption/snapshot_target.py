@@ -1,14 +1,17 @@
 """A training run for the preemption tests (run as a script; killed at random moments by the tests).
 
 `python snapshot_target.py <ckpt_dir> <out.pt> [--every N] [--epochs E] [--workers W --context C
-[--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue] [--run-lock MODE]`: fp32 on the
-CPU, shuffle=True, dropout, Adam, a step-wise StepLR, k=3 accumulation (`--accumulate`), M samples (600),
-DataLoader worker processes (`--workers`, started by `--context`: fork, spawn or forkserver; each prints
-`worker <id> <pid>` when it starts; `--slow-data`: each sample takes S seconds to load, the results are the
-same), `SnapshotCallback(every_n_updates=N)` (with `--requeue`: requeue=True, a SLURM job requeues itself when
-preempted), `resume=True` and `run_lock=MODE` ('error' unless given); prints `training` when the fit starts
-and writes the final weights, optimizer and scheduler states (and the fit's records) to `out.pt` when it
-ends. Exits with `Preempted`'s status on SIGTERM. Without `--every` no SnapshotCallback is attached (the
+[--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue] [--run-lock MODE] [--val-workers W
+--val-context C --val-slow S]`: fp32 on the CPU, shuffle=True, dropout, Adam, a step-wise StepLR, k=3
+accumulation (`--accumulate`), M samples (600), DataLoader worker processes (`--workers`, started by
+`--context`: fork, spawn or forkserver; each prints `worker <id> <pid>` when it starts; `--slow-data`: each
+sample takes S seconds to load, the results are the same), a validation DataLoader of 64 samples in 2
+batches (with `--val-workers`, its own workers started by `--val-context`, each printing `val-worker <id>
+<pid>`; `--val-slow`: S seconds per sample), `SnapshotCallback(every_n_updates=N)` (with `--requeue`:
+requeue=True, a SLURM job requeues itself when preempted), `resume=True` and `run_lock=MODE` ('error' unless
+given); prints `training` when the fit starts and writes the final weights, optimizer and scheduler states
+(and the fit's records) to `out.pt` when it ends. Exits with `Preempted`'s status on SIGTERM. Without
+`--every` no SnapshotCallback is attached (the
 uninterrupted reference run).
 """
 
@@ -29,6 +32,11 @@ import deepepochs as de
 def worker_ready(worker_id: int) -> None:
     """Each DataLoader worker says it started (the tests signal the job once its workers run)."""
     print(f"worker {worker_id} {os.getpid()}", flush=True)
+
+
+def val_worker_ready(worker_id: int) -> None:
+    """Each validation DataLoader worker says it started (the tests signal the job during validation)."""
+    print(f"val-worker {worker_id} {os.getpid()}", flush=True)
 
 
 class SlowData(torch.utils.data.Dataset):
@@ -64,6 +72,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--requeue", action="store_true")
     parser.add_argument("--run-lock", default="error")
+    parser.add_argument("--val-workers", type=int, default=0)
+    parser.add_argument("--val-context", default=None)
+    parser.add_argument("--val-slow", type=float, default=0.0)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -76,7 +87,12 @@ def main() -> None:
                                           "persistent_workers": args.persistent, "worker_init_fn": worker_ready}
     dataset = TensorDataset(x, y) if not args.slow_data else SlowData(TensorDataset(x, y), args.slow_data)
     train = DataLoader(dataset, batch_size=4, shuffle=True, **loader)
-    val = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=32)
+    val_loader = {} if not args.val_workers else {"num_workers": args.val_workers,
+                                                  "multiprocessing_context": args.val_context,
+                                                  "worker_init_fn": val_worker_ready}
+    val_data = TensorDataset(x[:64], y[:64])
+    val = DataLoader(val_data if not args.val_slow else SlowData(val_data, args.val_slow), batch_size=32,
+                     **val_loader)
     callbacks = [Announce()]
     if args.every is not None:
         callbacks.append(de.SnapshotCallback(args.ckpt_dir, every_n_updates=args.every, keep=2,

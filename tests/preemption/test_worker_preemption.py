@@ -126,3 +126,89 @@ def test_a_worker_that_fails_on_its_own_is_still_a_data_error(tmp_path):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
     assert "DataLoader worker" in stderr and "Preempted" not in stderr, stderr[-3000:]
+
+
+# ---- validation workers: the same stop, one stage over ------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """The uninterrupted run (validation without workers: the weights do not depend on them)."""
+    folder = tmp_path_factory.mktemp("reference")
+    return _run_to_end(folder / "ckpt", folder / "ref.pt", "--epochs", EPOCHS)
+
+
+def _wait_for_line(proc, prefix: str) -> None:
+    while True:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]
+        if line.startswith(prefix):
+            return
+
+
+@pytest.mark.parametrize(("context", "sig"), [("fork", signal.SIGTERM), ("spawn", signal.SIGTERM),
+                                              ("spawn", signal.SIGUSR1)])
+def test_the_job_signalled_during_validation_with_workers_stops_at_the_epochs_last_update(tmp_path, reference_run,
+                                                                                        context, sig):
+    """The signal kills the validation DataLoader's workers, so validation cannot finish: the fit ends with
+    `Preempted` (128 + the signal) and a snapshot of the epoch's last update (its training stage done), not
+    with torch's worker error; the resumed run validates that epoch again and ends bit-identical."""
+    if context not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"start method {context!r} is not available here")
+    from deepepochs.checkpoint import read_checkpoint  # noqa: PLC0415
+
+    val = ("--val-workers", "2", "--val-context", context)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.pt"
+    proc = _start(ckpt, out, *val, "--val-slow", "0.02", "--every", "1000", "--epochs", EPOCHS)
+    _wait_for_line(proc, "val-worker ")  # the first epoch's validation runs
+    time.sleep(0.3)
+    os.killpg(proc.pid, sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    assert f"Preempted by {name} at a commit point; snapshot" in stderr, stderr[-3000:]
+    # (with spawn, multiprocessing's resource tracker, in the job too, may print its own KeyError when a
+    # SIGUSR1 ended it: not the fit's)
+    assert "exited unexpectedly" not in stderr and "RuntimeError" not in stderr, stderr[-3000:]
+    snapshots = sorted((ckpt / "run").glob("snapshot-*.ckpt"))
+    assert [p.name for p in snapshots] == ["snapshot-u000000050.ckpt"]  # 150 batches / k=3: epoch 1's last update
+    position = read_checkpoint(snapshots[0]).position
+    assert (position["epoch"], position["task_index"], position["batches_done"]) == (1, 1, 0)  # training done
+    assert_same_run(_run_to_end(ckpt, out, *val, "--every", "1000", "--epochs", EPOCHS), reference_run)
+
+
+_EVALUATE_SCRIPT = """
+import sys, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import deepepochs as de
+sys.path.insert(0, {folder!r})
+from snapshot_target import SlowData
+
+def ready(worker_id):
+    print("eval-worker", worker_id, flush=True)
+
+x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+model = nn.Linear(8, 4)
+trainer = de.Trainer(model, nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                     callbacks=[de.SnapshotCallback({ckpt!r})], log_batch=False, show_info=False)
+data = DataLoader(SlowData(TensorDataset(x, y), 0.05), batch_size=8, num_workers=2,
+                  multiprocessing_context="fork", worker_init_fn=ready)
+getattr(trainer, sys.argv[1])(data)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stage", ["test", "predict"])
+def test_the_job_signalled_during_test_or_predict_with_workers_ends_by_the_signal(tmp_path, stage):
+    """test() and predict() listen for no signal (a SnapshotCallback arms its signals during fit only): the
+    job's SIGTERM has its default effect, the process ends killed by it, as documented."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(_EVALUATE_SCRIPT.format(folder=str(TARGET.parent), ckpt=str(tmp_path / "ckpt")))
+    proc = subprocess.Popen([sys.executable, str(script), stage], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    _wait_for_line(proc, "eval-worker ")
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert "finished" not in stdout
