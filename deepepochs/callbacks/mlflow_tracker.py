@@ -129,7 +129,6 @@ class MLflowCallback(Callback):
 
     def __init__(self, tracking_uri=None, experiment: str = "deepepochs", log_checkpoints: bool | str = False,
                  queue_size: int = 1000, close_timeout: float = 30.0):
-        _require_mlflow()
         self.tracking_uri = check_tracking_uri(tracking_uri)
         if not isinstance(experiment, str) or not experiment.strip():
             raise ConfigError(f"MLflowCallback experiment must be a non-empty experiment name string (got"
@@ -140,6 +139,7 @@ class MLflowCallback(Callback):
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise ConfigError(f"MLflowCallback queue_size must be an int >= 1 (got {queue_size!r})")
         _check_seconds("close_timeout", close_timeout)
+        _require_mlflow()
         self.experiment = experiment
         self.log_checkpoints = log_checkpoints
         self.queue_size = queue_size
