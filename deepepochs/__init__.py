@@ -8,6 +8,7 @@ from deepepochs.callbacks import (
     InterpreteCallback,
     LogCallback,
     LRFindCallback,
+    MLflowCallback,
     SnapshotCallback,
 )
 from deepepochs.checkpoint import consolidate
@@ -65,6 +66,7 @@ __all__ = [
     "InvalidTransition",
     "LRFindCallback",
     "LogCallback",
+    "MLflowCallback",
     "MeanPatch",
     "MigrationWarning",
     "Optimizer",

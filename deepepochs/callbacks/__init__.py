@@ -7,6 +7,7 @@ from deepepochs.callbacks.grad_clip import GradClipCallback
 from deepepochs.callbacks.interprete import InterpreteCallback
 from deepepochs.callbacks.log import LogCallback
 from deepepochs.callbacks.lr_find import LRFindCallback
+from deepepochs.callbacks.mlflow_tracker import MLflowCallback
 from deepepochs.callbacks.snapshot import SnapshotCallback
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "InterpreteCallback",
     "LRFindCallback",
     "LogCallback",
+    "MLflowCallback",
     "SnapshotCallback",
 ]

@@ -41,6 +41,7 @@ from deepepochs.data.batch_rules import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.events import Event
 from deepepochs.fsm.render import render
+from deepepochs.reporting.scalars import epoch_scalars, step_source, test_scalars
 from deepepochs.reporting.summary_writer import CSV_FILE, DEFAULT_LOG_DIR, CsvRecord, add_hparams_record, add_png
 
 __all__ = ["LogCallback"]
@@ -190,13 +191,11 @@ class LogCallback(Callback):
         if not trainer.is_main_process:
             return
         writer = self.writer(trainer)
-        step = epoch_idx + 1  # the step of an epoch's values is its 1-based number (the console's `E 1/5`)
+        step = step_source(trainer).epoch_step(trainer, epoch_idx)
+        for tag, value in epoch_scalars(train_metrics, val_metrics, trainer.opt.lrs()).items():
+            writer.add_scalar(tag, value, step)
         for stage, metrics in (("train", train_metrics), ("val", val_metrics)):
-            for name, value in metrics.items():
-                writer.add_scalar(f"{name}/{stage}", value, step)
             self._add_row(trainer, step, stage, metrics)
-        for name, lr in trainer.opt.lrs().items():
-            writer.add_scalar(name if name == "lr" else f"lr/{name}", lr, step)
         writer.flush()  # so that a TensorBoard watching the run sees each epoch as it ends
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
@@ -205,8 +204,8 @@ class LogCallback(Callback):
         if not trainer.is_main_process:
             return
         writer = self.writer(trainer)
-        step = trainer.loop.completed_epochs
-        tagged = {f"{name}/test": float(value) for name, value in metrics.items()}
+        step = step_source(trainer).test_step(trainer)
+        tagged = test_scalars(metrics)
         if trainer.hyper_params:
             add_hparams_record(writer, trainer.hyper_params, tagged)
         for tag, value in tagged.items():
