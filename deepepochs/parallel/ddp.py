@@ -91,6 +91,15 @@ class _PolicyBase:
             generator.set_state(state)
         self._pending_generator_states = list(states[len(met):])
 
+    def _own_order(self, dataloader):
+        """A training DataLoader in its own order (`sampling.own_order`: one process's default, and any
+        sampler without a global order, such as one drawing with replacement), or as given; the
+        generators it draws from are met (their states travel in checkpoints), a stateful loader's too."""
+        own = None if stateful(dataloader) else own_order(dataloader)
+        data = dataloader if own is None else own
+        self._meet_generators(user_generators(data))
+        return data
+
     def _meet_generators(self, generators) -> None:
         for generator in generators:
             if not any(generator is known for known in self._loader_generators):
@@ -147,28 +156,21 @@ class SingleProcess(_PolicyBase):
         return model
 
     def prepare_dataloader(self, dataloader, stage: str):
-        """The iterable a task iterates: a plain training DataLoader keeps its own order, rebuilt around its
-        sampler so that a resumed epoch draws it again and skips at the sampler (`LoaderOrder`, the default
-        'loader'), or gets the global order of (seed, epoch) (`DataOrder`, as under DDP with one rank:
-        'global'); everything else is used as given."""
+        """The iterable a task iterates: a training DataLoader over one of torch's samplers keeps its own
+        order, rebuilt around its sampler so that a resumed epoch draws it again and skips at the sampler
+        (`LoaderOrder`, the default 'loader'), or a plain one gets the global order of (seed, epoch)
+        (`DataOrder`, as under DDP with one rank: 'global'; a sampler with replacement, `num_samples`,
+        weights or a subset has no global order and keeps its own); everything else is used as given."""
         if stage != "train":
             return dataloader
         if self.order_seed is None:  # kept for 'global' in any case: a checkpoint carries it to any world size
             self.order_seed = torch.initial_seed() % 2**62
-        if stateful(dataloader):  # used as given (its own order); its generators travel in checkpoints
-            self._meet_generators(user_generators(dataloader))
-            return dataloader
-        if self.data_order == "loader":
-            own = own_order(dataloader)
-            if own is None:
-                return dataloader
-            self._meet_generators(user_generators(own))
-            return own
-        sharded = shard(dataloader, stage, 0, 1, False, self)
-        if sharded is None:
-            return dataloader
-        self._epoch_samplers.add(sharded.sampler)
-        return sharded
+        if self.data_order == "global":
+            sharded = shard(dataloader, stage, 0, 1, False, self)
+            if sharded is not None:
+                self._epoch_samplers.add(sharded.sampler)
+                return sharded
+        return self._own_order(dataloader)
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients (DDP's no_sync when False)."""
@@ -315,7 +317,9 @@ class DDPPolicy(_PolicyBase):
           original order); the DataLoader's `drop_last` is not applied, so no sample is lost.
 
         With `split_batches` the rebuilt DataLoader's batch size is the original divided by the world size.
-        Other iterables (DataLoaders with a user sampler or batch sampler, DataLoader subclasses, iterable
+        A training DataLoader over another of torch's samplers (with replacement, `num_samples`, weights, a
+        subset; or inside a `BatchSampler`) has no global order: each rank keeps its own, rebuilt around it
+        (`LoaderOrder`) so that a resumed epoch draws it again. Other iterables (DataLoaders with a user sampler or batch sampler, DataLoader subclasses, iterable
         datasets, plain iterables) are used unchanged; a user `DistributedSampler` still gets `set_epoch`.
 
         For training this is a collective: all ranks compare their batch counts, because a rank with more
@@ -327,6 +331,8 @@ class DDPPolicy(_PolicyBase):
         data = dataloader if sharded is None else sharded
         if stage != "train":
             return data
+        if sharded is None:  # no global order (a sampler with replacement, ...): each rank's own, resumable
+            data = self._own_order(dataloader)
         sampler = getattr(data, "sampler", None)
         count = len_or_minus_one(data)
         gathered = [None] * self.world_size
