@@ -95,15 +95,19 @@ class OrderDraws:
         loader: the state of the DataLoader's own `generator` just before the epoch's iterator drew its base
             seed (the worker seeds); None when it has none (it draws from torch's global generator, which the
             run's random state at the task's start covers).
-        sampler: the state of the generator the `RandomSampler` drew the epoch's permutation from (its own,
+        sampler: the state of the generator the random sampler drew the epoch's first indices from (its own,
             or torch's global CPU generator) just before it drew; None for a sequential order, or before
             the sampler drew.
+        generators: for other data (not in `LoaderOrder`), the states of the generators it draws from
+            (`user_generators`: a stateful loader's, a sampler's of the user's own) just before the task made
+            its iterator (`deepepochs.data.streams.start_draws`); None in the loader's own order.
     """
 
     epoch: int
     task_index: int
     loader: torch.Tensor | None = None
     sampler: torch.Tensor | None = None
+    generators: list | None = None
 
 
 #: torch's samplers that draw at random: from their `generator`, or from torch's global generator when it is
@@ -194,13 +198,16 @@ _END = object()
 
 def user_generators(data) -> list:
     """The generators a DataLoader was given or made for itself (its own `generator`, its sampler's, e.g.
-    torchdata's stateful `RandomSampler`), each once: what its epochs' orders and base seeds draw from
-    besides torch's global generator."""
+    torchdata's stateful `RandomSampler`, its batch sampler's and that one's sampler's), each once, in that
+    order: what its epochs' orders and base seeds draw from besides torch's global generator."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, LoaderOrder):
         sampler = sampler.sampler
+    batch_sampler = getattr(data, "batch_sampler", None)
     found = []
-    for generator in (getattr(data, "generator", None), getattr(sampler, "generator", None)):
+    for generator in (getattr(data, "generator", None), getattr(sampler, "generator", None),
+                      getattr(batch_sampler, "generator", None),
+                      getattr(getattr(batch_sampler, "sampler", None), "generator", None)):
         if isinstance(generator, torch.Generator) and not any(generator is known for known in found):
             found.append(generator)
     return found
@@ -220,9 +227,8 @@ def skip_batches(data, count: int, samples: int | None = None, world_size: int =
     (`DataOrder`, `LoaderOrder`) skips at the sampler (the skipped samples are never loaded: none to iterate
     past), or with worker processes is iterated past them (the workers' random streams then continue as in
     the uninterrupted run); anything else is iterated past
-    `count` batches by the caller (`iterate_past`), which continues the interrupted order only when the
-    order is fixed: for other data (a user's random sampler, an IterableDataset, a generator) a
-    `DeepEpochsWarning` says the resumed epoch may repeat or miss samples."""
+    `count` batches by the caller (`iterate_past`), which continues the interrupted order when the order is
+    fixed or drawn from generators the run keeps (`deepepochs.data.streams.resume_warning` says when not)."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, (DataOrder, LoaderOrder)) and isinstance(data, DataLoader):
         batch = data.batch_size or 1
@@ -242,15 +248,6 @@ def skip_batches(data, count: int, samples: int | None = None, world_size: int =
                           " equal to resume exactly)", DeepEpochsWarning, stacklevel=2)
         sampler.skip = count * batch
         return data, count, 0
-    fixed = isinstance(data, (list, tuple)) or (
-        isinstance(data, DataLoader) and isinstance(sampler, SequentialSampler)
-        and not isinstance(data.dataset, IterableDataset))
-    if not fixed:
-        warnings.warn(
-            f"resuming inside an epoch: the training data ({type(data).__name__}) is not a plain DataLoader, so its"
-            f" order may differ from the interrupted run's; its first {count} batches are iterated past, and the"
-            " rest of the epoch may repeat or miss samples. A plain DataLoader(dataset, batch_size=...,"
-            " shuffle=...) resumes exactly (README: Exact resume)", DeepEpochsWarning, stacklevel=2)
     return data, count, count
 
 

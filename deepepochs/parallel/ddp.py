@@ -47,6 +47,7 @@ from torch.utils.data import (
 
 from deepepochs.data.batch_rules import stateful
 from deepepochs.data.sampling import ShortestShard, len_or_minus_one, own_order, shard, user_generators
+from deepepochs.data.streams import epoch_stream
 from deepepochs.errors import DistributedError
 from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.patches import TensorPatch, _map_tensors
@@ -75,6 +76,10 @@ class _PolicyBase:
         # and the states a loaded checkpoint holds for generators not met yet (the next fit's loaders).
         self._loader_generators: list[torch.Generator] = []
         self._pending_generator_states: list = []
+        # Likewise the stateful datasets the training data streams from in this process (`streams.epoch_stream`):
+        # the state the next epoch starts from, which every checkpoint keeps.
+        self._streams: list = []
+        self._pending_stream_states: list = []
 
     def loader_generator_states(self) -> list:
         """The states of the generators the training DataLoaders of this process draw from in their own
@@ -91,6 +96,20 @@ class _PolicyBase:
             generator.set_state(state)
         self._pending_generator_states = list(states[len(met):])
 
+    def stream_states(self) -> list:
+        """The `state_dict()` of each stateful dataset the training data of this process streams from
+        (`deepepochs.data.streams.epoch_stream`), in the order first met: a checkpoint keeps them, so that a
+        resumed run's next epoch streams what the uninterrupted run's did."""
+        return [stream.state_dict() for stream in self._streams]
+
+    def continue_streams(self, states: list) -> None:
+        """Put back `stream_states()` of a checkpoint: into the datasets met already, and into those the next
+        training data brings, in the same order."""
+        met = self._streams
+        for stream, state in zip(met, states):
+            stream.load_state_dict(state)
+        self._pending_stream_states = list(states[len(met):])
+
     def _own_order(self, dataloader):
         """A training DataLoader in its own order (`sampling.own_order`: one process's default, and any
         sampler without a global order, such as one drawing with replacement), or as given; the
@@ -98,6 +117,11 @@ class _PolicyBase:
         own = None if stateful(dataloader) else own_order(dataloader)
         data = dataloader if own is None else own
         self._meet_generators(user_generators(data))
+        stream = epoch_stream(data)
+        if stream is not None and not any(stream is known for known in self._streams):
+            self._streams.append(stream)
+            if self._pending_stream_states:
+                stream.load_state_dict(self._pending_stream_states.pop(0))
         return data
 
     def _meet_generators(self, generators) -> None:
