@@ -28,14 +28,22 @@ from deepepochs.data.sampling import RANDOM_SAMPLERS, OrderDraws, ShortestShard,
 __all__ = ["StreamSource", "epoch_stream", "generators_of", "has_state", "inexact_reason", "resume_warning", "start_draws", "stream_holder"]
 
 
-@attrs.define(slots=True, frozen=True)
+@attrs.define(slots=True, eq=False)
 class StreamSource:
     """A running training task's stateful data: `holder` (`stream_holder`), whose `state_dict()` each commit
     point keeps, and the generators its iterators draw from (`sampling.user_generators` of the task's data),
-    whose states each commit point keeps beside it."""
+    whose states each commit point keeps beside it. `ended`: the task's iterator said it has no more batches
+    (read ahead to find the task's last one); the holder's state may then already be the next pass's, so a
+    commit point records that the task is over (`RunState.data_ended`)."""
 
     holder: object
     generators: list
+    ended: bool = False
+
+    def watch(self, batches):
+        """`batches` (the task's iterator), noting its end in `ended`."""
+        yield from batches
+        self.ended = True
 
 
 def has_state(obj) -> bool:

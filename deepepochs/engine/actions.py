@@ -376,6 +376,7 @@ def remember_position(ctx: Context) -> None:
         point, source = ctx.loop.resume, ctx.data_source
         ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, source.holder.state_dict())
         ctx.run.data_generators = (point.epoch, point.task_index, [g.get_state() for g in source.generators])
+        ctx.run.data_ended = (point.epoch, point.task_index, ctx.loop.batch_idx) if source.ended else None
 
 
 @action

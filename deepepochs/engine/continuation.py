@@ -107,6 +107,8 @@ def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) ->
     if holder is not None and saved is not None and saved[:2] == (epoch, ctx.task_index) and saved[2] <= skip:
         holder.load_state_dict(saved[3])  # continues after the batches committed when it was read
         past = skip - saved[2]  # an update applied after it, whose commit a fault cut short: in order, past it
+        if run.data_ended == (epoch, ctx.task_index, skip):
+            data = ()  # it had said it has no more batches: its state may be the next pass's already
         kept = run.data_generators
         if kept is not None and kept[:2] == (epoch, ctx.task_index):
             # Making the restored iterator draws from the loader's generators again (torchdata's
@@ -173,12 +175,18 @@ def _replay(ctx: Context, data, skip: int, past: int, generators: list):
     if skip and replay is not None and replay[0] is not None:
         run.task_random_state = replay[0]
         random_streams.set_random_state(ctx, replay[0])
-        batches = _put_back(iter(data), generators)
+        batches = _put_back(_watched(ctx, data), generators)
         batches = iterate_past(batches, past)
         random_streams.set_random_state(ctx, replay[1])
         return batches
     run.task_random_state = random_streams.random_state(ctx)
-    return iterate_past(_put_back(iter(data), generators), past)
+    return iterate_past(_put_back(_watched(ctx, data), generators), past)
+
+
+def _watched(ctx: Context, data):
+    """The iterator of `data`, made now; a stateful source's notes where it ends (`StreamSource.watch`)."""
+    batches = iter(data)
+    return batches if ctx.data_source is None else ctx.data_source.watch(batches)
 
 
 def _put_back(batches, generators: list):
