@@ -12,8 +12,6 @@ from test_stream_resume import _data, _trainer
 from deepepochs import SnapshotCallback
 from deepepochs.errors import CheckpointError
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata 0.11 calls a deprecated torch function
-
 
 @pytest.fixture(scope="module")
 def snapshots(tmp_path_factory):

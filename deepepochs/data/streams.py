@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
-from deepepochs.data.sampling import RANDOM_SAMPLERS, OrderDraws, ShortestShard, loader_order, user_generators
+from deepepochs.data.sampling import OrderDraws, ShortestShard, loader_order, user_generators
 
-__all__ = ["StreamSource", "epoch_stream", "generators_of", "has_state", "inexact_reason", "resume_warning", "start_draws", "stream_holder"]
+__all__ = ["StreamSource", "epoch_stream", "generators_of", "has_state", "inexact_reason", "resume_warning",
+           "start_draws", "stream_holder"]
 
 
 @attrs.define(slots=True, eq=False)

@@ -343,8 +343,9 @@ class DDPPolicy(_PolicyBase):
         With `split_batches` the rebuilt DataLoader's batch size is the original divided by the world size.
         A training DataLoader over another of torch's samplers (with replacement, `num_samples`, weights, a
         subset; or inside a `BatchSampler`) has no global order: each rank keeps its own, rebuilt around it
-        (`LoaderOrder`) so that a resumed epoch draws it again. Other iterables (DataLoaders with a user sampler or batch sampler, DataLoader subclasses, iterable
-        datasets, plain iterables) are used unchanged; a user `DistributedSampler` still gets `set_epoch`.
+        (`LoaderOrder`) so that a resumed epoch draws it again. Other iterables (DataLoaders with a user
+        sampler or batch sampler, DataLoader subclasses, iterable datasets, plain iterables) are used
+        unchanged; a user `DistributedSampler` still gets `set_epoch`.
 
         For training this is a collective: all ranks compare their batch counts, because a rank with more
         training batches than another would wait forever in a gradient all-reduce. Where some rank's data
