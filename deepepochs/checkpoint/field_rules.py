@@ -114,6 +114,31 @@ def _rng(saved, field: str, out: list) -> None:
     if not isinstance(cuda, list) or not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.dim() == 1
                                              for s in cuda):
         out.append(f"{field}['cuda'] must be a list of uint8 generator states (got {got(cuda)})")
+    loaders = saved.get("loaders", [])
+    if not isinstance(loaders, list) or not all(map(_generator_state, loaders)):
+        out.append(f"{field}['loaders'] must be a list of the training DataLoaders' generator states (uint8 tensors"
+                   f" of {_CPU_STATE} bytes for a CPU generator, {_PHILOX_STATE} for an accelerator's) (got"
+                   f" {got(loaders)})")
+    streams = saved.get("streams", [])
+    if not isinstance(streams, list) or not all(_state_dict(state) for state in streams):
+        out.append(f"{field}['streams'] must be a list of the training datasets' state_dict() (dicts with string"
+                   f" keys) (got {got(streams)})")
+
+
+#: The bytes of a CPU generator's state (Mersenne Twister) and of an accelerator's (Philox: seed, offset).
+_CPU_STATE = int(torch.get_rng_state().numel())
+_PHILOX_STATE = 16
+
+
+def _generator_state(value) -> bool:
+    """Whether `value` can be a `torch.Generator`'s `get_state()`."""
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+            and value.numel() in (_CPU_STATE, _PHILOX_STATE))
+
+
+def _state_dict(value) -> bool:
+    """Whether `value` can be a stateful dataset's or loader's `state_dict()`: a dict with string keys."""
+    return isinstance(value, Mapping) and all(isinstance(key, str) for key in value)
 
 
 def _history(history, epochs: int, field: str, out: list) -> None:
@@ -189,9 +214,51 @@ def _rank(rank, task_index, field: str, out: list) -> None:
             _generator_pair(random_states.get(key), f"{field}['random'][{key!r}]", out, none=key == "task")
         if random_states.get("host") is not None:
             _rng(random_states["host"], f"{field}['random']['host']", out)
+    data = rank.get("data")
+    if data is not None and not _state_dict(data):
+        out.append(f"{field}['data'] must be None or the training data's state_dict() (a dict with string keys)"
+                   f" (got {got(data)})")
     run = rank.get("run")
     if run is not None and (not isinstance(run, Mapping) or not all(isinstance(k, str) for k in run)):
         out.append(f"{field}['run'] must be a dict of run-state fields by name (got {got(run)})")
+    elif run is not None:
+        _stream_fields(run, f"{field}['run']", out)
+
+
+def _stream_fields(run: Mapping, field: str, out: list) -> None:
+    """The run-state fields a snapshot stores about the training data's stream (`position._encode` form):
+    what the epoch's draws started from (`order_draws`), the generators' states at the commit point
+    (`data_generators`) and where a stream said it ended (`data_ended`)."""
+    draws = run.get("order_draws")
+    if draws is not None:
+        fields = draws.get("fields") if isinstance(draws, Mapping) else None
+        keys = {"epoch", "task_index", "loader", "sampler", "generators"}
+        ok = (isinstance(fields, Mapping) and draws.get("__attrs__") == "deepepochs.data.sampling:OrderDraws"
+              and {"epoch", "task_index"} <= set(fields) <= keys)
+        if ok:
+            ok = _counter(fields["epoch"], 1) and _counter(fields["task_index"], 0) and all(
+                fields.get(key) is None or _generator_state(fields[key]) for key in ("loader", "sampler"))
+            states = fields.get("generators")
+            ok = ok and (states is None or (isinstance(states, list) and all(map(_generator_state, states))))
+        if not ok:
+            out.append(f"{field}['order_draws'] must be None or the epoch's draws (epoch >= 1, task_index >= 0,"
+                       f" generator states as uint8 tensors) (got {got(draws)})")
+    for name, last in (("data_generators", "states"), ("data_ended", "batches")):
+        value = run.get(name)
+        if value is None:
+            continue
+        items = value.get("__tuple__") if isinstance(value, Mapping) else None
+        ok = isinstance(items, list) and len(items) == 3 and _counter(items[0], 1) and _counter(items[1], 0)
+        if ok and last == "states":
+            ok = isinstance(items[2], list) and all(map(_generator_state, items[2]))
+        elif ok:
+            ok = _counter(items[2], 0)
+        if not ok:
+            out.append(f"{field}[{name!r}] must be None or (epoch >= 1, task_index >= 0, {last}) (got {got(value)})")
+
+
+def _counter(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= MAX_COUNT
 
 
 def _generator_pair(value, field: str, out: list, none: bool) -> None:

@@ -24,8 +24,11 @@ yours keeps other objects in its state). Keys:
                     file holds every monitor's state, whichever monitor wrote it.
 `rng`               dict, the Python, NumPy and PyTorch (CPU, CUDA) generator states of a one-process
                     run (`deepepochs.utils.rng_state`), and under 'loaders' those of the generators
-                    its training DataLoaders were given (their own order, `data_order='loader'`; absent
-                    in files of older versions); under DDP `{'ranks': [...]}`, each rank's such dict in
+                    its training DataLoaders were given (their own order, `data_order='loader'`, or a
+                    sampler of torch's with replacement, `num_samples`, weights or a subset; absent in
+                    files of older versions), and under 'streams' the `state_dict()` of the stateful
+                    datasets its training data streams from (`deepepochs.data.streams.epoch_stream`;
+                    absent in files of older versions); under DDP `{'ranks': [...]}`, each rank's such dict in
                     rank order (None in files of older versions). Restored on load at the same world
                     size, each rank its own, so a resumed run shuffles and drops out exactly as the
                     uninterrupted one would; on another world size each process keeps its own.

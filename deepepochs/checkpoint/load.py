@@ -256,5 +256,6 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         try:
             set_rng_state(rng)
             trainer.dist.continue_loader_generators(list(rng.get("loaders") or []))
+            trainer.dist.continue_streams(list(rng.get("streams") or []))
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path}: the random generator states do not fit: {e!r}") from e

@@ -59,11 +59,12 @@ def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
 
 def generator_states(trainer, gather: bool = True):
     """The `rng` a checkpoint holds: this process's generator states (Python's, NumPy's, torch's, and under
-    'loaders' those of the training DataLoaders' own generators); under DDP `{'ranks': [...]}`, every rank's
+    'loaders' those of the training DataLoaders' own generators) and under 'streams' the states of the
+    stateful datasets its training data streams from; under DDP `{'ranks': [...]}`, every rank's
     in rank order (a collective: every rank calls it), or with `gather=False` this rank's alone at its
     index (a local backup, never a file)."""
     dist = trainer.dist
-    mine = {**rng_state(), "loaders": dist.loader_generator_states()}
+    mine = {**rng_state(), "loaders": dist.loader_generator_states(), "streams": dist.stream_states()}
     if dist.world_size == 1:
         return mine
     if gather:

@@ -31,11 +31,14 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
 )
 
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 
-__all__ = ["DataOrder", "EvalShardSampler", "LoaderOrder", "OrderDraws", "PaddingBatch", "ShortestShard",
+__all__ = ["RANDOM_SAMPLERS", "DataOrder", "EvalShardSampler", "LoaderOrder", "OrderDraws", "PaddingBatch",
+           "ShortestShard",
            "is_plain", "iterate_past", "len_or_minus_one", "loader_order", "own_order", "shard", "skip_batches",
            "unsplit_warning", "user_generators"]
 
@@ -92,22 +95,37 @@ class OrderDraws:
         loader: the state of the DataLoader's own `generator` just before the epoch's iterator drew its base
             seed (the worker seeds); None when it has none (it draws from torch's global generator, which the
             run's random state at the task's start covers).
-        sampler: the state of the generator the `RandomSampler` drew the epoch's permutation from (its own,
+        sampler: the state of the generator the random sampler drew the epoch's first indices from (its own,
             or torch's global CPU generator) just before it drew; None for a sequential order, or before
             the sampler drew.
+        generators: for other data (not in `LoaderOrder`), the states of the generators it draws from
+            (`user_generators`: a stateful loader's, a sampler's of the user's own) just before the task made
+            its iterator (`deepepochs.data.streams.start_draws`); None in the loader's own order.
     """
 
     epoch: int
     task_index: int
     loader: torch.Tensor | None = None
     sampler: torch.Tensor | None = None
+    generators: list | None = None
+
+
+#: torch's samplers that draw at random: from their `generator`, or from torch's global generator when it is
+#: None (`RandomSampler` then draws its own generator's seed from it), from their first index on. What one
+#: epoch of them yields is decided by those generators' states when it starts, so a resumed epoch that
+#: starts them there again draws the same indices (`LoaderOrder`).
+RANDOM_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+#: The samplers a DataLoader in its own order may hold (`own_order`): the random ones and the sequential one.
+_OWN_SAMPLERS = (SequentialSampler, *RANDOM_SAMPLERS)
 
 
 class LoaderOrder(Sampler[int]):
-    """A plain DataLoader's own sampler (the `SequentialSampler` or `RandomSampler` its `shuffle=` or the
-    caller made), iterated as it is: one process trains on exactly the batches a plain loop over the
-    DataLoader gets after the same seed, and every random draw (the permutation, from the sampler's
-    generator or torch's global one; the base seed of the iterator) happens where the plain loop's does.
+    """A DataLoader's own sampler (the `SequentialSampler` or `RandomSampler` its `shuffle=` made, or one of
+    torch's samplers the caller built: `RandomSampler` with or without replacement or `num_samples`,
+    `SubsetRandomSampler`, `WeightedRandomSampler`; `RANDOM_SAMPLERS`), iterated as it is: one process
+    trains on exactly the batches a plain loop over the DataLoader gets after the same seed, and every
+    random draw (the indices, from the sampler's generator or torch's global one; the base seed of the
+    iterator) happens where the plain loop's does.
 
     What a resumed epoch needs besides: `start` puts back (or keeps) the generators' states of the epoch's
     first iterator (`OrderDraws`), and `skip` (set by `skip_batches`) drops the next iteration's first
@@ -146,12 +164,15 @@ class LoaderOrder(Sampler[int]):
 
     def __iter__(self):
         # Called where a plain loop's DataLoader iterator first asks its sampler (BatchSampler's first
-        # batch): the permutation is drawn here, at once, so that its draw is where the plain loop's is.
+        # batch): the sampler's first draw (a permutation, a seed, a first chunk of indices drawn with
+        # replacement) is made here, at once, so that it is where the plain loop's is. Its later draws (the
+        # next chunks, from its own generator) follow as it is iterated: the skipped samples' included, so
+        # that the generator stands where the uninterrupted run's did after them.
         skip, self.skip = self.skip, 0
         replay, self._replay = self._replay, None
-        if not isinstance(self.sampler, RandomSampler):
+        if not isinstance(self.sampler, RANDOM_SAMPLERS):
             return itertools.islice(iter(self.sampler), skip, None)
-        generator = self.sampler.generator  # None: RandomSampler seeds itself from torch's global generator
+        generator = self.sampler.generator  # None: the sampler draws from torch's global generator
         now = None
         if replay is not None:
             if generator is None:
@@ -177,13 +198,16 @@ _END = object()
 
 def user_generators(data) -> list:
     """The generators a DataLoader was given or made for itself (its own `generator`, its sampler's, e.g.
-    torchdata's stateful `RandomSampler`), each once: what its epochs' orders and base seeds draw from
-    besides torch's global generator."""
+    torchdata's stateful `RandomSampler`, its batch sampler's and that one's sampler's), each once, in that
+    order: what its epochs' orders and base seeds draw from besides torch's global generator."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, LoaderOrder):
         sampler = sampler.sampler
+    batch_sampler = getattr(data, "batch_sampler", None)
     found = []
-    for generator in (getattr(data, "generator", None), getattr(sampler, "generator", None)):
+    for generator in (getattr(data, "generator", None), getattr(sampler, "generator", None),
+                      getattr(batch_sampler, "generator", None),
+                      getattr(getattr(batch_sampler, "sampler", None), "generator", None)):
         if isinstance(generator, torch.Generator) and not any(generator is known for known in found):
             found.append(generator)
     return found
@@ -203,9 +227,8 @@ def skip_batches(data, count: int, samples: int | None = None, world_size: int =
     (`DataOrder`, `LoaderOrder`) skips at the sampler (the skipped samples are never loaded: none to iterate
     past), or with worker processes is iterated past them (the workers' random streams then continue as in
     the uninterrupted run); anything else is iterated past
-    `count` batches by the caller (`iterate_past`), which continues the interrupted order only when the
-    order is fixed: for other data (a user's random sampler, an IterableDataset, a generator) a
-    `DeepEpochsWarning` says the resumed epoch may repeat or miss samples."""
+    `count` batches by the caller (`iterate_past`), which continues the interrupted order when the order is
+    fixed or drawn from generators the run keeps (`deepepochs.data.streams.resume_warning` says when not)."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, (DataOrder, LoaderOrder)) and isinstance(data, DataLoader):
         batch = data.batch_size or 1
@@ -225,15 +248,6 @@ def skip_batches(data, count: int, samples: int | None = None, world_size: int =
                           " equal to resume exactly)", DeepEpochsWarning, stacklevel=2)
         sampler.skip = count * batch
         return data, count, 0
-    fixed = isinstance(data, (list, tuple)) or (
-        isinstance(data, DataLoader) and isinstance(sampler, SequentialSampler)
-        and not isinstance(data.dataset, IterableDataset))
-    if not fixed:
-        warnings.warn(
-            f"resuming inside an epoch: the training data ({type(data).__name__}) is not a plain DataLoader, so its"
-            f" order may differ from the interrupted run's; its first {count} batches are iterated past, and the"
-            " rest of the epoch may repeat or miss samples. A plain DataLoader(dataset, batch_size=...,"
-            " shuffle=...) resumes exactly (README: Exact resume)", DeepEpochsWarning, stacklevel=2)
     return data, count, count
 
 
@@ -352,14 +366,28 @@ _COPIED = tuple(
 
 
 def own_order(dataloader):
-    """A plain training DataLoader (`is_plain`) rebuilt around its own sampler (`LoaderOrder`): the same
-    batches, workers, generator and random draws; or None when `dataloader` is to be used as given."""
-    if not is_plain(dataloader):
+    """A training DataLoader rebuilt around its own sampler (`LoaderOrder`): the same batches, workers,
+    generator and random draws; or None when `dataloader` is to be used as given.
+
+    Which: the exact class `DataLoader` over a map-style dataset whose indices come from one of torch's
+    samplers (`_OWN_SAMPLERS`: the one `shuffle=` made, or a `RandomSampler` with replacement or
+    `num_samples`, a `SubsetRandomSampler`, a `WeightedRandomSampler` the caller built), given as
+    `sampler=` or inside torch's `BatchSampler` given as `batch_sampler=` (rebuilt as the same
+    `batch_size` and `drop_last`)."""
+    if type(dataloader) is not DataLoader or isinstance(dataloader.dataset, IterableDataset):
+        return None
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:  # no automatic batching (batch_size=None): one index a batch
+        sampler, batch_size, drop_last = dataloader.sampler, None, False
+    elif type(batch_sampler) is BatchSampler:
+        sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
+    else:
+        return None
+    if type(sampler) not in _OWN_SAMPLERS:
         return None
     settings = {name: getattr(dataloader, name) for name in _COPIED}
-    sampler = LoaderOrder(dataloader.sampler, dataloader.generator)
-    return DataLoader(dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler,
-                      drop_last=dataloader.drop_last, **settings)
+    return DataLoader(dataloader.dataset, batch_size=batch_size, sampler=LoaderOrder(sampler, dataloader.generator),
+                      drop_last=drop_last, **settings)
 
 
 def shard(dataloader, stage: str, rank: int, world_size: int, split_batches: bool, policy=None):

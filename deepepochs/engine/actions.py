@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import torch
 
-from deepepochs.data.sampling import user_generators
 from deepepochs.engine import buffers, carried, kept_grads, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
@@ -378,8 +377,9 @@ def remember_position(ctx: Context) -> None:
     carried.keep(ctx)
     if ctx.data_source is not None:
         point, source = ctx.loop.resume, ctx.data_source
-        ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, source.state_dict())
-        ctx.run.data_generators = (point.epoch, point.task_index, [g.get_state() for g in user_generators(source)])
+        ctx.data_state = (point.epoch, point.task_index, ctx.loop.batch_idx, source.holder.state_dict())
+        ctx.run.data_generators = (point.epoch, point.task_index, [g.get_state() for g in source.generators])
+        ctx.run.data_ended = (point.epoch, point.task_index, ctx.loop.batch_idx) if source.ended else None
 
 
 @action

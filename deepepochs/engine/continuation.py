@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import warnings
 
-from deepepochs.data.batch_rules import exact_length, stateful
-from deepepochs.data.sampling import DataOrder, iterate_past, loader_order, skip_batches, user_generators
+from torch.utils.data import DataLoader
+
+from deepepochs.data.batch_rules import exact_length
+from deepepochs.data.sampling import DataOrder, LoaderOrder, iterate_past, loader_order, skip_batches
+from deepepochs.data.streams import StreamSource, generators_of, resume_warning, start_draws, stream_holder
 from deepepochs.engine import generators as random_streams
 from deepepochs.engine import position
 from deepepochs.engine.context import Context, ResumePoint
@@ -90,27 +93,31 @@ def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) ->
     `skip` in this run's batches, `past` the batches to read and drop when the data cannot skip them itself,
     `generators` the `(generator, state)` pairs to put back once the epoch's iterator is made.
 
-    A stateful DataLoader (torchdata's) whose state was kept at this task's last commit point continues
-    from it (`load_state_dict`), reading past any update applied after it; other data skips at the
-    sampler (`sampling.skip_batches`), or on another world size by its global sample count. A DataLoader in
-    its own order (`sampling.LoaderOrder`) draws the epoch's order from the states the run state kept when
-    the epoch's task first began (`RunState.order_draws`), or keeps them now for a fresh task. Sets
-    `ctx.data_source` (the loader whose state `remember_position` keeps) and the resume point's count."""
-    loop = ctx.loop
-    source = data if stateful(data) else None
-    saved, past, generators = ctx.run.data_state, 0, []
-    if skip and source is not None and saved is not None and saved[:2] == (epoch, ctx.task_index):
-        source.load_state_dict(saved[3])  # continues after the batches committed when it was read
+    Stateful data (`streams.stream_holder`: torchdata's StatefulDataLoader, a stateful IterableDataset or
+    iterable) whose state was kept at this task's last commit point (or, for a dataset, at the task's start)
+    continues from it (`load_state_dict`), reading past any update applied after it; other data skips at the
+    sampler (`sampling.skip_batches`), or on another world size by its global sample count, or is iterated
+    past its committed batches (with a warning naming what to do when its order may differ). The generators
+    the data draws its epoch from go back to the states the run state kept when the epoch's task first began
+    (`RunState.order_draws`, `streams.start_draws`), or are kept now for a fresh task. Sets `ctx.data_source`
+    (what `remember_position` keeps) and the resume point's count."""
+    loop, run = ctx.loop, ctx.run
+    holder = stream_holder(data)
+    saved, past, generators = run.data_state, 0, []
+    if holder is not None and saved is not None and saved[:2] == (epoch, ctx.task_index) and saved[2] <= skip:
+        holder.load_state_dict(saved[3])  # continues after the batches committed when it was read
         past = skip - saved[2]  # an update applied after it, whose commit a fault cut short: in order, past it
-        kept = ctx.run.data_generators
+        if run.data_ended == (epoch, ctx.task_index, skip):
+            data = ()  # it had said it has no more batches: its state may be the next pass's already
+        kept = run.data_generators
         if kept is not None and kept[:2] == (epoch, ctx.task_index):
             # Making the restored iterator draws from the loader's generators again (torchdata's
             # StatefulDataLoader: its sampler's permutation, the base seed), leaving them where the
             # uninterrupted run's never were; they go back to the commit point's states after it.
-            generators = list(zip(user_generators(source), kept[2]))
-        if getattr(source, "num_workers", 0):
+            generators = list(zip(generators_of(data), kept[2]))
+        if skip and getattr(holder, "num_workers", 0):
             warnings.warn(
-                f"resuming inside epoch {epoch} with a stateful DataLoader of {source.num_workers} worker processes:"
+                f"resuming inside epoch {epoch} with a stateful DataLoader of {holder.num_workers} worker processes:"
                 " its order and batches continue exactly, but it starts its workers' random generators afresh"
                 " (torchdata seeds them from the base seed, not where they stood), so random draws inside the"
                 " workers (augmentation in the dataset) differ from the uninterrupted run's for the rest of this"
@@ -120,10 +127,17 @@ def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) ->
         _check_order(ctx, data, epoch)
         data, skip, past = skip_batches(data, skip, samples, ctx.parts.dist.world_size)
         loop.resume.batches_done = skip  # in this run's batches
-    order = loader_order(data)
-    if order is not None:  # right before the iterator is made (`_replay`): its generators' states are kept here
-        ctx.run.order_draws = order.start(epoch, ctx.task_index, ctx.run.order_draws)
-    ctx.data_source = source
+        message = None if isinstance(getattr(data, "sampler", None), (DataOrder, LoaderOrder)) \
+            else resume_warning(data, skip)
+        if message is not None:
+            warnings.warn(message, DeepEpochsWarning, stacklevel=4)
+    elif holder is not None and not isinstance(holder, DataLoader):
+        # A dataset's stream at the task's start: a refit of the task before its first commit starts it here
+        # again (a loader's epoch starts afresh from its generators, kept below).
+        run.data_state = (epoch, ctx.task_index, 0, holder.state_dict())
+    # right before the iterator is made (`_replay`): the generators' states of the epoch's start
+    run.order_draws = start_draws(data, epoch, ctx.task_index, run.order_draws)
+    ctx.data_source = None if holder is None else StreamSource(holder, generators_of(data))
     return data, skip, past, generators
 
 
@@ -161,12 +175,18 @@ def _replay(ctx: Context, data, skip: int, past: int, generators: list):
     if skip and replay is not None and replay[0] is not None:
         run.task_random_state = replay[0]
         random_streams.set_random_state(ctx, replay[0])
-        batches = _put_back(iter(data), generators)
+        batches = _put_back(_watched(ctx, data), generators)
         batches = iterate_past(batches, past)
         random_streams.set_random_state(ctx, replay[1])
         return batches
     run.task_random_state = random_streams.random_state(ctx)
-    return iterate_past(_put_back(iter(data), generators), past)
+    return iterate_past(_put_back(_watched(ctx, data), generators), past)
+
+
+def _watched(ctx: Context, data):
+    """The iterator of `data`, made now; a stateful source's notes where it ends (`StreamSource.watch`)."""
+    batches = iter(data)
+    return batches if ctx.data_source is None else ctx.data_source.watch(batches)
 
 
 def _put_back(batches, generators: list):

@@ -116,6 +116,9 @@ class RunState:
             resumed snapshot puts them back once it has made the epoch's iterator (torchdata's
             `StatefulDataLoader` draws from them again then), so the epochs after it draw what the
             uninterrupted run drew.
+        data_ended: `(epoch, task index, batches done)` of the last commit point when the task's stateful data
+            had already said it has no more batches (read ahead to find the task's last one), else None: a
+            refit or a resumed snapshot there loads its state but runs no more of the task's batches.
         order_draws: what the running (or last) training task's DataLoader drew its epoch's order from,
             in the loader's own order (`deepepochs.data.sampling.OrderDraws`, one process,
             `data_order='loader'`), filled in place as it draws: a refit or a resumed snapshot of that epoch
@@ -151,6 +154,7 @@ class RunState:
     random_replay: tuple | None = _field(None, copy=SHARED, snapshot="derived from the position's random states")
     data_state: tuple | None = _field(None, copy=SHARED, snapshot="the position's data state, per rank")
     data_generators: tuple | None = _field(None, copy=SHARED)
+    data_ended: tuple | None = _field(None, copy=SHARED)
     # Filled in place by the loader's sampler when it draws (deep-copied by a capture: two small tensors).
     order_draws: object | None = _field(None)
     # Copied in place at every commit point (`buffers.keep`), so a capture copies them (once per epoch end).

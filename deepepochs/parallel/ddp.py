@@ -48,6 +48,7 @@ from torch.utils.data import (
 
 from deepepochs.data.batch_rules import stateful
 from deepepochs.data.sampling import ShortestShard, len_or_minus_one, own_order, shard, unsplit_warning, user_generators
+from deepepochs.data.streams import epoch_stream
 from deepepochs.errors import DeepEpochsWarning, DistributedError
 from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.patches import TensorPatch, _map_tensors
@@ -76,6 +77,10 @@ class _PolicyBase:
         # and the states a loaded checkpoint holds for generators not met yet (the next fit's loaders).
         self._loader_generators: list[torch.Generator] = []
         self._pending_generator_states: list = []
+        # Likewise the stateful datasets the training data streams from in this process (`streams.epoch_stream`):
+        # the state the next epoch starts from, which every checkpoint keeps.
+        self._streams: list = []
+        self._pending_stream_states: list = []
 
     def loader_generator_states(self) -> list:
         """The states of the generators the training DataLoaders of this process draw from in their own
@@ -91,6 +96,34 @@ class _PolicyBase:
         for generator, state in zip(met, states):
             generator.set_state(state)
         self._pending_generator_states = list(states[len(met):])
+
+    def stream_states(self) -> list:
+        """The `state_dict()` of each stateful dataset the training data of this process streams from
+        (`deepepochs.data.streams.epoch_stream`), in the order first met: a checkpoint keeps them, so that a
+        resumed run's next epoch streams what the uninterrupted run's did."""
+        return [stream.state_dict() for stream in self._streams]
+
+    def continue_streams(self, states: list) -> None:
+        """Put back `stream_states()` of a checkpoint: into the datasets met already, and into those the next
+        training data brings, in the same order."""
+        met = self._streams
+        for stream, state in zip(met, states):
+            stream.load_state_dict(state)
+        self._pending_stream_states = list(states[len(met):])
+
+    def _own_order(self, dataloader):
+        """A training DataLoader in its own order (`sampling.own_order`: one process's default, and any
+        sampler without a global order, such as one drawing with replacement), or as given; the
+        generators it draws from are met (their states travel in checkpoints), a stateful loader's too."""
+        own = None if stateful(dataloader) else own_order(dataloader)
+        data = dataloader if own is None else own
+        self._meet_generators(user_generators(data))
+        stream = epoch_stream(data)
+        if stream is not None and not any(stream is known for known in self._streams):
+            self._streams.append(stream)
+            if self._pending_stream_states:
+                stream.load_state_dict(self._pending_stream_states.pop(0))
+        return data
 
     def _meet_generators(self, generators) -> None:
         for generator in generators:
@@ -148,28 +181,21 @@ class SingleProcess(_PolicyBase):
         return model
 
     def prepare_dataloader(self, dataloader, stage: str):
-        """The iterable a task iterates: a plain training DataLoader keeps its own order, rebuilt around its
-        sampler so that a resumed epoch draws it again and skips at the sampler (`LoaderOrder`, the default
-        'loader'), or gets the global order of (seed, epoch) (`DataOrder`, as under DDP with one rank:
-        'global'); everything else is used as given."""
+        """The iterable a task iterates: a training DataLoader over one of torch's samplers keeps its own
+        order, rebuilt around its sampler so that a resumed epoch draws it again and skips at the sampler
+        (`LoaderOrder`, the default 'loader'), or a plain one gets the global order of (seed, epoch)
+        (`DataOrder`, as under DDP with one rank: 'global'; a sampler with replacement, `num_samples`,
+        weights or a subset has no global order and keeps its own); everything else is used as given."""
         if stage != "train":
             return dataloader
         if self.order_seed is None:  # kept for 'global' in any case: a checkpoint carries it to any world size
             self.order_seed = torch.initial_seed() % 2**62
-        if stateful(dataloader):  # used as given (its own order); its generators travel in checkpoints
-            self._meet_generators(user_generators(dataloader))
-            return dataloader
-        if self.data_order == "loader":
-            own = own_order(dataloader)
-            if own is None:
-                return dataloader
-            self._meet_generators(user_generators(own))
-            return own
-        sharded = shard(dataloader, stage, 0, 1, False, self)
-        if sharded is None:
-            return dataloader
-        self._epoch_samplers.add(sharded.sampler)
-        return sharded
+        if self.data_order == "global":
+            sharded = shard(dataloader, stage, 0, 1, False, self)
+            if sharded is not None:
+                self._epoch_samplers.add(sharded.sampler)
+                return sharded
+        return self._own_order(dataloader)
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients (DDP's no_sync when False)."""
@@ -318,9 +344,13 @@ class DDPPolicy(_PolicyBase):
           original order); the DataLoader's `drop_last` is not applied, so no sample is lost.
 
         With `split_batches` the rebuilt DataLoader's batch size is the original divided by the world size.
-        Other iterables (DataLoaders with a user sampler or batch sampler, DataLoader subclasses, iterable
-        datasets, plain iterables) are used unchanged; a user `DistributedSampler` still gets `set_epoch`,
-        and without one rank 0 warns once that such training data is trained whole (`unsplit_warning`).
+        A training DataLoader over another of torch's samplers (with replacement, `num_samples`, weights, a
+        subset; or inside a `BatchSampler`) has no global order: each rank keeps its own, rebuilt around it
+        (`LoaderOrder`) so that a resumed epoch draws it again. Other iterables (DataLoaders with a user
+        sampler or batch sampler, DataLoader subclasses, iterable datasets, plain iterables) are used
+        unchanged; a user `DistributedSampler` still gets `set_epoch`. Where deepepochs did not shard the
+        training data, rank 0 warns once that it is trained whole unless a `DistributedSampler` shows the
+        caller split it (`unsplit_warning`).
 
         For training this is a collective: all ranks compare their batch counts, because a rank with more
         training batches than another would wait forever in a gradient all-reduce. Where some rank's data
@@ -336,6 +366,8 @@ class DDPPolicy(_PolicyBase):
         if message is not None:
             self._unsplit_said = True
             warnings.warn(message, DeepEpochsWarning, stacklevel=2)
+        if sharded is None:  # no global order (a sampler with replacement, ...): each rank's own, resumable
+            data = self._own_order(dataloader)
         sampler = getattr(data, "sampler", None)
         count = len_or_minus_one(data)
         gathered = [None] * self.world_size

@@ -1,8 +1,9 @@
 """A training run for the preemption tests (run as a script; killed at random moments by the tests).
 
 `python snapshot_target.py <ckpt_dir> <out.pt> [--every N] [--epochs E] [--workers W --context C
-[--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue] [--run-lock MODE] [--val-workers W
---val-context C --val-slow S]`: fp32 on the CPU, shuffle=True, dropout, Adam, a step-wise StepLR, k=3
+[--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue] [--run-lock MODE] [--replacement]
+[--val-workers W --val-context C --val-slow S]`: fp32 on the CPU, shuffle=True (`--replacement`: a RandomSampler
+drawing M samples with replacement from its own generator), dropout, Adam, a step-wise StepLR, k=3
 accumulation (`--accumulate`), M samples (600), DataLoader worker processes (`--workers`, started by
 `--context`: fork, spawn or forkserver; each prints `worker <id> <pid>` when it starts; `--slow-data`: each
 sample takes S seconds to load, the results are the same), a validation DataLoader of 64 samples in 2
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--val-workers", type=int, default=0)
     parser.add_argument("--val-context", default=None)
     parser.add_argument("--val-slow", type=float, default=0.0)
+    parser.add_argument("--replacement", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -86,7 +88,12 @@ def main() -> None:
     loader = {} if not args.workers else {"num_workers": args.workers, "multiprocessing_context": args.context,
                                           "persistent_workers": args.persistent, "worker_init_fn": worker_ready}
     dataset = TensorDataset(x, y) if not args.slow_data else SlowData(TensorDataset(x, y), args.slow_data)
-    train = DataLoader(dataset, batch_size=4, shuffle=True, **loader)
+    if args.replacement:  # a sampler drawing with replacement from its own generator, as many samples as the data
+        sampler = torch.utils.data.RandomSampler(range(args.samples), replacement=True, num_samples=args.samples,
+                                                 generator=torch.Generator().manual_seed(2))
+        train = DataLoader(dataset, batch_size=4, sampler=sampler, **loader)
+    else:
+        train = DataLoader(dataset, batch_size=4, shuffle=True, **loader)
     val_loader = {} if not args.val_workers else {"num_workers": args.val_workers,
                                                   "multiprocessing_context": args.val_context,
                                                   "worker_init_fn": val_worker_ready}

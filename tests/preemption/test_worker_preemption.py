@@ -2,7 +2,8 @@
 once (`os.killpg` on the job's process group, as SLURM does at a time limit or on `scancel`). The fit still
 stops at a commit point with `Preempted` (status 143 for SIGTERM), and the resumed run ends bit-identical
 to an uninterrupted run on every model, optimizer and scheduler tensor: fork, spawn and forkserver workers,
-persistent or not, with and without accumulation, and a worker killed alone by a listed signal.
+persistent or not, with and without accumulation, a sampler drawing with replacement from its own generator,
+and a worker killed alone by a listed signal.
 
 The target is `snapshot_target.py` (its workers print `worker <id>` when they start); the reference is the
 same script with the same DataLoader, without a SnapshotCallback, run once without interruption.
@@ -37,6 +38,7 @@ CONFIGS = {  # name: the DataLoader and accumulation options of the target
     "fork-persistent-k1": ("--workers", "2", "--context", "fork", "--persistent", "--accumulate", "1"),
     "spawn": ("--workers", "2", "--context", "spawn"),
     "forkserver-persistent": ("--workers", "3", "--context", "forkserver", "--persistent"),
+    "fork-replacement": ("--workers", "2", "--context", "fork", "--replacement"),  # a sampler with replacement
 }
 
 
