@@ -28,6 +28,7 @@ from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
 from deepepochs.engine.generators import remember_random_state
+from deepepochs.engine.runstate import VAL_POINT_KEY
 from deepepochs.errors import Preempted
 from deepepochs.fsm.events import ActionName, Event
 from deepepochs.fsm.machine import load_spec
@@ -122,6 +123,34 @@ def has_save_requests(ctx: Context) -> bool:
 
 
 @guard
+def update_budget_reached(ctx: Context) -> bool:
+    target = ctx.loop.target_updates
+    return target is not None and ctx.loop.run.updates >= target
+
+
+@guard
+def task_stops(ctx: Context) -> bool:
+    return update_budget_reached(ctx) or ctx.loop.stop is not None
+
+
+@guard
+def val_point_due(ctx: Context) -> bool:
+    """Every `val_every`-th committed update and the one reaching the budget, unless the run's records already
+    hold a validation at this count (a refit, or a resume, after the point was validated)."""
+    loop = ctx.loop
+    every, updates = loop.val_every, loop.run.updates
+    if every is None or updates == 0 or (updates % every and not update_budget_reached(ctx)):
+        return False
+    done = ctx.history["val"].get(VAL_POINT_KEY)
+    return not done or done[-1] != updates
+
+
+@guard
+def val_point_open(ctx: Context) -> bool:
+    return ctx.loop.val_point_open
+
+
+@guard
 def resume_pending(ctx: Context) -> bool:
     return ctx.loop.resume_pending
 
@@ -200,6 +229,20 @@ def commit_epoch(ctx: Context) -> None:
     for stage, metrics in ctx.last_metrics.items():
         if stage in ctx.history:
             _record(ctx.history[stage], metrics, aligned=stage == "train")
+
+
+@action
+def open_val_point(ctx: Context) -> None:
+    ctx.loop.val_point_open = True
+
+
+@action
+def commit_val_point(ctx: Context) -> None:
+    """The validation point is done for good: its row, `{'updates': count, metric: value, ...}`, joins the
+    validation records (its metrics leave the epoch's, so the epoch's end does not record them again)."""
+    ctx.loop.val_point_open = False
+    metrics = ctx.last_metrics.pop("val", {})
+    _record(ctx.history["val"], {VAL_POINT_KEY: ctx.loop.run.updates, **metrics}, aligned=False)
 
 
 def _record(records: dict, metrics: dict, aligned: bool) -> None:
@@ -382,12 +425,15 @@ def remember_position(ctx: Context) -> None:
 @action
 def commit_update(ctx: Context) -> None:
     """The window's update is committed: the task's position moves past the window (the driver set the
-    point to (epoch, task) when the task began) and the update is counted for snapshots, once per window."""
+    point to (epoch, task) when the task began) and the update is counted, once per window (an update skipped
+    for inf/NaN counts too): the run state's `updates`, the update clock's and the snapshots' count."""
     loop = ctx.loop
-    if not loop.window_committed and ctx.snapshots is not None:
+    if not loop.window_committed:
         # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
         # after this (release_interrupts), before it, and the window is committed all the same
-        ctx.snapshots.count_update()
+        loop.run.updates += 1
+        if ctx.snapshots is not None:
+            ctx.snapshots.count_update()
     loop.window_committed = True
     loop.resume.batches_done = loop.batch_idx
 
@@ -464,6 +510,7 @@ def reset_loop(ctx: Context) -> None:
     loop = ctx.loop
     loop.stage = None
     loop.meters = None
+    loop.val_point_open = False
     open_window(ctx)
     ctx.task = None
     ctx.model = ctx.parts.train_model

@@ -28,7 +28,7 @@ import copy as _copy
 
 import attrs
 
-__all__ = ["DEEP", "GENERIC", "SHARED", "ResumePoint", "RunState", "StopRequest", "capture", "generic_fields",
+__all__ = ["DEEP", "GENERIC", "SHARED", "VAL_POINT_KEY", "ResumePoint", "RunState", "StopRequest", "capture", "generic_fields",
            "restore"]
 
 #: `copy` metadata: `capture` deep-copies the value (the default: safe for any new field).
@@ -38,6 +38,9 @@ SHARED = "shared"
 #: `snapshot` metadata: a mid-epoch snapshot stores the value as it is (tensors, numbers, strings, lists,
 #: dicts, tuples and attrs records of those), per rank.
 GENERIC = "generic"
+#: The column of the validation records that holds each validation point's update count (the update clock:
+#: `fit(val_every_n_updates=M)` records one row per validation point).
+VAL_POINT_KEY = "updates"
 
 
 def _field(default=attrs.NOTHING, *, factory=None, copy: str = DEEP, snapshot: str = GENERIC,
@@ -126,6 +129,9 @@ class RunState:
         grads: the gradients the optimizers' parameters held at the last commit point (those of optimizers
             that did not step, by `"<optimizer>.<group>.<position>"`), which a rollback writes back and a
             fit starts from (`deepepochs.engine.kept_grads`); None when they held none.
+        updates: the update windows the run committed (`commit_update`: applied, or skipped for inf/NaN),
+            resumed runs included: the update clock (`max_updates`, `val_every_n_updates`) and the snapshots'
+            count (`snapshot-u<updates>`).
     """
 
     running_id: str = _field("", copy=SHARED, snapshot="the checkpoint's running_id (resume names the run)")
@@ -154,6 +160,7 @@ class RunState:
     buffers: dict | None = _field(None)
     # Replaced whole at commit points where some optimizer did not step (`kept_grads.keep`); None otherwise.
     grads: dict | None = _field(None, copy=SHARED)
+    updates: int = _field(0, copy=SHARED, snapshot="the checkpoint's updates")
 
 
 def capture(run: RunState) -> RunState:
