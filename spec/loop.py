@@ -124,8 +124,8 @@ GUARDS = [
     G("snapshot_due", "A SnapshotCallback wants a snapshot at this commit point (its update count or minutes"
       " came round, an epoch ended, or a signal it listens for arrived), agreed by every rank."),
     G("stop_signalled", "A signal a SnapshotCallback listens for arrived (on any rank): the fit stops here."),
-    G("update_budget_reached", "Trainer(max_updates=N) is given and the run committed N updates (skipped ones"
-      " included)."),
+    G("update_budget_reached", "Trainer(max_updates=N) is given, the run committed N updates (skipped ones"
+      " included) and no epoch interrupted after them waits for its end."),
     G("task_stops", "The update clock stops the training task here: the update budget is reached or a callback"
       " requested a stop."),
     G("val_point_due", "fit(val_every_n_updates=M) with validation data: the committed update count is a multiple"

@@ -122,15 +122,21 @@ def has_save_requests(ctx: Context) -> bool:
     return bool(ctx.loop.save_requests)
 
 
-@guard
-def update_budget_reached(ctx: Context) -> bool:
+def _budget_spent(ctx: Context) -> bool:
     target = ctx.loop.target_updates
     return target is not None and ctx.loop.run.updates >= target
 
 
 @guard
+def update_budget_reached(ctx: Context) -> bool:
+    """The budget is spent and no epoch interrupted after its last update waits for its end (a refit finishes
+    that epoch: its last validation point, its end's hooks and records)."""
+    return _budget_spent(ctx) and ctx.loop.resume is None
+
+
+@guard
 def task_stops(ctx: Context) -> bool:
-    return update_budget_reached(ctx) or ctx.loop.stop is not None
+    return _budget_spent(ctx) or ctx.loop.stop is not None
 
 
 @guard
@@ -139,7 +145,7 @@ def val_point_due(ctx: Context) -> bool:
     hold a validation at this count (a refit, or a resume, after the point was validated)."""
     loop = ctx.loop
     every, updates = loop.val_every, loop.run.updates
-    if every is None or updates == 0 or (updates % every and not update_budget_reached(ctx)):
+    if every is None or updates == 0 or (updates % every and not _budget_spent(ctx)):
         return False
     done = ctx.history["val"].get(VAL_POINT_KEY)
     return not done or done[-1] != updates
@@ -239,7 +245,10 @@ def open_val_point(ctx: Context) -> None:
 @action
 def commit_val_point(ctx: Context) -> None:
     """The validation point is done for good: its row, `{'updates': count, metric: value, ...}`, joins the
-    validation records (its metrics leave the epoch's, so the epoch's end does not record them again)."""
+    validation records (its metrics leave the epoch's, so the epoch's end does not record them again), and
+    torch's generators are kept as the validation left them (its loaders drew from them): a refit after a
+    fault in the next window continues from here."""
+    remember_random_state(ctx)
     ctx.loop.val_point_open = False
     metrics = ctx.last_metrics.pop("val", {})
     _record(ctx.history["val"], {VAL_POINT_KEY: ctx.loop.run.updates, **metrics}, aligned=False)

@@ -229,7 +229,8 @@ class GuardName(str, enum.Enum):
     STOP_SIGNALLED = 'stop_signalled'
     """A signal a SnapshotCallback listens for arrived (on any rank): the fit stops here."""
     UPDATE_BUDGET_REACHED = 'update_budget_reached'
-    """Trainer(max_updates=N) is given and the run committed N updates (skipped ones included)."""
+    """Trainer(max_updates=N) is given, the run committed N updates (skipped ones included) and no epoch interrupted
+    after them waits for its end."""
     TASK_STOPS = 'task_stops'
     """The update clock stops the training task here: the update budget is reached or a callback requested a stop."""
     VAL_POINT_DUE = 'val_point_due'

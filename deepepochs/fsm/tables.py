@@ -122,7 +122,8 @@ GUARDS = (('epochs_remaining', 'Completed epochs are fewer than the epoch target
   'epoch ended, or a signal it listens for arrived), agreed by every rank.'),
  ('stop_signalled', 'A signal a SnapshotCallback listens for arrived (on any rank): the fit stops here.'),
  ('update_budget_reached',
-  'Trainer(max_updates=N) is given and the run committed N updates (skipped ones included).'),
+  'Trainer(max_updates=N) is given, the run committed N updates (skipped ones included) and no epoch '
+  'interrupted after them waits for its end.'),
  ('task_stops',
   'The update clock stops the training task here: the update budget is reached or a callback requested a '
   'stop.'),
