@@ -221,6 +221,7 @@ def monitors_of(trainer) -> list:
 
 
 def plain_records(records: Mapping) -> dict:
-    """`{'train': {name: [...]}, 'val': {...}}` as new lists of floats (what a file may hold)."""
-    return {stage: {name: [float(v) for v in values] for name, values in metrics.items()}
+    """`{'train': {name: [...]}, 'val': {...}}` as new lists of floats, ints kept (a validation point's
+    update count), what a file may hold."""
+    return {stage: {name: [v if type(v) is int else float(v) for v in values] for name, values in metrics.items()}
             for stage, metrics in records.items()}

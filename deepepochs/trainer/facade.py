@@ -54,7 +54,11 @@ class TrainerBase(StepMethods):
         loss: `loss(model_out, batch_y)`, or None when the model returns its own loss (a scalar or a dict
             with 'loss').
         opt: None (Adam, lr=1e-3), a torch optimizer, a `deepepochs.Optimizer`, or a list of them.
-        epochs: total epoch target; repeated or resumed fits continue up to it.
+        epochs: total epoch target; repeated or resumed fits continue up to it. Default 1000, or unbounded
+            (None) with `max_updates`.
+        max_updates: total target in committed optimizer updates (an update skipped for inf/NaN counts), or
+            None; with `epochs` too, whichever is reached first ends the fit (see the guide's "Training by
+            updates").
         device: None (CUDA if available, else CPU), a string or a `torch.device`.
         callbacks: a list of `Callback`.
         metrics: metric functions `(preds, targets) -> scalar | dict`, or torchmetrics metric objects
@@ -296,7 +300,11 @@ class TrainerBase(StepMethods):
         With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
         training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
         that is finished (see `deepepochs.checkpoint.finished`) trains nothing. While it runs, the run's
-        folders are locked against other processes (`run_lock`)."""
+        folders are locked against other processes (`run_lock`).
+
+        `val_every_n_updates=M` validates after every M-th update of the run and at `max_updates`, inside
+        epochs (then not at epochs' ends); `records['val']` then has one row per validation point, with its
+        update count under `'updates'`."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
