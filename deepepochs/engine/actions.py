@@ -16,7 +16,6 @@ machine's state: what differs between edges is which actions the spec puts on th
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections.abc import Callable
 
@@ -28,26 +27,15 @@ from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
 from deepepochs.engine.generators import remember_random_state
-from deepepochs.engine.runstate import VAL_POINT_KEY
+from deepepochs.engine.registry import ACTIONS, GUARDS, action, guard
+from deepepochs.engine.runstate import record_row
 from deepepochs.errors import Preempted
 from deepepochs.fsm.events import ActionName, Event
 from deepepochs.fsm.machine import load_spec
 
-__all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded"]
+__all__ = ["ACTIONS", "FOLDS", "GUARDS", "action", "batch_token", "bind", "check_registry", "check_registry_once",
+           "folded", "guard", "record_row"]
 
-GUARDS: dict[str, Callable[[Context], bool]] = {}
-ACTIONS: dict[str, Callable[[Context], None]] = {}
-
-
-def _register(table: dict, kind: str, fn: Callable) -> Callable:
-    if fn.__name__ in table:
-        raise RuntimeError(f"{kind} {fn.__name__!r} is implemented twice")
-    table[fn.__name__] = fn
-    return fn
-
-
-guard = functools.partial(_register, GUARDS, "guard")
-action = functools.partial(_register, ACTIONS, "action")
 
 
 def check_registry(spec) -> None:
@@ -120,40 +108,6 @@ def grads_finite(ctx: Context) -> bool:
 @guard
 def has_save_requests(ctx: Context) -> bool:
     return bool(ctx.loop.save_requests)
-
-
-def _budget_spent(ctx: Context) -> bool:
-    target = ctx.loop.target_updates
-    return target is not None and ctx.loop.run.updates >= target
-
-
-@guard
-def update_budget_reached(ctx: Context) -> bool:
-    """The budget is spent and no epoch interrupted after its last update waits for its end (a refit finishes
-    that epoch: its last validation point, its end's hooks and records)."""
-    return _budget_spent(ctx) and ctx.loop.resume is None
-
-
-@guard
-def task_stops(ctx: Context) -> bool:
-    return _budget_spent(ctx) or ctx.loop.stop is not None
-
-
-@guard
-def val_point_due(ctx: Context) -> bool:
-    """Every `val_every`-th committed update and the one reaching the budget, unless the run's records already
-    hold a validation at this count (a refit, or a resume, after the point was validated)."""
-    loop = ctx.loop
-    every, updates = loop.val_every, loop.run.updates
-    if every is None or updates == 0 or (updates % every and not _budget_spent(ctx)):
-        return False
-    done = ctx.history["val"].get(VAL_POINT_KEY)
-    return not done or done[-1] != updates
-
-
-@guard
-def val_point_open(ctx: Context) -> bool:
-    return ctx.loop.val_point_open
 
 
 @guard
@@ -234,37 +188,7 @@ def commit_epoch(ctx: Context) -> None:
     ctx.epoch_undo.clear()
     for stage, metrics in ctx.last_metrics.items():
         if stage in ctx.history:
-            _record(ctx.history[stage], metrics, aligned=stage == "train")
-
-
-@action
-def open_val_point(ctx: Context) -> None:
-    ctx.loop.val_point_open = True
-
-
-@action
-def commit_val_point(ctx: Context) -> None:
-    """The validation point is done for good: its row, `{'updates': count, metric: value, ...}`, joins the
-    validation records (its metrics leave the epoch's, so the epoch's end does not record them again), and
-    torch's generators are kept as the validation left them (its loaders drew from them): a refit after a
-    fault in the next window continues from here."""
-    remember_random_state(ctx)
-    ctx.loop.val_point_open = False
-    metrics = ctx.last_metrics.pop("val", {})
-    _record(ctx.history["val"], {VAL_POINT_KEY: ctx.loop.run.updates, **metrics}, aligned=False)
-
-
-def _record(records: dict, metrics: dict, aligned: bool) -> None:
-    """Append an epoch's `metrics` to a stage's `records`. `aligned` (training, which runs every epoch): a
-    name this epoch lacks gets NaN and a name new this epoch NaN for the epochs before, so that every list
-    has one entry per epoch (an epoch whose updates were all skipped reports NaN values)."""
-    epochs = max((len(values) for values in records.values()), default=0)
-    for name, value in metrics.items():
-        records.setdefault(name, [math.nan] * epochs if aligned else []).append(value)
-    if aligned:
-        for name, values in records.items():
-            if name not in metrics and len(values) == epochs:
-                values.append(math.nan)
+            record_row(ctx.history[stage], metrics, aligned=stage == "train")
 
 
 # ---- the accumulation window -------------------------------------------------------------------------
@@ -542,3 +466,8 @@ def batch_token(ctx: Context) -> tuple:
     """Identifies the current training iteration for the scaler (all losses of one batch share a scale)."""
     loop = ctx.loop
     return (loop.epoch, loop.batch_idx, id(loop.meters))
+
+
+# The update clock's guards and actions, in a module of their own; imported here so that the registry is
+# complete wherever this module is.
+from deepepochs.engine import clock_rules  # noqa: E402, F401  (it imports the registry, not this module)

@@ -142,7 +142,8 @@ class TrainerBase(StepMethods):
         if epochs is None and max_updates is None:
             epochs = 1000  # the default target without an update budget
         self.config = TrainerConfig(
-            epochs=epochs, max_updates=max_updates, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
+            epochs=epochs, max_updates=max_updates, precision=precision,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=patch_kind(metric_patch), nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
             fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout, data_order=data_order,
