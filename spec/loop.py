@@ -160,7 +160,8 @@ ACTIONS = [
     A("release_interrupts", "End the update's critical section: a Ctrl-C held since unscale_gradients is raised"
       " now, after the commit.", after_commit=True),
     A("close_window", "Fold the window's loss sums and metric patches into the task's."),
-    A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured)."),
+    A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured); with"
+      " validation points (val_every_n_updates) at each point, with its validation loss, not at epochs' ends."),
     A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end."),
     A("commit_epoch", "Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers'"
       " steps; rollback returns here at the latest.", commit=True),
@@ -262,9 +263,11 @@ TRANSITIONS = [
     E("end_task", "task_val", "stage_val", "The validation task is done."),
     E("end_stage", "stage_val", "epoch_end", "The validation stage is done.", unless=["val_point_open"]),
     E("end_stage", "stage_val", "task_train", "The validation point is done; training goes on.",
-      conditions=["val_point_open"], unless=["task_stops"], actions=["save_checkpoints", "commit_val_point"]),
+      conditions=["val_point_open"], unless=["task_stops"],
+      actions=["step_epoch_schedulers", "save_checkpoints", "commit_val_point"]),
     E("end_stage", "stage_val", "task_spent", "The validation point is done, and training stops here.",
-      conditions=["val_point_open", "task_stops"], actions=["save_checkpoints", "commit_val_point"]),
+      conditions=["val_point_open", "task_stops"],
+      actions=["step_epoch_schedulers", "save_checkpoints", "commit_val_point"]),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete; checkpoints are written.",
       conditions=["has_save_requests"], actions=["step_epoch_schedulers", "save_checkpoints", "commit_epoch"]),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete.",

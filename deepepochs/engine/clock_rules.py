@@ -61,6 +61,7 @@ def commit_val_point(ctx: Context) -> None:
     torch's generators are kept as the validation left them (its loaders drew from them): a refit after a
     fault in the next window continues from here."""
     remember_random_state(ctx)
+    ctx.epoch_undo.clear()  # the point's scheduler step is committed with it
     ctx.loop.val_point_open = False
     metrics = ctx.last_metrics.pop("val", {})
     record_row(ctx.history["val"], {VAL_POINT_KEY: ctx.loop.run.updates, **metrics}, aligned=False)

@@ -287,7 +287,8 @@ class ActionName(str, enum.Enum):
     CLOSE_WINDOW = 'close_window'
     """Fold the window's loss sums and metric patches into the task's."""
     STEP_EPOCH_SCHEDULERS = 'step_epoch_schedulers'
-    """Step epoch-wise LR schedulers (with the monitored loss if so configured)."""
+    """Step epoch-wise LR schedulers (with the monitored loss if so configured); with validation points
+    (val_every_n_updates) at each point, with its validation loss, not at epochs' ends."""
     SAVE_CHECKPOINTS = 'save_checkpoints'
     """Write the checkpoints requested by callbacks at this epoch's end."""
     COMMIT_EPOCH = 'commit_epoch'

@@ -192,3 +192,39 @@ def test_a_fit_after_the_budget_is_reached_trains_nothing_more(reference):
     trainer.close()
     assert trainer.loop.run.updates == UPDATES
     _assert_equal((model.state_dict(), opt.state_dict(), sched.state_dict(), records), reference)
+
+
+def test_reduce_lr_on_plateau_steps_at_each_validation_point_with_its_loss_as_in_the_plain_loop():
+    """An epoch-wise ReduceLROnPlateau with the monitored loss steps after each validation point with that
+    point's validation loss (the plain loop's `plateau.step(val_loss)`), and not again at the epoch's end."""
+    def parts():
+        model, opt, _ = _parts()
+        return model, opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+
+    model, opt, plateau = parts()
+    train, val = _loaders()
+    batches = iter(train)
+    model.train()
+    for update in range(1, UPDATES + 1):
+        x, y = next(batches)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if update % EVERY == 0 or update == UPDATES:
+            model.eval()
+            total, count = 0.0, 0
+            with torch.no_grad():
+                for vx, vy in val:
+                    total, count = total + float(F.cross_entropy(model(vx), vy)) * len(vy), count + len(vy)
+            plateau.step(total / count)
+            model.train()
+    want = (model.state_dict(), opt.state_dict(), plateau.state_dict())
+
+    model, opt, plateau = parts()
+    trainer = Trainer(model, F.cross_entropy, Optimizer(opt, plateau, sched_with_loss=True), max_updates=UPDATES,
+                      device="cpu", log_batch=False, show_info=False)
+    trainer.fit(*_loaders(), val_every_n_updates=EVERY)
+    trainer.close()
+    assert plateau.state_dict() == want[2] and opt.param_groups[0]["lr"] < 0.1
+    for name, value in want[0].items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -292,7 +292,7 @@ def test_commit_actions_are_last_on_the_edges_that_commit_updates_and_epochs():
         *((source, "finish_update", finish) for source in optimizing),
         ("epoch_end", "end_epoch", ("step_epoch_schedulers", "save_checkpoints", "commit_epoch")),
         ("epoch_end", "end_epoch", ("step_epoch_schedulers", "commit_epoch")),
-        ("stage_val", "end_stage", ("save_checkpoints", "commit_val_point")),
+        ("stage_val", "end_stage", ("step_epoch_schedulers", "save_checkpoints", "commit_val_point")),
     }
 
 
