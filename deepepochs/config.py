@@ -9,7 +9,7 @@ import attrs
 from deepepochs.errors import ConfigError
 
 __all__ = ["DATA_ORDERS", "METRIC_PATCHES", "NONFINITE", "OTHER_NAMES", "PRECISIONS", "RUN_LOCKS", "STRATEGIES",
-           "TrainerConfig", "check_choice", "check_run_name", "unknown_keywords"]
+           "UNBOUNDED_EPOCHS", "TrainerConfig", "check_choice", "check_run_name", "unknown_keywords"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 #: Other libraries' precision names (Lightning's, plain numbers) and what they are here.
@@ -29,6 +29,10 @@ OTHER_NAMES = {
     "max_epochs": "epochs=",
     "num_epochs": "epochs=",
     "n_epochs": "epochs=",
+    "max_steps": "max_updates=",
+    "max_iters": "max_updates=",
+    "val_check_interval": "fit(val_every_n_updates=...)",
+    "eval_steps": "fit(val_every_n_updates=...)",
     "accumulate_grad_batches": "gradient_accumulation_steps=",
     "grad_accum_steps": "gradient_accumulation_steps=",
     "gradient_clip_val": ("callbacks=[GradClipCallback(max_norm, norm_type=2)] (clipping by norm, as Lightning does"
@@ -126,6 +130,24 @@ def _data_order(_instance, attribute, value):
                      " 'global' under several")
 
 
+#: The epoch target of a fit with an update budget and no epoch target (`Trainer(max_updates=N)` alone):
+#: more epochs than any run has, so the budget ends the fit (`TrainerConfig.epoch_target`).
+UNBOUNDED_EPOCHS = 2**40
+
+
+def _optional_positive_int(_instance, attribute, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{attribute.name} must be None or a positive int (got {value!r})")
+
+
+def _epochs(instance, attribute, value):
+    if value is None and instance.max_updates is not None:
+        return  # unbounded: the update budget ends the fit
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        alone = "" if instance.max_updates is not None else ", or None with max_updates=N"
+        raise ConfigError(f"epochs must be a positive int{alone} (got {value!r})")
+
+
 def _positive_int(_instance, attribute, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{attribute.name} must be a positive int (got {value!r})")
@@ -146,7 +168,10 @@ class TrainerConfig:
     """Options of a Trainer that are plain values (models, losses and callbacks are held elsewhere).
 
     Attributes:
-        epochs: total epoch target; a resumed or repeated fit continues up to it.
+        epochs: total epoch target; a resumed or repeated fit continues up to it. None (only with
+            `max_updates`): unbounded, the update budget ends the fit.
+        max_updates: total target in committed optimizer updates (an update skipped for inf/NaN counts), or
+            None; with `epochs` too, whichever is reached first ends the fit.
         precision: 'fp32', 'fp16' (autocast + GradScaler) or 'bf16' (autocast, no scaler).
         gradient_accumulation_steps: DataLoader batches per optimizer update.
         metric_patch: how dataset-level metrics are aggregated: 'auto' (counts for the library's
@@ -174,7 +199,7 @@ class TrainerConfig:
             it to end, 'off' takes no lock (file systems without `flock`).
     """
 
-    epochs: int = attrs.field(default=1000, validator=_positive_int)
+    epochs: int | None = attrs.field(default=1000, validator=_epochs)
     precision: str = attrs.field(
         default="fp32", validator=_precision)
     gradient_accumulation_steps: int = attrs.field(default=1, validator=_positive_int)
@@ -194,3 +219,10 @@ class TrainerConfig:
     run_lock: str = attrs.field(
         default="error", validator=_choice(RUN_LOCKS, "'error' fails when another process trains the run, 'wait'"
                                                       " waits for it to end, 'off' takes no lock"))
+    max_updates: int | None = attrs.field(default=None, validator=_optional_positive_int)
+
+    @property
+    def epoch_target(self) -> int:
+        """The epoch target a fit runs toward: `epochs`, or `UNBOUNDED_EPOCHS` when it is None (an update
+        budget alone)."""
+        return UNBOUNDED_EPOCHS if self.epochs is None else self.epochs

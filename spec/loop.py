@@ -37,6 +37,14 @@ inside an open window (`window_open`) `snapshot` drops the window and stops at t
 validation (`task_val`) batches are fetched while they can be; a fetch the signal made fail (it killed the
 DataLoader's workers) fires `snapshot`, which stops at the last commit point, the epoch's last update. Without
 the callback the trigger is never fired.
+
+The update clock: with `Trainer(max_updates=N)` or `fit(val_every_n_updates=M)`, every committed window (after
+its snapshot, if any) and every training task's start fire the cold trigger `validate` in `task_train`.
+`val_point_due` (every M-th committed update, and the one that reaches the budget, unless the records already
+hold that count's validation) leads into `stage_val`, whose `end_stage` returns to the training task
+(`val_point_open`), committing the validation point's row; `task_stops` (the budget is reached, or a callback
+requested a stop) leads to `task_spent`: the task reads no further batch, and `next_epoch` ends the fit on
+`update_budget_reached`. Without the clock the trigger is never fired.
 """
 
 from deepepochs.fsm.schema import Action, Guard, Hook, Spec, State, Transition, Trigger
@@ -55,6 +63,8 @@ STATES = [
     S("task_train", "task", "A training task iterates its DataLoader, between accumulation windows."),
     S("task_val", "task", "A validation task iterates its DataLoader, between batches."),
     S("task_test", "task", "A test task iterates its DataLoader, between batches."),
+    S("task_spent", "task", "The training task reads no further batch: the update budget is reached or a stop was"
+      " requested (update clock)."),
     S("window_open", "window", "Inside an accumulation window, between its micro-batches."),
     S("step_forward", "step", "A training micro-batch's step method runs the forward pass and the loss."),
     S("step_backward", "step", "The step has backpropagated a loss into the accumulated gradients."),
@@ -77,7 +87,8 @@ TRIGGERS = [
     T("next_epoch", "The fit decides whether another epoch runs."),
     T("finish", "fit() returns to idle after its after-fit hooks."),
     T("begin_train", "The epoch starts its training stage."),
-    T("validate", "The epoch's training stage ended; validation runs if it is due."),
+    T("validate", "The epoch's training stage ended, or (update clock) a training window committed or a training"
+      " task starts: validation runs if it is due."),
     T("end_epoch", "After-epoch hooks ran; epoch-wise schedulers step and requested checkpoints are saved."),
     T("begin_task", "A stage starts one of its tasks (EpochTask)."),
     T("end_task", "A task's DataLoader is exhausted; its metrics are final."),
@@ -115,6 +126,14 @@ GUARDS = [
     G("snapshot_due", "A SnapshotCallback wants a snapshot at this commit point (its update count or minutes"
       " came round, an epoch ended, or a signal it listens for arrived), agreed by every rank."),
     G("stop_signalled", "A signal a SnapshotCallback listens for arrived (on any rank): the fit stops here."),
+    G("update_budget_reached", "Trainer(max_updates=N) is given, the run committed N updates (skipped ones"
+      " included) and no epoch interrupted after them waits for its end."),
+    G("task_stops", "The update clock stops the training task here: the update budget is reached or a callback"
+      " requested a stop."),
+    G("val_point_due", "fit(val_every_n_updates=M) with validation data: the committed update count is a multiple"
+      " of M or reaches the budget, and the records hold no validation at this count yet."),
+    G("val_point_open", "The validation stage runs at an update point inside a training task, not at an epoch's"
+      " end."),
     G("resume_pending", "Trainer(resume=...) asked for a resume that has not happened yet."),
 ]
 
@@ -143,10 +162,14 @@ ACTIONS = [
     A("release_interrupts", "End the update's critical section: a Ctrl-C held since unscale_gradients is raised"
       " now, after the commit.", after_commit=True),
     A("close_window", "Fold the window's loss sums and metric patches into the task's."),
-    A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured)."),
+    A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured); with"
+      " validation points (val_every_n_updates) at each point, with its validation loss, not at epochs' ends."),
     A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end."),
     A("commit_epoch", "Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers'"
       " steps; rollback returns here at the latest.", commit=True),
+    A("open_val_point", "Mark the validation stage as an update point's: it returns to the training task."),
+    A("commit_val_point", "Commit the validation point: its row (the update count and the validation metrics)"
+      " joins the run's records; rollback never undoes it.", commit=True),
     A("save_snapshot", "Write a snapshot of this commit point: the training state, the data position inside"
       " the epoch, the task meters and the random states (every rank's, written by rank 0)."),
     A("stop_on_signal", "End the fit: raise Preempted (a SystemExit whose code a scheduler can requeue on);"
@@ -169,11 +192,13 @@ TRANSITIONS = [
       conditions=["resume_pending"], actions=["resume_checkpoint"]),
     E("test", "idle", "stage_test", "A test run starts.", unless=["resume_pending"]),
     E("next_epoch", "fit_running", "epoch_running", "Another epoch runs.",
-      conditions=["epochs_remaining"], unless=["stop_requested"], actions=["start_epoch"]),
+      conditions=["epochs_remaining"], unless=["stop_requested", "update_budget_reached"], actions=["start_epoch"]),
     E("next_epoch", "fit_running", "fit_done", "A callback stopped the fit early.",
       conditions=["stop_requested"], actions=["report_early_stop"]),
+    E("next_epoch", "fit_running", "fit_done", "The update budget is reached.",
+      conditions=["update_budget_reached"], unless=["stop_requested"]),
     E("next_epoch", "fit_running", "fit_done", "The epoch target is reached.",
-      unless=["epochs_remaining", "stop_requested"]),
+      unless=["epochs_remaining", "stop_requested", "update_budget_reached"]),
     E("finish", "fit_done", "idle", "fit() returns its records."),
     E("begin_train", "epoch_running", "stage_train", "The training stage starts."),
     E("begin_task", "stage_train", "task_train", "A training task starts."),
@@ -224,6 +249,13 @@ TRANSITIONS = [
     E("window_skip_step", "task_train", "task_train", "A one-batch window ran; its update was skipped"
       " (fused).", fuses=ONE_BATCH_WINDOW, assuming=["window_boundary"]),
     E("end_task", "task_train", "stage_train", "The training task is done."),
+    E("validate", "task_train", "stage_val", "A validation point is due at this update.",
+      conditions=["val_point_due"], actions=["open_val_point"]),
+    E("validate", "task_train", "task_spent", "The update budget is reached or a stop was requested.",
+      conditions=["task_stops"], unless=["val_point_due"]),
+    E("validate", "task_train", "task_train", "Neither a validation point nor the task's end is due.",
+      unless=["val_point_due", "task_stops"]),
+    E("end_task", "task_spent", "stage_train", "The training task ended on the update clock."),
     E("end_stage", "stage_train", "epoch_trained", "The training stage is done."),
     E("validate", "epoch_trained", "stage_val", "Validation is due.", conditions=["val_due"]),
     E("validate", "epoch_trained", "epoch_end", "No validation this epoch.", unless=["val_due"]),
@@ -231,7 +263,13 @@ TRANSITIONS = [
     E("begin_batch", "task_val", "val_batch", "A validation batch is evaluated."),
     E("end_batch", "val_batch", "task_val", "The validation batch is done."),
     E("end_task", "task_val", "stage_val", "The validation task is done."),
-    E("end_stage", "stage_val", "epoch_end", "The validation stage is done."),
+    E("end_stage", "stage_val", "epoch_end", "The validation stage is done.", unless=["val_point_open"]),
+    E("end_stage", "stage_val", "task_train", "The validation point is done; training goes on.",
+      conditions=["val_point_open"], unless=["task_stops"],
+      actions=["step_epoch_schedulers", "save_checkpoints", "commit_val_point"]),
+    E("end_stage", "stage_val", "task_spent", "The validation point is done, and training stops here.",
+      conditions=["val_point_open", "task_stops"],
+      actions=["step_epoch_schedulers", "save_checkpoints", "commit_val_point"]),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete; checkpoints are written.",
       conditions=["has_save_requests"], actions=["step_epoch_schedulers", "save_checkpoints", "commit_epoch"]),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete.",

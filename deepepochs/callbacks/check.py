@@ -36,7 +36,9 @@ class CheckCallback(Callback):
         monitor: metric name as it appears in the stage's metrics, e.g. 'loss' or 'accuracy'.
         on_stage: 'val' (the validation metrics) or 'train'.
         mode: 'min' (lower is better) or 'max'.
-        patience: stop the fit after this many checks in a row without improvement; 0 never stops.
+        patience: stop the fit after this many checks in a row without improvement; 0 never stops. A check
+            is an epoch's end, or with `fit(val_every_n_updates=M)` and `on_stage='val'` a validation point
+            (the fit then stops at that point).
         save_best: True keeps the snapshot of the best epoch (for evaluation; `test` uses it); False
             keeps the latest epoch's snapshot (for resuming).
         ckpt_dir: root folder; files go to `<ckpt_dir>/<running_id>/<on_stage>-<monitor>.<best|latest>.ckpt`.
@@ -155,7 +157,17 @@ class CheckCallback(Callback):
         metrics = val_metrics if self.on_stage == "val" else train_metrics
         if not metrics:
             self._check_val_data(val_tasks)
-            return  # the stage did not run this epoch (val_freq): not a check
+            return  # the stage did not run this epoch (val_freq, or validation on the update clock): not a check
+        self._check(trainer, metrics, epoch_idx, "epoch(s)")
+
+    def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
+        """A validation point of the update clock (`fit(val_every_n_updates=M)`) is a check of a 'val'
+        monitor: its save is written and its stop taken at that point (patience counts validation points)."""
+        if self.on_stage == "val" and trainer.loop.val_point_open:
+            self._check(trainer, metrics, epoch_idx, "validation point(s)")
+
+    def _check(self, trainer, metrics, epoch_idx, unit):
+        """Check the metric, then request a save and/or a stop (`unit`: what the patience counts)."""
         if self.monitor not in metrics:
             raise self._unknown_monitor(metrics)
         value = float(metrics[self.monitor])
@@ -175,7 +187,7 @@ class CheckCallback(Callback):
         if self.patience and self.bad_epochs >= self.patience:
             best = "none" if self.best is None else f"{self.best:.6g} at epoch {self.best_epoch}"
             trainer.request_stop(f"{self.on_stage} {self.monitor} did not improve for {self.bad_epochs}"
-                                 f" epoch(s) (best {best})", f"CheckCallback({self.monitor_id})")
+                                 f" {unit} (best {best})", f"CheckCallback({self.monitor_id})")
 
     def on_after_fit(self, trainer):
         """The fit ended (target reached or stopped early): record it next to this monitor's checkpoints,

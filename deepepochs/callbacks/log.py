@@ -5,7 +5,8 @@ Tags follow one scheme, `<metric>/<stage>`, so that a metric's train, val and te
 side in TensorBoard's `<metric>` section:
 
 - `<metric>/train`, `<metric>/val` (`loss/train`, `acc/val`): the epoch's stage metrics, i.e. what `fit`
-  returns; step: the 1-based epoch.
+  returns; step: the 1-based epoch. With `fit(val_every_n_updates=M)` the `val` values are each validation
+  point's; step: its update count.
 - `lr` (one optimizer, one param group) or `lr/lr_<opt>_<group>`: the learning rates the epoch used;
   step: the 1-based epoch.
 - `lr/update` (one optimizer, one param group) or `lr/lr_<opt>_<group>_update`: for an optimizer with a
@@ -197,6 +198,17 @@ class LogCallback(Callback):
         for stage, metrics in (("train", train_metrics), ("val", val_metrics)):
             self._add_row(trainer, step, stage, metrics)
         writer.flush()  # so that a TensorBoard watching the run sees each epoch as it ends
+
+    def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
+        """A validation point of the update clock (`fit(val_every_n_updates=M)`): its metrics at the step of
+        its update count, `<metric>/val` (the epoch's end then logs none)."""
+        if not (trainer.is_main_process and trainer.loop.val_point_open):
+            return
+        writer = self.writer(trainer)
+        step = trainer.loop.run.updates
+        for name, value in metrics.items():
+            writer.add_scalar(f"{name}/val", value, step)
+        writer.flush()
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
         """Test metrics at the completed-epoch step, and the HParams session when the trainer has

@@ -112,7 +112,7 @@ class SnapshotCallback(Callback):
         self.every_n_updates, self.every_n_minutes = every_n_updates, every_n_minutes
         self.signals = _signal_names(on_signals, on_signals is _DEFAULT_SIGNALS)
         self.keep, self._exit_code, self.requeue = keep, exit_code, requeue
-        self.updates = 0  # committed windows of the run (restored from snapshots: the count goes on)
+        self._run = None  # the trainer's run state, which owns the update count (set when attached)
         # when the run's first fit started (time.time_ns()), kept through resumes: a fresh run named like an
         # older one in the same folder starts a new count, and resume ranks its files above the older run's
         self.started_ns = 0
@@ -125,6 +125,12 @@ class SnapshotCallback(Callback):
         return (f"SnapshotCallback(ckpt_dir={str(self.ckpt_dir)!r}, every_n_updates={self.every_n_updates},"
                 f" every_n_minutes={self.every_n_minutes}, on_signals={self.signals}, keep={self.keep},"
                 f" requeue={self.requeue})")
+
+    @property
+    def updates(self) -> int:
+        """The update windows the run committed (`RunState.updates`, restored from checkpoints: the count goes
+        on); 0 before the callback is attached."""
+        return 0 if self._run is None else self._run.updates
 
     @property
     def pending_signal(self) -> str | None:
@@ -156,8 +162,8 @@ class SnapshotCallback(Callback):
 
     # ---- the engine's side (deepepochs.engine.snapshot_trigger) ----
     def count_update(self) -> None:
-        """A window committed (its update applied, or skipped): count it, before anything can interrupt."""
-        self.updates += 1
+        """A window committed (its update applied, or skipped; the run state counted it): count it toward the
+        next snapshot, before anything can interrupt."""
         self._since += 1
 
     def poll_snapshot(self, epoch_end: bool) -> tuple[bool, str | None]:
@@ -205,15 +211,17 @@ class SnapshotCallback(Callback):
 
     # ---- monitor protocol (its state is in every checkpoint) ----
     def state_dict(self) -> dict:
+        # the run's update count, also here: `checkpoint.by_progress` orders files of older versions by it
         return {"updates": self.updates, "started_ns": self.started_ns}
 
     def load_state_dict(self, state: dict) -> None:
-        self.updates = int(state.get("updates", 0))
+        # the update count comes back with the run state (the file's `updates`), not from here
         self.started_ns = int(state.get("started_ns", 0))
         self._since = 0  # a snapshot is written with none since it; so is an epoch's end
 
     # ---- hooks ----
     def on_attach(self, trainer) -> None:
+        self._run = trainer.loop.run
         same = [cb for cb in trainer.callbacks if isinstance(cb, SnapshotCallback)]
         if len(same) > 1:
             raise ConfigError(f"a trainer takes one SnapshotCallback (got {same[0]!r} and {same[1]!r})")

@@ -18,6 +18,7 @@ import torch
 from deepepochs.checkpoint.format import FORMAT_VERSION, Checkpoint, monitors_of
 from deepepochs.checkpoint.optimizer_rules import optimizer_problems
 from deepepochs.checkpoint.value_rules import MAX_COUNT, MAX_INT, MAX_TEXT, got, int_field, is_number, like
+from deepepochs.engine.runstate import VAL_POINT_KEY
 from deepepochs.utils import rng_state
 
 __all__ = ["finished_problems", "problems", "progress_problems"]
@@ -73,7 +74,7 @@ def problems(trainer, ckpt: Checkpoint) -> list[str]:
                 _rng(state, f"rng['ranks'][{rank}]", out)
     elif ckpt.rng is not None:
         _rng(ckpt.rng, "rng", out)
-    _history(ckpt.history, ckpt.epoch, "history", out)
+    _history(ckpt.history, ckpt.epoch, "history", out, ckpt.updates)
     if ckpt.position is not None:
         _position(ckpt.position, ckpt.epoch, out)
     return out
@@ -141,8 +142,10 @@ def _state_dict(value) -> bool:
     return isinstance(value, Mapping) and all(isinstance(key, str) for key in value)
 
 
-def _history(history, epochs: int, field: str, out: list) -> None:
-    """A run's records: `{stage: {name: [number per epoch]}}`, no list longer than the epochs completed."""
+def _history(history, epochs: int, field: str, out: list, updates: int | None = None) -> None:
+    """A run's records: `{stage: {name: [number per epoch]}}`, no list longer than the epochs completed; a
+    stage recorded per validation point (it has the `updates` column of the update clock) has one row per
+    point: no list longer than the `updates` committed (when the file says)."""
     if history is None:
         return
     if not isinstance(history, Mapping):
@@ -153,11 +156,13 @@ def _history(history, epochs: int, field: str, out: list) -> None:
         if not isinstance(stage, str) or not isinstance(metrics, Mapping):
             out.append(f"{where} must be a dict of metric names to lists (got {got(metrics)})")
             continue
+        per_point = VAL_POINT_KEY in metrics
+        limit, unit = (updates, "update(s) committed") if per_point else (epochs, "epoch(s) completed")
         for name, values in metrics.items():
             if not isinstance(name, str) or not isinstance(values, list) or not all(map(is_number, values)):
                 out.append(f"{where}[{name!r}] must be a list of numbers (got {got(values)})")
-            elif isinstance(epochs, int) and len(values) > epochs:
-                out.append(f"{where}[{name!r}] holds {len(values)} values, more than the {epochs} epoch(s) completed")
+            elif isinstance(limit, int) and len(values) > limit:
+                out.append(f"{where}[{name!r}] holds {len(values)} values, more than the {limit} {unit}")
 
 
 # ---- a snapshot's position ----
@@ -329,6 +334,8 @@ def finished_problems(data, ckpt_epoch: int, ckpt_history) -> list[str]:
     # The record ends the run of the checkpoint: its records continue the checkpoint's by the epochs after it.
     extra = done - ckpt_epoch
     for stage, metrics in ckpt_history.items():
+        if isinstance(metrics, Mapping) and VAL_POINT_KEY in metrics:
+            continue  # one row per validation point, not per epoch
         for name, values in metrics.items() if isinstance(metrics, Mapping) else ():
             mine = records.get(stage, {}).get(name) if isinstance(records.get(stage), Mapping) else None
             if not isinstance(values, list) or len(values) != ckpt_epoch:

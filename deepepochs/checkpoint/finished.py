@@ -39,6 +39,7 @@ import warnings
 from pathlib import Path
 
 from deepepochs.checkpoint import archive, field_rules, plain_records, write_atomic
+from deepepochs.config import UNBOUNDED_EPOCHS
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 
 __all__ = ["FINISHED_FILE", "PROGRESS_FILE", "apply_finished", "read_finished", "report_retrained",
@@ -140,9 +141,13 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> bool:
         trainer.request_stop(finished["stop_reason"], finished["stop_source"])
         how = f"stopped early after epoch {loop.completed_epochs}: {finished['stop_reason']}"
     else:
-        how = f"completed {loop.completed_epochs} of {finished['target_epochs']} epoch(s)"
+        target = finished["target_epochs"]
+        how = (f"completed {loop.completed_epochs} of {target} epoch(s)" if target < UNBOUNDED_EPOCHS else
+               f"completed {loop.completed_epochs} epoch(s), {loop.run.updates} update(s)")
     if loop.stop is None and loop.completed_epochs < loop.target_epochs:
-        trainer.console.decision(f"Run {trainer.running_id} had {how}; training on to epoch {loop.target_epochs}")
+        to = (f"epoch {loop.target_epochs}" if loop.target_epochs < UNBOUNDED_EPOCHS else
+              f"update {trainer.config.max_updates} (max_updates)")
+        trainer.console.decision(f"Run {trainer.running_id} had {how}; training on to {to}")
         return False
     if finished["stop_reason"] is not None:
         on = (f"to train on from its last checkpoint (as deepepochs 0.6 did), delete {Path(folder) / FINISHED_FILE}"

@@ -49,6 +49,11 @@ yours keeps other objects in its state). Keys:
 `history`           dict or None: the run's records up to `epoch`, `{'train': {name: [per epoch]},
                     'val': {...}}` (floats), so a resumed `fit()` returns the whole run's records.
                     None in files of older versions (the resumed history then starts empty).
+                    With `fit(val_every_n_updates=M)` the `val` records hold one row per validation
+                    point, its update count in the column `updates`.
+`updates`           int, the update windows the run committed (skipped ones included): the update
+                    clock (`max_updates`) and the snapshots' count continue from it. 0 in files of
+                    older versions (then a `SnapshotCallback`'s recorded count, if any).
 ==================  ==========================================================================
 
 Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank
@@ -148,6 +153,7 @@ class Checkpoint:
     shards: Mapping | None = None
     param_names: list | None = None
     history: Mapping | None = None
+    updates: int = attrs.field(default=0, validator=_non_negative_int)
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""
@@ -218,6 +224,7 @@ def monitors_of(trainer) -> list:
 
 
 def plain_records(records: Mapping) -> dict:
-    """`{'train': {name: [...]}, 'val': {...}}` as new lists of floats (what a file may hold)."""
-    return {stage: {name: [float(v) for v in values] for name, values in metrics.items()}
+    """`{'train': {name: [...]}, 'val': {...}}` as new lists of floats, ints kept (a validation point's
+    update count), what a file may hold."""
+    return {stage: {name: [v if type(v) is int else float(v) for v in values] for name, values in metrics.items()}
             for stage, metrics in records.items()}

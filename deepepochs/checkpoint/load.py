@@ -206,10 +206,17 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     loop.completed_epochs = ckpt.epoch
     loop.epoch = ckpt.epoch
     loop.stop = None
+    run.updates = ckpt.updates or _recorded_updates(ckpt)
     if ckpt.position is None:
         loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
         run.random_restore_due, run.random_replay = False, None  # and so do the generators a refit restores
     return ckpt
+
+
+def _recorded_updates(ckpt: Checkpoint) -> int:
+    """A file of an older version has no `updates`: the count a `SnapshotCallback` recorded in it, else 0."""
+    counts = [s.get("updates") for s in ckpt.monitors.values() if isinstance(s, Mapping)]
+    return max((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), default=0)
 
 
 def _own_generator_states(trainer, rng: Mapping | None) -> Mapping | None:

@@ -16,7 +16,6 @@ machine's state: what differs between edges is which actions the spec puts on th
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections.abc import Callable
 
@@ -27,25 +26,15 @@ from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
 from deepepochs.engine.generators import remember_random_state
+from deepepochs.engine.registry import ACTIONS, GUARDS, action, guard
+from deepepochs.engine.runstate import record_row
 from deepepochs.errors import Preempted
 from deepepochs.fsm.events import ActionName, Event
 from deepepochs.fsm.machine import load_spec
 
-__all__ = ["ACTIONS", "FOLDS", "GUARDS", "batch_token", "bind", "check_registry", "check_registry_once", "folded"]
+__all__ = ["ACTIONS", "FOLDS", "GUARDS", "action", "batch_token", "bind", "check_registry", "check_registry_once",
+           "folded", "guard", "record_row"]
 
-GUARDS: dict[str, Callable[[Context], bool]] = {}
-ACTIONS: dict[str, Callable[[Context], None]] = {}
-
-
-def _register(table: dict, kind: str, fn: Callable) -> Callable:
-    if fn.__name__ in table:
-        raise RuntimeError(f"{kind} {fn.__name__!r} is implemented twice")
-    table[fn.__name__] = fn
-    return fn
-
-
-guard = functools.partial(_register, GUARDS, "guard")
-action = functools.partial(_register, ACTIONS, "action")
 
 
 def check_registry(spec) -> None:
@@ -169,7 +158,12 @@ def report_early_stop(ctx: Context) -> None:
 @action
 def step_epoch_schedulers(ctx: Context) -> None:
     """Step epoch-wise schedulers with this epoch's loss; their states before are kept until the epoch
-    commits, so a rollback before `commit_epoch` undoes this step instead of losing or repeating it."""
+    commits, so a rollback before `commit_epoch` undoes this step instead of losing or repeating it. With
+    validation points (`val_every_n_updates`) the schedulers step at each point instead, with its validation
+    loss (ReduceLROnPlateau follows the points), kept until `commit_val_point`."""
+    loop = ctx.loop
+    if loop.val_every is not None and not loop.val_point_open:
+        return  # an epoch's end on the update clock: they stepped at its validation points
     opts = ctx.parts.opts
     before = opts.epoch_scheduler_state()
     ctx.epoch_undo.append(lambda: opts.load_epoch_scheduler_state(before))
@@ -199,20 +193,7 @@ def commit_epoch(ctx: Context) -> None:
     ctx.epoch_undo.clear()
     for stage, metrics in ctx.last_metrics.items():
         if stage in ctx.history:
-            _record(ctx.history[stage], metrics, aligned=stage == "train")
-
-
-def _record(records: dict, metrics: dict, aligned: bool) -> None:
-    """Append an epoch's `metrics` to a stage's `records`. `aligned` (training, which runs every epoch): a
-    name this epoch lacks gets NaN and a name new this epoch NaN for the epochs before, so that every list
-    has one entry per epoch (an epoch whose updates were all skipped reports NaN values)."""
-    epochs = max((len(values) for values in records.values()), default=0)
-    for name, value in metrics.items():
-        records.setdefault(name, [math.nan] * epochs if aligned else []).append(value)
-    if aligned:
-        for name, values in records.items():
-            if name not in metrics and len(values) == epochs:
-                values.append(math.nan)
+            record_row(ctx.history[stage], metrics, aligned=stage == "train")
 
 
 # ---- the accumulation window -------------------------------------------------------------------------
@@ -385,12 +366,15 @@ def remember_position(ctx: Context) -> None:
 @action
 def commit_update(ctx: Context) -> None:
     """The window's update is committed: the task's position moves past the window (the driver set the
-    point to (epoch, task) when the task began) and the update is counted for snapshots, once per window."""
+    point to (epoch, task) when the task began) and the update is counted, once per window (an update skipped
+    for inf/NaN counts too): the run state's `updates`, the update clock's and the snapshots' count."""
     loop = ctx.loop
-    if not loop.window_committed and ctx.snapshots is not None:
+    if not loop.window_committed:
         # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
         # after this (release_interrupts), before it, and the window is committed all the same
-        ctx.snapshots.count_update()
+        loop.run.updates += 1
+        if ctx.snapshots is not None:
+            ctx.snapshots.count_update()
     loop.window_committed = True
     loop.resume.batches_done = loop.batch_idx
 
@@ -468,6 +452,7 @@ def reset_loop(ctx: Context) -> None:
     loop = ctx.loop
     loop.stage = None
     loop.meters = None
+    loop.val_point_open = False
     open_window(ctx)
     ctx.task = None
     ctx.model = ctx.parts.train_model
@@ -490,3 +475,8 @@ def batch_token(ctx: Context) -> tuple:
     """Identifies the current training iteration for the scaler (all losses of one batch share a scale)."""
     loop = ctx.loop
     return (loop.epoch, loop.batch_idx, id(loop.meters))
+
+
+# The update clock's guards and actions, in a module of their own; imported here so that the registry is
+# complete wherever this module is.
+from deepepochs.engine import clock_rules  # noqa: E402, F401  (it imports the registry, not this module)

@@ -61,11 +61,12 @@ def fuses(ctx: Context) -> bool:
             and not any(hooks[name] for name in FUSED_OBSERVERS))
 
 
-def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
+def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
     """Run a training task's micro-batches (the window and step layers of the machine). `total`: the
     task's batch count when it is exact (`batch_rules.exact_length`): the last batch is then known by counting;
     else, with accumulation, one batch is read ahead to know it, except at a window's end
-    (`batch_rules.lookahead`)."""
+    (`batch_rules.lookahead`). With the update clock on (`Context.update_clock`), it is asked at the task's
+    start and after each committed window; True when it stopped the task (`deepepochs.engine.update_clock`)."""
     parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
     task = ctx.task
     before_batch, after_batch = BATCH_HOOKS["train"]
@@ -90,6 +91,9 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
     console = parts.console
     log_batch = console.log_batch or console.log_tqdm
     snapshot_writer = ctx.snapshots
+    clock = ctx.update_clock
+    if clock is not None and clock():  # the budget was reached before this task (or a stop requested)
+        return True
     data, guarded = snapshot_trigger.guard(ctx, data, "train")  # no batch is fetched once a signal arrived
     if k == 1:  # every batch closes its window
         batches = zip(data, itertools.repeat(True))
@@ -125,11 +129,14 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> None:
                               meters.skipped)
             if snapshot_writer is not None and loop.window_pos == 0 and loop.window_committed:
                 snapshot_trigger.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
+            if clock is not None and loop.window_pos == 0 and loop.window_committed and clock():
+                return True  # the update clock stopped the task: no further batch is read
     except snapshot_trigger.FetchStopped as stop:  # a listed signal: stop before the next batch
         snapshot_trigger.stop_fetching(ctx, stop.signal)
     finally:
         if guarded is not None:
             guarded.close()
+    return False
 
 
 def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, split=None) -> None:

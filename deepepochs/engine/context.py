@@ -63,7 +63,10 @@ class LoopState:
     a pending `resume=...` (a snapshot's position is checked against them), None otherwise. `epoch_undo`:
     how to undo the epoch-end work done before `commit_epoch`, in order (rollback; empty outside an
     epoch's end). `update_open`: an update began (`unscale_gradients`) and its `zero_grad` has not run yet,
-    so the gradients it leaves are not kept yet (`kept_grads`).
+    so the gradients it leaves are not kept yet (`kept_grads`). The update clock (the running fit's):
+    `target_updates` (`Trainer(max_updates=...)`, a total of committed updates, or None), `val_every`
+    (`fit(val_every_n_updates=...)`, or None), `val_point_open` (the validation stage runs at an update
+    point inside a training task).
     """
 
     run: RunState = attrs.Factory(RunState)
@@ -88,6 +91,9 @@ class LoopState:
     epoch_undo: list = attrs.Factory(list)
     snapshot_due: bool = False
     stop_signal: str | None = None
+    target_updates: int | None = None
+    val_every: int | None = None
+    val_point_open: bool = False
 
 
 @attrs.define(frozen=True, eq=False)
@@ -174,6 +180,9 @@ class Context:
         told: the differences from deepepochs 0.6.18 this trainer has announced (`compat.tell_once`).
         carried: `trainer.carried`, what steps carry from batch to batch (live; the run state keeps its
             copy at commit points, `deepepochs.engine.carried`).
+        update_clock: with the update clock on (`max_updates` or `val_every_n_updates`), what a training
+            task calls at its start and after each committed window (`deepepochs.engine.update_clock`):
+            True when the task stops there; None otherwise (nothing is called).
     """
 
     parts: Parts
@@ -199,6 +208,7 @@ class Context:
     buffer_copies: object = None
     told: set = attrs.Factory(set)
     carried: dict = attrs.Factory(dict)
+    update_clock: Callable[[], bool] | None = None
 
     @property
     def run(self) -> RunState:

@@ -36,6 +36,7 @@ from deepepochs.engine import (
     snapshot_trigger,
     stage_tasks,
     steps,
+    update_clock,
 )
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.emit import emit
@@ -148,12 +149,15 @@ class Driver:
         emit(ctx, Event.INTERRUPTED, exc)
 
     # ---- fit ----
-    def run_fit(self, train, val, val_freq, epochs):
-        """Train toward the epoch target `epochs` (a total, not a count for this call)."""
+    def run_fit(self, train, val, val_freq, epochs, max_updates=None, val_every=None):
+        """Train toward the epoch target `epochs` (a total, not a count for this call; None: unbounded) and the
+        update budget `max_updates` (a total of committed updates, or None), validating every `val_every`
+        updates (`deepepochs.engine.update_clock`) or, without it, every `val_freq` epochs."""
         ctx = self.ctx
         parts, loop = ctx.parts, ctx.loop
         fire = ctx.machine.fire_cold
         loop.target_epochs = epochs
+        update_clock.make_clock(self, val, max_updates, val_every)
         ctx.monitor_check = (train, val)
         ctx.snapshots = snapshot_trigger.find_writer(parts.hooks.callbacks)
         run = ctx.run
@@ -184,10 +188,10 @@ class Driver:
             fire(TriggerName.BEGIN_TRAIN)
             train_metrics = self._train_stage(train, epoch)
             fire(TriggerName.END_STAGE)
-            loop.val_due = bool(val) and epoch % val_freq == 0
+            loop.val_due = bool(val) and epoch % val_freq == 0 and loop.val_every is None
             val_metrics = {}
             if fire(TriggerName.VALIDATE) == StateName.STAGE_VAL:
-                val_metrics = self._eval_stage("val", val, epoch)
+                val_metrics = self.eval_stage("val", val, epoch)
                 fire(TriggerName.END_STAGE)
             self._count_epoch(epoch)
             emit(self.ctx, Event.AFTER_EPOCH, train, val, train_metrics, val_metrics, epoch_idx)
@@ -248,7 +252,7 @@ class Driver:
         emit(self.ctx, Event.AFTER_TRAIN_EPOCHS, tasks, metrics, epoch - 1)
         return metrics
 
-    def _eval_stage(self, stage, tasks, epoch):
+    def eval_stage(self, stage, tasks, epoch):
         """A validation or test stage: each task on the evaluation model (no DDP wrapper: no collective per
         batch) without gradients, with the stage's hooks (0.6's arguments: `val` hooks get the 0-based
         epoch, `test` hooks none). Returns the stage's metrics (global under DDP)."""
@@ -284,7 +288,7 @@ class Driver:
         ctx = self.ctx
         ctx.machine.fire_cold(TriggerName.TEST)
         self._header()
-        metrics = self._eval_stage("test", tasks, 1)
+        metrics = self.eval_stage("test", tasks, 1)
         ctx.loop.stage = None
         ctx.machine.fire_cold(TriggerName.END_STAGE)
         ctx.parts.console.test(metrics)
@@ -361,8 +365,8 @@ class Driver:
         loop.batch_idx = skip
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
         if stage == "train":
-            batches.train_batches(ctx, iter(data), meters, data.total)
-            if not skip and loop.batch_idx == 0:
+            stopped = batches.train_batches(ctx, iter(data), meters, data.total)
+            if not skip and loop.batch_idx == 0 and not stopped:
                 raise ConfigError(
                     f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"
                     " iterator (e.g. a generator) is used up after one epoch; pass a DataLoader or another"

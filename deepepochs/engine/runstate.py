@@ -25,11 +25,12 @@ such as `trainer.history`) is refilled in place.
 from __future__ import annotations
 
 import copy as _copy
+import math
 
 import attrs
 
-__all__ = ["DEEP", "GENERIC", "SHARED", "ResumePoint", "RunState", "StopRequest", "capture", "generic_fields",
-           "restore"]
+__all__ = ["DEEP", "GENERIC", "SHARED", "VAL_POINT_KEY", "ResumePoint", "RunState", "StopRequest", "capture",
+           "generic_fields", "record_row", "restore"]
 
 #: `copy` metadata: `capture` deep-copies the value (the default: safe for any new field).
 DEEP = "deep"
@@ -38,6 +39,9 @@ SHARED = "shared"
 #: `snapshot` metadata: a mid-epoch snapshot stores the value as it is (tensors, numbers, strings, lists,
 #: dicts, tuples and attrs records of those), per rank.
 GENERIC = "generic"
+#: The column of the validation records that holds each validation point's update count (the update clock:
+#: `fit(val_every_n_updates=M)` records one row per validation point).
+VAL_POINT_KEY = "updates"
 
 
 def _field(default=attrs.NOTHING, *, factory=None, copy: str = DEEP, snapshot: str = GENERIC,
@@ -132,6 +136,9 @@ class RunState:
         carried: what steps carry from batch to batch (`trainer.carried`: an RNN's hidden state, a queue)
             as the last commit point of the running fit saw it, which a rollback writes back
             (`deepepochs.engine.carried`); None outside a fit.
+        updates: the update windows the run committed (`commit_update`: applied, or skipped for inf/NaN),
+            resumed runs included: the update clock (`max_updates`, `val_every_n_updates`) and the snapshots'
+            count (`snapshot-u<updates>`).
     """
 
     running_id: str = _field("", copy=SHARED, snapshot="the checkpoint's running_id (resume names the run)")
@@ -163,6 +170,7 @@ class RunState:
     grads: dict | None = _field(None, copy=SHARED)
     # Replaced whole, by a copy, at commit points (`carried.keep`); a capture copies it (small: hidden states).
     carried: dict | None = _field(None)
+    updates: int = _field(0, copy=SHARED, snapshot="the checkpoint's updates")
 
 
 def capture(run: RunState) -> RunState:
@@ -190,6 +198,19 @@ def restore(run: RunState, saved: RunState) -> None:
             current.update(value)
         else:
             setattr(run, field.name, value)
+
+
+def record_row(records: dict, metrics: dict, aligned: bool) -> None:
+    """Append an epoch's `metrics` to a stage's `records`. `aligned` (training, which runs every epoch): a
+    name this epoch lacks gets NaN and a name new this epoch NaN for the epochs before, so that every list
+    has one entry per epoch (an epoch whose updates were all skipped reports NaN values)."""
+    epochs = max((len(values) for values in records.values()), default=0)
+    for name, value in metrics.items():
+        records.setdefault(name, [math.nan] * epochs if aligned else []).append(value)
+    if aligned:
+        for name, values in records.items():
+            if name not in metrics and len(values) == epochs:
+                values.append(math.nan)
 
 
 def generic_fields(run: RunState) -> list[str]:

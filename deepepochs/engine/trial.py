@@ -30,7 +30,7 @@ def trial_fit(driver, tasks, callbacks, more_epochs: int):
     if ctx.loop.resume_pending:
         # Judged against the target the next fit() takes (Trainer(epochs=)), as that fit's own resume
         # would be: whether a finished run trains on, and what the resume says about it.
-        ctx.loop.target_epochs = parts.config.epochs
+        ctx.loop.target_epochs = parts.config.epoch_target
         actions.ACTIONS[ActionName.RESUME_CHECKPOINT](ctx)
     console, hooks = parts.console, parts.hooks
     saved_run = runstate.capture(run)

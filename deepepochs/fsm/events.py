@@ -117,6 +117,8 @@ class StateName(str, enum.Enum):
     """A validation task iterates its DataLoader, between batches."""
     TASK_TEST = 'task_test'
     """A test task iterates its DataLoader, between batches."""
+    TASK_SPENT = 'task_spent'
+    """The training task reads no further batch: the update budget is reached or a stop was requested (update clock)."""
     WINDOW_OPEN = 'window_open'
     """Inside an accumulation window, between its micro-batches."""
     STEP_FORWARD = 'step_forward'
@@ -158,7 +160,8 @@ class TriggerName(str, enum.Enum):
     BEGIN_TRAIN = 'begin_train'
     """The epoch starts its training stage."""
     VALIDATE = 'validate'
-    """The epoch's training stage ended; validation runs if it is due."""
+    """The epoch's training stage ended, or (update clock) a training window committed or a training task starts:
+    validation runs if it is due."""
     END_EPOCH = 'end_epoch'
     """After-epoch hooks ran; epoch-wise schedulers step and requested checkpoints are saved."""
     BEGIN_TASK = 'begin_task'
@@ -225,6 +228,16 @@ class GuardName(str, enum.Enum):
     or a signal it listens for arrived), agreed by every rank."""
     STOP_SIGNALLED = 'stop_signalled'
     """A signal a SnapshotCallback listens for arrived (on any rank): the fit stops here."""
+    UPDATE_BUDGET_REACHED = 'update_budget_reached'
+    """Trainer(max_updates=N) is given, the run committed N updates (skipped ones included) and no epoch interrupted
+    after them waits for its end."""
+    TASK_STOPS = 'task_stops'
+    """The update clock stops the training task here: the update budget is reached or a callback requested a stop."""
+    VAL_POINT_DUE = 'val_point_due'
+    """fit(val_every_n_updates=M) with validation data: the committed update count is a multiple of M or reaches the
+    budget, and the records hold no validation at this count yet."""
+    VAL_POINT_OPEN = 'val_point_open'
+    """The validation stage runs at an update point inside a training task, not at an epoch's end."""
     RESUME_PENDING = 'resume_pending'
     """Trainer(resume=...) asked for a resume that has not happened yet."""
 
@@ -274,12 +287,18 @@ class ActionName(str, enum.Enum):
     CLOSE_WINDOW = 'close_window'
     """Fold the window's loss sums and metric patches into the task's."""
     STEP_EPOCH_SCHEDULERS = 'step_epoch_schedulers'
-    """Step epoch-wise LR schedulers (with the monitored loss if so configured)."""
+    """Step epoch-wise LR schedulers (with the monitored loss if so configured); with validation points
+    (val_every_n_updates) at each point, with its validation loss, not at epochs' ends."""
     SAVE_CHECKPOINTS = 'save_checkpoints'
     """Write the checkpoints requested by callbacks at this epoch's end."""
     COMMIT_EPOCH = 'commit_epoch'
     """Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers' steps; rollback returns
     here at the latest."""
+    OPEN_VAL_POINT = 'open_val_point'
+    """Mark the validation stage as an update point's: it returns to the training task."""
+    COMMIT_VAL_POINT = 'commit_val_point'
+    """Commit the validation point: its row (the update count and the validation metrics) joins the run's records;
+    rollback never undoes it."""
     SAVE_SNAPSHOT = 'save_snapshot'
     """Write a snapshot of this commit point: the training state, the data position inside the epoch, the task meters
     and the random states (every rank's, written by rank 0)."""

@@ -10,6 +10,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
+from deepepochs.config import UNBOUNDED_EPOCHS
+
 __all__ = ["Console"]
 
 REFRESH_S = 0.1
@@ -18,6 +20,11 @@ LOG_REFRESH_S = 10.0
 
 def _fmt(metrics: Mapping[str, float], digits: int) -> str:
     return "  ".join(f"{k}: {v:.{digits}f}" for k, v in metrics.items())
+
+
+def _of(count: int, target: int | None) -> str:
+    """`3/10`, or `3` without a target (epochs unbounded under an update budget)."""
+    return f"{count}" if target is None or target >= UNBOUNDED_EPOCHS else f"{count}/{target}"
 
 
 def _skipped(count: int) -> str:
@@ -77,9 +84,9 @@ class Console:
             self._noted.add(key)
             self.info(text)
 
-    def start_task(self, stage: str, epoch: int, epochs: int, total: int | None) -> None:
+    def start_task(self, stage: str, epoch: int, epochs: int | None, total: int | None) -> None:
         """A task begins: reset the refresh clock and open a progress bar when asked."""
-        self._prefix = f"E {epoch}/{epochs}  "
+        self._prefix = f"E {_of(epoch, epochs)}  "
         self._stage = stage.upper()
         self._total = total
         self._due = time.monotonic() + self.interval
@@ -122,14 +129,20 @@ class Console:
             self._bar.close()
             self._bar = None
 
-    def epoch(self, epoch: int, epochs: int, stages: Mapping[str, Mapping[str, float]], skipped: int = 0) -> None:
+    def epoch(self, epoch: int, epochs: int | None, stages: Mapping[str, Mapping[str, float]],
+              skipped: int = 0) -> None:
         """`E 1/3  TRAIN> loss: ...   VAL> loss: ...`; the training stage's `skipped` updates (inf/NaN)
         follow its metrics when there are any: `TRAIN> loss: ... (2 updates skipped)`."""
         if not self.enabled:
             return
         parts = [f"{stage.upper()}> {_fmt(m, self.digits)}{_skipped(skipped) if stage == 'train' else ''}"
                  for stage, m in stages.items() if m]
-        self._print(f"E {epoch}/{epochs}  " + "   ".join(parts))
+        self._print(f"E {_of(epoch, epochs)}  " + "   ".join(parts))
+
+    def update_point(self, updates: int, target: int | None, metrics: Mapping[str, float]) -> None:
+        """A validation point of the update clock: `U 500/1001  VAL> loss: ...`."""
+        if self.enabled:
+            self._print(f"U {_of(updates, target)}  VAL> {_fmt(metrics, self.digits)}")
 
     def test(self, metrics: Mapping[str, float]) -> None:
         """`E 1/1  TEST>  loss: ...`."""

@@ -21,6 +21,7 @@ from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopR
 from deepepochs.engine.driver import Driver
 from deepepochs.engine.summary import summary
 from deepepochs.engine.trial import trial_fit
+from deepepochs.engine.update_clock import check_clock
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.render import auto_level, render
 from deepepochs.parallel.strategy import select_policy
@@ -53,7 +54,11 @@ class TrainerBase(StepMethods):
         loss: `loss(model_out, batch_y)`, or None when the model returns its own loss (a scalar or a dict
             with 'loss').
         opt: None (Adam, lr=1e-3), a torch optimizer, a `deepepochs.Optimizer`, or a list of them.
-        epochs: total epoch target; repeated or resumed fits continue up to it.
+        epochs: total epoch target; repeated or resumed fits continue up to it. Default 1000, or unbounded
+            (None) with `max_updates`.
+        max_updates: total target in committed optimizer updates (an update skipped for inf/NaN counts), or
+            None; with `epochs` too, whichever is reached first ends the fit (see the guide's "Training by
+            updates").
         device: None (CUDA if available, else CPU), a string or a `torch.device`.
         callbacks: a list of `Callback`.
         metrics: metric functions `(preds, targets) -> scalar | dict`, or torchmetrics metric objects
@@ -127,15 +132,18 @@ class TrainerBase(StepMethods):
         >>> trainer.close()
     """
 
-    def __init__(self, model, loss=None, opt=None, epochs=1000, device=None, callbacks=None, metrics=None,
+    def __init__(self, model, loss=None, opt=None, epochs=None, device=None, callbacks=None, metrics=None,
                  metric_patch="auto", resume=False, running_id=None, hyper_params=None, log_long=False,
                  log_batch=True, log_tqdm=False, show_info=True, compile_model=False, *, precision="fp32",
                  gradient_accumulation_steps=1, nonfinite="raise", split_batches=False, fuse_steps=True,
                  strategy="ddp", ddp_kwargs=None, fsdp_kwargs=None, dist_timeout=600, targets=None, data_order=None,
-                 run_lock="error", **unknown):
+                 run_lock="error", max_updates=None, **unknown):
         check_keywords(device, opt, unknown, TrainerBase.__init__)
+        if epochs is None and max_updates is None:
+            epochs = 1000  # the default target without an update budget
         self.config = TrainerConfig(
-            epochs=epochs, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
+            epochs=epochs, max_updates=max_updates, precision=precision,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             metric_patch=patch_kind(metric_patch), nonfinite=nonfinite, split_batches=split_batches, log_long=log_long,
             log_batch=log_batch, log_tqdm=log_tqdm, show_info=show_info, compile_model=compile_model,
             fuse_steps=fuse_steps, strategy=strategy, dist_timeout=dist_timeout, data_order=data_order,
@@ -283,7 +291,8 @@ class TrainerBase(StepMethods):
         self._clippers.extend(self._hooks.attach(callbacks, self))
 
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
-            train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None):
+            train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None,
+            val_every_n_updates=None):
         """Train toward the epoch target; returns the whole run's records, `{'train': {name: [per epoch]},
         'val': {...}}` (a copy of `trainer.history`: every epoch of the run, those of earlier fits and of
         a resumed checkpoint included). An exception rolls the open window back and is re-raised with
@@ -292,7 +301,11 @@ class TrainerBase(StepMethods):
         With an `LRFindCallback` attached whose sweep has not run yet, this fit runs the sweep instead of
         training (as in deepepochs 0.6; see `find_lr`) and returns empty records. A `resume=...` of a run
         that is finished (see `deepepochs.checkpoint.finished`) trains nothing. While it runs, the run's
-        folders are locked against other processes (`run_lock`)."""
+        folders are locked against other processes (`run_lock`).
+
+        `val_every_n_updates=M` validates after every M-th update of the run and at `max_updates`, inside
+        epochs (then not at epochs' ends); `records['val']` then has one row per validation point, with its
+        update count under `'updates'`."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
@@ -315,8 +328,11 @@ class TrainerBase(StepMethods):
                                 ahead_of(as_metric_list(val_metrics, "val_metrics"), common), do_val_loss, batch_size)
         for task in val:
             task.val_freq = val_freq  # 0.6's task.val_freq
-        with hold_run(self, self.config.run_lock):  # before a pending resume reads the run's folders
-            return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, self.config.epochs))
+        config = self.config
+        check_clock(train, val, config.max_updates, val_every_n_updates)
+        with hold_run(self, config.run_lock):  # before a pending resume reads the run's folders
+            return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, config.epoch_target,
+                                                                config.max_updates, val_every_n_updates))
 
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are plain

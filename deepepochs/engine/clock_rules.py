@@ -1,0 +1,67 @@
+"""The update clock's guards and actions (`Trainer(max_updates=N)`, `fit(val_every_n_updates=M)`), registered
+in the spec's registry (`deepepochs.engine.registry`) like every other; what they decide is drawn in the spec
+(`spec/loop.py`: `validate` from `task_train`, `task_spent`, the validation point's `end_stage` edges,
+`next_epoch`'s budget edge) and driven by `deepepochs.engine.update_clock`.
+"""
+
+from __future__ import annotations
+
+from deepepochs.engine.context import Context
+from deepepochs.engine.generators import remember_random_state
+from deepepochs.engine.registry import action, guard
+from deepepochs.engine.runstate import VAL_POINT_KEY, record_row
+
+__all__ = ["commit_val_point", "open_val_point", "task_stops", "update_budget_reached", "val_point_due",
+           "val_point_open"]
+
+
+def _budget_spent(ctx: Context) -> bool:
+    target = ctx.loop.target_updates
+    return target is not None and ctx.loop.run.updates >= target
+
+
+@guard
+def update_budget_reached(ctx: Context) -> bool:
+    """The budget is spent and no epoch interrupted after its last update waits for its end (a refit finishes
+    that epoch: its last validation point, its end's hooks and records)."""
+    return _budget_spent(ctx) and ctx.loop.resume is None
+
+
+@guard
+def task_stops(ctx: Context) -> bool:
+    return _budget_spent(ctx) or ctx.loop.stop is not None
+
+
+@guard
+def val_point_due(ctx: Context) -> bool:
+    """Every `val_every`-th committed update and the one reaching the budget, unless the run's records already
+    hold a validation at this count (a refit, or a resume, after the point was validated)."""
+    loop = ctx.loop
+    every, updates = loop.val_every, loop.run.updates
+    if every is None or updates == 0 or (updates % every and not _budget_spent(ctx)):
+        return False
+    done = ctx.history["val"].get(VAL_POINT_KEY)
+    return not done or done[-1] != updates
+
+
+@guard
+def val_point_open(ctx: Context) -> bool:
+    return ctx.loop.val_point_open
+
+
+@action
+def open_val_point(ctx: Context) -> None:
+    ctx.loop.val_point_open = True
+
+
+@action
+def commit_val_point(ctx: Context) -> None:
+    """The validation point is done for good: its row, `{'updates': count, metric: value, ...}`, joins the
+    validation records (its metrics leave the epoch's, so the epoch's end does not record them again), and
+    torch's generators are kept as the validation left them (its loaders drew from them): a refit after a
+    fault in the next window continues from here."""
+    remember_random_state(ctx)
+    ctx.epoch_undo.clear()  # the point's scheduler step is committed with it
+    ctx.loop.val_point_open = False
+    metrics = ctx.last_metrics.pop("val", {})
+    record_row(ctx.history["val"], {VAL_POINT_KEY: ctx.loop.run.updates, **metrics}, aligned=False)

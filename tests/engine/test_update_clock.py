@@ -1,0 +1,230 @@
+"""Training by updates: `Trainer(max_updates=N)` and `fit(val_every_n_updates=M)` over a resampled stream.
+
+Reference: the plain PyTorch loop a user writes for it (karpathy's makemore shape): one iterator over a
+DataLoader whose sampler draws with replacement from its own generator, N updates, the validation set
+evaluated after every M-th update and after the last; written out here. A refit after a fault anywhere in
+the stream (in an update, in a validation point) ends as the uninterrupted run does, bit for bit in fp32.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+from deepepochs import Optimizer, Trainer
+
+N, VAL_N, BATCH, UPDATES, EVERY = 40, 20, 4, 23, 5
+
+
+class Noisy(Dataset):
+    """Sample i plus noise drawn from torch's and (`numpy`) NumPy's global generators when it is loaded."""
+
+    def __init__(self, n, seed, numpy=True):
+        self.numpy = numpy
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 6, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        noise = 0.1 * torch.randn(6)
+        if self.numpy:
+            noise = noise + torch.from_numpy(np.random.uniform(-0.05, 0.05, 6)).float()
+        return self.x[i] + noise, self.y[i]
+
+
+def _model():
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+
+def _loaders(resampled=True, numpy=True):
+    """An endless-in-practice stream: a sampler with replacement drawing from its own generator; or
+    (`resampled=False`) a shuffled DataLoader of 10 batches, whose epochs the budget runs across."""
+    train, val = Noisy(N, 1, numpy), Noisy(VAL_N, 2, numpy)
+    g = torch.Generator().manual_seed(17)
+    if not resampled:
+        return DataLoader(train, batch_size=BATCH, shuffle=True, generator=g), DataLoader(val, batch_size=8)
+    sampler = RandomSampler(train, replacement=True, num_samples=10**6, generator=g)
+    return DataLoader(train, batch_size=BATCH, sampler=sampler), DataLoader(val, batch_size=8)
+
+
+def _parts():
+    torch.manual_seed(0)
+    np.random.seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
+    return model, opt, sched
+
+
+def plain_loop(resampled=True, numpy=True):
+    """The user's loop: UPDATES updates, validation after every EVERY-th and after the last; a new iterator
+    (an epoch) when one runs out, the training loss recorded per epoch."""
+    model, opt, sched = _parts()
+    train, val = _loaders(resampled, numpy)
+    batches = iter(train)
+    points, losses, train_losses = [], [], []
+    train_sum, train_n = 0.0, 0
+    model.train()
+    for update in range(1, UPDATES + 1):
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            train_losses.append(train_sum / train_n)
+            train_sum, train_n = 0.0, 0
+            batches = iter(train)
+            x, y = next(batches)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        train_sum, train_n = train_sum + float(loss.detach()) * len(y), train_n + len(y)
+        if update % EVERY == 0 or update == UPDATES:
+            model.eval()
+            total, count = 0.0, 0
+            with torch.no_grad():
+                for vx, vy in val:
+                    total, count = total + float(F.cross_entropy(model(vx), vy)) * len(vy), count + len(vy)
+            points.append(update)
+            losses.append(total / count)
+            model.train()
+    train_losses.append(train_sum / train_n)
+    records = {"train": {"loss": train_losses}, "val": {"updates": points, "loss": losses}}
+    return model.state_dict(), opt.state_dict(), sched.state_dict(), records
+
+
+class FailingLoss:
+    """cross_entropy, raising once on call `fail_at` (1-based, training and validation calls alike)."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at, self.calls = fail_at, 0
+
+    def __call__(self, out, y):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected fault")
+        return F.cross_entropy(out, y)
+
+
+def _trainer(loss=F.cross_entropy, **kw):
+    model, opt, sched = _parts()
+    trainer = Trainer(model, loss, Optimizer(opt, sched, sched_on="step"), max_updates=UPDATES, device="cpu",
+                      log_batch=False, show_info=False, **kw)
+    return trainer, model, opt, sched
+
+
+def _assert_equal(got, want):
+    """Weights, buffers, optimizer and scheduler states and every record bit for bit."""
+    for name, value in want[0].items():
+        assert torch.equal(got[0][name], value), name
+    assert got[1]["state"].keys() == want[1]["state"].keys()
+    for index, state in want[1]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got[1]["state"][index][name], value), (index, name)
+    assert got[2] == want[2]
+    assert got[3] == want[3]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return plain_loop()
+
+
+@pytest.fixture(scope="module")
+def epochs_reference():
+    return plain_loop(resampled=False)
+
+
+@pytest.fixture(scope="module")
+def torch_only_reference():
+    return plain_loop(resampled=False, numpy=False)
+
+
+def test_max_updates_and_val_every_n_updates_train_exactly_the_plain_update_loop(reference):
+    """Dropout, BatchNorm, a with-replacement sampler, noise from torch and NumPy while loading, a step-wise
+    scheduler: the weights, optimizer and scheduler states and the records (one validation row per point with
+    its update count) equal the plain loop's bit for bit."""
+    trainer, model, opt, sched = _trainer()
+    records = trainer.fit(*_loaders(), val_every_n_updates=EVERY)
+    trainer.close()
+    assert trainer.loop.run.updates == UPDATES and trainer.loop.completed_epochs == 1
+    _assert_equal((model.state_dict(), opt.state_dict(), sched.state_dict(), records), reference)
+
+
+def test_the_budget_runs_across_epoch_ends_of_a_finite_loader_as_the_plain_loop_does(epochs_reference):
+    """A shuffled DataLoader of 10 batches and a budget of 23 updates: epochs 1 and 2 end on their own, the
+    budget ends epoch 3 after 3 updates; validation points fall inside epochs and at the budget."""
+    trainer, model, opt, sched = _trainer()
+    records = trainer.fit(*_loaders(resampled=False), val_every_n_updates=EVERY)
+    trainer.close()
+    assert trainer.loop.completed_epochs == 3
+    _assert_equal((model.state_dict(), opt.state_dict(), sched.state_dict(), records), epochs_reference)
+
+
+@pytest.mark.parametrize("fail_at", [3, 7, 9, 36])
+def test_a_refit_after_a_fault_mid_stream_ends_bit_identical_to_the_uninterrupted_run(torch_only_reference, fail_at):
+    """A fault in an update (calls 3 and 36: epoch 3), inside a validation point (call 7: the point after
+    update 5 runs again) or in the update after it (9), then fit again: the same weights, states and records
+    as the plain loop. (The stream is a shuffled DataLoader, whose order a refit continues exactly; a
+    sampler's own generator is kept across a refit by the exact-resume work, not by the update clock; and
+    NumPy's generator is not kept at commit points, so the data draws from torch only.)"""
+    trainer, model, opt, sched = _trainer(FailingLoss(fail_at))
+    train, val = _loaders(resampled=False, numpy=False)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        trainer.fit(train, val, val_every_n_updates=EVERY)
+    torch.rand(99)  # what the user draws before refitting does not matter
+    records = trainer.fit(train, val, val_every_n_updates=EVERY)
+    trainer.close()
+    _assert_equal((model.state_dict(), opt.state_dict(), sched.state_dict(), records), torch_only_reference)
+
+
+def test_a_fit_after_the_budget_is_reached_trains_nothing_more(reference):
+    """max_updates is a total, like epochs: a second fit finds the budget reached and returns the records."""
+    trainer, model, opt, sched = _trainer()
+    train, val = _loaders()
+    trainer.fit(train, val, val_every_n_updates=EVERY)
+    records = trainer.fit(train, val, val_every_n_updates=EVERY)
+    trainer.close()
+    assert trainer.loop.run.updates == UPDATES
+    _assert_equal((model.state_dict(), opt.state_dict(), sched.state_dict(), records), reference)
+
+
+def test_reduce_lr_on_plateau_steps_at_each_validation_point_with_its_loss_as_in_the_plain_loop():
+    """An epoch-wise ReduceLROnPlateau with the monitored loss steps after each validation point with that
+    point's validation loss (the plain loop's `plateau.step(val_loss)`), and not again at the epoch's end."""
+    def parts():
+        model, opt, _ = _parts()
+        return model, opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+
+    model, opt, plateau = parts()
+    train, val = _loaders()
+    batches = iter(train)
+    model.train()
+    for update in range(1, UPDATES + 1):
+        x, y = next(batches)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if update % EVERY == 0 or update == UPDATES:
+            model.eval()
+            total, count = 0.0, 0
+            with torch.no_grad():
+                for vx, vy in val:
+                    total, count = total + float(F.cross_entropy(model(vx), vy)) * len(vy), count + len(vy)
+            plateau.step(total / count)
+            model.train()
+    want = (model.state_dict(), opt.state_dict(), plateau.state_dict())
+
+    model, opt, plateau = parts()
+    trainer = Trainer(model, F.cross_entropy, Optimizer(opt, plateau, sched_with_loss=True), max_updates=UPDATES,
+                      device="cpu", log_batch=False, show_info=False)
+    trainer.fit(*_loaders(), val_every_n_updates=EVERY)
+    trainer.close()
+    assert plateau.state_dict() == want[2] and opt.param_groups[0]["lr"] < 0.1
+    for name, value in want[0].items():
+        assert torch.equal(model.state_dict()[name], value), name
