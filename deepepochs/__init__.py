@@ -4,11 +4,13 @@ from deepepochs.callbacks import (
     AnalyzeCallback,
     Callback,
     CheckCallback,
+    EMACallback,
     GradClipCallback,
     InterpreteCallback,
     LogCallback,
     LRFindCallback,
     SnapshotCallback,
+    SWACallback,
 )
 from deepepochs.checkpoint import consolidate
 from deepepochs.compat import (
@@ -58,6 +60,7 @@ __all__ = [
     "ConfusionMetrics",
     "ConfusionPatch",
     "DistributedError",
+    "EMACallback",
     "EpochTask",
     "Event",
     "GradClipCallback",
@@ -71,6 +74,7 @@ __all__ = [
     "PatchBase",
     "Preempted",
     "RunLockedError",
+    "SWACallback",
     "SnapshotCallback",
     "StreamPatch",
     "TensorDict",

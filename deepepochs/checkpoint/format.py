@@ -46,6 +46,10 @@ yours keeps other objects in its state). Keys:
 `history`           dict or None: the run's records up to `epoch`, `{'train': {name: [per epoch]},
                     'val': {...}}` (floats), so a resumed `fit()` returns the whole run's records.
                     None in files of older versions (the resumed history then starts empty).
+`averages`          dict or None: the weight averages (`EMACallback`, `SWACallback`) by their id
+                    (`'ema'`, `'swa'`): `{'model': the AveragedModel's state_dict() ('n_averaged',
+                    'module.<name>'), 'updates': times averaged, 'epochs': SWALR steps}`, as of the
+                    file's commit point. None without one (or in files of older versions).
 ==================  ==========================================================================
 
 Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank
@@ -145,6 +149,7 @@ class Checkpoint:
     shards: Mapping | None = None
     param_names: list | None = None
     history: Mapping | None = None
+    averages: Mapping | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""

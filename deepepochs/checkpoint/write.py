@@ -88,6 +88,7 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rn
         order_seed=trainer.dist.order_seed,
         param_names=names.param_names(trainer),
         history=plain_records(_run_records(trainer, position)),
+        averages=trainer.loop.run.averages or None,
     )
 
 
