@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
+import warnings
 
 import torch
 from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
@@ -275,8 +277,11 @@ class SWACallback(_WeightAverage):
         self.averaged.update_parameters(trainer.raw_model)
         state["updates"] += 1
         if self.swa_lr is not None:
-            for schedule in self._schedule(trainer, state["epochs"]):
-                schedule.step()
+            with warnings.catch_warnings():
+                # SWALR made after the optimizers' first steps says its step comes before theirs: not so here
+                warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
+                for schedule in self._schedule(trainer, state["epochs"]):
+                    schedule.step()
             state["epochs"] += 1
             self._schedules = (state["epochs"], self._schedules[1])
 
