@@ -1,0 +1,39 @@
+"""Training functions that ``tests/distributed/test_averaging_ddp.py`` runs in two processes through ``launch``:
+an `EMACallback` under DDP. Each rank writes what it observed to ``$DEEPEPOCHS_TEST_OUT/rank<r>.pt``."""
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from deepepochs import Callback, EMACallback, Trainer
+from ddp_targets import BATCH, TRAIN_N, make_data, make_model, make_optimizer, trainer_kwargs
+
+__all__ = ["DECAY", "run_scenarios"]
+
+DECAY = 0.8
+
+class _Weights(Callback):
+    """The model's weights after each update of this rank (what the average is computed from)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_after_optimize(self, trainer, optimize_index):
+        self.seen.append([p.detach().clone() for p in trainer.raw_model.parameters()])
+
+def run_scenarios() -> int:
+    """An EMA fit: the average, the weights after each update, and this rank's number."""
+    out = Path(os.environ["DEEPEPOCHS_TEST_OUT"])
+    rank = int(os.environ["RANK"])
+    model = make_model()
+    ema, weights = EMACallback(DECAY), _Weights()
+    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(callbacks=[ema, weights])) as trainer:
+        trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
+        result = {"average": {k: v.clone() for k, v in ema.averaged.state_dict().items()}, "weights": weights.seen,
+                  "world_size": dist.get_world_size(), "updates": ema.updates}
+    torch.save(result, out / f"rank{rank}.pt")
+    return rank
