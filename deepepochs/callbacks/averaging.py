@@ -39,6 +39,20 @@ def _number(name: str, value, low: float, high: float, hint: str) -> float:
     return float(value)
 
 
+def _flag(name: str, value) -> bool:
+    """`value` if it is True or False, else a `ConfigError` naming `name`."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False (got {value!r})")
+    return value
+
+
+def _count(name: str, value, low: int, meaning: str) -> int:
+    """`value` if it is an int >= `low`, else a `ConfigError` naming `name` and what it means."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an int >= {low}{meaning} (got {value!r})")
+    return value
+
+
 class _WeightAverage(Callback):
     """What both averages share: the `AveragedModel`, its place in the run state, and evaluation with it."""
 
@@ -47,10 +61,8 @@ class _WeightAverage(Callback):
     def __init__(self, buffers: str, evaluate: bool):
         check_choice(f"{type(self).__name__} buffers", buffers, ("average", "copy"),
                      "'average' averages BatchNorm statistics like the weights, 'copy' takes the model's")
-        if not isinstance(evaluate, bool):
-            raise ConfigError(f"{type(self).__name__} evaluate must be True or False (got {evaluate!r})")
         self.buffers = buffers
-        self.evaluate = evaluate
+        self.evaluate = _flag(f"{type(self).__name__} evaluate", evaluate)
         #: The averaged module: a `torch.optim.swa_utils.AveragedModel` (made when the callback is attached).
         self.averaged: AveragedModel | None = None
         self._state: dict | None = None
@@ -168,9 +180,7 @@ class EMACallback(_WeightAverage):
             decay = 0.5 ** (1.0 / h)
         self.decay = _number("EMACallback decay", 0.999 if decay is None else decay, 0, 1,
                              ", e.g. 0.999")
-        if not isinstance(warmup, bool):
-            raise ConfigError(f"EMACallback warmup must be True or False (got {warmup!r})")
-        self.warmup = warmup
+        self.warmup = _flag("EMACallback warmup", warmup)
         super().__init__(buffers, evaluate)
 
     def __repr__(self) -> str:
@@ -220,21 +230,14 @@ class SWACallback(_WeightAverage):
     def __init__(self, start_epoch: int, swa_lr: float | None = None, *, anneal_epochs: int = 10,
                  anneal_strategy: str = "cos", buffers: str = "copy", bn_update: bool = True,
                  evaluate: bool = False):
-        if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or start_epoch < 1:
-            raise ConfigError(f"SWACallback start_epoch must be an int >= 1, the first epoch averaged"
-                              f" (got {start_epoch!r})")
+        self.start_epoch = _count("SWACallback start_epoch", start_epoch, 1, ", the first epoch averaged")
         if swa_lr is not None:
             _number("SWACallback swa_lr", swa_lr, 0, math.inf, "")
-        if isinstance(anneal_epochs, bool) or not isinstance(anneal_epochs, int) or anneal_epochs < 0:
-            raise ConfigError(f"SWACallback anneal_epochs must be an int >= 0 (got {anneal_epochs!r})")
-        check_choice("SWACallback anneal_strategy", anneal_strategy, ("cos", "linear"))
-        if not isinstance(bn_update, bool):
-            raise ConfigError(f"SWACallback bn_update must be True or False (got {bn_update!r})")
-        self.start_epoch = start_epoch
         self.swa_lr = swa_lr
-        self.anneal_epochs = anneal_epochs
+        self.anneal_epochs = _count("SWACallback anneal_epochs", anneal_epochs, 0, "")
+        check_choice("SWACallback anneal_strategy", anneal_strategy, ("cos", "linear"))
         self.anneal_strategy = anneal_strategy
-        self.bn_update = bn_update
+        self.bn_update = _flag("SWACallback bn_update", bn_update)
         self._schedules = None
         self._loaders = []
         super().__init__(buffers, evaluate)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ddp_targets import BATCH, TRAIN_N, make_data, make_model, make_optimizer, trainer_kwargs
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from deepepochs import Callback, EMACallback, Trainer
-from ddp_targets import BATCH, TRAIN_N, make_data, make_model, make_optimizer, trainer_kwargs
 
 __all__ = ["DECAY", "run_scenarios"]
 
