@@ -257,6 +257,52 @@ def test_an_interrupted_fit_refitted_ends_with_the_uninterrupted_average(uninter
     assert same(trainer.raw_model.state_dict(), uninterrupted[1])
 
 
+class InterruptDuringUpdate(Callback):
+    """Sends SIGINT (Ctrl-C) once while the update of training batch `batch` (0-based) of epoch 2 runs."""
+
+    def __init__(self, batch):
+        self.batch, self.done = batch, False
+
+    def on_before_optimize(self, trainer, optimize_index):
+        if not self.done and trainer.loop.epoch == 2 and trainer.loop.batch_idx == self.batch + 1:
+            self.done = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_ctrl_c_during_an_update_lets_it_commit_into_the_average_and_a_refit_ends_with_the_uninterrupted_one(
+        uninterrupted):
+    """Ctrl-C is held during an update: the update commits, the average takes it, then the fit stops."""
+    ema = EMACallback(0.9)
+    trainer = trainer_with([ema, InterruptDuringUpdate(3)], noisy=False, gradient_accumulation_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        fit(trainer)
+    assert ema.updates == 4 + 2
+    trainer.fit(make_data())
+    assert same(avg_state(ema), uninterrupted[0])
+
+
+def test_an_update_applied_before_a_fault_in_its_end_is_averaged_once_and_the_refit_matches(uninterrupted):
+    """An optimizer post-hook raising after the update was applied: the rollback completes that update's
+    commit, the average included, and the refit does not average it again."""
+    ema = EMACallback(0.9)
+    trainer = trainer_with([ema], noisy=False, gradient_accumulation_steps=2)
+    calls = []
+
+    def post_hook(opt, args, kwargs):
+        calls.append(1)
+        if len(calls) == 7:
+            raise RuntimeError("injected fault after the step")
+
+    handle = trainer.opt[0].opt.register_step_post_hook(post_hook)
+    with pytest.raises(RuntimeError, match="injected fault after the step"):
+        fit(trainer)
+    handle.remove()
+    assert ema.updates == 7
+    trainer.fit(make_data())
+    assert same(avg_state(ema), uninterrupted[0])
+    assert same(trainer.raw_model.state_dict(), uninterrupted[1])
+
+
 class SendAt(Callback):
     """Sends `sig` to this process after training batch `batch` (0-based) of epoch `epoch`."""
 
