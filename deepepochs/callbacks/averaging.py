@@ -16,6 +16,7 @@ the run, and every checkpoint and snapshot holds it under the `averages` key.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
@@ -120,6 +121,21 @@ class _WeightAverage(Callback):
     def _swap_out(self, trainer) -> None:
         backup, self._backup = self._backup, None
         if backup is not None:
+            trainer.raw_model.load_state_dict(backup)
+
+    @contextlib.contextmanager
+    def applied(self, trainer):
+        """Inside, the trainer's model holds the average's weights (and buffers); on leaving, also by an
+        error, its own come back. For what runs no hooks, such as `predict()`:
+        `with ema.applied(trainer): preds = trainer.predict(dl)`."""
+        if self.updates == 0:
+            raise ConfigError(f"{type(self).__name__}.applied() needs an average, but none was taken yet (got"
+                              " 0 updates); fit first")
+        backup = {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()}
+        trainer.raw_model.load_state_dict(self.averaged.module.state_dict())
+        try:
+            yield trainer
+        finally:
             trainer.raw_model.load_state_dict(backup)
 
     def on_before_val_epochs(self, trainer, tasks, epoch_idx):

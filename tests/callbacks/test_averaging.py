@@ -399,6 +399,26 @@ def test_validation_and_test_evaluate_the_average_and_give_the_training_weights_
     assert same(trainer.raw_model.state_dict(), plain.raw_model.state_dict())
 
 
+def test_predict_inside_applied_uses_the_average_and_the_model_gets_its_weights_back():
+    """`with ema.applied(trainer)`: predict() returns the averaged module's outputs; afterwards the model's
+    weights are its own."""
+    ema = EMACallback(0.9)
+    trainer = trainer_with([ema])
+    fit(trainer)
+    own = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    data = DataLoader(make_data().dataset, batch_size=16)
+    with ema.applied(trainer):
+        preds = trainer.predict(data)
+    ema.averaged.module.eval()
+    with torch.no_grad():
+        expected = torch.cat([ema.averaged.module(x) for x, _ in data])
+    assert torch.equal(preds, expected)
+    assert same(trainer.raw_model.state_dict(), own)
+    with pytest.raises(ConfigError, match=r"EMACallback.applied\(\) needs an average.*got 0 updates"):
+        with EMACallback().applied(trainer_with([EMACallback()])):
+            pass
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda: EMACallback(1.0), r"EMACallback decay must be a number in \(0, 1\), e.g. 0.999 \(got 1.0\)"),
     (lambda: EMACallback(0), r"EMACallback decay must be a number in \(0, 1\)"),
