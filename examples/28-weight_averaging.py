@@ -39,12 +39,13 @@ def main():
     val_dl = DataLoader(make_data(n // 4, 2), batch_size=256)
 
     # An EMA with a half-life of 50 updates, validated and tested in place of the training weights; the
-    # checkpoint of the best validation accuracy holds the average too.
+    # checkpoint of the best validation accuracy holds the average too, and test() evaluates that one
+    # (the averaging callback listed after the CheckCallback).
     model = make_model()
     ema = EMACallback(half_life=50, warmup=True, evaluate=True)
     checker = CheckCallback("accuracy", mode="max", ckpt_dir="./checkpoints")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with Trainer(model, F.cross_entropy, opt, epochs=epochs, metrics=[accuracy], callbacks=[ema, checker],
+    with Trainer(model, F.cross_entropy, opt, epochs=epochs, metrics=[accuracy], callbacks=[checker, ema],
                  log_batch=False) as trainer:
         trainer.fit(train_dl, val_dl)
         print("test with the EMA:", trainer.test(val_dl))

@@ -399,6 +399,25 @@ def test_validation_and_test_evaluate_the_average_and_give_the_training_weights_
     assert same(trainer.raw_model.state_dict(), plain.raw_model.state_dict())
 
 
+def test_test_with_a_best_checkpoint_evaluates_the_files_average_and_gives_both_back(tmp_path):
+    """EMACallback(evaluate=True) listed after a CheckCallback: test() evaluates the average saved in the best
+    file (read back with torch.load); the model's weights and the average are the fit's afterwards."""
+    val = DataLoader(make_data().dataset, batch_size=16)
+    ema = EMACallback(0.9, evaluate=True)
+    checker = CheckCallback("loss", mode="max", ckpt_dir=tmp_path)  # 'max': the first epoch stays the best
+    trainer = trainer_with([checker, ema], running_id="run")
+    fit(trainer, val_dl=val)
+    own, average = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}, avg_state(ema)
+    saved = torch.load(tmp_path / "run" / "val-loss.best.ckpt", weights_only=True)
+    assert saved["epoch"] == 1 and not same(saved["averages"]["ema"]["model"], average)
+    reference = AveragedModel(make_model(), use_buffers=True)
+    reference.load_state_dict(saved["averages"]["ema"]["model"])
+    with pytest.warns(Warning):  # test() says once that it gives the pre-test weights back
+        metrics = trainer.test(val)
+    assert metrics["loss"] == pytest.approx(evaluate(reference.module, val), rel=1e-6)
+    assert same(trainer.raw_model.state_dict(), own) and same(avg_state(ema), average)
+
+
 def test_predict_inside_applied_uses_the_average_and_the_model_gets_its_weights_back():
     """`with ema.applied(trainer)`: predict() returns the averaged module's outputs; afterwards the model's
     weights are its own."""
