@@ -1,7 +1,8 @@
 """`EMACallback` under DDP, two gloo processes on the CPU: each rank computes the average from its own
 weights with no collective of its own, so the averages are equal on both ranks bit for bit, equal torch's
 `AveragedModel` fed that rank's weights bit for bit, and equal a plain one-process loop with the whole
-batch within float tolerance (the gradients' all-reduce sums in another order)."""
+batch within float tolerance (the gradients' all-reduce sums in another order). `SWACallback`'s average,
+BatchNorm statistics recomputed at the fit's end included, is equal on both ranks too."""
 
 import sys
 from pathlib import Path
@@ -68,3 +69,12 @@ def test_the_ema_under_ddp_equals_a_plain_loop_with_the_whole_batch(ranks):
             reference.update_parameters(model)
     for key, value in reference.state_dict().items():
         assert (value.double() - ranks[0]["average"][key].double()).abs().max() < EXACT, key
+
+
+@pytest.mark.distributed
+def test_the_swa_average_under_ddp_with_batchnorm_is_equal_on_both_ranks(ranks):
+    """Epochs 2 and 3 averaged; after update_bn on each rank's shard every rank holds rank 0's statistics."""
+    first, second = ranks[0]["swa"], ranks[1]["swa"]
+    assert first["updates"] == second["updates"] == 2
+    for key, value in first["average"].items():
+        assert torch.equal(value, second["average"][key]), key
