@@ -306,8 +306,9 @@ class SWACallback(_WeightAverage):
 
     def on_after_fit(self, trainer):
         """Recompute the average's BatchNorm statistics over the training data (torch's `update_bn`), leaving
-        every generator as it was so that a later fit draws what it would have drawn. Under DDP each rank
-        reads its own shard, then every rank takes rank 0's statistics (one broadcast, at the fit's end)."""
+        every generator as it was so that a later fit draws what it would have drawn. The data is the training
+        DataLoaders as given (the whole data, also under DDP, where every rank then takes rank 0's statistics:
+        one broadcast, at the fit's end, as the ranks' orders, and so the float sums, may differ)."""
         if not (self.bn_update and self.buffers == "copy" and self.updates and self._loaders):
             return
         generators = rng_state()
@@ -315,5 +316,5 @@ class SWACallback(_WeightAverage):
             update_bn(itertools.chain(*self._loaders), self.averaged, device=trainer.device)
         finally:
             set_rng_state(generators)
-        if trainer.world_size > 1:  # each rank saw its own shard: every rank takes rank 0's statistics
+        if trainer.world_size > 1:  # the ranks' orders of the data may differ: every rank takes rank 0's
             trainer.dist.broadcast_model(self.averaged)

@@ -32,7 +32,9 @@ def _swa() -> dict:
     model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
     swa = SWACallback(start_epoch=2, swa_lr=0.05, anneal_epochs=1)
     with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(callbacks=[swa])) as trainer:
-        trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH, shuffle=True))
+        # update_bn reads this DataLoader as given, in an order of its own per rank (its generator's seed)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        trainer.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH, shuffle=True, generator=generator))
         return {"average": {k: v.clone() for k, v in swa.averaged.state_dict().items()}, "updates": swa.updates}
 
 
