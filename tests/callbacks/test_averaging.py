@@ -351,6 +351,26 @@ def test_an_epoch_checkpoint_holds_the_average_and_a_resume_continues_it(tmp_pat
     assert same(avg_state(again), uninterrupted[0])
 
 
+def test_an_swa_run_resumed_from_an_epoch_checkpoint_ends_as_the_uninterrupted_one(tmp_path):
+    """SWA from epoch 2 with SWALR: a run stopped after epoch 3 and resumed to epoch 5 ends with the
+    uninterrupted run's average, BatchNorm statistics, weights and learning rate (the schedule's position
+    comes from the file)."""
+    def run(folder, epochs, resume=False):
+        swa = SWACallback(start_epoch=2, swa_lr=0.02, anneal_epochs=3)
+        trainer = trainer_with([CheckCallback("loss", on_stage="train", save_best=False, ckpt_dir=folder), swa],
+                               running_id="run", noisy=False, epochs=epochs, resume=resume)
+        fit(trainer)
+        return swa, trainer
+
+    whole, whole_trainer = run(tmp_path / "whole", 5)
+    run(tmp_path / "parts", 3)
+    resumed, trainer = run(tmp_path / "parts", 5, resume=True)
+    assert resumed.updates == whole.updates == 4
+    assert same(avg_state(resumed), avg_state(whole))
+    assert same(trainer.raw_model.state_dict(), whole_trainer.raw_model.state_dict())
+    assert trainer.opt[0].opt.param_groups[0]["lr"] == whole_trainer.opt[0].opt.param_groups[0]["lr"]
+
+
 def test_a_checkpoint_whose_average_has_the_wrong_shape_is_refused_naming_it(tmp_path):
     """The field checks cover the averages: nothing is loaded from a file whose average does not fit."""
     ema = EMACallback(0.9)
