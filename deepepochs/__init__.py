@@ -4,12 +4,14 @@ from deepepochs.callbacks import (
     AnalyzeCallback,
     Callback,
     CheckCallback,
+    EMACallback,
     GradClipCallback,
     InterpreteCallback,
     LogCallback,
     LRFindCallback,
     MLflowCallback,
     SnapshotCallback,
+    SWACallback,
 )
 from deepepochs.checkpoint import consolidate
 from deepepochs.compat import (
@@ -59,6 +61,7 @@ __all__ = [
     "ConfusionMetrics",
     "ConfusionPatch",
     "DistributedError",
+    "EMACallback",
     "EpochTask",
     "Event",
     "GradClipCallback",
@@ -73,6 +76,7 @@ __all__ = [
     "PatchBase",
     "Preempted",
     "RunLockedError",
+    "SWACallback",
     "SnapshotCallback",
     "StreamPatch",
     "TensorDict",

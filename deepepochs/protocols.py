@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # annotations only: torch is not needed to import this module
     import torch
 
 __all__ = [
+    "Averager",
     "Clipper",
     "ConsoleLike",
     "DistPolicy",
@@ -59,6 +60,14 @@ class Clipper(Protocol):
     registered as one; the `clip_gradients` action calls it after unscaling, before the optimizers step."""
 
     def clip(self, trainer: Any, indices: Sequence[int], finite: Mapping[int, bool]) -> None: ...
+
+
+class Averager(Protocol):
+    """A weight average (`deepepochs.callbacks.EMACallback`, `SWACallback`): any callback with an
+    `average_weights` method is registered as one; the `average_update` action calls it with
+    `at='update'` for each applied update, the `average_epoch` action with `at='epoch'` at an epoch's end."""
+
+    def average_weights(self, trainer: Any, at: str) -> None: ...
 
 
 class SnapshotWriter(Protocol):

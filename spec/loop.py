@@ -157,6 +157,10 @@ ACTIONS = [
     A("zero_grad", "Zero the updated optimizers' gradients (set_to_none)."),
     A("remember_position", "Keep what a refit continues from besides the batch count: torch's generator states"
       " and a stateful DataLoader's position, as they are after the window's update."),
+    # Weight averages (EMACallback, SWACallback) move only here and at an epoch's end, so a rollback finds
+    # them as the last commit point left them; the run state carries them (rollback, snapshots, find_lr).
+    A("average_update", "Move the weight averages (EMACallback) by the update just applied, as part of its"
+      " commit; nothing when every optimizer of the update skipped (inf/NaN)."),
     A("commit_update", "Commit the window's update: the data position moves past the window and its loss sums"
       " and patches join the task's; rollback never undoes it.", commit=True),
     A("release_interrupts", "End the update's critical section: a Ctrl-C held since unscale_gradients is raised"
@@ -164,6 +168,9 @@ ACTIONS = [
     A("close_window", "Fold the window's loss sums and metric patches into the task's."),
     A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured); with"
       " validation points (val_every_n_updates) at each point, with its validation loss, not at epochs' ends."),
+    A("average_epoch", "Move the epoch-wise weight averages (SWACallback) by the epoch's weights and step their"
+      " learning-rate schedule, before the epoch's checkpoints are written (undone if the epoch does not"
+      " commit)."),
     A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end."),
     A("commit_epoch", "Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers'"
       " steps; rollback returns here at the latest.", commit=True),
@@ -220,7 +227,8 @@ TRANSITIONS = [
     *(E("apply_update", source, "optimize_skipped", "inf/NaN gradients: the step is skipped.",
         unless=["grads_finite"], actions=["skip_optimizer"]) for source in OPTIMIZING),
     *(E("finish_update", source, "step_optimized", "The update is complete.",
-        actions=["update_scaler", "zero_grad", "remember_position", "commit_update", "release_interrupts"])
+        actions=["update_scaler", "zero_grad", "remember_position", "average_update", "commit_update",
+                 "release_interrupts"])
       for source in OPTIMIZING),
     E("optimize", "step_optimized", "optimize_unscaled",
       "Another optimizer of the same step updates (e.g. optimize(0) then optimize(1) after one backward).",
@@ -271,9 +279,10 @@ TRANSITIONS = [
       conditions=["val_point_open", "task_stops"],
       actions=["step_epoch_schedulers", "save_checkpoints", "commit_val_point"]),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete; checkpoints are written.",
-      conditions=["has_save_requests"], actions=["step_epoch_schedulers", "save_checkpoints", "commit_epoch"]),
+      conditions=["has_save_requests"],
+      actions=["step_epoch_schedulers", "average_epoch", "save_checkpoints", "commit_epoch"]),
     E("end_epoch", "epoch_end", "fit_running", "The epoch is complete.",
-      unless=["has_save_requests"], actions=["step_epoch_schedulers", "commit_epoch"]),
+      unless=["has_save_requests"], actions=["step_epoch_schedulers", "average_epoch", "commit_epoch"]),
     *(edge for state in ("task_train", "fit_running") for edge in (
         E("snapshot", state, state, "No snapshot is due at this commit point.", unless=["snapshot_due"]),
         E("snapshot", state, state, "A snapshot is due: it is written at this commit point.",

@@ -22,7 +22,7 @@ from deepepochs import Callback, CheckCallback, CheckpointError, Optimizer, Trai
 from deepepochs.errors import DeepEpochsWarning
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
-        "history", "monitors", "rng", "order_seed", "position", "shards", "param_names"}
+        "history", "monitors", "rng", "order_seed", "position", "shards", "param_names", "averages"}
 
 
 def _loader(n=64, batch_size=16, seed=0):
@@ -116,6 +116,7 @@ def test_checkpoint_is_a_plain_dict_with_the_documented_keys_and_no_absolute_pat
     assert set(data) == KEYS
     assert data["format_version"] == 1  # 2 only for mid-epoch snapshots (tests/test_snapshots.py)
     assert data["position"] is None and data["shards"] is None  # sharded folders: tests/distributed/test_fsdp.py
+    assert data["averages"] is None  # without a weight average (tests/callbacks/test_averaging.py)
     assert data["epoch"] == 2 and data["world_size"] == 1 and data["running_id"] == trainer.running_id
     assert data["scaler"] is None
     assert list(data["model"]) == list(trainer.raw_model.state_dict())

@@ -9,7 +9,7 @@ import pytest
 
 import deepepochs
 from deepepochs import protocols
-from deepepochs.callbacks import CheckCallback, GradClipCallback, SnapshotCallback
+from deepepochs.callbacks import CheckCallback, EMACallback, GradClipCallback, SnapshotCallback, SWACallback
 from deepepochs.callbacks.base import HookTable
 from deepepochs.engine.context import Parts
 from deepepochs.parallel.ddp import DDPPolicy, SingleProcess
@@ -31,6 +31,8 @@ IMPLEMENTATIONS = [
     (protocols.Monitor, CheckCallback),
     (protocols.Clipper, GradClipCallback),
     (protocols.SnapshotWriter, SnapshotCallback),
+    (protocols.Averager, EMACallback),
+    (protocols.Averager, SWACallback),
 ]
 
 # The Parts fields typed by a protocol, and that protocol.

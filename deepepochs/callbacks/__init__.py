@@ -1,6 +1,7 @@
 """Callbacks: the `Callback` base class and the ready-made ones."""
 
 from deepepochs.callbacks.analyze import AnalyzeCallback
+from deepepochs.callbacks.averaging import EMACallback, SWACallback
 from deepepochs.callbacks.base import Callback, HookTable
 from deepepochs.callbacks.check import CheckCallback
 from deepepochs.callbacks.grad_clip import GradClipCallback
@@ -14,11 +15,13 @@ __all__ = [
     "AnalyzeCallback",
     "Callback",
     "CheckCallback",
+    "EMACallback",
     "GradClipCallback",
     "HookTable",
     "InterpreteCallback",
     "LRFindCallback",
     "LogCallback",
     "MLflowCallback",
+    "SWACallback",
     "SnapshotCallback",
 ]

@@ -10,6 +10,7 @@ therefore still gets that epoch's checkpoint. The file format is in `deepepochs.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -86,6 +87,7 @@ class CheckCallback(Callback):
         self.file_name = _UNSAFE.sub("_", self.monitor_id) + checkpoint.SUFFIX
         self._reset()
         self._test_backup = None
+        self._averages_backup = None  # the weight averages before test() loaded a file's
         self._told_restore = False  # the one-time note that test() puts the pre-test weights back
 
     def _reset(self) -> None:
@@ -222,6 +224,10 @@ class CheckCallback(Callback):
         self._test_backup = checkpoint.copied_to_cpu(trainer.raw_model.state_dict())
         self._tested = source
         checkpoint.load_model_state(trainer, ckpt.model, source)
+        averages = trainer.loop.run.averages
+        if ckpt.averages and averages:  # the file's weight averages too: evaluate=True tests the file's average
+            self._averages_backup = copy.deepcopy(averages)
+            checkpoint.load_averages(trainer, ckpt.averages)
         trainer.console.info(f"Testing the weights of {source} (epoch {ckpt.epoch})")
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
@@ -239,6 +245,9 @@ class CheckCallback(Callback):
         self._restore(trainer)
 
     def _restore(self, trainer) -> None:
+        averages, self._averages_backup = self._averages_backup, None
+        if averages is not None:
+            checkpoint.load_averages(trainer, averages)
         backup, self._test_backup = self._test_backup, None
         if backup is not None:
             checkpoint.load_model_state(trainer, backup, "<the weights before testing>")

@@ -22,7 +22,7 @@ from deepepochs.checkpoint.format import (
     monitors_of,
     plain_records,
 )
-from deepepochs.checkpoint.load import check_fits, copied_to_cpu, load_into, load_model_state
+from deepepochs.checkpoint.load import check_fits, copied_to_cpu, load_averages, load_into, load_model_state
 from deepepochs.checkpoint.read import exists, modified_ns, read_checkpoint, read_weights
 from deepepochs.checkpoint.write import consolidate, remove, remove_stale_temps, save, snapshot, write_atomic
 from deepepochs.errors import CheckpointError
@@ -40,6 +40,7 @@ __all__ = [
     "exists",
     "find_checkpoint",
     "find_checkpoints",
+    "load_averages",
     "load_into",
     "load_model_state",
     "modified_ns",

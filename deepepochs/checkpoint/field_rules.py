@@ -75,9 +75,24 @@ def problems(trainer, ckpt: Checkpoint) -> list[str]:
     elif ckpt.rng is not None:
         _rng(ckpt.rng, "rng", out)
     _history(ckpt.history, ckpt.epoch, "history", out, ckpt.updates)
+    _averages(trainer, ckpt.averages, out)
     if ckpt.position is not None:
         _position(ckpt.position, ckpt.epoch, out)
     return out
+
+
+def _averages(trainer, saved, out: list) -> None:
+    """The weight averages the trainer holds must be like its own (tensors of the same dtypes and shapes,
+    int counters); one the trainer does not hold is not read."""
+    if saved is None:
+        return
+    if not isinstance(saved, Mapping):
+        out.append(f"averages must be a dict of weight averages by id, or None (got {got(saved)})")
+        return
+    live = trainer.loop.run.averages or {}
+    for average_id, state in saved.items():
+        if average_id in live:
+            like(state, live[average_id], f"averages[{average_id!r}]", out)
 
 
 def _model(trainer, saved, out: list) -> None:

@@ -54,6 +54,10 @@ yours keeps other objects in its state). Keys:
 `updates`           int, the update windows the run committed (skipped ones included): the update
                     clock (`max_updates`) and the snapshots' count continue from it. 0 in files of
                     older versions (then a `SnapshotCallback`'s recorded count, if any).
+`averages`          dict or None: the weight averages (`EMACallback`, `SWACallback`) by their id
+                    (`'ema'`, `'swa'`): `{'model': the AveragedModel's state_dict() ('n_averaged',
+                    'module.<name>'), 'updates': times averaged, 'epochs': SWALR steps}`, as of the
+                    file's commit point. None without one (or in files of older versions).
 ==================  ==========================================================================
 
 Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank
@@ -154,6 +158,7 @@ class Checkpoint:
     param_names: list | None = None
     history: Mapping | None = None
     updates: int = attrs.field(default=0, validator=_non_negative_int)
+    averages: Mapping | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""

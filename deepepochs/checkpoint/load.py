@@ -24,6 +24,7 @@ from deepepochs.utils import set_rng_state
 __all__ = [
     "check_fits",
     "copied_to_cpu",
+    "load_averages",
     "load_into",
     "load_model_state",
 ]
@@ -238,6 +239,17 @@ def _backup(trainer) -> Checkpoint:
     return attrs.evolve(backup, scaler=copy.deepcopy(backup.scaler), monitors=copy.deepcopy(backup.monitors))
 
 
+def load_averages(trainer, saved) -> None:
+    """The weight averages the trainer holds (`RunState.averages`) take `saved` (a file's `averages`, or
+    what `copy.deepcopy(trainer.loop.run.averages)` kept), written into the averaged modules' own tensors;
+    one `saved` lacks stays as it is, one the trainer lacks is ignored."""
+    live = trainer.loop.run.averages
+    if saved and live:
+        for average_id, state in saved.items():
+            if average_id in live:
+                runstate.write_in_place(live[average_id], state)
+
+
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
     """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors and (same world size) generator states."""
     load_model_state(trainer, ckpt.model, path)
@@ -256,6 +268,7 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         history = trainer.history
         history.clear()
         history.update({"train": {}, "val": {}, **plain_records(ckpt.history)})
+    load_averages(trainer, ckpt.averages)
     if ckpt.order_seed is not None:  # the training order continues as it was (`sampling.DataOrder`)
         trainer.dist.order_seed = ckpt.order_seed
     rng = _own_generator_states(trainer, ckpt.rng)

@@ -90,6 +90,7 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rn
         param_names=names.param_names(trainer),
         history=plain_records(_run_records(trainer, position)),
         updates=trainer.loop.run.updates,
+        averages=trainer.loop.run.averages or None,
     )
 
 

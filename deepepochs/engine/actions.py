@@ -70,6 +70,7 @@ FOLDS: dict[str, tuple[Callable[[object], bool], str]] = {
                                           "one process: no gradient sync to switch"),
     ActionName.CLIP_GRADIENTS.value: (lambda parts: not parts.clippers, "no gradient clipper is attached"),
     ActionName.UPDATE_SCALER.value: (lambda parts: parts.precision.scaler is None, "no GradScaler (fp32/bf16)"),
+    ActionName.AVERAGE_UPDATE.value: (lambda parts: not parts.averagers, "no weight average is attached"),
 }
 
 
@@ -194,6 +195,27 @@ def commit_epoch(ctx: Context) -> None:
     for stage, metrics in ctx.last_metrics.items():
         if stage in ctx.history:
             record_row(ctx.history[stage], metrics, aligned=stage == "train")
+
+
+@action
+def average_epoch(ctx: Context) -> None:
+    """The epoch-wise weight averages (`SWACallback`) take the epoch's weights and step their learning-rate
+    schedule. The averages live in the run state, which an epoch's end that does not commit puts back
+    (`Driver._count_epoch`); the rates the schedule set are undone here, like an epoch-wise scheduler's."""
+    averagers = ctx.parts.averagers
+    if not averagers:
+        return
+    opts = ctx.parts.opts
+    rates = [[group["lr"] for group in item.opt.param_groups] for item in opts.items]
+
+    def undo():
+        for item, lrs in zip(opts.items, rates):
+            for group, lr in zip(item.opt.param_groups, lrs):
+                group["lr"] = lr
+
+    ctx.epoch_undo.append(undo)
+    for average in averagers:
+        average(ctx.parts.facade, "epoch")
 
 
 # ---- the accumulation window -------------------------------------------------------------------------
@@ -364,6 +386,22 @@ def remember_position(ctx: Context) -> None:
 
 
 @action
+def average_update(ctx: Context) -> None:
+    """The weight averages (`EMACallback`) take the update just applied, as part of its commit point: once
+    per update in which an optimizer stepped, never for one every optimizer skipped (inf/NaN), never for a
+    window a rollback discards (its update never reaches this). A rollback completing an applied update
+    whose end did not run calls it too (`discard_window`)."""
+    averagers = ctx.parts.averagers
+    if not averagers:
+        return
+    loop = ctx.loop
+    if not any(loop.finite.get(i, True) for i in loop.update_indices):
+        return
+    for average in averagers:
+        average(ctx.parts.facade, "update")
+
+
+@action
 def commit_update(ctx: Context) -> None:
     """The window's update is committed: the task's position moves past the window (the driver set the
     point to (epoch, task) when the task began) and the update is counted, once per window (an update skipped
@@ -419,8 +457,9 @@ def discard_window(ctx: Context) -> None:
     later post-hook or the scheduler raised): its loss statistics stay and it is not replayed."""
     parts, loop = ctx.parts, ctx.loop
     ctx.signals.drop()
-    if loop.window_updated and loop.update_open:
-        zero_grad(ctx)  # an applied update whose end did not run: what it leaves is its commit point's
+    unfinished = loop.window_updated and loop.update_open  # an applied update whose end did not run
+    if unfinished:
+        zero_grad(ctx)  # what it leaves is its commit point's
     parts.opts.zero_grad(parts.opts.all_indices)
     parts.dist.drop_unsynced_gradients()  # FSDP keeps a no-sync micro-batch's gradients outside `.grad`
     parts.precision.discard_step_state()
@@ -429,6 +468,8 @@ def discard_window(ctx: Context) -> None:
     if meters is not None and loop.stage == "train" and loop.window_pos:
         if loop.window_updated:  # applied: the update's commit point is completed now, with the position after it
             remember_position(ctx)
+            if unfinished:  # the weight averages take it, as its end would have
+                average_update(ctx)
             if not loop.window_committed:
                 commit_update(ctx)
         if loop.window_committed:

@@ -306,7 +306,7 @@ def describe(precision: str = "fp32", processes: int = 1, clipper: bool = False)
     if not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be a whole number >= 1 (got {processes!r})")
     parts = types.SimpleNamespace(dist=types.SimpleNamespace(world_size=processes),
-                                  clippers=[clipper] if clipper else [],
+                                  clippers=[clipper] if clipper else [], averagers=[],
                                   precision=types.SimpleNamespace(scaler=precision if precision == "fp16" else None))
     return generate_all(actions.folded(parts), precision != "fp32")
 

@@ -120,6 +120,9 @@ class Parts:
         target_key: `Trainer(targets='<key>')`: the field of dict batches that holds the targets, or None.
         pick_targets: `Trainer(targets=callable)`: `(batch_x, model_out) -> (preds, targets)` for the
             metrics, or None (the metrics get the model output and the batch's label).
+        averagers: the weight averages' `average_weights(trainer, at)` methods (`EMACallback`,
+            `SWACallback`), called by the `average_update` (`at='update'`) and `average_epoch`
+            (`at='epoch'`) actions.
     """
 
     config: TrainerConfig
@@ -137,6 +140,7 @@ class Parts:
     resumer: Callable[[Facade], None] | None = None
     target_key: str | None = None
     pick_targets: Callable | None = None
+    averagers: list[Callable[[object, str], None]] = attrs.Factory(list)
 
 
 @attrs.define(slots=True, eq=False)

@@ -19,7 +19,8 @@ Each field says, in its metadata, how `capture` copies it (`copy`: `DEEP` by def
 value a run replaces but never changes in place, so the captured reference stays valid) and how a
 snapshot carries it (`snapshot`: `GENERIC`, or the part of the file that holds it, or why it is not
 carried). `restore` writes every field back; a field marked `keep_identity` (a dict the user may hold,
-such as `trainer.history`) is refilled in place.
+such as `trainer.history`) is refilled in place, and one marked `in_place` (tensors a module owns, such as
+a weight average's) has its tensors copied into the ones it holds (`write_in_place`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import math
 import attrs
 
 __all__ = ["DEEP", "GENERIC", "SHARED", "VAL_POINT_KEY", "ResumePoint", "RunState", "StopRequest", "capture",
-           "generic_fields", "record_row", "restore"]
+           "generic_fields", "record_row", "restore", "write_in_place"]
 
 #: `copy` metadata: `capture` deep-copies the value (the default: safe for any new field).
 DEEP = "deep"
@@ -45,9 +46,9 @@ VAL_POINT_KEY = "updates"
 
 
 def _field(default=attrs.NOTHING, *, factory=None, copy: str = DEEP, snapshot: str = GENERIC,
-           keep_identity: bool = False):
+           keep_identity: bool = False, in_place: bool = False):
     """An attrs field of the run state with its capture/snapshot policy in the metadata."""
-    meta = {"copy": copy, "snapshot": snapshot, "keep_identity": keep_identity}
+    meta = {"copy": copy, "snapshot": snapshot, "keep_identity": keep_identity, "in_place": in_place}
     if factory is not None:
         return attrs.field(factory=factory, metadata=meta)
     return attrs.field(default=default, metadata=meta)
@@ -139,6 +140,10 @@ class RunState:
         updates: the update windows the run committed (`commit_update`: applied, or skipped for inf/NaN),
             resumed runs included: the update clock (`max_updates`, `val_every_n_updates`) and the snapshots'
             count (`snapshot-u<updates>`).
+        averages: the weight averages (`EMACallback`, `SWACallback`) by their `average_id`: each a dict
+            whose tensors are the averaged module's own (its `state_dict()`, moved only at commit points:
+            the `average_update` and `average_epoch` actions) and the average's counters; None when none
+            is attached. A restore copies the tensors back into the module (`write_in_place`).
     """
 
     running_id: str = _field("", copy=SHARED, snapshot="the checkpoint's running_id (resume names the run)")
@@ -171,6 +176,8 @@ class RunState:
     # Replaced whole, by a copy, at commit points (`carried.keep`); a capture copies it (small: hidden states).
     carried: dict | None = _field(None)
     updates: int = _field(0, copy=SHARED, snapshot="the checkpoint's updates")
+    # The averaged modules' own tensors: a capture copies them, a restore writes them back into the module.
+    averages: dict | None = _field(None, snapshot="the checkpoint's averages", in_place=True)
 
 
 def capture(run: RunState) -> RunState:
@@ -193,7 +200,9 @@ def restore(run: RunState, saved: RunState) -> None:
         if field.metadata.get("copy", DEEP) != SHARED:
             value = _copy.deepcopy(value)
         current = getattr(run, field.name)
-        if field.metadata.get("keep_identity") and isinstance(current, dict) and isinstance(value, dict):
+        if field.metadata.get("in_place") and isinstance(current, dict) and isinstance(value, dict):
+            write_in_place(current, value)
+        elif field.metadata.get("keep_identity") and isinstance(current, dict) and isinstance(value, dict):
             current.clear()
             current.update(value)
         else:
@@ -211,6 +220,21 @@ def record_row(records: dict, metrics: dict, aligned: bool) -> None:
         for name, values in records.items():
             if name not in metrics and len(values) == epochs:
                 values.append(math.nan)
+
+
+def write_in_place(current: dict, saved: dict) -> None:
+    """Write `saved` into `current` keeping what `current` holds: a tensor of the same shape is copied into
+    (the module owning it sees the value), a nested dict written the same way, anything else replaced by
+    a copy. Keys `saved` lacks stay as they are."""
+    for key, value in saved.items():
+        now = current.get(key)
+        if isinstance(now, dict) and isinstance(value, dict):
+            write_in_place(now, value)
+        elif (hasattr(now, "copy_") and getattr(now, "shape", None) is not None
+              and getattr(value, "shape", None) == now.shape):
+            now.copy_(value)  # state_dict() tensors are detached: no autograd record of the copy
+        else:
+            current[key] = _copy.deepcopy(value)
 
 
 def generic_fields(run: RunState) -> list[str]:

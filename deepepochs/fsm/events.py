@@ -279,6 +279,9 @@ class ActionName(str, enum.Enum):
     REMEMBER_POSITION = 'remember_position'
     """Keep what a refit continues from besides the batch count: torch's generator states and a stateful DataLoader's
     position, as they are after the window's update."""
+    AVERAGE_UPDATE = 'average_update'
+    """Move the weight averages (EMACallback) by the update just applied, as part of its commit; nothing when every
+    optimizer of the update skipped (inf/NaN)."""
     COMMIT_UPDATE = 'commit_update'
     """Commit the window's update: the data position moves past the window and its loss sums and patches join the
     task's; rollback never undoes it."""
@@ -289,6 +292,9 @@ class ActionName(str, enum.Enum):
     STEP_EPOCH_SCHEDULERS = 'step_epoch_schedulers'
     """Step epoch-wise LR schedulers (with the monitored loss if so configured); with validation points
     (val_every_n_updates) at each point, with its validation loss, not at epochs' ends."""
+    AVERAGE_EPOCH = 'average_epoch'
+    """Move the epoch-wise weight averages (SWACallback) by the epoch's weights and step their learning-rate schedule,
+    before the epoch's checkpoints are written (undone if the epoch does not commit)."""
     SAVE_CHECKPOINTS = 'save_checkpoints'
     """Write the checkpoints requested by callbacks at this epoch's end."""
     COMMIT_EPOCH = 'commit_epoch'

@@ -175,6 +175,7 @@ class TrainerBase(StepMethods):
         self._console = Console(log_batch, log_tqdm, log_long, show_info, enabled=dist.is_main)
         self._hooks = HookTable()
         self._clippers = []
+        self._averagers = []
         loop = LoopState(run=run, resume_pending=resume is not False)  # honoured once, at the first fit or test
         self._opts.bind_updates(loop)
         parts = Parts(
@@ -183,7 +184,7 @@ class TrainerBase(StepMethods):
             eval_model=compiled,  # not DDP-wrapped: evaluation issues no DDP collectives
             opts=self._opts, precision=self._precision, dist=dist, hooks=self._hooks, clippers=self._clippers,
             console=self._console, facade=self, resumer=resume_run, target_key=target_key,
-            pick_targets=pick_targets)
+            pick_targets=pick_targets, averagers=self._averagers)
         self._ctx = Context(parts, loop, loss_fn=loss)
         self._driver = Driver(self._ctx)
         self._closed = False
@@ -287,8 +288,11 @@ class TrainerBase(StepMethods):
 
     def add_callbacks(self, callbacks) -> None:
         """Attach callbacks; their hook signatures are checked now. Callbacks with a `clip` method are
-        also registered as gradient clippers (the spec's clip_gradients action)."""
+        also registered as gradient clippers (the spec's clip_gradients action), and those with an
+        `average_weights` method as weight averages (the spec's average_update and average_epoch actions)."""
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         self._clippers.extend(self._hooks.attach(callbacks, self))
+        self._averagers.extend(cb.average_weights for cb in callbacks if callable(getattr(cb, "average_weights", None)))
 
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None,

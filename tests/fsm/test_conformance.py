@@ -255,7 +255,7 @@ def test_a_fused_run_is_the_unfused_run_with_each_fused_edge_expanded(case, monk
     # optimizer stepped (it commits each update once), and asks each guard where the fused paths part: a
     # subsequence of the guard outcomes of the run taking every edge.
     left_out = set(actions.folded(fused._ctx.parts))
-    assert left_out == {"sync_gradients", "skip_gradient_sync", "clip_gradients"} | (
+    assert left_out == {"sync_gradients", "skip_gradient_sync", "clip_gradients", "average_update"} | (
         set() if precision == "fp16" else {"update_scaler"})
     plain_actions = [c for c in spied[False] if c[0] == "action" and c[1] not in left_out]
     assert [c for c in spied[True] if c[0] == "action"] == _one_commit_per_update(plain_actions)

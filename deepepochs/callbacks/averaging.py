@@ -1,0 +1,320 @@
+"""Weight averaging: `EMACallback` (an exponential moving average of the weights) and `SWACallback`
+(stochastic weight averaging), both built on torch's `torch.optim.swa_utils`.
+
+The arithmetic is torch's: the averaged module is a `torch.optim.swa_utils.AveragedModel` (the callback's
+`averaged` attribute), moved by its `update_parameters`, with `get_ema_multi_avg_fn` for the EMA, `SWALR`
+for SWA's learning rates and `update_bn` for SWA's BatchNorm statistics. What deepepochs adds is when the
+average moves: the engine calls `average_weights` at commit points only (the spec's `average_update`
+action as an update commits, `average_epoch` at an epoch's end before its checkpoints are written), so
+an update skipped for inf/NaN or a window a fault, Ctrl-C or preemption discarded never reaches it.
+
+Where the average lives: its tensors are the run state's (`RunState.averages[average_id]` holds the
+averaged module's `state_dict()`, whose tensors are the module's own, and its counters), so a rollback,
+`find_lr`, a failed checkpoint load and an epoch's end that does not commit put it back with the rest of
+the run, and every checkpoint and snapshot holds it under the `averages` key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import re
+import warnings
+
+import torch
+from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
+
+from deepepochs.callbacks.base import Callback
+from deepepochs.config import check_choice
+from deepepochs.errors import ConfigError
+from deepepochs.utils import rng_state, set_rng_state
+
+__all__ = ["EMACallback", "SWACallback"]
+
+
+def _number(name: str, value, low: float, high: float, hint: str) -> float:
+    """`value` as a float strictly between `low` and `high`, else a `ConfigError` naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+        raise ConfigError(f"{name} must be a number in ({low:g}, {high:g}){hint} (got {value!r})")
+    return float(value)
+
+
+def _flag(name: str, value) -> bool:
+    """`value` if it is True or False, else a `ConfigError` naming `name`."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False (got {value!r})")
+    return value
+
+
+def _count(name: str, value, low: int, meaning: str) -> int:
+    """`value` if it is an int >= `low`, else a `ConfigError` naming `name` and what it means."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an int >= {low}{meaning} (got {value!r})")
+    return value
+
+
+class _WeightAverage(Callback):
+    """What both averages share: the `AveragedModel`, its place in the run state, and evaluation with it."""
+
+    average_id = ""
+
+    def __init__(self, buffers: str, evaluate: bool):
+        check_choice(f"{type(self).__name__} buffers", buffers, ("average", "copy"),
+                     "'average' averages BatchNorm statistics like the weights, 'copy' takes the model's")
+        self.buffers = buffers
+        self.evaluate = _flag(f"{type(self).__name__} evaluate", evaluate)
+        #: The averaged module: a `torch.optim.swa_utils.AveragedModel` (made when the callback is attached).
+        self.averaged: AveragedModel | None = None
+        self._state: dict | None = None
+        self._backup = None
+
+    def _make(self, model: torch.nn.Module) -> AveragedModel:
+        raise NotImplementedError
+
+    def on_attach(self, trainer) -> None:
+        """Make the averaged module from the trainer's model and put its state in the run state."""
+        name = type(self).__name__
+        model = trainer.raw_model
+        if next(iter(model.parameters()), None) is None:
+            raise ConfigError(f"{name} needs a model with parameters to average (got a"
+                              f" {type(model).__name__} without any)")
+        if trainer.dist.shards_model:
+            raise ConfigError(f"{name} does not support strategy='fsdp' yet (got it); use strategy='ddp'")
+        same = [cb for cb in trainer.callbacks if getattr(cb, "average_id", None) == self.average_id]
+        if len(same) > 1:
+            raise ConfigError(f"two {name}s are attached (average_id {self.average_id!r}); keep one, or give"
+                              " the second another average_id")
+        self.averaged = self._make(model)
+        self._state = None
+        self._registered(trainer)
+
+    def _registered(self, trainer) -> dict:
+        """This average's entry of the run state (its tensors the averaged module's own), registered again
+        when the run state lost it (a restore of a state captured before the callback was attached)."""
+        run = trainer.loop.run
+        if run.averages is None:
+            run.averages = {}
+        state = run.averages.get(self.average_id)
+        if state is None or state is not self._state:
+            if self._state is None:
+                self._state = {"model": self.averaged.state_dict(), "updates": 0, "epochs": 0}
+            run.averages[self.average_id] = self._state
+        return self._state
+
+    @property
+    def updates(self) -> int:
+        """How many times the average was moved (committed updates for the EMA, epochs for SWA)."""
+        return 0 if self._state is None else self._state["updates"]
+
+    def on_before_fit(self, trainer, epochs):
+        self._registered(trainer)
+
+    # ---- evaluation with the average ----
+    def _swap_in(self, trainer) -> None:
+        if not self.evaluate or self.updates == 0 or self._backup is not None:
+            return
+        model = trainer.raw_model
+        self._backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(self.averaged.module.state_dict())
+
+    def _swap_out(self, trainer) -> None:
+        backup, self._backup = self._backup, None
+        if backup is not None:
+            trainer.raw_model.load_state_dict(backup)
+
+    @contextlib.contextmanager
+    def applied(self, trainer):
+        """Inside, the trainer's model holds the average's weights (and buffers); on leaving, also by an
+        error, its own come back. For what runs no hooks, such as `predict()`:
+        `with ema.applied(trainer): preds = trainer.predict(dl)`."""
+        if self.updates == 0:
+            raise ConfigError(f"{type(self).__name__}.applied() needs an average, but none was taken yet (got"
+                              " 0 updates); fit first")
+        backup = {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()}
+        trainer.raw_model.load_state_dict(self.averaged.module.state_dict())
+        try:
+            yield trainer
+        finally:
+            trainer.raw_model.load_state_dict(backup)
+
+    def on_before_val_epochs(self, trainer, tasks, epoch_idx):
+        """Validate the average (`evaluate=True`): its weights go into the model until validation ends."""
+        self._swap_in(trainer)
+
+    def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
+        self._swap_out(trainer)
+
+    def on_before_test_epochs(self, trainer, tasks):
+        """Test the average (`evaluate=True`); the model gets its own weights back afterwards."""
+        self._swap_in(trainer)
+
+    def on_after_test_epochs(self, trainer, tasks, metrics):
+        self._swap_out(trainer)
+
+    def on_interrupted(self, trainer, exception):
+        """A failed validation or test must not leave the average's weights in the model."""
+        self._swap_out(trainer)
+
+
+class EMACallback(_WeightAverage):
+    """An exponential moving average of the model's weights, moved once per committed update.
+
+    Args:
+        decay: the weight of the old average at each update, in (0, 1); 0.999 when neither `decay` nor
+            `half_life` is given.
+        half_life: instead of `decay`, the number of updates after which an update's weight in the average
+            has halved (`decay = 0.5 ** (1 / half_life)`).
+        warmup: ramp the decay up over the first updates as `min(decay, (1 + n) / (10 + n))` after `n`
+            updates (the warm-up of TensorFlow's and timm's EMAs), so early weights fade fast.
+        buffers: 'average' (BatchNorm statistics and other buffers averaged like the weights, torch's
+            `use_buffers=True`) or 'copy' (the model's buffers copied after each update).
+        evaluate: validation and `test()` evaluate the average; the model gets its training weights back
+            afterwards.
+
+    The average is `callback.averaged`, a `torch.optim.swa_utils.AveragedModel` (its `.module` is a copy
+    of the model); torch's `update_parameters` with `get_ema_multi_avg_fn(decay)` moves it, so the first
+    update copies the weights and each later one takes `decay * average + (1 - decay) * weights`. An update
+    skipped for inf/NaN, or discarded by a rollback, never moves it; checkpoints and snapshots hold it.
+
+    Example:
+        >>> ema = EMACallback(decay=0.999, evaluate=True)
+        >>> trainer = Trainer(model, F.cross_entropy, opt, epochs=10, callbacks=[ema])
+        >>> trainer.fit(train_dl, val_dl)  # validation metrics are the average's
+        >>> ema.averaged.module  # the averaged model
+    """
+
+    average_id = "ema"
+
+    def __init__(self, decay: float | None = None, *, half_life: float | None = None, warmup: bool = False,
+                 buffers: str = "average", evaluate: bool = False):
+        if decay is not None and half_life is not None:
+            raise ConfigError(f"EMACallback takes decay or half_life, not both (got decay={decay!r},"
+                              f" half_life={half_life!r}); half_life h means decay = 0.5 ** (1 / h)")
+        if half_life is not None:
+            h = _number("EMACallback half_life", half_life, 0, math.inf, " (updates)")
+            decay = 0.5 ** (1.0 / h)
+        self.decay = _number("EMACallback decay", 0.999 if decay is None else decay, 0, 1,
+                             ", e.g. 0.999")
+        self.warmup = _flag("EMACallback warmup", warmup)
+        super().__init__(buffers, evaluate)
+
+    def __repr__(self) -> str:
+        return f"EMACallback(decay={self.decay!r}, warmup={self.warmup}, buffers={self.buffers!r})"
+
+    def _make(self, model):
+        return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
+                             use_buffers=self.buffers == "average")
+
+    def average_weights(self, trainer, at: str) -> None:
+        """Called by the engine as an update commits (`at='update'`): the average takes the model's
+        weights."""
+        if at != "update":
+            return
+        state = self._registered(trainer)
+        n = state["updates"]
+        if self.warmup:
+            self.averaged.multi_avg_fn = get_ema_multi_avg_fn(min(self.decay, (1 + n) / (10 + n)))
+        self.averaged.update_parameters(trainer.raw_model)
+        state["updates"] = n + 1
+
+
+class SWACallback(_WeightAverage):
+    """Stochastic weight averaging: the equal-weight average of the model's weights at the end of each
+    epoch from `start_epoch` on, with torch's `SWALR` learning-rate schedule and `update_bn` at the fit's end.
+
+    Args:
+        start_epoch: the first epoch (1-based) whose end is averaged; it must lie within the fit's epochs.
+        swa_lr: the rate `SWALR` anneals every optimizer's groups to, over `anneal_epochs` epochs from the
+            end of `start_epoch`; None leaves the rates alone.
+        anneal_epochs: epochs of the annealing (`SWALR`'s `anneal_epochs`).
+        anneal_strategy: 'cos' or 'linear' (`SWALR`'s).
+        buffers: 'copy' (torch's default: the model's buffers are copied, and `update_bn` recomputes the
+            BatchNorm statistics at the fit's end) or 'average'.
+        bn_update: run `torch.optim.swa_utils.update_bn` over the training data at the fit's end (only when
+            the model has BatchNorm layers, buffers='copy' and the average has moved).
+        evaluate: validation and `test()` evaluate the average.
+
+    The rates `SWALR` sets come after an epoch-wise scheduler's step at the epoch's end; a step-wise
+    scheduler keeps changing them during the epochs that follow, so use one or the other from `start_epoch`.
+    The average moves at epochs' ends only; the start is an epoch (an update count would be a second way to
+    start, `average_weights` being called for updates too).
+    """
+
+    average_id = "swa"
+
+    def __init__(self, start_epoch: int, swa_lr: float | None = None, *, anneal_epochs: int = 10,
+                 anneal_strategy: str = "cos", buffers: str = "copy", bn_update: bool = True,
+                 evaluate: bool = False):
+        self.start_epoch = _count("SWACallback start_epoch", start_epoch, 1, ", the first epoch averaged")
+        if swa_lr is not None:
+            _number("SWACallback swa_lr", swa_lr, 0, math.inf, "")
+        self.swa_lr = swa_lr
+        self.anneal_epochs = _count("SWACallback anneal_epochs", anneal_epochs, 0, "")
+        check_choice("SWACallback anneal_strategy", anneal_strategy, ("cos", "linear"))
+        self.anneal_strategy = anneal_strategy
+        self.bn_update = _flag("SWACallback bn_update", bn_update)
+        self._schedules = None
+        self._loaders = []
+        super().__init__(buffers, evaluate)
+
+    def __repr__(self) -> str:
+        return (f"SWACallback(start_epoch={self.start_epoch}, swa_lr={self.swa_lr!r},"
+                f" anneal_epochs={self.anneal_epochs}, anneal_strategy={self.anneal_strategy!r})")
+
+    def _make(self, model):
+        return AveragedModel(model, use_buffers=self.buffers == "average")
+
+    def on_before_fit(self, trainer, epochs):
+        """Refuse a start after the fit's last epoch: nothing would be averaged."""
+        super().on_before_fit(trainer, epochs)
+        if self.start_epoch > epochs:
+            raise ConfigError(f"SWACallback start_epoch must be at most the fit's epochs ({epochs}), or nothing"
+                              f" is averaged (got {self.start_epoch})")
+
+    def on_before_train_epochs(self, trainer, tasks, epoch_idx):
+        self._loaders = [task.dataloader for task in tasks]
+
+    def _schedule(self, trainer, steps: int) -> list:
+        """One `SWALR` per optimizer, positioned after `steps` steps (its rate follows from the optimizer's
+        current one, which checkpoints hold, and its step count, which the run state holds)."""
+        if self._schedules is None or self._schedules[0] != steps:
+            schedules = [SWALR(item.opt, self.swa_lr, anneal_epochs=self.anneal_epochs,
+                               anneal_strategy=self.anneal_strategy) for item in trainer.opt.items]
+            for schedule in schedules:
+                schedule._step_count = steps + 1  # noqa: SLF001 (SWALR reads its position from this count)
+                schedule.last_epoch = steps
+            self._schedules = (steps, schedules)
+        return self._schedules[1]
+
+    def average_weights(self, trainer, at: str) -> None:
+        """Called by the engine at an epoch's end (`at='epoch'`): from `start_epoch` on the average takes the
+        model's weights and `SWALR` steps."""
+        if at != "epoch" or trainer.loop.epoch < self.start_epoch:
+            return
+        state = self._registered(trainer)
+        self.averaged.update_parameters(trainer.raw_model)
+        state["updates"] += 1
+        if self.swa_lr is not None:
+            with warnings.catch_warnings():
+                # SWALR made after the optimizers' first steps says its step comes before theirs: not so here
+                warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
+                for schedule in self._schedule(trainer, state["epochs"]):
+                    schedule.step()
+            state["epochs"] += 1
+            self._schedules = (state["epochs"], self._schedules[1])
+
+    def on_after_fit(self, trainer):
+        """Recompute the average's BatchNorm statistics over the training data (torch's `update_bn`), leaving
+        every generator as it was so that a later fit draws what it would have drawn. The data is the training
+        DataLoaders as given (the whole data, also under DDP, where every rank then takes rank 0's statistics:
+        one broadcast, at the fit's end, as the ranks' orders, and so the float sums, may differ)."""
+        if not (self.bn_update and self.buffers == "copy" and self.updates and self._loaders):
+            return
+        generators = rng_state()
+        try:
+            update_bn(itertools.chain(*self._loaders), self.averaged, device=trainer.device)
+        finally:
+            set_rng_state(generators)
+        if trainer.world_size > 1:  # the ranks' orders of the data may differ: every rank takes rank 0's
+            trainer.dist.broadcast_model(self.averaged)
