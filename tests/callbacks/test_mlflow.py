@@ -73,7 +73,10 @@ def tracking_server(tmp_path_factory):
                "--default-artifact-root", str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
                "--workers", "1"]
     try:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # No job runner: the server's background job workers (several processes) are unused here and busy a
+        # small machine's cores.
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     except OSError as e:
         pytest.skip(f"the MLflow tracking server could not start: {e}")
     uri = f"http://127.0.0.1:{port}"
