@@ -27,6 +27,7 @@ import torch
 from processes import free_port  # tests/, on sys.path under pytest
 from state_compare import states_equal  # tests/, on sys.path under pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_snapshots import SendAt  # tests/, on sys.path under pytest
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -247,22 +248,6 @@ def test_the_state_graph_and_the_best_checkpoint_are_artifacts(logged, tmp_path)
     assert Path(uploaded).read_bytes() == (logged["folder"] / "ckpt" / "run" / "val-loss.best.ckpt").read_bytes()
 
 
-class SignalAt(Callback):
-    """Sends `sig` to this process after training batch `batch` (0-based) of epoch `epoch`, or at the first
-    validation batch of that epoch with `batch=None`."""
-
-    def __init__(self, sig, epoch, batch):
-        self.sig, self.epoch, self.batch = sig, epoch, batch
-
-    def on_after_train_batch(self, trainer, metrics, batch_idx):
-        if self.batch is not None and trainer.loop.epoch == self.epoch and batch_idx == self.batch:
-            os.kill(os.getpid(), self.sig)
-
-    def on_after_val_batch(self, trainer, metrics, batch_idx):
-        if self.batch is None and trainer.loop.epoch == self.epoch and batch_idx == 0:
-            os.kill(os.getpid(), self.sig)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name == "nt", reason="POSIX signals")
 @pytest.mark.parametrize("batch, steps_before", [(2, [1]), (None, [1, 2])],
@@ -277,7 +262,7 @@ def test_a_sigterm_then_resume_continues_one_tracker_run_with_each_step_once(tra
     def tracker():
         return MLflowCallback(tracking_server, experiment=EXPERIMENT["preempted"], close_timeout=60)
 
-    first, _ = _trainer([SnapshotCallback(tmp_path), SignalAt(signal.SIGTERM, 2, batch), tracker()],
+    first, _ = _trainer([SnapshotCallback(tmp_path), SendAt(signal.SIGTERM, 2, batch), tracker()],
                         running_id=running_id)
     with pytest.raises(Preempted):
         _fit(first)
@@ -296,8 +281,8 @@ def test_a_sigterm_then_resume_continues_one_tracker_run_with_each_step_once(tra
 PREEMPTED_SCRIPT = """
 import signal, sys
 sys.path[:0] = [{tests!r}, {here!r}]
-from test_mlflow import MLflowCallback, SignalAt, SnapshotCallback, _fit, _trainer
-trainer, _ = _trainer([SnapshotCallback({folder!r}), SignalAt(signal.SIGTERM, 2, None),
+from test_mlflow import MLflowCallback, SendAt, SnapshotCallback, _fit, _trainer
+trainer, _ = _trainer([SnapshotCallback({folder!r}), SendAt(signal.SIGTERM, 2, None),
                        MLflowCallback({uri!r}, experiment={experiment!r})], running_id="exits")
 _fit(trainer)  # Preempted ends the process (exit status 143), without trainer.close()
 """
