@@ -22,7 +22,8 @@ from deepepochs import Callback, CheckCallback, CheckpointError, Optimizer, Trai
 from deepepochs.errors import DeepEpochsWarning
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
-        "history", "monitors", "rng", "order_seed", "position", "shards", "param_names", "averages"}
+        "history", "monitors", "rng", "order_seed", "position", "shards", "param_names", "averages",
+        "updates"}
 
 
 def _loader(n=64, batch_size=16, seed=0):

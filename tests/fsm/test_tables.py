@@ -286,12 +286,13 @@ def test_commit_actions_are_last_on_the_edges_that_commit_updates_and_epochs():
         assert t.actions[:len(body)] == tuple(body), (t.source, t.trigger, t.actions)
     ends = {(t.source, t.trigger, t.actions) for t in SPEC.transitions if _runs_commit(t)}
     optimizing = ("optimize_clipped", "optimize_skipped")
-    finish = ("update_scaler", "zero_grad", "remember_position", "commit_update", "release_interrupts")
+    finish = ("update_scaler", "zero_grad", "remember_position", "average_update", "commit_update",
+              "release_interrupts")
     assert ends == {
         *((source, "apply_update", ("step_optimizer", "commit_update")) for source in optimizing),
         *((source, "finish_update", finish) for source in optimizing),
-        ("epoch_end", "end_epoch", ("step_epoch_schedulers", "save_checkpoints", "commit_epoch")),
-        ("epoch_end", "end_epoch", ("step_epoch_schedulers", "commit_epoch")),
+        ("epoch_end", "end_epoch", ("step_epoch_schedulers", "average_epoch", "save_checkpoints", "commit_epoch")),
+        ("epoch_end", "end_epoch", ("step_epoch_schedulers", "average_epoch", "commit_epoch")),
         ("stage_val", "end_stage", ("step_epoch_schedulers", "save_checkpoints", "commit_val_point")),
     }
 
