@@ -114,7 +114,10 @@ def main() -> None:
             counts[outcome] += 1
             if outcome != "clean":
                 first_failure.setdefault(outcome, tail)
+                print(tail, flush=True)
             print(f"run {run + 1}/{args.runs}: {outcome}  {counts}", flush=True)
+    except KeyboardInterrupt:  # stopped early: the counts so far are written all the same
+        pass
     finally:
         if busy is not None:
             busy.kill()

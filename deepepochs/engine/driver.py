@@ -238,6 +238,7 @@ class Driver:
         parts.raw_model.train()
         emit(self.ctx, Event.BEFORE_TRAIN_EPOCHS, tasks, epoch - 1)
         meters_list = ctx.train_meters = []
+        trained = point.trained if point is not None else None  # all tasks completed before a refit
         for index, task in enumerate(tasks):
             meters, skip, samples = continuation.task_start(point, saved, index, task)
             meters_list.append(meters)
@@ -246,7 +247,8 @@ class Driver:
             loop.resume = ResumePoint(epoch, index, skip)
             ctx.task_index = index
             self._run_task(task, "train", epoch, meters, skip, samples)
-        loop.resume = ResumePoint(epoch, -1, 0)
+            trained = (index, loop.resume.batches_done, getattr(task.data, "batch_size", None))
+        loop.resume = ResumePoint(epoch, -1, 0, trained=trained)
         metrics = self._stage_metrics(meters_list)
         ctx.last_metrics["train"] = metrics
         emit(self.ctx, Event.AFTER_TRAIN_EPOCHS, tasks, metrics, epoch - 1)

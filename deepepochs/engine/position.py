@@ -5,8 +5,7 @@ continue from there, besides the training state every checkpoint holds:
 
 ==================  ==========================================================================
 `epoch`             int, the 1-based epoch in progress (the file's `epoch` key counts completed ones).
-`task_index`        int, the training task in progress (0-based); the number of training tasks once
-                    the epoch's training stage is done (a stop during its validation).
+`task_index`        int, the training task in progress (0-based).
 `batches_done`      int, that task's batches whose windows were committed (the data position: a
                     seeded-order DataLoader skips them at the sampler, `sampling.skip_batches`).
 `world_size`        int, processes that trained (every rank ran `batches_done` batches of its shard).
@@ -61,16 +60,18 @@ class _Unstorable(TypeError):
 
 def capture(ctx: Context) -> dict | None:
     """The mid-epoch position of the last commit point, or None at an epoch's end (the file's epoch count
-    says it all). After the epoch's training stage (a stop in its validation) the position is the stage's
-    end: `task_index` is the number of training tasks, `batches_done` 0 (a resume runs none of them and
-    validates next). Under DDP a collective: every rank's meters and random states are gathered (every
-    rank calls it at the same commit point)."""
+    says it all). After the epoch's training stage (a stop in its validation) that is the last training
+    task's end: a resume skips all its batches and validates next. Under DDP a collective: every rank's
+    meters and random states are gathered (every rank calls it at the same commit point)."""
     loop, dist = ctx.loop, ctx.parts.dist
     point = loop.resume
-    if point is None or ctx.train_meters is None:
+    batch_size = getattr(getattr(ctx.task, "data", None), "batch_size", None)
+    if point is not None and point.task_index < 0 and point.trained is not None:
+        # the training stage is done (a stop during validation): its last commit point is the last task's end
+        index, done, batch_size = point.trained
+        point = ResumePoint(point.epoch, index, done)
+    if point is None or point.task_index < 0 or ctx.train_meters is None:
         return None
-    if point.task_index < 0:  # the training stage is done: its end is the last commit point
-        point = ResumePoint(point.epoch, len(ctx.train_meters), 0)
     data_state = ctx.data_state
     mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state),
                        "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
@@ -79,10 +80,7 @@ def capture(ctx: Context) -> dict | None:
             else data_state[3],
             "run": _encode_run(ctx.run)}
     ranks = dist.all_gather_object(mine) if dist.world_size > 1 else [mine]
-    stage_done = point.task_index == len(ctx.train_meters)
-    batch_size = None if stage_done else getattr(getattr(ctx.task, "data", None), "batch_size", None)
-    samples = 0 if stage_done else None if not isinstance(batch_size, int) else (
-        point.batches_done * batch_size * dist.world_size)
+    samples = None if not isinstance(batch_size, int) else point.batches_done * batch_size * dist.world_size
     return {"epoch": int(point.epoch), "task_index": int(point.task_index),
             "batches_done": int(point.batches_done), "world_size": int(dist.world_size),
             "batch_size": batch_size if isinstance(batch_size, int) else None, "samples_done": samples,
@@ -126,10 +124,7 @@ def check_data(position: dict, tasks, world_size: int, path) -> None:
 
 
 def check_point(point: ResumePoint, tasks, world_size: int, what: str = "the mid-epoch position loaded") -> None:
-    """Raise `CheckpointError` when the resume point `point` (a task in progress, or the training stage's end:
-    `task_index == len(tasks)` with no batch in progress) lies outside `tasks`."""
-    if point.task_index == len(tasks) and point.batches_done == 0:
-        return
+    """Raise `CheckpointError` when the resume point `point` (a task in progress) lies outside `tasks`."""
     if point.task_index >= len(tasks):
         raise CheckpointError(f"{what} is in training task {point.task_index}, but this fit has {len(tasks)}"
                               " training task(s); resume with the data the snapshot was taken with, or from an"

@@ -73,12 +73,16 @@ class ResumePoint:
         batches_done: that task's batches whose windows were committed (their updates applied).
         samples: for a snapshot resumed on another world size, the samples the task consumed over all
             ranks (the task then skips `samples / world size` of its shard); None otherwise.
+        trained: once the training stage is done (`task_index` -1), its last commit point as (the last
+            task's index, its committed batches, its DataLoader's batch size or None): where a stop during
+            the epoch's validation goes back to (`position.capture`).
     """
 
     epoch: int
     task_index: int
     batches_done: int
     samples: int | None = None
+    trained: tuple | None = None
 
 
 def _empty_history() -> dict:

@@ -173,7 +173,7 @@ def test_the_job_signalled_during_validation_with_workers_stops_at_the_epochs_la
     snapshots = sorted((ckpt / "run").glob("snapshot-*.ckpt"))
     assert [p.name for p in snapshots] == ["snapshot-u000000050.ckpt"]  # 150 batches / k=3: epoch 1's last update
     position = read_checkpoint(snapshots[0]).position
-    assert (position["epoch"], position["task_index"], position["batches_done"]) == (1, 1, 0)  # training done
+    assert (position["epoch"], position["task_index"], position["batches_done"]) == (1, 0, 150)  # training done
     assert_same_run(_run_to_end(ckpt, out, *val, "--every", "1000", "--epochs", EPOCHS), reference_run)
 
 
