@@ -125,8 +125,9 @@ def test_checkpoint_is_a_plain_dict_with_the_documented_keys_and_no_absolute_pat
     assert data["param_names"] == [[name for name, _ in trainer.raw_model.named_parameters()]]
     assert data["schedulers"][0]["last_epoch"] == 2
     assert set(data["monitors"]) == {"val-loss.latest"}
-    assert set(data["rng"]) == {"python", "numpy", "torch", "cuda", "loaders"}
+    assert set(data["rng"]) == {"python", "numpy", "torch", "cuda", "loaders", "streams"}
     assert data["rng"]["loaders"] == []  # the training DataLoader was given no generator of its own
+    assert data["rng"]["streams"] == []  # nor streams from a stateful dataset
     assert data["order_seed"] == torch.initial_seed() % 2**62  # the seed of this process when fit began
 
     def strings(obj):

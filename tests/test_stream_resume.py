@@ -247,3 +247,16 @@ def test_the_run_never_stopped_trains_as_a_plain_loop_over_the_sampler_with_repl
         losses.append(total / 16)
     _assert_equal(_tensors(*parts), _tensors(model, opt, sched))
     assert records["val"]["loss"] == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_sigterm_after_an_epochs_last_batch_read_ahead_resumes_without_a_new_pass(tmp_path):
+    """Windows of 2 over the stream of unknown length: its end is read ahead to find epoch 1's last batch
+    (the 9th, a window of its own), so the stream's state at that update is already the next pass's; the
+    snapshot records that the epoch's stream is over, and the resume trains no extra pass."""
+    trainer, parts = _trainer(2)
+    want_records = trainer.fit(*_data("stream"))
+    trainer.close()
+    want = _tensors(*parts)
+    tensors, records = _stop_and_resume(tmp_path, "stream", 2, SigtermAt(9))
+    _assert_equal(tensors, want)
+    assert records == want_records

@@ -102,7 +102,7 @@ def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) ->
     (`RunState.order_draws`, `streams.start_draws`), or are kept now for a fresh task. Sets `ctx.data_source`
     (what `remember_position` keeps) and the resume point's count."""
     loop, run = ctx.loop, ctx.run
-    holder = stream_holder(data)
+    given, holder, drawing = data, stream_holder(data), generators_of(data)  # `data` may become () below
     saved, past, generators = run.data_state, 0, []
     if holder is not None and saved is not None and saved[:2] == (epoch, ctx.task_index) and saved[2] <= skip:
         holder.load_state_dict(saved[3])  # continues after the batches committed when it was read
@@ -114,7 +114,7 @@ def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) ->
             # Making the restored iterator draws from the loader's generators again (torchdata's
             # StatefulDataLoader: its sampler's permutation, the base seed), leaving them where the
             # uninterrupted run's never were; they go back to the commit point's states after it.
-            generators = list(zip(generators_of(data), kept[2]))
+            generators = list(zip(drawing, kept[2]))
         if skip and getattr(holder, "num_workers", 0):
             warnings.warn(
                 f"resuming inside epoch {epoch} with a stateful DataLoader of {holder.num_workers} worker processes:"
@@ -136,8 +136,8 @@ def _position(ctx: Context, data, epoch: int, skip: int, samples: int | None) ->
         # again (a loader's epoch starts afresh from its generators, kept below).
         run.data_state = (epoch, ctx.task_index, 0, holder.state_dict())
     # right before the iterator is made (`_replay`): the generators' states of the epoch's start
-    run.order_draws = start_draws(data, epoch, ctx.task_index, run.order_draws)
-    ctx.data_source = None if holder is None else StreamSource(holder, generators_of(data))
+    run.order_draws = start_draws(given, epoch, ctx.task_index, run.order_draws)
+    ctx.data_source = None if holder is None else StreamSource(holder, drawing)
     return data, skip, past, generators
 
 
