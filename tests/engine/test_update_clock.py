@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_exact_order import FailingLoss  # cross_entropy raising once, on call `fail_at` (training or not)
 from test_loader_order import Noisy as TorchNoisy  # noise drawn from torch's generator when loaded
+from test_loader_order import _assert_equal as assert_weights_and_optimizer_equal
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, RandomSampler
@@ -109,12 +110,7 @@ def _trainer(loss=F.cross_entropy, **kw):
 
 def _assert_equal(got, want):
     """Weights, buffers, optimizer and scheduler states and every record bit for bit."""
-    for name, value in want[0].items():
-        assert torch.equal(got[0][name], value), name
-    assert got[1]["state"].keys() == want[1]["state"].keys()
-    for index, state in want[1]["state"].items():
-        for name, value in state.items():
-            assert torch.equal(got[1]["state"][index][name], value), (index, name)
+    assert_weights_and_optimizer_equal(got[:2], want[:2])
     assert got[2] == want[2]
     assert got[3] == want[3]
 
