@@ -16,6 +16,8 @@ from deepepochs import ConfigError, Optimizer, Trainer
     ({"gradient_clip_val": 1.0},
      "'gradient_clip_val' (did you mean callbacks=[GradClipCallback(max_norm, norm_type=2)]"),
     ({"epoch": 3}, "'epoch' (did you mean epochs=?)"),  # a typo: the closest of our names
+    ({"max_steps": 1000}, "'max_steps' (did you mean max_updates=?)"),
+    ({"val_check_interval": 500}, "'val_check_interval' (did you mean fit(val_every_n_updates=...)?)"),
 ])
 def test_other_libraries_keywords_name_our_argument(kwargs, ours):
     """An unknown Trainer keyword is a TypeError naming it and our argument for it."""

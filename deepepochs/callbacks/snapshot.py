@@ -112,7 +112,7 @@ class SnapshotCallback(Callback):
         self.every_n_updates, self.every_n_minutes = every_n_updates, every_n_minutes
         self.signals = _signal_names(on_signals, on_signals is _DEFAULT_SIGNALS)
         self.keep, self._exit_code, self.requeue = keep, exit_code, requeue
-        self._run = None  # the trainer's run state, which owns the update count (set when attached)
+        self._loop = None  # the trainer's loop, whose run state owns the update count (set when attached)
         # when the run's first fit started (time.time_ns()), kept through resumes: a fresh run named like an
         # older one in the same folder starts a new count, and resume ranks its files above the older run's
         self.started_ns = 0
@@ -130,7 +130,7 @@ class SnapshotCallback(Callback):
     def updates(self) -> int:
         """The update windows the run committed (`RunState.updates`, restored from checkpoints: the count goes
         on); 0 before the callback is attached."""
-        return 0 if self._run is None else self._run.updates
+        return 0 if self._loop is None else self._loop.run.updates
 
     @property
     def pending_signal(self) -> str | None:
@@ -221,7 +221,7 @@ class SnapshotCallback(Callback):
 
     # ---- hooks ----
     def on_attach(self, trainer) -> None:
-        self._run = trainer.loop.run
+        self._loop = trainer.loop
         same = [cb for cb in trainer.callbacks if isinstance(cb, SnapshotCallback)]
         if len(same) > 1:
             raise ConfigError(f"a trainer takes one SnapshotCallback (got {same[0]!r} and {same[1]!r})")

@@ -19,9 +19,10 @@ from deepepochs.engine.runstate import RunState
 
 @attrs.define(slots=True, eq=False)
 class CountingRun(RunState):
-    """The run state with two fields a test adds: an update count and the (epoch, batch) of each update."""
+    """The run state with fields a test adds: a count of updates (`counted`, beside the run state's own
+    `updates`) and the (epoch, batch) of each update."""
 
-    updates: int = 0
+    counted: int = 0
     seen: list = attrs.Factory(list)
     tag: str = ""
 
@@ -35,7 +36,7 @@ def _count_updates(monkeypatch):
         inner(ctx)
         run = ctx.loop.run
         if isinstance(run, CountingRun):
-            run.updates += 1
+            run.counted += 1
             run.seen.append((ctx.loop.epoch, ctx.loop.batch_idx))
 
     monkeypatch.setitem(actions.ACTIONS, "zero_grad", zero_grad)
@@ -78,16 +79,16 @@ class TagEpochEnds(Callback):
 
 def test_capture_and_restore_cover_a_field_a_subclass_adds():
     """capture copies the added fields (a list deeply), restore writes them back and can do so twice."""
-    run = CountingRun(updates=3, seen=[(1, 2)])
+    run = CountingRun(counted=3, seen=[(1, 2)])
     saved = runstate.capture(run)
-    run.updates, run.tag = 9, "changed"
+    run.counted, run.tag = 9, "changed"
     run.seen.append((1, 4))
     runstate.restore(run, saved)
-    assert (run.updates, run.seen, run.tag) == (3, [(1, 2)], "")
+    assert (run.counted, run.seen, run.tag) == (3, [(1, 2)], "")
     run.seen.append((2, 2))
     runstate.restore(run, saved)
     assert run.seen == [(1, 2)]
-    assert {"updates", "seen", "tag"} <= set(runstate.generic_fields(run))
+    assert {"counted", "seen", "tag"} <= set(runstate.generic_fields(run))
 
 
 def test_rollback_restores_an_added_field_an_epoch_end_changed_and_the_refit_matches_the_plain_run(monkeypatch):
@@ -102,10 +103,11 @@ def test_rollback_restores_an_added_field_an_epoch_end_changed_and_the_refit_mat
     run = faulty.loop.run
     assert run.tag == "epoch 1 ended"  # the end of epoch 2 did not commit
     assert run.completed_epochs == 1
-    assert run.updates == 2 * 8  # 15 batches, k=2: 8 updates per epoch, both epochs' updates committed
+    assert run.counted == 2 * 8  # 15 batches, k=2: 8 updates per epoch, both epochs' updates committed
     faulty.fit(_data())
-    assert (run.tag, run.updates, run.seen) == (plain.loop.run.tag, plain.loop.run.updates, plain.loop.run.seen)
-    assert run.tag == "epoch 3 ended" and run.updates == 3 * 8
+    assert (run.tag, run.counted, run.seen) == (plain.loop.run.tag, plain.loop.run.counted, plain.loop.run.seen)
+    assert run.tag == "epoch 3 ended" and run.counted == 3 * 8
+    assert run.updates == run.counted  # the run state's own count: every committed update, once
 
 
 def test_find_lr_puts_back_an_added_field_its_sweep_changed(monkeypatch):
@@ -114,12 +116,12 @@ def test_find_lr_puts_back_an_added_field_its_sweep_changed(monkeypatch):
     trainer = _trainer(epochs=1)
     trainer.fit(_data())
     run = trainer.loop.run
-    before = (run.updates, list(run.seen))
+    before = (run.counted, list(run.seen))
     assert before[0] == 8
     result = trainer.find_lr(_data(), min_lr=1e-4, max_lr=0.1, num_steps=12, stop_factor=None, plot=False)
     assert len(result.losses) == 12  # the sweep ran its updates, each counted while it ran
     assert trainer.loop.run is run
-    assert (run.updates, run.seen) == before
+    assert (run.counted, run.seen) == before
 
 
 def test_a_mid_epoch_snapshot_carries_an_added_field_and_the_resumed_run_ends_like_the_plain_one(monkeypatch,
@@ -132,18 +134,18 @@ def test_a_mid_epoch_snapshot_carries_an_added_field_and_the_resumed_run_ends_li
     name = "snapshot-u000000011.ckpt"  # 8 updates per epoch: the third update of epoch 2
     source = tmp_path / "all" / "run" / name
     stored = read_checkpoint(source).position["ranks"][0]["run"]
-    assert stored["updates"] == 11 and len(stored["seen"]) == 11
+    assert stored["counted"] == 11 and len(stored["seen"]) == 11
 
     loaded = _trainer()
     loaded.load_checkpoint(source)
-    assert loaded.loop.run.updates == 11
+    assert loaded.loop.run.counted == 11
     assert loaded.loop.run.seen == plain.loop.run.seen[:11]
 
     (tmp_path / "resume" / "run").mkdir(parents=True)
     shutil.copy(source, tmp_path / "resume" / "run" / name)
     resumed = _trainer([SnapshotCallback(tmp_path / "resume", every_n_updates=1)], resume=True)
     resumed.fit(_data())
-    assert resumed.loop.run.updates == plain.loop.run.updates == 3 * 8
+    assert resumed.loop.run.counted == plain.loop.run.counted == 3 * 8
     assert resumed.loop.run.seen == plain.loop.run.seen
     for a, b in zip(resumed.raw_model.parameters(), plain.raw_model.parameters()):
         assert torch.equal(a, b)
@@ -156,14 +158,14 @@ def test_a_failed_load_leaves_the_added_field_as_it_was(monkeypatch, tmp_path):
     writer = _trainer([SnapshotCallback(tmp_path, every_n_updates=3, keep=10)], epochs=1)
     writer.fit(_data())
     trainer = _trainer(epochs=1)
-    trainer.loop.run.updates, trainer.loop.run.tag = 5, "mine"
+    trainer.loop.run.counted, trainer.loop.run.tag = 5, "mine"
     history = trainer.history
     # The last step of putting a position back fails: everything before it had been written.
     monkeypatch.setattr(generators, "set_generators", _fail)
     with pytest.raises(CheckpointError, match="could not be loaded"):
         trainer.load_checkpoint(tmp_path / "run" / "snapshot-u000000003.ckpt")
     run = trainer.loop.run
-    assert (run.updates, run.seen, run.tag, run.resume, run.train_meters) == (5, [], "mine", None, None)
+    assert (run.counted, run.seen, run.tag, run.resume, run.train_meters) == (5, [], "mine", None, None)
     assert trainer.history is history and history == {"train": {}, "val": {}}
 
 

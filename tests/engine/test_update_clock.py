@@ -9,32 +9,30 @@ the stream (in an update, in a validation point) ends as the uninterrupted run d
 import numpy as np
 import pytest
 import torch
+from test_exact_order import FailingLoss  # cross_entropy raising once, on call `fail_at` (training or not)
+from test_loader_order import Noisy as TorchNoisy  # noise drawn from torch's generator when loaded
+from test_loader_order import _assert_equal as assert_weights_and_optimizer_equal
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, RandomSampler
 
 from deepepochs import Optimizer, Trainer
 
 N, VAL_N, BATCH, UPDATES, EVERY = 40, 20, 4, 23, 5
 
 
-class Noisy(Dataset):
+class Noisy(TorchNoisy):
     """Sample i plus noise drawn from torch's and (`numpy`) NumPy's global generators when it is loaded."""
 
     def __init__(self, n, seed, numpy=True):
+        super().__init__(n, seed)
         self.numpy = numpy
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 6, generator=g)
-        self.y = torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
 
     def __getitem__(self, i):
-        noise = 0.1 * torch.randn(6)
+        x, y = super().__getitem__(i)
         if self.numpy:
-            noise = noise + torch.from_numpy(np.random.uniform(-0.05, 0.05, 6)).float()
-        return self.x[i] + noise, self.y[i]
+            x = x + torch.from_numpy(np.random.uniform(-0.05, 0.05, 6)).float()
+        return x, y
 
 
 def _model():
@@ -61,6 +59,17 @@ def _parts():
     return model, opt, sched
 
 
+def _val_loss(model, val):
+    """The plain loop's evaluation: the sample-weighted mean loss over `val`, in eval mode."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for vx, vy in val:
+            total, count = total + float(F.cross_entropy(model(vx), vy)) * len(vy), count + len(vy)
+    model.train()
+    return total / count
+
+
 def plain_loop(resampled=True, numpy=True):
     """The user's loop: UPDATES updates, validation after every EVERY-th and after the last; a new iterator
     (an epoch) when one runs out, the training loss recorded per epoch."""
@@ -85,30 +94,11 @@ def plain_loop(resampled=True, numpy=True):
         opt.zero_grad()
         train_sum, train_n = train_sum + float(loss.detach()) * len(y), train_n + len(y)
         if update % EVERY == 0 or update == UPDATES:
-            model.eval()
-            total, count = 0.0, 0
-            with torch.no_grad():
-                for vx, vy in val:
-                    total, count = total + float(F.cross_entropy(model(vx), vy)) * len(vy), count + len(vy)
             points.append(update)
-            losses.append(total / count)
-            model.train()
+            losses.append(_val_loss(model, val))
     train_losses.append(train_sum / train_n)
     records = {"train": {"loss": train_losses}, "val": {"updates": points, "loss": losses}}
     return model.state_dict(), opt.state_dict(), sched.state_dict(), records
-
-
-class FailingLoss:
-    """cross_entropy, raising once on call `fail_at` (1-based, training and validation calls alike)."""
-
-    def __init__(self, fail_at=None):
-        self.fail_at, self.calls = fail_at, 0
-
-    def __call__(self, out, y):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("injected fault")
-        return F.cross_entropy(out, y)
 
 
 def _trainer(loss=F.cross_entropy, **kw):
@@ -120,12 +110,7 @@ def _trainer(loss=F.cross_entropy, **kw):
 
 def _assert_equal(got, want):
     """Weights, buffers, optimizer and scheduler states and every record bit for bit."""
-    for name, value in want[0].items():
-        assert torch.equal(got[0][name], value), name
-    assert got[1]["state"].keys() == want[1]["state"].keys()
-    for index, state in want[1]["state"].items():
-        for name, value in state.items():
-            assert torch.equal(got[1]["state"][index][name], value), (index, name)
+    assert_weights_and_optimizer_equal(got[:2], want[:2])
     assert got[2] == want[2]
     assert got[3] == want[3]
 
@@ -211,13 +196,7 @@ def test_reduce_lr_on_plateau_steps_at_each_validation_point_with_its_loss_as_in
         opt.step()
         opt.zero_grad()
         if update % EVERY == 0 or update == UPDATES:
-            model.eval()
-            total, count = 0.0, 0
-            with torch.no_grad():
-                for vx, vy in val:
-                    total, count = total + float(F.cross_entropy(model(vx), vy)) * len(vy), count + len(vy)
-            plateau.step(total / count)
-            model.train()
+            plateau.step(_val_loss(model, val))
     want = (model.state_dict(), opt.state_dict(), plateau.state_dict())
 
     model, opt, plateau = parts()
