@@ -63,7 +63,9 @@ class LoopState:
     a pending `resume=...` (a snapshot's position is checked against them), None otherwise. `epoch_undo`:
     how to undo the epoch-end work done before `commit_epoch`, in order (rollback; empty outside an
     epoch's end). `update_open`: an update began (`unscale_gradients`) and its `zero_grad` has not run yet,
-    so the gradients it leaves are not kept yet (`kept_grads`).
+    so the gradients it leaves are not kept yet (`kept_grads`). `own_gradients`: the open window's gradients
+    come from the step's own `loss.backward()` (`keep_own_gradients`). `closure`: the closure a step handed
+    `self.optimize(closure=...)` while its update runs, and `closure_loss` what the optimizer's step returned.
     """
 
     run: RunState = attrs.Factory(RunState)
@@ -77,6 +79,9 @@ class LoopState:
     window_updated: bool = False
     window_committed: bool = False
     update_open: bool = False
+    own_gradients: bool = False
+    closure: object = None
+    closure_loss: object = None
     val_due: bool = False
     save_requests: list = attrs.Factory(list)
     update_indices: tuple = ()
