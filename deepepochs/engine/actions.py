@@ -16,7 +16,6 @@ machine's state: what differs between edges is which actions the spec puts on th
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections.abc import Callable
 
@@ -28,6 +27,7 @@ from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
 from deepepochs.engine.generators import remember_random_state
+from deepepochs.engine.runstate import record_epoch
 from deepepochs.errors import Preempted
 from deepepochs.fsm.events import ActionName, Event
 from deepepochs.fsm.machine import load_spec
@@ -142,9 +142,7 @@ def closure_given(ctx: Context) -> bool:
 
 
 @guard
-def grads_present(ctx: Context) -> bool:
-    """Asked only when a step calls `self.optimize()` without a `backward` trigger: a scan that stops at
-    the first gradient of the optimizers named for the update."""
+def grads_present(ctx: Context) -> bool:  # asked only for an optimize without a backward trigger: a short scan
     opts = ctx.parts.opts
     return any(p.grad is not None for i in ctx.loop.update_indices for group in opts[i].opt.param_groups
                for p in group["params"])
@@ -218,20 +216,7 @@ def commit_epoch(ctx: Context) -> None:
     ctx.epoch_undo.clear()
     for stage, metrics in ctx.last_metrics.items():
         if stage in ctx.history:
-            _record(ctx.history[stage], metrics, aligned=stage == "train")
-
-
-def _record(records: dict, metrics: dict, aligned: bool) -> None:
-    """Append an epoch's `metrics` to a stage's `records`. `aligned` (training, which runs every epoch): a
-    name this epoch lacks gets NaN and a name new this epoch NaN for the epochs before, so that every list
-    has one entry per epoch (an epoch whose updates were all skipped reports NaN values)."""
-    epochs = max((len(values) for values in records.values()), default=0)
-    for name, value in metrics.items():
-        records.setdefault(name, [math.nan] * epochs if aligned else []).append(value)
-    if aligned:
-        for name, values in records.items():
-            if name not in metrics and len(values) == epochs:
-                values.append(math.nan)
+            record_epoch(ctx.history[stage], metrics, aligned=stage == "train")
 
 
 # ---- the accumulation window -------------------------------------------------------------------------

@@ -25,11 +25,12 @@ such as `trainer.history`) is refilled in place.
 from __future__ import annotations
 
 import copy as _copy
+import math
 
 import attrs
 
 __all__ = ["DEEP", "GENERIC", "SHARED", "ResumePoint", "RunState", "StopRequest", "capture", "generic_fields",
-           "restore"]
+           "record_epoch", "restore"]
 
 #: `copy` metadata: `capture` deep-copies the value (the default: safe for any new field).
 DEEP = "deep"
@@ -186,3 +187,16 @@ def restore(run: RunState, saved: RunState) -> None:
 def generic_fields(run: RunState) -> list[str]:
     """The names of `run`'s fields a snapshot stores as they are (`snapshot=GENERIC`)."""
     return [f.name for f in attrs.fields(type(run)) if f.metadata.get("snapshot", GENERIC) == GENERIC]
+
+
+def record_epoch(records: dict, metrics: dict, aligned: bool) -> None:
+    """Append an epoch's `metrics` to a stage's `records`. `aligned` (training, which runs every epoch): a
+    name this epoch lacks gets NaN and a name new this epoch NaN for the epochs before, so that every list
+    has one entry per epoch (an epoch whose updates were all skipped reports NaN values)."""
+    epochs = max((len(values) for values in records.values()), default=0)
+    for name, value in metrics.items():
+        records.setdefault(name, [math.nan] * epochs if aligned else []).append(value)
+    if aligned:
+        for name, values in records.items():
+            if name not in metrics and len(values) == epochs:
+                values.append(math.nan)
