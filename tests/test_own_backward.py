@@ -10,9 +10,10 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_loader_order import Noisy as TorchNoisy  # noise drawn from torch's generator when loaded
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from deepepochs import ConfigError, SnapshotCallback, TrainerBase
 from deepepochs.errors import InvalidTransition
@@ -21,23 +22,19 @@ N, BATCH, EPOCHS = 48, 4, 2  # 12 batches per epoch
 QUIET = dict(log_batch=False, show_info=False, device="cpu")
 
 
-class Noisy(Dataset):
-    """Samples with noise drawn when loaded, from torch's, NumPy's and `random`'s generators."""
+class Noisy(TorchNoisy):
+    """test_loader_order's samples (noise from torch's generator when loaded), plus draws from NumPy's and
+    `random`'s generators."""
 
     def __init__(self, n=N, seed=1, host_draws=True):
+        super().__init__(n, seed)
         self.host_draws = host_draws  # a refit puts back torch's generators only (docs: exact resume)
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 6, generator=g)
-        self.y = torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
 
     def __getitem__(self, i):
-        noise = 0.1 * torch.randn(6)
+        x, y = super().__getitem__(i)
         if self.host_draws:
-            noise = noise + float(np.random.rand()) * 0.01 + random.random() * 0.01
-        return self.x[i] + noise, self.y[i]
+            x = x + float(np.random.rand()) * 0.01 + random.random() * 0.01
+        return x, y
 
 
 def seed_all(seed=0):

@@ -3,27 +3,16 @@ the whole batch: `loss.backward()` then `self.optimize()` (k=1), and `self.backw
 (k=2, with a short last window), whose gradients are all-reduced on each window's last micro-batch only.
 Reference: test_ddp's plain PyTorch loop with batch 2 * BATCH."""
 
-import sys
-from pathlib import Path
-
+import ddp_targets as T  # the distributed tests' folder is on sys.path (pytest's rootdir-less import)
+import own_backward_targets as O
 import pytest
-import torch
-
-TARGETS_DIR = Path(__file__).resolve().parent
-if str(TARGETS_DIR) not in sys.path:
-    sys.path.insert(0, str(TARGETS_DIR))
-
-import ddp_targets as T  # noqa: E402  (needs the sys.path entry above)
-import own_backward_targets as O  # noqa: E402
-from deadline import launch_scenarios  # noqa: E402
-from test_ddp import EXACT, plain_reference  # noqa: E402
+from deadline import launched_ranks
+from test_ddp import EXACT, plain_reference
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("own_backward_ddp")
-    launch_scenarios(O.run, O.OUT_ENV, out, seconds=240)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return launched_ranks(O.run, O.OUT_ENV, tmp_path_factory.mktemp("own_backward_ddp"))
 
 
 @pytest.mark.distributed
