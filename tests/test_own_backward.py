@@ -180,18 +180,38 @@ def test_own_backward_under_bf16_equals_the_plain_autocast_loop():
     assert_same(model, opts, *_bf16_plain_loop())
 
 
-def test_own_backward_under_fp16_is_refused_naming_self_backward_and_self_backward_trains():
+def _fp16_plain_loop():
+    """torch's recipe: autocast to float16, GradScaler.scale(loss).backward(), scaler.step(opt), update."""
+    seed_all()
+    model = make_model()
+    opt = make_opts(model, False)
+    scaler = torch.amp.GradScaler("cpu")
+    dl = loader()
+    for _ in range(EPOCHS):
+        for x, y in dl:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return model, [opt], scaler
+
+
+def test_own_backward_under_fp16_is_refused_naming_self_backward_and_self_backward_equals_the_scaler_loop():
     """precision='fp16': loss.backward() leaves the loss unscaled, so self.optimize() refuses it at the first
-    batch naming self.backward(loss); with self.backward(loss) the fit trains (the GradScaler's scale grows
-    past its initial value only if updates apply)."""
+    batch naming self.backward(loss), before any weight changed; self.backward(loss) applies the GradScaler's
+    scale and trains as torch's GradScaler loop does (weights, optimizer state and the scale)."""
     trainer, model, _ = trainer_of(precision="fp16")
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(InvalidTransition, match=r"self\.backward\(loss\), not loss\.backward\(\)"):
         trainer.fit(loader())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
-    trainer, model, _ = trainer_of(ManagedBackward, precision="fp16")
+    trainer, model, opts = trainer_of(ManagedBackward, precision="fp16")
     trainer.fit(loader())
-    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    ref_model, ref_opts, scaler = _fp16_plain_loop()
+    assert_same(model, opts, ref_model, ref_opts)
+    assert trainer.scaler.get_scale() == scaler.get_scale()
 
 
 class NoBackward(TrainerBase):
