@@ -25,6 +25,7 @@ from deepepochs.compat import (
     to_numpy,
 )
 from deepepochs.compat import removed as __getattr__  # noqa: F401 (module __getattr__: 0.6 names that are gone)
+from deepepochs.data.outputs import ModelLoss
 from deepepochs.errors import (
     CheckpointError,
     ConfigError,
@@ -72,6 +73,7 @@ __all__ = [
     "MLflowCallback",
     "MeanPatch",
     "MigrationWarning",
+    "ModelLoss",
     "Optimizer",
     "PatchBase",
     "Preempted",

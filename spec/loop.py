@@ -8,6 +8,10 @@ Reading guide: a micro-batch of training goes
 `step_backward` (the window is not complete: gradients accumulate) or through the optimize layer
 (`optimize_unscaled --clip--> optimize_clipped --apply_update (step|skip per optimizer)--> ...
 --finish_update--> step_optimized`), then `--end_batch-->` the next micro-batch or the closed window.
+A custom step that backpropagates its loss itself (`loss.backward()`) or hands a closure optimizer its
+closure (`self.optimize(closure=...)`) fires `optimize` from `step_forward`: `grads_present` and
+`closure_given` say which, and error edges refuse what cannot work (nothing backpropagated, fp16 without
+`self.backward(loss)`, a closure inside an accumulation window).
 
 Fused edges: with the default step, one optimizer and no callback hook inside a micro-batch, nothing can
 observe a micro-batch's inner states, so the batch loop runs code compiled from the fused paths for the
@@ -95,8 +99,8 @@ TRIGGERS = [
     T("end_stage", "All tasks of a stage are done."),
     T("begin_window", "A training task opens an accumulation window.", hot=True),
     T("begin_batch", "A batch (micro-batch in training) was read and moved to the device.", hot=True),
-    T("backward", "The step backpropagates a loss.", hot=True),
-    T("optimize", "The step asks for an update (self.optimize or self.loss with do_optimize).", hot=True),
+    T("backward", "The step backpropagates a loss (self.loss, self.backward).", hot=True),
+    T("optimize", "The step asks for an update (self.optimize, or self.loss with do_optimize).", hot=True),
     T("clip", "The unscaled gradients are clipped by the registered clippers.", hot=True),
     T("apply_update", "One optimizer steps, or skips when its gradients are not finite.", hot=True),
     T("finish_update", "The update is done: the scaler updates and gradients are zeroed.", hot=True),
@@ -135,6 +139,12 @@ GUARDS = [
     G("val_point_open", "The validation stage runs at an update point inside a training task, not at an epoch's"
       " end."),
     G("resume_pending", "Trainer(resume=...) asked for a resume that has not happened yet."),
+    # A custom step's own backward: self.optimize() straight after the forward state (no `backward` trigger)
+    G("closure_given", "The step handed the update a closure (self.optimize(closure=...)): the optimizer"
+      " evaluates the loss and its gradients itself, as LBFGS does."),
+    G("grads_present", "The optimizers named for the update hold gradients: the step backpropagated its loss"
+      " itself (loss.backward())."),
+    G("scales_losses", "A GradScaler scales the losses (precision='fp16')."),
 ]
 
 A = Action
@@ -149,6 +159,8 @@ ACTIONS = [
       " of the window's first batch (the loss share's base)."),
     A("sync_gradients", "DDP: synchronise gradients in this backward (the window's updating micro-batch)."),
     A("skip_gradient_sync", "DDP: no_sync for this backward; gradients accumulate locally."),
+    A("keep_own_gradients", "The step backpropagated its loss itself: the update takes the window's gradients as"
+      " the step made them, without the window's sample normalisation."),
     A("unscale_gradients", "Unscale fp16 gradients, normalise by the window's samples, check finiteness."),
     A("clip_gradients", "Run the gradient clippers (GradClipCallback) on the unscaled gradients."),
     A("step_optimizer", "Step the optimizer, then its step-wise scheduler."),
@@ -217,6 +229,31 @@ TRANSITIONS = [
     E("backward", "step_forward", "step_backward", "The first loss of the step is backpropagated."),
     E("backward", "step_backward", "step_backward", "Another loss of the same step is backpropagated."),
     E("backward", "step_optimized", "step_backward", "A loss after this step's update (e.g. a GAN)."),
+    # A custom step that backpropagated itself (loss.backward()) or hands a closure optimizer its closure
+    # calls self.optimize() in step_forward: no `backward` trigger was fired for its gradients.
+    E("optimize", "step_forward", None, "Under fp16 a gradient the step made itself is not scaled.",
+      conditions=["scales_losses"],
+      error="with precision='fp16' a GradScaler scales the losses: backpropagate with self.backward(loss), not"
+            " loss.backward(), before self.optimize(); a closure optimizer (self.optimize(closure=...)) needs"
+            " precision='fp32' or 'bf16'"),
+    E("optimize", "step_forward", "optimize_unscaled", "A closure optimizer's update: the optimizer evaluates the"
+      " step's closure (forward, loss, backward) itself, as often as it needs.",
+      conditions=["closure_given", "window_boundary"], unless=["scales_losses"], actions=["unscale_gradients"]),
+    E("optimize", "step_forward", None, "A closure inside an accumulation window.",
+      conditions=["closure_given"], unless=["window_boundary", "scales_losses"],
+      error="a closure optimizer evaluates its loss itself and cannot accumulate gradients over micro-batches;"
+            " use gradient_accumulation_steps=1"),
+    E("optimize", "step_forward", "optimize_unscaled", "The step backpropagated its loss itself and the window is"
+      " complete: update with its gradients as they are.", conditions=["grads_present", "window_boundary"],
+      unless=["closure_given", "scales_losses"], actions=["keep_own_gradients", "unscale_gradients"]),
+    E("optimize", "step_forward", "step_backward", "The step backpropagated its loss itself; the window is not"
+      " complete: keep accumulating.", conditions=["grads_present"],
+      unless=["window_boundary", "closure_given", "scales_losses"], actions=["keep_own_gradients"]),
+    E("optimize", "step_forward", None, "Nothing was backpropagated before the update.",
+      unless=["grads_present", "closure_given", "scales_losses"],
+      error="self.optimize() found no gradients to apply: backpropagate a loss first (self.loss(out, y),"
+            " self.backward(loss) or loss.backward()), or hand a closure optimizer its closure:"
+            " self.optimize(closure=closure)"),
     E("optimize", "step_backward", "optimize_unscaled", "The window is complete: update.",
       conditions=["window_boundary"], actions=["unscale_gradients"]),
     E("optimize", "step_backward", "step_backward", "The window is not complete: keep accumulating.",

@@ -14,6 +14,7 @@ import torch
 
 from deepepochs.checkpoint import field_rules, names
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
+from deepepochs.checkpoint.optimizer_rules import whole_state
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header, generator_states
 from deepepochs.engine import buffers, carried, position, runstate
@@ -138,7 +139,7 @@ def _problems(trainer, ckpt: Checkpoint, path) -> list[str]:
             elif len(g.get("params", ())) != len(h["params"]):
                 problems.append(f"optimizer {i} ({kind}) param group {j}: {len(g.get('params', ()))} parameters"
                                 f" in the file, {len(h['params'])} here")
-        if not any(p.startswith(f"optimizer {i} ") for p in problems):
+        if not any(p.startswith(f"optimizer {i} ") for p in problems) and not whole_state(item.opt):
             params = [p for h in have for p in h["params"]]
             ids = [pid for g in groups for pid in g.get("params", ())]
             for pid, param in zip(ids, params):

@@ -6,6 +6,10 @@ per-parameter state compared with what the same optimizer keeps for a parameter 
 when it has stepped, else that of a throwaway copy of the optimizer stepped once on a small stand-in
 parameter): the same state names, and each tensor of its parameter's shape where the optimizer keeps one
 of the parameter's shape, 0-d where it keeps a scalar, finite.
+
+LBFGS keeps no per-parameter state: its whole state (counters, the search direction, the curvature history)
+sits under its first parameter, with vectors over all of its parameters flattened (`whole_state`). Its
+entries are checked for what they are (`_lbfgs_state`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,17 @@ import torch
 from deepepochs.checkpoint.format import Checkpoint
 from deepepochs.checkpoint.value_rules import MAX_LR, got, in_range, is_number, like
 
-__all__ = ["optimizer_problems"]
+__all__ = ["optimizer_problems", "whole_state"]
 
 #: Param-group keys a file of another torch version may lack or add; torch fills in what is missing.
 _OPTIONAL_GROUP_KEYS = {"differentiable", "foreach", "fused", "capturable", "maximize", "decoupled_weight_decay",
                         "initial_lr", "param_names"}
+
+def whole_state(opt) -> bool:
+    """Whether `opt` keeps one state for the whole optimizer under its first parameter (LBFGS), not a state
+    per parameter of that parameter's shape."""
+    return isinstance(opt, torch.optim.LBFGS)
+
 
 def optimizer_problems(trainer, ckpt: Checkpoint, out: list) -> None:
     """Adds to `out` every way the optimizer states of `ckpt` break the rules against `trainer`'s optimizers."""
@@ -76,7 +86,9 @@ def optimizer_problems(trainer, ckpt: Checkpoint, out: list) -> None:
             if not isinstance(values, Mapping):
                 out.append(f"{where} must be a dict (got {got(values)})")
                 continue
-            if values and isinstance(groups[groups_of[pid]], Mapping):
+            if values and whole_state(opt):
+                _lbfgs_state(values, pid, opt, where, out)
+            elif values and isinstance(groups[groups_of[pid]], Mapping):
                 hyper = {k: v for k, v in groups[groups_of[pid]].items() if k != "params"}
                 _param_state(values, params[pid], opt, hyper, where, out)
 
@@ -136,6 +148,73 @@ def _param_state(values: Mapping, param, opt, hyper: Mapping, field: str, out: l
             _finite_tensor(value, where, key, out)
         elif is_number(value) and not math.isfinite(value):
             out.append(f"{where} must be finite (got {got(value)})")
+
+
+_LBFGS_COUNTS = ("func_evals", "n_iter")  # set at its first step
+_LBFGS_SEARCH = ("d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss")  # at its end
+_LBFGS_VECTORS = ("d", "prev_flat_grad")  # over all parameters, flattened
+_LBFGS_HISTORY = ("old_dirs", "old_stps")  # lists of such vectors, as long as `ro`, at most history_size
+
+
+def _lbfgs_state(values: Mapping, pid, opt, field: str, out: list) -> None:
+    """LBFGS's whole state, under parameter 0: two counts, and once an iteration ran, the search direction
+    `d` and last gradient `prev_flat_grad` (vectors of all its parameters' elements), the step size `t`, the
+    curvature history (`old_dirs`, `old_stps`: vectors, `ro`: scalars; at most `history_size` each), the
+    Hessian scale `H_diag`, the last loss `prev_loss`, and `al` (the history's coefficients, None before use)."""
+    if pid != 0:
+        out.append(f"{field}: LBFGS keeps its state under parameter 0 only (got a state for parameter {pid})")
+        return
+    keys = set(values)
+    known = {*_LBFGS_COUNTS, *_LBFGS_SEARCH, "al"}
+    search = keys & set(_LBFGS_SEARCH)
+    if keys - known or not set(_LBFGS_COUNTS) <= keys or search and search != set(_LBFGS_SEARCH):
+        out.append(f"{field} must hold the states LBFGS keeps, {list(_LBFGS_COUNTS)} and after an iteration"
+                   f" {list(_LBFGS_SEARCH)} (and 'al') (got {sorted(map(str, keys))})")
+        return
+    for key in _LBFGS_COUNTS:
+        int_count = isinstance(values[key], int) and not isinstance(values[key], bool) and values[key] >= 0
+        if not int_count:
+            out.append(f"{field}[{key!r}] must be a count, an int >= 0 (got {got(values[key])})")
+    size = sum(p.numel() for group in opt.param_groups for p in group["params"])
+    history = opt.param_groups[0]["history_size"]
+
+    def vector(value, where):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and tuple(value.shape) == (size,)):
+            out.append(f"{where} must be a floating point vector of the optimizer's {size} parameter elements (got"
+                       f" {got(value)})")
+        else:
+            _finite_tensor(value, where, None, out)
+
+    def scalar(value, where):
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            _finite_tensor(value, where, None, out)
+        elif not is_number(value) or not math.isfinite(value):
+            out.append(f"{where} must be a finite number or 0-d tensor (got {got(value)})")
+
+    if search:
+        for key in _LBFGS_VECTORS:
+            vector(values[key], f"{field}[{key!r}]")
+        for key in ("t", "H_diag", "prev_loss"):
+            scalar(values[key], f"{field}[{key!r}]")
+        lists = {key: values[key] for key in (*_LBFGS_HISTORY, "ro")}
+        if not all(isinstance(v, list) for v in lists.values()) or len({len(v) for v in lists.values()}) != 1 \
+                or len(lists["ro"]) > history:
+            out.append(f"{field}: 'old_dirs', 'old_stps' and 'ro' must be lists of one length, at most"
+                       f" history_size={history} (got {', '.join(got(v) for v in lists.values())})")
+        else:
+            for key in _LBFGS_HISTORY:
+                for n, value in enumerate(lists[key]):
+                    vector(value, f"{field}[{key!r}][{n}]")
+            for n, value in enumerate(lists["ro"]):
+                scalar(value, f"{field}['ro'][{n}]")
+    if "al" in values:
+        al = values["al"]
+        if not isinstance(al, list) or len(al) != history:
+            out.append(f"{field}['al'] must be a list of history_size={history} entries (got {got(al)})")
+        else:
+            for n, value in enumerate(al):
+                if value is not None:
+                    scalar(value, f"{field}['al'][{n}]")
 
 
 def _finite_tensor(value: torch.Tensor, field: str, key, out: list) -> None:

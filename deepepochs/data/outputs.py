@@ -10,7 +10,47 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["concat_batches", "detached", "merge_shards", "metric_preds", "unpicked_preds"]
+__all__ = ["ModelLoss", "concat_batches", "detached", "label_split", "merge_shards", "metric_preds", "unpicked_preds"]
+
+
+class ModelLoss:
+    """`Trainer(model, ModelLoss(1), opt)`: the model computes its own loss from the targets it is given and
+    returns it as item `where` of its output, as `(logits, loss)` models do (makemore, minGPT, nanoGPT:
+    `ModelLoss(1)`; a key for a mapping output). As with `loss=None`, every item of a batch is a model input:
+    an `(x, y)` batch calls `model(x, y)`. The metrics then get no targets from the batch; name them with
+    `Trainer(targets=lambda batch_x, out: (out[0], batch_x[1]))`.
+
+    Args:
+        where: the index (an int) or key (a str) of the loss in the model's output.
+    """
+
+    __slots__ = ("where",)
+
+    def __init__(self, where):
+        if isinstance(where, bool) or not isinstance(where, (int, str)):
+            raise ConfigError(f"ModelLoss(where) takes the index (an int) or key (a str) of the loss in the model's"
+                              f" output, e.g. ModelLoss(1) for a model returning (logits, loss) (got {where!r})")
+        self.where = where
+
+    def __repr__(self) -> str:
+        return f"ModelLoss({self.where!r})"
+
+    def __call__(self, model_out, batch_y=None):
+        """The model's loss, item `where` of `model_out` (the trainer checks that it is a scalar)."""
+        try:
+            return model_out[self.where]
+        except (IndexError, KeyError, TypeError) as e:
+            shape = (f"{type(model_out).__name__} of length {len(model_out)}" if isinstance(model_out, (tuple, list))
+                     else f"{type(model_out).__name__} with keys {list(model_out)}" if isinstance(model_out, Mapping)
+                     else type(model_out).__name__)
+            raise ConfigError(f"{self!r} takes the loss from item {self.where!r} of the model's output, but the"
+                              f" model returned a {shape} ({type(e).__name__}: {e})") from e
+
+
+def label_split(loss_fn) -> bool:
+    """Whether a batch's last item (or a dict batch's `targets=` field) is the loss's label, apart from the
+    model's inputs: with a loss function, not with `loss=None` or `ModelLoss` (every item is an input)."""
+    return loss_fn is not None and not isinstance(loss_fn, ModelLoss)
 
 
 def metric_preds(model_out, targets):

@@ -125,6 +125,23 @@ def stop_signalled(ctx: Context) -> bool:
     return ctx.loop.stop_signal is not None
 
 
+@guard
+def closure_given(ctx: Context) -> bool:
+    return ctx.loop.closure is not None
+
+
+@guard
+def grads_present(ctx: Context) -> bool:  # asked only for an optimize without a backward trigger: a short scan
+    opts = ctx.parts.opts
+    return any(p.grad is not None for i in ctx.loop.update_indices for group in opts[i].opt.param_groups
+               for p in group["params"])
+
+
+@guard
+def scales_losses(ctx: Context) -> bool:
+    return ctx.parts.precision.scaler is not None
+
+
 # ---- fit and epoch -----------------------------------------------------------------------------------
 @action
 def resume_checkpoint(ctx: Context) -> None:
@@ -230,6 +247,7 @@ def open_window(ctx: Context) -> None:
     loop.window_updated = False
     loop.window_committed = False
     loop.update_open = False
+    loop.own_gradients = False
     loop.finite.clear()
 
 
@@ -264,6 +282,13 @@ def close_window(ctx: Context) -> None:
 
 # ---- the update ----------------------------------------------------------------------------------------
 @action
+def keep_own_gradients(ctx: Context) -> None:
+    """The step ran its own `loss.backward()`: no micro-batch share was applied (`steps.backpropagate`), so
+    the update leaves the window's gradients as the step made them (`unscale_gradients`)."""
+    ctx.loop.own_gradients = True
+
+
+@action
 def unscale_gradients(ctx: Context) -> None:
     """Unscale (fp16), decide finiteness per optimizer, and normalise by the window's real sample count.
 
@@ -287,7 +312,7 @@ def unscale_gradients(ctx: Context) -> None:
             finite[i] = ok
     else:
         finite.update(zip(indices, parts.precision.unscale([opts[i].opt for i in indices])))
-    if loop.window_size > 1:
+    if loop.window_size > 1 and not loop.own_gradients:
         window_total = parts.dist.global_sum(loop.window_samples)  # a collective under DDP: every rank
         factor = parts.dist.world_size * loop.window_size * loop.window_first_size / window_total
         if factor != 1.0:
@@ -320,16 +345,16 @@ def step_optimizer(ctx: Context) -> None:
     loop = ctx.loop
     opts = ctx.parts.opts
     item = opts.items[loop.opt_index]
-    if item.scheduler is None:  # the common case: no scheduler to ask about
+    if item.scheduler is None and loop.closure is None:  # the common case: no scheduler to ask about
         item.opt.step()
         return
     scheduler, opt = opts.step_scheduler(loop.opt_index), item.opt
-    if scheduler is None:  # an epoch-wise one
-        opt.step()
+    if scheduler is None:  # none, or an epoch-wise one
+        _step(loop, opt)
         return
     updated, loop.window_updated = loop.window_updated, False
     try:
-        opt.step()
+        _step(loop, opt)
     except BaseException:
         applied = loop.window_updated
         loop.window_updated = updated or applied
@@ -338,6 +363,15 @@ def step_optimizer(ctx: Context) -> None:
         raise
     loop.window_updated = True
     scheduler.step()
+
+
+def _step(loop, opt) -> None:
+    """`opt.step()`, or `opt.step(closure)` for the step's closure (`steps.optimize`), whose first loss is
+    kept in `loop.closure_loss`."""
+    if loop.closure is None:
+        opt.step()
+    else:
+        loop.closure_loss = opt.step(loop.closure)
 
 
 @action

@@ -17,6 +17,7 @@ import functools
 import itertools
 
 from deepepochs.data.batch_rules import batch_splitter, lookahead
+from deepepochs.data.outputs import label_split
 from deepepochs.data.sampling import PaddingBatch
 from deepepochs.engine import compiled, snapshot_trigger, steps
 from deepepochs.engine.context import Context
@@ -80,7 +81,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
     micro_batch = None
     if fuses(ctx):
         micro_batch = compiled.bind(ctx)[compiled.ONE_BATCH_WINDOW if k == 1 else compiled.IN_WINDOW]
-    split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
+    split = batch_splitter(label_split(ctx.loss_fn), parts.device, parts.device.type == "cuda", task.batch_size,
                            parts.target_key, steps.dict_batch_counted(ctx))
     step_fn, step_args = task.step_fn, step_kwargs(task.step_fn, task.step_args)
     if step_fn is None:
@@ -151,7 +152,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     before_batch, after_batch = BATCH_HOOKS[stage]
     after_hooks = parts.hooks.by_event[after_batch] if observed else ()
     if split is None:
-        split = batch_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda", task.batch_size,
+        split = batch_splitter(label_split(ctx.loss_fn), parts.device, parts.device.type == "cuda", task.batch_size,
                                parts.target_key, steps.dict_batch_counted(ctx))
     step_fn, step_args = task.step_fn, step_kwargs(task.step_fn, task.step_args)
     if step_fn is None:

@@ -66,7 +66,9 @@ class LoopState:
     so the gradients it leaves are not kept yet (`kept_grads`). The update clock (the running fit's):
     `target_updates` (`Trainer(max_updates=...)`, a total of committed updates, or None), `val_every`
     (`fit(val_every_n_updates=...)`, or None), `val_point_open` (the validation stage runs at an update
-    point inside a training task).
+    point inside a training task). `own_gradients`: the open window's gradients
+    come from the step's own `loss.backward()` (`keep_own_gradients`). `closure`: the closure a step handed
+    `self.optimize(closure=...)` while its update runs, and `closure_loss` what the optimizer's step returned.
     """
 
     run: RunState = attrs.Factory(RunState)
@@ -80,6 +82,9 @@ class LoopState:
     window_updated: bool = False
     window_committed: bool = False
     update_open: bool = False
+    own_gradients: bool = False
+    closure: object = None
+    closure_loss: object = None
     val_due: bool = False
     save_requests: list = attrs.Factory(list)
     update_indices: tuple = ()

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from deepepochs.data.batch_rules import input_splitter
-from deepepochs.data.outputs import concat_batches, detached, merge_shards
+from deepepochs.data.outputs import concat_batches, detached, label_split, merge_shards
 from deepepochs.engine import (
     actions,
     batches,
@@ -313,7 +313,7 @@ class Driver:
         task.step_fn = functools.partial(steps.predict_step, ctx, outputs,
                                          torch.device("cpu") if sharded else device)
         task.step_args = {}
-        split = input_splitter(ctx.loss_fn is not None, parts.device, parts.device.type == "cuda",
+        split = input_splitter(label_split(ctx.loss_fn), parts.device, parts.device.type == "cuda",
                                task.batch_size or _uncounted, parts.target_key)
         machine.fire_cold(TriggerName.TEST)
         loop.stage = "predict"

@@ -244,3 +244,4 @@ def write_in_place(current: dict, saved: dict) -> None:
 def generic_fields(run: RunState) -> list[str]:
     """The names of `run`'s fields a snapshot stores as they are (`snapshot=GENERIC`)."""
     return [f.name for f in attrs.fields(type(run)) if f.metadata.get("snapshot", GENERIC) == GENERIC]
+

@@ -16,7 +16,7 @@ import torch
 from deepepochs import torch_private
 from deepepochs.compat import tell_once
 from deepepochs.data.batch_rules import call_model
-from deepepochs.data.outputs import detached, metric_preds, unpicked_preds
+from deepepochs.data.outputs import detached, label_split, metric_preds, unpicked_preds
 from deepepochs.engine import actions, finite
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
@@ -32,7 +32,7 @@ __all__ = [
     "backpropagate", "batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss",
     "count_batch", "custom_step", "default_step", "dict_batch_counted", "first_batch_checks", "forward", "loss",
     "loss_value", "name_by_key", "no_sync", "optimize", "padding_forward", "predict_step", "read_batch",
-    "select_update", "step_metrics", "step_patches", "user_loss",
+    "report_loss", "select_update", "step_metrics", "step_patches", "user_backward", "user_loss",
 ]
 
 #: Per stage, the hooks a step fires: before and after the forward pass, before the metrics.
@@ -209,13 +209,18 @@ def compute_loss(ctx: Context, model_out, batch_y) -> torch.Tensor:
     if loss_fn is None:
         value = model_out.get("loss") if isinstance(model_out, dict) else model_out
         if not isinstance(value, torch.Tensor):
+            hint = ""
+            if isinstance(model_out, (tuple, list)):
+                at = [i for i, v in enumerate(model_out) if isinstance(v, torch.Tensor) and v.numel() == 1]
+                hint = (f"; for a model returning its loss in a {type(model_out).__name__}, such as (logits, loss),"
+                        f" pass loss=ModelLoss({at[-1] if at else 1}) (from deepepochs import ModelLoss)")
             raise ConfigError("with loss=None the model must return a scalar loss tensor or a dict with"
-                              f" 'loss' (got {type(model_out).__name__})")
+                              f" 'loss' (got {type(model_out).__name__}){hint}")
     else:
         try:  # free when nothing raises (Python >= 3.11)
             value = loss_fn(model_out, batch_y)
         except Exception as e:
-            if batch_y is not None:
+            if batch_y is not None or isinstance(e, ConfigError):  # ModelLoss says what it got itself
                 raise
             raise ConfigError(
                 f"the loss function got batch_y=None and raised {type(e).__name__}: {e}. Dict batches carry no"
@@ -248,13 +253,18 @@ def loss_value(ctx: Context, model_out, batch_y, loss_adjust: float) -> torch.Te
     """The loss (`compute_loss`); its value, weighted by `loss_adjust`, is added to the batch's reported
     loss `ctx.step_loss`."""
     value = compute_loss(ctx, model_out, batch_y)
+    report_loss(ctx, value, loss_adjust)
+    return value
+
+
+def report_loss(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None:
+    """Add `value`, weighted by `loss_adjust`, to the batch's reported loss `ctx.step_loss`."""
     # On the CPU read as a float now (no device to wait for; the finite check and the meters need no
     # further tensor op); on an accelerator kept as a detached tensor, so no host sync is forced.
     reported = value.item() if finite.reads_on_host(value) else value.detach()
     if loss_adjust != 1.0:
         reported = reported * loss_adjust
     ctx.step_loss = reported if ctx.step_loss is None else ctx.step_loss + reported
-    return value
 
 
 def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None:
@@ -281,6 +291,21 @@ def backpropagate(ctx: Context, value: torch.Tensor, loss_adjust: float) -> None
             backward(ctx, scaled, 1.0)
     if hooks[AFTER_BACKWARD]:
         emit(ctx, AFTER_BACKWARD, value)
+
+
+def user_backward(ctx: Context, value) -> None:
+    """`Trainer.backward`: a custom step's own loss backpropagated as `self.loss` does it (the `backward`
+    trigger, the backward hooks, the micro-batch's share of its window, the GradScaler's scale), without
+    computing or reporting a loss."""
+    if ctx.loop.stage != "train":
+        raise ConfigError("self.backward(loss) backpropagates in a training step only (the stage is"
+                          f" {ctx.loop.stage!r})")
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad):
+        what = (f"a tensor of shape {tuple(value.shape)} requires_grad={value.requires_grad}"
+                if isinstance(value, torch.Tensor) else type(value).__name__)
+        raise ConfigError(f"self.backward(loss) takes a scalar loss tensor that requires grad (got {what})")
+    ctx.hop(BACKWARD)
+    backpropagate(ctx, value, 1.0)
 
 
 def user_loss(ctx: Context, model_out, batch_y, loss_adjust: float, do_optimize: bool,
@@ -379,13 +404,36 @@ def select_update(ctx: Context, optimize_index) -> None:
     ctx.loop.update_indices = opts.all_indices if optimize_index is None else opts.indices(optimize_index)
 
 
-def optimize(ctx: Context, optimize_index) -> None:
+def optimize(ctx: Context, optimize_index, closure=None):
     """`Trainer.optimize`: on the window's last micro-batch run the machine's optimize layer (unscale,
-    clip, step or skip per optimizer, scaler update and zero_grad); earlier calls let gradients add up."""
+    clip, step or skip per optimizer, scaler update and zero_grad); earlier calls let gradients add up.
+
+    With a `closure` (LBFGS and other optimizers whose `step` takes one) each optimizer steps as
+    `opt.step(closure)`; what the step returns (the closure's first loss) is returned and added to the
+    batch's reported loss. A step that ran its own `loss.backward()` fires `optimize` without a `backward`
+    trigger; the spec's guards on that edge (`grads_present`, `closure_given`) decide what it does."""
     loop = ctx.loop
     if loop.stage != "train":
-        return
-    hop = ctx.hop
+        return None
+    if closure is None:
+        _update(ctx, optimize_index)
+        return None
+    if not callable(closure):
+        raise ConfigError(f"self.optimize(closure=...) takes a callable that re-evaluates the model and returns"
+                          f" its loss, as opt.step(closure) does (got {type(closure).__name__})")
+    loop.closure, loop.closure_loss = closure, None
+    try:
+        _update(ctx, optimize_index)
+        value = loop.closure_loss
+    finally:
+        loop.closure = loop.closure_loss = None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        report_loss(ctx, value, 1.0)
+    return value
+
+
+def _update(ctx: Context, optimize_index) -> None:
+    loop, hop = ctx.loop, ctx.hop
     select_update(ctx, optimize_index)
     if hop(OPTIMIZE) != OPTIMIZE_UNSCALED:
         return  # an inner micro-batch: gradients keep accumulating
@@ -430,6 +478,7 @@ def check_metrics_without_targets(ctx: Context, preds, metrics) -> None:
     TensorPatch computes its metric only at the task's end)."""
     ctx.task.targets_checked = True
     why = ("with loss=None every item of a batch is a model input" if ctx.loss_fn is None
+           else f"with loss={ctx.loss_fn!r} every item of a batch is a model input" if not label_split(ctx.loss_fn)
            else "dict batches pass every field to the model")
     for metric in metrics:
         if not callable(metric) or is_metric_object(metric):  # an object's update would change its state

@@ -175,9 +175,9 @@ class TriggerName(str, enum.Enum):
     BEGIN_BATCH = 'begin_batch'
     """A batch (micro-batch in training) was read and moved to the device."""
     BACKWARD = 'backward'
-    """The step backpropagates a loss."""
+    """The step backpropagates a loss (self.loss, self.backward)."""
     OPTIMIZE = 'optimize'
-    """The step asks for an update (self.optimize or self.loss with do_optimize)."""
+    """The step asks for an update (self.optimize, or self.loss with do_optimize)."""
     CLIP = 'clip'
     """The unscaled gradients are clipped by the registered clippers."""
     APPLY_UPDATE = 'apply_update'
@@ -240,6 +240,13 @@ class GuardName(str, enum.Enum):
     """The validation stage runs at an update point inside a training task, not at an epoch's end."""
     RESUME_PENDING = 'resume_pending'
     """Trainer(resume=...) asked for a resume that has not happened yet."""
+    CLOSURE_GIVEN = 'closure_given'
+    """The step handed the update a closure (self.optimize(closure=...)): the optimizer evaluates the loss and its
+    gradients itself, as LBFGS does."""
+    GRADS_PRESENT = 'grads_present'
+    """The optimizers named for the update hold gradients: the step backpropagated its loss itself (loss.backward())."""
+    SCALES_LOSSES = 'scales_losses'
+    """A GradScaler scales the losses (precision='fp16')."""
 
 
 class ActionName(str, enum.Enum):
@@ -264,6 +271,9 @@ class ActionName(str, enum.Enum):
     """DDP: synchronise gradients in this backward (the window's updating micro-batch)."""
     SKIP_GRADIENT_SYNC = 'skip_gradient_sync'
     """DDP: no_sync for this backward; gradients accumulate locally."""
+    KEEP_OWN_GRADIENTS = 'keep_own_gradients'
+    """The step backpropagated its loss itself: the update takes the window's gradients as the step made them, without
+    the window's sample normalisation."""
     UNSCALE_GRADIENTS = 'unscale_gradients'
     """Unscale fp16 gradients, normalise by the window's samples, check finiteness."""
     CLIP_GRADIENTS = 'clip_gradients'

@@ -72,7 +72,8 @@ def build_machine(spec: Spec, guards: Mapping[str, Callable[[], bool]],
                   actions: Mapping[str, Callable[[], None]]) -> Machine:
     """A `transitions.Machine` over the whole spec, its model holding `guards` and `actions` by name.
 
-    Error edges become internal transitions whose `before` callback raises `InvalidTransition`.
+    Error edges become internal transitions whose `before` callback raises `InvalidTransition`; each has a
+    callback of its own (numbered), since one (state, trigger) may refuse several guard outcomes.
     """
     missing = sorted({g.name for g in spec.guards} - set(guards))
     missing += sorted({a.name for a in spec.actions} - set(actions))
@@ -80,11 +81,11 @@ def build_machine(spec: Spec, guards: Mapping[str, Callable[[], bool]],
         raise ValueError(f"build_machine: no callable given for {missing}")
     model = _Model(guards, dict(actions))
     edges = []
-    for t in spec.transitions:
+    for n, t in enumerate(spec.transitions):
         edge = {"trigger": t.trigger, "source": t.source, "dest": t.dest, "conditions": list(t.conditions),
                 "unless": list(t.unless), "after": list(t.actions)}
         if t.dest is None:
-            name = f"_error_{t.source}_{t.trigger}"
+            name = f"_error_{t.source}_{t.trigger}_{n}"
             setattr(model, name, _error_raiser(t.source, t.trigger, t.error))
             edge["before"] = [name]
         edges.append(edge)

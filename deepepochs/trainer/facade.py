@@ -16,10 +16,9 @@ from deepepochs.callbacks.lr_find import LRFindCallback, run_finder
 from deepepochs.checkpoint import load_into
 from deepepochs.checkpoint.run_lock import hold_run
 from deepepochs.config import TrainerConfig
-from deepepochs.engine import compiled
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
-from deepepochs.engine.summary import summary
+from deepepochs.engine.summary import explain
 from deepepochs.engine.trial import trial_fit
 from deepepochs.engine.update_clock import check_clock
 from deepepochs.errors import ConfigError
@@ -481,8 +480,9 @@ class TrainerBase(StepMethods):
         """What a training batch of this trainer runs: a few lines in short (precision, accumulation,
         processes, whether the model is compiled, what each update checks, the steps left out and why, and
         whether batches run the code or fire its edges one by one), then the code generated from the loop
-        spec, each line with the edge it belongs to (`python -m deepepochs loop` prints the code too)."""
-        return summary(self._ctx) + "\n" + compiled.explain(self._ctx)
+        spec, each line with the edge it belongs to (`python -m deepepochs loop` prints the code too). With
+        a training step of your own, its source instead, and the spec's edges its calls take."""
+        return explain(self._ctx)
 
     def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False, level: str | None = None,
                     last: int = 12):

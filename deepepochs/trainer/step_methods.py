@@ -118,10 +118,26 @@ class StepMethods:
         hooks, as deepepochs 0.6 did; `loss` is what the hooks receive."""
         self.loss.do_metric(loss, model_out, batch_y)
 
-    def optimize(self, optimize_index=None) -> None:
+    def optimize(self, optimize_index=None, closure=None):
         """Request an update of optimizers `optimize_index` (None = all). It happens only on the window's
-        last micro-batch; earlier calls let gradients accumulate."""
-        steps.optimize(self._ctx, optimize_index)
+        last micro-batch; earlier calls let gradients accumulate.
+
+        The gradients are those the step backpropagated: with `self.loss(...)`, `self.backward(loss)` or its
+        own `loss.backward()` (then the update takes them as they are: under accumulation divide the loss
+        yourself, or use `self.backward(loss)`, which weighs each micro-batch as `self.loss` does).
+        `closure`: for LBFGS and other optimizers whose `step` takes a closure, the function that zeroes the
+        gradients, re-evaluates the model, backpropagates and returns the loss; each optimizer then steps as
+        `opt.step(closure)`, and the loss it returns (the closure's first) is returned and reported as the
+        batch's loss. Returns None without a closure.
+        """
+        return steps.optimize(self._ctx, optimize_index, closure)
+
+    def backward(self, loss) -> None:
+        """Backpropagate `loss` in a custom training step as `self.loss(...)` does, without computing or
+        reporting a loss: the backward hooks run, a micro-batch's share of its accumulation window and the
+        fp16 GradScaler's scale are applied. Then call `self.optimize(...)`. (Lightning's
+        `self.manual_backward(loss)`.) Report the loss by returning it: `{'loss': loss.detach()}`."""
+        steps.user_backward(self._ctx, loss)
 
     @property
     def carried(self) -> dict:

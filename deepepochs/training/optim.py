@@ -108,6 +108,30 @@ class _MarkUpdate:
             self.loop.window_updated = True
 
 
+class _RefuseOwnStep:
+    """The step pre-hook of `Optimizers.bind_updates`: while its trainer trains, an optimizer steps only
+    inside the trainer's update (`loop.update_open`). A step method's own `opt.step()` (Lightning's manual
+    optimisation) would apply an update that no checkpoint, schedule, snapshot or rollback knows of and
+    whose gradients are never zeroed: it is refused before anything changes, naming what to call."""
+
+    __slots__ = ("index", "loop")
+
+    def __init__(self, loop, index: int):
+        self.loop, self.index = loop, index
+
+    def __call__(self, optimizer, _args, _kwargs):
+        loop = self.loop
+        if loop.stage == "train" and not loop.update_open:
+            i = self.index
+            raise ConfigError(
+                f"optimizer {i} ({type(optimizer).__name__}) was stepped directly (opt.step()) during training;"
+                f" the trainer steps its optimizers itself, so that the update is counted, scheduled, checkpointed"
+                f" and rolled back: in a custom step call self.optimize({i}) after the backward (self.loss(out, y),"
+                f" self.backward(loss) or loss.backward()), and for an optimizer that takes a closure (LBFGS)"
+                f" self.optimize({i}, closure=closure). Lightning's manual optimisation, self.manual_backward(loss);"
+                f" opt.step(), becomes self.backward(loss); self.optimize({i})")
+
+
 class Optimizers(Sequence):
     """The trainer's optimizers, in `optimize_index` order."""
 
@@ -204,11 +228,13 @@ class Optimizers(Sequence):
         post-hook, a callback) then cannot replay the update. A skipped update (fp16 overflow) never calls
         `opt.step`. The step-wise scheduler is stepped by the `step_optimizer` action, not here. The hook
         acts only while its own trainer trains (`loop.stage == 'train'`): an optimizer stepped by user code
-        between fits, or shared with a later trainer, marks nothing. `unbind_updates` removes the hooks.
+        between fits, or shared with a later trainer, marks nothing. A step pre-hook refuses a step
+        outside the trainer's update while it trains (`_RefuseOwnStep`). `unbind_updates` removes the hooks.
         """
 
         self._loop = loop
         self._marks = [item.opt.register_step_post_hook(_MarkUpdate(loop)) for item in self.items]
+        self._marks += [item.opt.register_step_pre_hook(_RefuseOwnStep(loop, i)) for i, item in enumerate(self.items)]
 
     def __deepcopy__(self, memo):
         """A copy whose optimizers carry the hooks of `bind_updates`, bound to the copied loop (torch's

@@ -7,7 +7,7 @@ import pytest
 
 from deepepochs.launch import launch
 
-__all__ = ["TORCHRUN_VARIABLES", "launch_scenarios", "launch_with_deadline", "teardown_abort"]
+__all__ = ["TORCHRUN_VARIABLES", "launch_scenarios", "launch_with_deadline", "launched_ranks", "teardown_abort"]
 
 #: What torchrun sets; a test launching its own processes clears them, so `launch` starts a fresh group.
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -42,6 +42,14 @@ def launch_scenarios(main, out_env: str, out, seconds: float, num_processes: int
             patch.delenv(name, raising=False)
         patch.setenv(out_env, str(out))
         return launch_with_deadline(main, seconds=seconds, num_processes=num_processes)
+
+
+def launched_ranks(main, out_env: str, out, seconds: float = 240, num_processes: int = 2) -> list:
+    """`launch_scenarios`, then what each rank saved as `rank<r>.pt` in `out`, in rank order."""
+    import torch  # noqa: PLC0415  (the other helpers here need no torch)
+
+    launch_scenarios(main, out_env, out, seconds, num_processes)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(num_processes)]
 
 
 def teardown_abort(returncode: int, stderr: str) -> bool:

@@ -143,7 +143,8 @@ def test_machine_edges_equal_the_spec_edges():
     """The built transitions machine holds exactly the spec's edges (read back from its own structures)."""
     got = sorted(machine_edges(_machine_with({})), key=repr)
     want = sorted(((t.source, t.trigger, t.dest, t.conditions, t.unless, t.actions,
-                    f"_error_{t.source}_{t.trigger}" if t.error else None) for t in SPEC.transitions), key=repr)
+                    f"_error_{t.source}_{t.trigger}_{n}" if t.error else None)
+                   for n, t in enumerate(SPEC.transitions)), key=repr)
     assert got == want
 
 
@@ -195,6 +196,21 @@ def test_error_edge_raises_its_reason():
     with pytest.raises(InvalidTransition, match="must call self.optimize"):
         m.fire("end_batch")
     assert m.state == "step_backward"
+
+
+def test_each_error_edge_of_one_state_and_trigger_raises_its_own_reason():
+    """(step_forward, optimize) has several error edges; each guard outcome raises its own edge's text."""
+    errors = [t for t in SPEC.edges("step_forward", "optimize") if t.dest is None]
+    assert len(errors) > 1
+    actions = {a.name: (lambda: None) for a in SPEC.actions}
+    for edge in errors:
+        outcome = {g.name: g.name in edge.conditions for g in SPEC.guards}
+        guards = {g: (lambda g=g: outcome[g]) for g in outcome}
+        m = LoopMachine(guards, actions, LoopState(run=RunState(epoch=1), batch_idx=1))
+        m.model.state = "step_forward"
+        with pytest.raises(InvalidTransition) as raised:
+            m.fire("optimize")
+        assert str(raised.value) == f"state 'step_forward', trigger 'optimize': {edge.error}"
 
 
 def test_an_edge_taken_by_compiled_code_is_recorded_once_and_probed_once():
