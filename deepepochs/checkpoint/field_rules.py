@@ -4,7 +4,8 @@
 type (and value) found; `check_fits` turns them into one `CheckpointError`. States that mirror a live
 object's follow `deepepochs.checkpoint.value_rules.like`; optimizer states,
 `deepepochs.checkpoint.optimizer_rules`; the fields a file holds of its own (epoch, world size, order seed,
-history, a snapshot's position) have their types and ranges here. The same module checks the run-end and
+history, a snapshot's position) have their types and ranges here, the run-state fields a snapshot stores
+as they are in `deepepochs.checkpoint.run_rules`. The same module checks the run-end and
 progress records (`finished_problems`, `progress_problems`).
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from deepepochs.checkpoint.format import FORMAT_VERSION, Checkpoint, monitors_of
 from deepepochs.checkpoint.optimizer_rules import optimizer_problems
+from deepepochs.checkpoint.run_rules import generator_state, run_problems
 from deepepochs.checkpoint.value_rules import MAX_COUNT, MAX_INT, MAX_TEXT, got, int_field, is_number, like
 from deepepochs.utils import rng_state
 
@@ -75,7 +77,7 @@ def problems(trainer, ckpt: Checkpoint) -> list[str]:
         _rng(ckpt.rng, "rng", out)
     _history(ckpt.history, ckpt.epoch, "history", out)
     if ckpt.position is not None:
-        _position(ckpt.position, ckpt.epoch, out)
+        _position(trainer, ckpt.position, ckpt.epoch, out)
     return out
 
 
@@ -110,6 +112,12 @@ def _rng(saved, field: str, out: list) -> None:
                    f" in [0, 2**32), None or a finite number] (got {got(python)})")
     for key in ("numpy", "torch"):
         like(saved[key], live[key], f"{field}[{key!r}]", out, key)
+    loaders = saved.get("loaders", [])  # the training DataLoaders' own generators (put back as they are met)
+    if not isinstance(loaders, list):
+        out.append(f"{field}['loaders'] must be a list of generator states (got {got(loaders)})")
+    else:
+        for i, state in enumerate(loaders):
+            generator_state(state, f"{field}['loaders'][{i}]", out)
     cuda = saved.get("cuda", [])
     if not isinstance(cuda, list) or not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.dim() == 1
                                              for s in cuda):
@@ -136,7 +144,7 @@ def _history(history, epochs: int, field: str, out: list) -> None:
 
 
 # ---- a snapshot's position ----
-def _position(pos, epoch, out: list) -> None:
+def _position(trainer, pos, epoch, out: list) -> None:
     """A mid-epoch snapshot's position (`deepepochs.engine.position`): its counters, its ranks' records."""
     if not isinstance(pos, Mapping):
         out.append(f"position must be a dict or None (got {got(pos)})")
@@ -167,10 +175,10 @@ def _position(pos, epoch, out: list) -> None:
         out.append(f"position['ranks'] must be a list of one record per process (got {got(ranks)})")
         return
     for r, rank in enumerate(ranks):
-        _rank(rank, pos["task_index"], f"position['ranks'][{r}]", out)
+        _rank(trainer, rank, pos["task_index"], f"position['ranks'][{r}]", out)
 
 
-def _rank(rank, task_index, field: str, out: list) -> None:
+def _rank(trainer, rank, task_index, field: str, out: list) -> None:
     if not isinstance(rank, Mapping) or not {"meters", "random"} <= set(rank) \
             or not set(rank) <= {"meters", "random", "data", "run"}:
         out.append(f"{field} must be a dict of 'meters', 'random', 'data' and 'run' (got {got(rank)})")
@@ -189,9 +197,7 @@ def _rank(rank, task_index, field: str, out: list) -> None:
             _generator_pair(random_states.get(key), f"{field}['random'][{key!r}]", out, none=key == "task")
         if random_states.get("host") is not None:
             _rng(random_states["host"], f"{field}['random']['host']", out)
-    run = rank.get("run")
-    if run is not None and (not isinstance(run, Mapping) or not all(isinstance(k, str) for k in run)):
-        out.append(f"{field}['run'] must be a dict of run-state fields by name (got {got(run)})")
+    run_problems(trainer, rank.get("run"), f"{field}['run']", out)
 
 
 def _generator_pair(value, field: str, out: list, none: bool) -> None:
