@@ -22,7 +22,7 @@ TORCH_INDEX ?=
 PYTEST_ARGS ?=
 DOCS_OUT ?= docs/_build/html
 
-.PHONY: venv install install-runtime install-docs demo test test-fast lint gen check-gen graph bench \
+.PHONY: venv install install-runtime install-docs demo test test-fast fields-full lint gen check-gen graph bench \
 	bench-instructions bench-memory docs docs-check clean fault-matrix exit-stress
 
 # ---- environments: one stamp per install level, redone when pyproject.toml changes ----
@@ -71,6 +71,10 @@ fault-matrix: install
 exit-stress: install
 	$(PYTHON) benchmarks/exit_stress.py --launcher launch --runs 200 --load
 	$(PYTHON) benchmarks/exit_stress.py --launcher torchrun --runs 200 --load
+
+# every leaf of every file a run writes, damaged with every replacement (CI damages each field once): an hour
+fields-full: install
+	DEEPEPOCHS_FIELD_MUTATIONS=all $(PYTHON) -m pytest -q tests/test_checkpoint_fields.py $(PYTEST_ARGS)
 
 # ruff, then the import contracts of pyproject.toml ([tool.importlinter]); --no-cache: nothing left in the tree
 lint: install

@@ -4,7 +4,8 @@
 type (and value) found; `check_fits` turns them into one `CheckpointError`. States that mirror a live
 object's follow `deepepochs.checkpoint.value_rules.like`; optimizer states,
 `deepepochs.checkpoint.optimizer_rules`; the fields a file holds of its own (epoch, world size, order seed,
-history, a snapshot's position) have their types and ranges here. The same module checks the run-end and
+history, a snapshot's position) have their types and ranges here, the run-state fields a snapshot stores
+as they are in `deepepochs.checkpoint.run_rules`. The same module checks the run-end and
 progress records (`finished_problems`, `progress_problems`).
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from deepepochs.checkpoint.format import FORMAT_VERSION, Checkpoint, monitors_of
 from deepepochs.checkpoint.optimizer_rules import optimizer_problems
+from deepepochs.checkpoint.run_rules import generator_state, run_problems
 from deepepochs.checkpoint.value_rules import MAX_COUNT, MAX_INT, MAX_TEXT, got, int_field, is_number, like
 from deepepochs.engine.runstate import VAL_POINT_KEY
 from deepepochs.utils import rng_state
@@ -77,7 +79,7 @@ def problems(trainer, ckpt: Checkpoint) -> list[str]:
     _history(ckpt.history, ckpt.epoch, "history", out, ckpt.updates)
     _averages(trainer, ckpt.averages, out)
     if ckpt.position is not None:
-        _position(ckpt.position, ckpt.epoch, out)
+        _position(trainer, ckpt.position, ckpt.epoch, out)
     return out
 
 
@@ -126,6 +128,12 @@ def _rng(saved, field: str, out: list) -> None:
                    f" in [0, 2**32), None or a finite number] (got {got(python)})")
     for key in ("numpy", "torch"):
         like(saved[key], live[key], f"{field}[{key!r}]", out, key)
+    loaders = saved.get("loaders", [])  # the training DataLoaders' own generators (put back as they are met)
+    if not isinstance(loaders, list):
+        out.append(f"{field}['loaders'] must be a list of generator states (got {got(loaders)})")
+    else:
+        for i, state in enumerate(loaders):
+            generator_state(state, f"{field}['loaders'][{i}]", out)
     cuda = saved.get("cuda", [])
     if not isinstance(cuda, list) or not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.dim() == 1
                                              for s in cuda):
@@ -181,7 +189,7 @@ def _history(history, epochs: int, field: str, out: list, updates: int | None = 
 
 
 # ---- a snapshot's position ----
-def _position(pos, epoch, out: list) -> None:
+def _position(trainer, pos, epoch, out: list) -> None:
     """A mid-epoch snapshot's position (`deepepochs.engine.position`): its counters, its ranks' records."""
     if not isinstance(pos, Mapping):
         out.append(f"position must be a dict or None (got {got(pos)})")
@@ -212,10 +220,10 @@ def _position(pos, epoch, out: list) -> None:
         out.append(f"position['ranks'] must be a list of one record per process (got {got(ranks)})")
         return
     for r, rank in enumerate(ranks):
-        _rank(rank, pos["task_index"], f"position['ranks'][{r}]", out)
+        _rank(trainer, rank, pos["task_index"], f"position['ranks'][{r}]", out)
 
 
-def _rank(rank, task_index, field: str, out: list) -> None:
+def _rank(trainer, rank, task_index, field: str, out: list) -> None:
     if not isinstance(rank, Mapping) or not {"meters", "random"} <= set(rank) \
             or not set(rank) <= {"meters", "random", "data", "run"}:
         out.append(f"{field} must be a dict of 'meters', 'random', 'data' and 'run' (got {got(rank)})")
@@ -238,47 +246,7 @@ def _rank(rank, task_index, field: str, out: list) -> None:
     if data is not None and not _state_dict(data):
         out.append(f"{field}['data'] must be None or the training data's state_dict() (a dict with string keys)"
                    f" (got {got(data)})")
-    run = rank.get("run")
-    if run is not None and (not isinstance(run, Mapping) or not all(isinstance(k, str) for k in run)):
-        out.append(f"{field}['run'] must be a dict of run-state fields by name (got {got(run)})")
-    elif run is not None:
-        _stream_fields(run, f"{field}['run']", out)
-
-
-def _stream_fields(run: Mapping, field: str, out: list) -> None:
-    """The run-state fields a snapshot stores about the training data's stream (`position._encode` form):
-    what the epoch's draws started from (`order_draws`), the generators' states at the commit point
-    (`data_generators`) and where a stream said it ended (`data_ended`)."""
-    draws = run.get("order_draws")
-    if draws is not None:
-        fields = draws.get("fields") if isinstance(draws, Mapping) else None
-        keys = {"epoch", "task_index", "loader", "sampler", "generators"}
-        ok = (isinstance(fields, Mapping) and draws.get("__attrs__") == "deepepochs.data.sampling:OrderDraws"
-              and {"epoch", "task_index"} <= set(fields) <= keys)
-        if ok:
-            ok = _counter(fields["epoch"], 1) and _counter(fields["task_index"], 0) and all(
-                fields.get(key) is None or _generator_state(fields[key]) for key in ("loader", "sampler"))
-            states = fields.get("generators")
-            ok = ok and (states is None or (isinstance(states, list) and all(map(_generator_state, states))))
-        if not ok:
-            out.append(f"{field}['order_draws'] must be None or the epoch's draws (epoch >= 1, task_index >= 0,"
-                       f" generator states as uint8 tensors) (got {got(draws)})")
-    for name, last in (("data_generators", "states"), ("data_ended", "batches")):
-        value = run.get(name)
-        if value is None:
-            continue
-        items = value.get("__tuple__") if isinstance(value, Mapping) else None
-        ok = isinstance(items, list) and len(items) == 3 and _counter(items[0], 1) and _counter(items[1], 0)
-        if ok and last == "states":
-            ok = isinstance(items[2], list) and all(map(_generator_state, items[2]))
-        elif ok:
-            ok = _counter(items[2], 0)
-        if not ok:
-            out.append(f"{field}[{name!r}] must be None or (epoch >= 1, task_index >= 0, {last}) (got {got(value)})")
-
-
-def _counter(value, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= MAX_COUNT
+    run_problems(trainer, rank.get("run"), f"{field}['run']", out)
 
 
 def _generator_pair(value, field: str, out: list, none: bool) -> None:
