@@ -1,8 +1,8 @@
 """A fault matrix generated from the spec: every state a stage enters (recorded from a clean run of that
 stage, so a new state of the spec is covered as soon as a stage reaches it), in every stage (fit: training
-and validation; test; predict; the LR sweep), gets each fault kind on entering it: an exception in user
-code, SIGINT, and the listed signals SIGTERM and SIGUSR1 to the process. Each cell must end in a
-documented outcome, and where the run continues it ends bit-identical to the uninterrupted run:
+and validation, by epochs and by updates; test; predict; the LR sweep), gets each fault kind on entering
+it: an exception in user code, SIGINT, and the listed signals SIGTERM and SIGUSR1 to the process. Each
+cell must end in a documented outcome, and where the run continues it ends bit-identical to the uninterrupted run:
 
 - exception / SIGINT: rolled back and ready (the machine idle), the exception re-raised; running the
   stage again gives the uninterrupted result (fit: weights, optimizer, scheduler, scaler and history);
@@ -36,7 +36,10 @@ from deepepochs.fsm.machine import load_spec
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs POSIX signals")
 
 SPEC = load_spec()
-STAGES = ("fit", "test", "predict", "lr_sweep")
+STAGES = ("fit", "fit_by_updates", "test", "predict", "lr_sweep")
+#: The stages a SnapshotCallback listens in.
+FITS = ("fit", "fit_by_updates")
+MAX_UPDATES, VAL_EVERY = 5, 2  # fit_by_updates: the budget ends inside epoch 2, validation points in between
 FAULTS = ("exception", "SIGINT", "SIGTERM", "SIGUSR1")
 FULL = os.environ.get("DEEPEPOCHS_FAULT_MATRIX", "") == "full"
 SAMPLE_SIZE, SAMPLE_SEED = 24, 20261204
@@ -65,7 +68,7 @@ def _loaders():
     return train, val
 
 
-def _trainer(folder, resume=False, snapshot_signal=None):
+def _trainer(folder, stage, resume=False, snapshot_signal=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 2))
     adam = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -75,7 +78,7 @@ def _trainer(folder, resume=False, snapshot_signal=None):
         callbacks.append(SnapshotCallback(folder, on_signals=(snapshot_signal,)))
     return Trainer(model, F.cross_entropy, opt, epochs=EPOCHS, gradient_accumulation_steps=2, precision="fp16",
                    fuse_steps=False, device="cpu", log_batch=False, show_info=False, callbacks=callbacks,
-                   resume=resume, running_id="run")
+                   resume=resume, running_id="run", max_updates=MAX_UPDATES if stage == "fit_by_updates" else None)
 
 
 def _run(trainer, stage):
@@ -83,6 +86,9 @@ def _run(trainer, stage):
     train, val = _loaders()
     if stage == "fit":
         trainer.fit(train, val)
+        return _state(trainer)
+    if stage == "fit_by_updates":
+        trainer.fit(train, val, val_every_n_updates=VAL_EVERY)
         return _state(trainer)
     if stage == "test":
         return trainer.test(val)
@@ -104,7 +110,7 @@ _REFERENCE: dict = {}
 def _reference(stage, tmp_path_factory):
     """(the uninterrupted result, how often each state was entered) of `stage`, recorded once."""
     if stage not in _REFERENCE:
-        trainer = _trainer(tmp_path_factory.mktemp("reference"))
+        trainer = _trainer(tmp_path_factory.mktemp("reference"), stage)
         entered = collections.Counter()
         trainer.machine.probe = lambda dest: entered.update([dest])
         result = _run(trainer, stage)
@@ -115,7 +121,7 @@ def _reference(stage, tmp_path_factory):
 
 def _entered(stage) -> collections.Counter:
     """The states a clean run of `stage` enters (a run of its own, at collection time)."""
-    trainer = _trainer(None)
+    trainer = _trainer(None, stage)
     entered = collections.Counter()
     trainer.machine.probe = lambda dest: entered.update([dest])
     _run(trainer, stage)
@@ -161,8 +167,8 @@ def test_a_fault_in_any_state_of_any_stage_ends_in_a_documented_outcome(stage, s
     continues it ends as the uninterrupted run."""
     reference, entered = _reference(stage, tmp_path_factory)
     occurrence = 2 if entered[state] >= 2 else 1
-    listened = fault in ("SIGTERM", "SIGUSR1") and stage == "fit"
-    trainer = _trainer(tmp_path / "snap", snapshot_signal=fault if listened else None)
+    listened = fault in ("SIGTERM", "SIGUSR1") and stage in FITS
+    trainer = _trainer(tmp_path / "snap", stage, snapshot_signal=fault if listened else None)
     seen = collections.Counter()
 
     def probe(dest):
@@ -199,7 +205,7 @@ def test_a_fault_in_any_state_of_any_stage_ends_in_a_documented_outcome(stage, s
         if outcome == "rolled back":
             assert states_equal(_run(trainer, stage), reference)
         else:
-            resumed = _trainer(tmp_path / "snap", resume=True, snapshot_signal=fault)
+            resumed = _trainer(tmp_path / "snap", stage, resume=True, snapshot_signal=fault)
             assert states_equal(_run(resumed, stage), reference)
         _report(stage, state, fault, outcome)
     finally:

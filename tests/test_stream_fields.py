@@ -45,15 +45,15 @@ DAMAGES = {  # name: (stream, how the file is damaged, the field the refusal nam
         r"position\['ranks'\]\[0\]\['data'\] must be None or the training data's state_dict\(\)"),
     "the epoch's sampler draw of another size": (
         "replacement", lambda s: _run(s)["order_draws"]["fields"].__setitem__("sampler", torch.zeros(3)),
-        r"\['run'\]\['order_draws'\] must be None or the epoch's draws"),
+        r"\['run'\]\['order_draws'\]\['sampler'\] must be a generator state"),
     "the epoch's draws in epoch 0": (
         "replacement", lambda s: _run(s)["order_draws"]["fields"].__setitem__("epoch", 0), r"\['order_draws'\]"),
     "a commit point's generator states of another kind": (
         "stream", lambda s: _run(s)["data_generators"]["__tuple__"].__setitem__(2, [torch.zeros(2)]),
-        r"\['run'\]\['data_generators'\] must be None or \(epoch >= 1, task_index >= 0, states\)"),
+        r"\['run'\]\['data_generators'\]\[2\]\[0\] must be a generator state"),
     "a stream's end at a negative batch": (
         "stream", lambda s: _run(s).__setitem__("data_ended", {"__tuple__": [2, 0, -1]}),
-        r"\['run'\]\['data_ended'\] must be None or \(epoch >= 1, task_index >= 0, batches\)"),
+        r"\['run'\]\['data_ended'\]\[2\] must be an int in \[0, "),
 }
 
 

@@ -189,7 +189,7 @@ def test_invalid_trigger_names_the_state_the_trigger_and_the_allowed_triggers():
 def test_error_edge_raises_its_reason():
     """The explicit error edge (a window closed with unapplied gradients) raises its documented text."""
     outcome = {g.name: True for g in SPEC.guards}
-    guards = {g: (lambda g=g: outcome[g]) for g in outcome}
+    guards = {g: (lambda g=g, outcome=outcome: outcome[g]) for g in outcome}
     actions = {a.name: (lambda: None) for a in SPEC.actions}
     m = LoopMachine(guards, actions, LoopState(run=RunState(epoch=1), batch_idx=1))
     m.model.state = "step_backward"
@@ -205,7 +205,7 @@ def test_each_error_edge_of_one_state_and_trigger_raises_its_own_reason():
     actions = {a.name: (lambda: None) for a in SPEC.actions}
     for edge in errors:
         outcome = {g.name: g.name in edge.conditions for g in SPEC.guards}
-        guards = {g: (lambda g=g: outcome[g]) for g in outcome}
+        guards = {g: (lambda g=g, outcome=outcome: outcome[g]) for g in outcome}
         m = LoopMachine(guards, actions, LoopState(run=RunState(epoch=1), batch_idx=1))
         m.model.state = "step_forward"
         with pytest.raises(InvalidTransition) as raised:
