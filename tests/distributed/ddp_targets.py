@@ -161,15 +161,23 @@ def _uneven_training_error() -> dict | None:
 
 
 def _save_failure_on_rank_0(out: Path) -> dict:
-    """Rank 0 cannot write its checkpoint (the ckpt_dir is a file): every rank raises CheckpointError at
-    that epoch's end, none trains on into a collective rank 0 never joins; a later fit of the same trainer
-    with a writable folder works on both."""
+    """Rank 0 cannot write its checkpoint (a folder of the user's stands where the file goes; a ckpt_dir
+    that cannot be made at all is refused before training, by the run lock): every rank raises
+    CheckpointError at that epoch's end, none trains on into a collective rank 0 never joins; a later fit
+    of the same trainer with a writable folder works on both."""
     blocked = out / "blocked"
-    if os.environ["RANK"] == "0":
-        blocked.write_text("a file where the checkpoint folder should go")
     monitor = CheckCallback("loss", on_stage="train", ckpt_dir=blocked)
+
+    class Block(Callback):
+        def on_before_epoch(self, trainer, *args):
+            target = monitor.path(trainer)
+            if os.environ["RANK"] == "0" and monitor.ckpt_dir == blocked and not target.exists():
+                target.mkdir(parents=True)
+                (target / "notes.txt").write_text("the user's own file, where the checkpoint should go")
+
     model = make_model()
-    with Trainer(model, F.cross_entropy, make_optimizer(model), **trainer_kwargs(callbacks=[monitor], epochs=2)) as t:
+    with Trainer(model, F.cross_entropy, make_optimizer(model),
+                 **trainer_kwargs(callbacks=[monitor, Block()], epochs=2)) as t:
         try:
             t.fit(DataLoader(make_data(TRAIN_N, 1), batch_size=BATCH))
             error = None

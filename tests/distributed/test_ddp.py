@@ -289,11 +289,11 @@ def test_split_batches_needs_a_batch_size_the_world_size_divides(ranks):
 
 @pytest.mark.distributed
 def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_at_that_save(ranks):
-    """Rank 0's save fails (the ckpt_dir is a file): rank 0 raises its CheckpointError and rank 1 one saying
-    rank 0 could not save, at the same epoch's end (no rank waits in a collective the other never joins);
-    the same trainers then fit on to a writable folder together."""
+    """Rank 0's save fails (a user's folder stands where the file goes): rank 0 raises its CheckpointError
+    and rank 1 one saying rank 0 could not save, at the same epoch's end (no rank waits in a collective the
+    other never joins); the same trainers then fit on to a writable folder together."""
     errors = [rank["save_failure"]["error"] for rank in ranks]
-    assert errors[0] is not None and "writing checkpoint" in errors[0] and "blocked" in errors[0]
+    assert errors[0] is not None and "cannot save checkpoint" in errors[0] and "blocked" in errors[0]
     assert errors[1] is not None and "rank 0 could not save checkpoint" in errors[1]
     for rank in ranks:  # the refit finished epoch 1 (its end had failed) and trained epoch 2
         assert rank["save_failure"]["completed"] == 2 and len(rank["save_failure"]["records"]["train"]["loss"]) == 2
