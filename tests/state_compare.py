@@ -24,3 +24,22 @@ def assert_same_run(result, reference) -> None:
     """Assert that a run's saved `model`, `opt` and `sched` states equal the reference run's."""
     for key in ("model", "opt", "sched"):
         assert states_equal(result[key], reference[key]), key
+
+
+def run_tensors(model, opt, sched) -> dict:
+    """Every model tensor (buffers included), every optimizer state tensor and the scheduler's state."""
+    state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for index, values in opt.state_dict()["state"].items():
+        state.update({f"opt.{index}.{k}": v.clone() for k, v in values.items()})
+    state["sched"] = sched.state_dict()
+    return state
+
+
+def assert_tensors_equal(got: dict, want: dict) -> None:
+    """`run_tensors` of two runs equal: the same names, every tensor bit for bit, every other value equal."""
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[name], value), name
+        else:
+            assert got[name] == value, name

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from state_compare import assert_tensors_equal, run_tensors  # tests/, on sys.path under pytest
 from test_snapshots import FailOnce  # raises once, after a given training batch of a given epoch
 from torch import nn
 from torch.nn import functional as F
@@ -62,23 +63,6 @@ def _trainer(callbacks=(), resume=False):
     return trainer, model, opt, sched
 
 
-def _tensors(model, opt, sched):
-    """Every model tensor (buffers included), every optimizer state tensor and the scheduler's state."""
-    state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for index, values in opt.state_dict()["state"].items():
-        state.update({f"opt.{index}.{k}": v.clone() for k, v in values.items()})
-    state["sched"] = sched.state_dict()
-    return state
-
-
-def _assert_equal(got, want):
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(got[name], value), name
-        else:
-            assert got[name] == value, name
-
 
 @pytest.fixture(scope="module", params=["workers", "generator", "main"])
 def uninterrupted(request, tmp_path_factory):
@@ -87,7 +71,7 @@ def uninterrupted(request, tmp_path_factory):
     trainer, *parts = _trainer([SnapshotCallback(folder, every_n_updates=1, keep=100)])
     trainer.fit(_loader(request.param))
     trainer.close()
-    return request.param, folder / "run", _tensors(*parts)
+    return request.param, folder / "run", run_tensors(*parts)
 
 
 @pytest.mark.parametrize("name", ["snapshot-u000000002.ckpt", "snapshot-u000000007.ckpt",
@@ -106,7 +90,7 @@ def test_a_resume_from_a_snapshot_is_exact_also_in_the_epochs_after_it(tmp_path,
         warnings.simplefilter("always", DeepEpochsWarning)
         trainer.fit(loader)
     trainer.close()
-    _assert_equal(_tensors(*parts), want)
+    assert_tensors_equal(run_tensors(*parts), want)
     messages = [str(w.message) for w in seen if issubclass(w.category, DeepEpochsWarning)]
     if kind == "workers" and "epoch1" not in name:
         assert len(messages) == 1 and "starts its workers' random generators afresh" in messages[0]
@@ -125,4 +109,4 @@ def test_a_refit_after_a_fault_is_exact_also_in_the_epochs_after_it(uninterrupte
     torch.rand(5)
     trainer.fit(loader)
     trainer.close()
-    _assert_equal(_tensors(*parts), want)
+    assert_tensors_equal(run_tensors(*parts), want)

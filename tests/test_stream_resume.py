@@ -17,6 +17,7 @@ import signal
 
 import pytest
 import torch
+from state_compare import assert_tensors_equal, run_tensors  # tests/, on sys.path under pytest
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import (
@@ -122,23 +123,6 @@ def _trainer(accumulate, callbacks=(), resume=False):
     return trainer, (model, opt, sched)
 
 
-def _tensors(model, opt, sched):
-    """Every model tensor (buffers included), every optimizer state tensor and the scheduler's state."""
-    state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for index, values in opt.state_dict()["state"].items():
-        state.update({f"opt.{index}.{k}": v.clone() for k, v in values.items()})
-    state["sched"] = sched.state_dict()
-    return state
-
-
-def _assert_equal(got, want):
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(got[name], value), name
-        else:
-            assert got[name] == value, name
-
 
 class SigtermAt(Callback):
     """Sends this process SIGTERM after its `at`-th training batch of the run (1-based), or with
@@ -176,7 +160,7 @@ def uninterrupted(request):
     trainer, parts = _trainer(accumulate)
     records = trainer.fit(*_data(kind))
     trainer.close()
-    return kind, accumulate, _tensors(*parts), records
+    return kind, accumulate, run_tensors(*parts), records
 
 
 def _stop_and_resume(tmp_path, kind, accumulate, signal_at):
@@ -196,7 +180,7 @@ def _stop_and_resume(tmp_path, kind, accumulate, signal_at):
     else:
         records = trainer.fit(train, val)  # no warning (DeepEpochsWarning is an error in the suite)
     trainer.close()
-    return _tensors(*parts), records
+    return run_tensors(*parts), records
 
 
 def test_a_sigterm_at_a_random_update_then_a_resume_ends_bit_identical_to_the_run_never_stopped(tmp_path,
@@ -208,7 +192,7 @@ def test_a_sigterm_at_a_random_update_then_a_resume_ends_bit_identical_to_the_ru
     per_epoch = 10 if kind == "stateful-stream-workers" else 9
     at = per_epoch + random.Random(f"{kind}-{accumulate}").randrange(2, per_epoch - 1)
     tensors, records = _stop_and_resume(tmp_path, kind, accumulate, SigtermAt(at))
-    _assert_equal(tensors, want)
+    assert_tensors_equal(tensors, want)
     assert records == want_records
 
 
@@ -217,7 +201,7 @@ def test_a_sigterm_during_validation_then_a_resume_from_the_epoch_end_snapshot_i
     epochs draw comes from the file alone (the loaders' generators, a stateful dataset's state)."""
     kind, accumulate, want, want_records = uninterrupted
     tensors, records = _stop_and_resume(tmp_path, kind, accumulate, SigtermAt(1, validation=True))
-    _assert_equal(tensors, want)
+    assert_tensors_equal(tensors, want)
     assert records == want_records
 
 
@@ -245,7 +229,7 @@ def test_the_run_never_stopped_trains_as_a_plain_loop_over_the_sampler_with_repl
         with torch.no_grad():
             total = sum(F.cross_entropy(model(x), y, reduction="sum").item() for x, y in val)
         losses.append(total / 16)
-    _assert_equal(_tensors(*parts), _tensors(model, opt, sched))
+    assert_tensors_equal(run_tensors(*parts), run_tensors(model, opt, sched))
     assert records["val"]["loss"] == pytest.approx(losses, rel=1e-6)
 
 
@@ -256,7 +240,7 @@ def test_a_sigterm_after_an_epochs_last_batch_read_ahead_resumes_without_a_new_p
     trainer, parts = _trainer(2)
     want_records = trainer.fit(*_data("stream"))
     trainer.close()
-    want = _tensors(*parts)
+    want = run_tensors(*parts)
     tensors, records = _stop_and_resume(tmp_path, "stream", 2, SigtermAt(9))
-    _assert_equal(tensors, want)
+    assert_tensors_equal(tensors, want)
     assert records == want_records
