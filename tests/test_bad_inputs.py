@@ -95,7 +95,7 @@ ROWS = {
         ConfigError, r"opt must be None, a torch.optim.Optimizer, a deepepochs.Optimizer or a list of them"),
     "a negative epoch target": (
         lambda tmp: _trainer(epochs=-1),
-        ConfigError, r"epochs must be a positive int \(got -1\)"),
+        ConfigError, r"epochs must be a positive int, or None with max_updates=N \(got -1\)"),
     "an unavailable device": (
         lambda tmp: Trainer(nn.Linear(4, 2), F.cross_entropy, device="cuda:9" if not torch.cuda.is_available()
                             else "nonsense"),

@@ -41,7 +41,7 @@ def test_explain_starts_with_a_summary_of_the_default_configuration():
     assert "nonfinite='raise'" in lines["each update"] and "clipping" not in lines["each update"]
     assert lines["batches run"].startswith("the generated code below")
     left_out = set(re.findall(r"# (\w+)\(ctx\): left out \((?!it ran above)", code))  # folds, not the repeated commit
-    assert left_out == {"sync_gradients", "skip_gradient_sync", "clip_gradients", "update_scaler"}
+    assert left_out == {"sync_gradients", "skip_gradient_sync", "clip_gradients", "update_scaler", "average_update"}
     assert set(re.findall(r"(\w+)(?:, | \()", lines["left out"])) >= left_out
     for why in set(re.findall(r"# \w+\(ctx\): left out \(((?!it ran above).*)\)", code)):
         assert why in lines["left out"]
