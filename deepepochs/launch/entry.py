@@ -123,9 +123,10 @@ def launch(main: Callable[[], T], num_processes: int | None = None) -> T:
         result = main()
         return result if rank == 0 else None  # one rule under every launcher: rank 0's result, else None
 
-    world_size = num_processes if num_processes is not None else max(1, torch.cuda.device_count())
+    gpus = torch.cuda.device_count()
+    world_size = num_processes if num_processes is not None else max(1, gpus)
     if world_size == 1:
-        if num_processes is None:  # one process because no GPU was found: say so, and how to run more
+        if num_processes is None and gpus == 0:  # one process because no GPU was found: say so, and how to run more
             print(NO_GPU_NOTE, file=sys.stderr, flush=True)
         return main()
     _check_importable(main)

@@ -208,6 +208,15 @@ def test_default_process_count_without_a_gpu_is_one_process_in_the_caller_and_sa
     assert capsys.readouterr().err == ""
 
 
+def test_default_process_count_with_one_gpu_runs_main_here_and_says_nothing_of_a_missing_gpu(
+        monkeypatch, spawning_fails, capsys):
+    """num_processes=None with one visible CUDA device is one process per GPU: main() runs in the caller and
+    no line claims that there is no GPU (it did, seen on a one-GPU machine)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert launch(launch_targets.report_process)["pid"] == os.getpid()
+    assert capsys.readouterr().err == ""
+
+
 def test_torchrun_environment_runs_main_in_the_calling_process(monkeypatch, spawning_fails):
     """With RANK and WORLD_SIZE set (as under torchrun), launch calls main() here, ignoring num_processes."""
     monkeypatch.setenv("RANK", "0")
