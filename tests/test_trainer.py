@@ -329,6 +329,20 @@ def test_console_prints_batch_lines_with_the_familiar_shape(monkeypatch):
     assert re.search(r"^E 2/2  TRAIN> loss: \d\.\d{7}  accuracy: \d\.\d{7}   VAL> loss: \d\.\d{7}", out, re.M)
 
 
+def test_a_short_run_written_to_a_file_shows_its_epoch_lines_and_no_batch_line():
+    """Output to a file (not a terminal): a batch line at most every 10 s (docs/MIGRATION.md), so a run of a
+    few milliseconds writes its header and epoch lines only, each ending its line."""
+    stream = io.StringIO()
+    x, y = _binary(32, 4)
+    data = DataLoader(TensorDataset(x, y), batch_size=8)
+    t = Trainer(nn.Linear(4, 2), F.cross_entropy, device="cpu", epochs=2)
+    t._console.stream = stream
+    t.fit(data, data)
+    lines = stream.getvalue().splitlines()
+    assert [line[:7] for line in lines[1:]] == ["E 1/2  ", "E 2/2  "], lines
+    assert not any(" B " in line for line in lines) and "\r" not in stream.getvalue()
+
+
 def test_public_names_resolve_and_all_is_sorted():
     """The package root re-exports an alphabetised __all__ whose names all exist."""
     assert list(deepepochs.__all__) == sorted(deepepochs.__all__)
