@@ -72,9 +72,11 @@ def capture(ctx: Context) -> dict | None:
         point = ResumePoint(point.epoch, index, done)
     if point is None or point.task_index < 0 or ctx.train_meters is None:
         return None
-    data_state = ctx.data_state
+    data_state, host = ctx.data_state, ctx.host_random
+    if host is None or host[:3] != (point.epoch, point.task_index, point.batches_done):
+        host = (None, None, None, rng_state())  # Python's and NumPy's (and torch's) as of now: the commit point
     mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state),
-                       "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
+                       "host": host[3]},  # inside a window: as of its start (`snapshot_trigger.fetches`)
             "meters": [encode_meters(meters) for meters in ctx.train_meters],
             "data": None if data_state is None or data_state[:3] != (point.epoch, point.task_index, point.batches_done)
             else data_state[3],
