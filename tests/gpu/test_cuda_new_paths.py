@@ -7,6 +7,8 @@ CUDA."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,11 @@ from torch.nn import functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from deepepochs import Callback, EMACallback, Trainer, TrainerBase
+from deepepochs import EMACallback, Trainer, TrainerBase
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the CPU tests' helpers
+from callbacks.test_averaging import Watch  # noqa: E402  (the average after each batch, and the skipped ones)
+from test_own_backward import ManagedBackward  # noqa: E402  (self.backward(loss) then self.optimize())
 
 pytestmark = [
     pytest.mark.gpu,
@@ -116,19 +122,6 @@ class NanLoss:
         return loss
 
 
-class Watch(Callback):
-    """The average after each training batch, and the batches whose update was skipped."""
-
-    def __init__(self, ema):
-        self.ema, self.states, self.skipped = ema, [], set()
-
-    def on_skip_optimize(self, trainer, opt_index):
-        self.skipped.add(len(self.states))
-
-    def on_after_train_batch(self, trainer, metrics, batch_idx):
-        self.states.append({k: v.clone() for k, v in self.ema.averaged.state_dict().items()})
-
-
 def test_fp16_updates_the_cuda_grad_scaler_skips_leave_the_ema_untouched():
     """fp16 on CUDA: an update skipped for a NaN loss leaves the average as it was; every applied one moves it."""
     model = make_model()
@@ -145,16 +138,6 @@ def test_fp16_updates_the_cuda_grad_scaler_skips_leave_the_ema_untouched():
             assert moved == (i not in watch.skipped), i
         previous = state
     assert ema.updates == 12 - len(watch.skipped)
-
-
-class ManagedBackward(TrainerBase):
-    """The step's own backward through `self.backward(loss)`, then the update."""
-
-    def train_step(self, batch_x, batch_y, **step_args):
-        loss = F.cross_entropy(self.model(batch_x), batch_y)
-        self.backward(loss)
-        self.optimize()
-        return {"loss": loss.detach()}
 
 
 def test_an_own_backward_step_under_cuda_fp16_equals_torchs_grad_scaler_loop():
