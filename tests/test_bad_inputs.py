@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from deepepochs import Callback, CheckCallback, CheckpointError, ConfigError, Trainer, rename
+from deepepochs import Callback, CheckCallback, CheckpointError, ConfigError, Optimizer, Trainer, rename
 from deepepochs.training.precision import Precision
 
 X = torch.randn(16, 4)
@@ -39,7 +39,17 @@ def _corrupt_checkpoint(tmp_path):
     return CheckCallback("loss", ckpt_dir=tmp_path / "ckpt")
 
 
+def _plateau_without_loss():
+    opt = torch.optim.SGD(nn.Linear(4, 2).parameters(), 0.1)
+    return Optimizer(opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+
+
 ROWS = {
+    "a ReduceLROnPlateau without the loss it watches": (
+        lambda tmp: _plateau_without_loss(),
+        ConfigError, r"a ReduceLROnPlateau scheduler steps with the loss it watches: pass"
+                     r" Optimizer\(opt, scheduler, sched_with_loss=True\)"
+                     r" \(got sched_on='epoch', sched_with_loss=False\)"),
     "unknown precision": (
         lambda tmp: _trainer(precision="half"),
         ConfigError, r"precision must be one of 'fp32', 'fp16', 'bf16' \(got 'half'\); use 'fp16'"),

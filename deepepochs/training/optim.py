@@ -65,6 +65,10 @@ class Optimizer:
     def __attrs_post_init__(self):
         if self.sched_with_loss and self.sched_on != "epoch":
             raise ConfigError("sched_with_loss=True needs sched_on='epoch' (got sched_on='step')")
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not self.sched_with_loss:
+            raise ConfigError("a ReduceLROnPlateau scheduler steps with the loss it watches: pass"
+                              f" Optimizer(opt, scheduler, sched_with_loss=True) (got sched_on={self.sched_on!r},"
+                              " sched_with_loss=False)")
 
     @property
     def param_groups(self) -> list:
