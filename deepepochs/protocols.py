@@ -32,6 +32,7 @@ __all__ = [
     "PrecisionPolicy",
     "SnapshotWriter",
     "monitors_in",
+    "monitors_undo",
 ]
 
 
@@ -53,6 +54,18 @@ def monitors_in(callbacks: Iterable) -> list:
     Found by shape, not by class, so that the engine's first-batch checks and epoch rollback, and the
     checkpoint code, find the same monitors without importing the callbacks above them."""
     return [cb for cb in callbacks if isinstance(getattr(cb, "monitor_id", None), str)]
+
+
+def monitors_undo(callbacks: Iterable) -> Callable[[], None]:
+    """An undo that puts the checkpoint monitors among `callbacks` back to their states as of now (an
+    epoch's end or a validation point that a rollback discards: their checks did not happen)."""
+    states = [(monitor, monitor.state_dict()) for monitor in monitors_in(callbacks)]
+
+    def undo() -> None:
+        for monitor, state in states:
+            monitor.load_state_dict(state)
+
+    return undo
 
 
 class Clipper(Protocol):

@@ -29,6 +29,7 @@ import torch
 from deepepochs.checkpoint import names, shard_storage
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
+from deepepochs.engine import runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.utils import rng_state
 
@@ -97,13 +98,17 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rn
 def _run_records(trainer, position: Mapping | None) -> Mapping:
     """The records of the epochs the file counts as completed. An epoch-end save runs before its epoch
     commits (`save_checkpoints` precedes `commit_epoch`; `epoch_undo` is pending then), so that epoch's
-    metrics are added to the history here."""
+    metrics are added to the history here; a validation point's save likewise runs before
+    `commit_val_point`, so the point's row is added (and nothing else: the epoch goes on)."""
     loop = trainer.loop
     run = loop.run
-    if position is not None or not loop.epoch_undo:
+    if position is not None or not (loop.epoch_undo or loop.val_point_open):
         return run.history
     records = {stage: {name: list(values) for name, values in metrics.items()}
                for stage, metrics in run.history.items()}
+    if loop.val_point_open:
+        runstate.record_val_point(records.setdefault("val", {}), run.updates, run.last_metrics.get("val", {}))
+        return records
     for stage, metrics in run.last_metrics.items():
         if stage in records:
             for name, value in metrics.items():

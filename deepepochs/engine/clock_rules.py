@@ -9,7 +9,8 @@ from __future__ import annotations
 from deepepochs.engine.context import Context
 from deepepochs.engine.generators import remember_random_state
 from deepepochs.engine.registry import action, guard
-from deepepochs.engine.runstate import VAL_POINT_KEY, record_row
+from deepepochs.engine.runstate import VAL_POINT_KEY, record_val_point
+from deepepochs.protocols import monitors_undo
 
 __all__ = ["commit_val_point", "open_val_point", "task_stops", "update_budget_reached", "val_point_due",
            "val_point_open"]
@@ -51,7 +52,10 @@ def val_point_open(ctx: Context) -> bool:
 
 @action
 def open_val_point(ctx: Context) -> None:
+    """The validation stage runs as an update point's. The monitors' checks at it (`CheckCallback`: best
+    value, patience) count only once it commits: a rollback before `commit_val_point` puts them back."""
     ctx.loop.val_point_open = True
+    ctx.epoch_undo.append(monitors_undo(ctx.parts.hooks.callbacks))
 
 
 @action
@@ -63,5 +67,4 @@ def commit_val_point(ctx: Context) -> None:
     remember_random_state(ctx)
     ctx.epoch_undo.clear()  # the point's scheduler step is committed with it
     ctx.loop.val_point_open = False
-    metrics = ctx.last_metrics.pop("val", {})
-    record_row(ctx.history["val"], {VAL_POINT_KEY: ctx.loop.run.updates, **metrics}, aligned=False)
+    record_val_point(ctx.history["val"], ctx.loop.run.updates, ctx.last_metrics.pop("val", {}))

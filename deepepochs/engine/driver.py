@@ -46,7 +46,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import ActionName, Event, StateName, TriggerName
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import DEFAULT_AVERAGE_NOTES, take_default_averages
-from deepepochs.protocols import monitors_in
+from deepepochs.protocols import monitors_undo
 from deepepochs.tasks import TASK_SUFFIX_NOTE, EpochTask, TaskMeters, merge_stage_metrics, merge_values
 
 __all__ = ["Driver"]
@@ -214,14 +214,13 @@ class Driver:
         undoes that: the run state comes back as it was before the epoch's end (`runstate.capture`: the
         count, an early stop, anything a hook changed in it), and so does the monitors' state."""
         ctx = self.ctx
-        states = [(m, m.state_dict()) for m in monitors_in(ctx.parts.hooks.callbacks)]
+        monitors = monitors_undo(ctx.parts.hooks.callbacks)
         before = runstate.capture(ctx.run)
 
         def undo():
             """Put back the run state and the monitors as they were before this epoch's end."""
             runstate.restore(ctx.run, before)
-            for monitor, state in states:
-                monitor.load_state_dict(state)
+            monitors()
 
         ctx.epoch_undo.append(undo)
         ctx.loop.completed_epochs = epoch

@@ -31,7 +31,7 @@ import math
 import attrs
 
 __all__ = ["DEEP", "GENERIC", "SHARED", "VAL_POINT_KEY", "ResumePoint", "RunState", "StopRequest", "capture",
-           "generic_fields", "record_row", "restore", "write_in_place"]
+           "generic_fields", "record_row", "record_val_point", "restore", "write_in_place"]
 
 #: `copy` metadata: `capture` deep-copies the value (the default: safe for any new field).
 DEEP = "deep"
@@ -224,6 +224,12 @@ def record_row(records: dict, metrics: dict, aligned: bool) -> None:
         for name, values in records.items():
             if name not in metrics and len(values) == epochs:
                 values.append(math.nan)
+
+
+def record_val_point(records: dict, updates: int, metrics: dict) -> None:
+    """Append a validation point's row to the validation `records`: its update count under `VAL_POINT_KEY`,
+    then its metrics."""
+    record_row(records, {VAL_POINT_KEY: updates, **metrics}, aligned=False)
 
 
 def write_in_place(current: dict, saved: dict) -> None:
