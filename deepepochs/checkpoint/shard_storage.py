@@ -11,8 +11,9 @@ Under `strategy='fsdp'` a checkpoint is a folder named like a checkpoint file (`
 The tensors are stored as one flat dict: `model/<key>` for each entry of the model's `state_dict()`,
 `optim/<i>/<parameter name>/<state name>` for each tensor of optimizer i's per-parameter state
 (`flat_tensors`), `average/<id>/<key>` for each tensor of a weight average's `AveragedModel` state
-(`flat_averages`; under FSDP its tensors are DTensors sharded like the parameters). Each rank writes its own shards of the sharded tensors (DTensors) and nothing is
-gathered; DCP writes replicated tensors (buffers, step counts) once.
+(`flat_averages`; under FSDP its tensors are DTensors sharded like the parameters). Each rank writes
+its own shards of the sharded tensors (DTensors) and nothing is gathered; DCP writes replicated tensors
+(buffers, step counts) once.
 
 `checkpoint.pt` is written last, atomically, by rank 0: it is the commit. A save killed midway leaves
 the previous `checkpoint.pt` and the shard folder it names intact; the next save removes shard folders

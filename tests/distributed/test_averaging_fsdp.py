@@ -23,7 +23,7 @@ if not hasattr(torch.distributed.fsdp, "fully_shard"):
 
 import averaging_fsdp_targets as A  # noqa: E402  (needs the sys.path entry above)
 import ddp_targets as T  # noqa: E402
-from deadline import launch_scenarios  # noqa: E402
+from deadline import launched_ranks  # noqa: E402
 
 from deepepochs import consolidate  # noqa: E402
 
@@ -37,8 +37,8 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ranks(out):
-    launch_scenarios(A.run_scenarios, T.OUT_ENV, out, seconds=240)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    """What rank 0 and rank 1 recorded in `averaging_fsdp_targets.run_scenarios`."""
+    return launched_ranks(A.run_scenarios, T.OUT_ENV, out)
 
 
 def plain_loop(averaged_of, updates: int = 5 * T.EPOCHS, start: int = 1, swa_lr=None):
@@ -117,10 +117,8 @@ def test_test_and_predict_under_fsdp_use_the_average_and_give_the_weights_back(r
     x, y = T.make_data(T.VAL_N, 2).tensors
     averaged = {k[len("module."):]: v for k, v in reference.state_dict().items() if k.startswith("module.")}
     expected = T.metrics_on(averaged, x, y)
-    model = T.make_model()
-    model.load_state_dict(averaged)
     with torch.no_grad():
-        logits = model(x)
+        logits = reference(x)  # the AveragedModel's forward is its module's
     for rank in ranks:
         run = rank["ema"]
         assert run["test"]["loss"] == pytest.approx(expected["loss"], abs=1e-5)
@@ -146,3 +144,12 @@ def test_swa_from_an_update_under_fsdp_equals_a_plain_loop(ranks):
     for rank in ranks:
         assert rank["swa"]["updates"] == 5 * T.EPOCHS - A.SWA_START + 1
         assert close(rank["swa"]["average"], reference.state_dict())
+
+
+@pytest.mark.distributed
+def test_swa_with_batchnorm_statistics_recomputed_is_refused_under_fsdp(ranks):
+    """update_bn runs the averaged model's forward, which a sharded average has not: refused at construction,
+    naming the way out."""
+    for rank in ranks:
+        assert rank["refused"].startswith("SWACallback bn_update=True recomputes BatchNorm statistics")
+        assert "pass bn_update=False, or buffers='average'" in rank["refused"]
