@@ -72,6 +72,27 @@ def _ema(out: Path) -> dict:
             "after_test": after_test, "predictions": predictions, "after_predict": after_predict, "loaded": loaded}
 
 
+def _fault_then_refit() -> dict:
+    """Both ranks fail inside epoch 2's third batch (its update discarded); the same trainer fits again."""
+    ema = EMACallback(DECAY)
+    with _trainer([ema], fuse_steps=False) as trainer:
+
+        def probe(dest):
+            if dest == "step_forward" and trainer.loop.epoch == 2 and trainer.loop.batch_idx == 3:
+                trainer.machine.probe = None
+                raise RuntimeError("injected fault inside a window")
+
+        trainer.machine.probe = probe
+        try:
+            trainer.fit(_train_loader())
+        except RuntimeError as exc:
+            error = str(exc).splitlines()[0]
+        at_fault = ema.updates
+        trainer.fit(_train_loader())
+        return {"error": error, "at_fault": at_fault, "average": _whole(ema.averaged.state_dict()),
+                "updates": ema.updates}
+
+
 def _snapshot_then_resume(out: Path) -> dict:
     """Mid-epoch sharded snapshots every 3 updates; both ranks fail at epoch 2 batch 4; a new 2-process
     Trainer resumes from the snapshot of update 8 to the end."""
@@ -120,7 +141,7 @@ def run_scenarios() -> int:
     """Every scenario in one launch (process start-up is most of the cost); results to rank<r>.pt."""
     out = Path(os.environ[T.OUT_ENV])
     rank = int(os.environ["RANK"])
-    results = {"ema": _ema(out), "snapshot": _snapshot_then_resume(out), "swa": _swa_by_updates(),
+    results = {"ema": _ema(out), "snapshot": _snapshot_then_resume(out), "refit": _fault_then_refit(), "swa": _swa_by_updates(),
                "refused": _batchnorm_update_refused()}  # last: the refused Trainer is never closed
     torch.save(results, out / f"rank{rank}.pt")
     return rank

@@ -137,6 +137,17 @@ def test_a_mid_epoch_fsdp_snapshot_resumes_the_average_exactly(ranks):
 
 
 @pytest.mark.distributed
+def test_a_fit_failing_under_fsdp_and_refit_ends_with_the_uninterrupted_average(ranks):
+    """A fault inside epoch 2's third batch leaves the average at the 7 committed updates; the refit ends
+    with the uninterrupted run's average."""
+    for rank in ranks:
+        run = rank["refit"]
+        assert run["error"] == "injected fault inside a window"
+        assert run["at_fault"] == 7 and run["updates"] == 5 * T.EPOCHS
+        assert equal(run["average"], rank["ema"]["average"])
+
+
+@pytest.mark.distributed
 def test_swa_from_an_update_under_fsdp_equals_a_plain_loop(ranks):
     """SWACallback(start_update=7) with max_updates=15: updates 7 to 15 averaged, SWALR stepping after each,
     as AveragedModel and SWALR in a plain loop."""
