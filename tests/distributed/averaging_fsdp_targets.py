@@ -72,21 +72,28 @@ def _ema(out: Path) -> dict:
             "after_test": after_test, "predictions": predictions, "after_predict": after_predict, "loaded": loaded}
 
 
+def _fit_failing(trainer, batch: int, message: str) -> str:
+    """Fit with a fault raised once on every rank as epoch 2's batch `batch` (1-based) starts its forward;
+    returns the error's first line."""
+
+    def probe(dest):
+        if dest == "step_forward" and trainer.loop.epoch == 2 and trainer.loop.batch_idx == batch:
+            trainer.machine.probe = None
+            raise RuntimeError(message)
+
+    trainer.machine.probe = probe
+    try:
+        trainer.fit(_train_loader())
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return "no fault"
+
+
 def _fault_then_refit() -> dict:
     """Both ranks fail inside epoch 2's third batch (its update discarded); the same trainer fits again."""
     ema = EMACallback(DECAY)
     with _trainer([ema], fuse_steps=False) as trainer:
-
-        def probe(dest):
-            if dest == "step_forward" and trainer.loop.epoch == 2 and trainer.loop.batch_idx == 3:
-                trainer.machine.probe = None
-                raise RuntimeError("injected fault inside a window")
-
-        trainer.machine.probe = probe
-        try:
-            trainer.fit(_train_loader())
-        except RuntimeError as exc:
-            error = str(exc).splitlines()[0]
+        error = _fit_failing(trainer, 3, "injected fault inside a window")
         at_fault = ema.updates
         trainer.fit(_train_loader())
         return {"error": error, "at_fault": at_fault, "average": _whole(ema.averaged.state_dict()),
@@ -100,16 +107,7 @@ def _snapshot_then_resume(out: Path) -> dict:
     kwargs = {"running_id": SNAPSHOT_RUN_ID, "fuse_steps": False}
     ema = EMACallback(DECAY)
     with _trainer([ema, SnapshotCallback(folder, every_n_updates=3, on_signals=())], **kwargs) as trainer:
-
-        def probe(dest):
-            if dest == "step_forward" and trainer.loop.epoch == 2 and trainer.loop.batch_idx == 4:
-                raise RuntimeError("injected fault after a mid-epoch snapshot")
-
-        trainer.machine.probe = probe
-        try:
-            trainer.fit(_train_loader())
-        except RuntimeError as exc:
-            error = str(exc).splitlines()[0]
+        error = _fit_failing(trainer, 4, "injected fault after a mid-epoch snapshot")
     ema = EMACallback(DECAY)
     with _trainer([ema, SnapshotCallback(folder, every_n_updates=3, on_signals=())], resume=True,
                   **kwargs) as trainer:
@@ -141,7 +139,8 @@ def run_scenarios() -> int:
     """Every scenario in one launch (process start-up is most of the cost); results to rank<r>.pt."""
     out = Path(os.environ[T.OUT_ENV])
     rank = int(os.environ["RANK"])
-    results = {"ema": _ema(out), "snapshot": _snapshot_then_resume(out), "refit": _fault_then_refit(), "swa": _swa_by_updates(),
+    results = {"ema": _ema(out), "snapshot": _snapshot_then_resume(out), "refit": _fault_then_refit(),
+               "swa": _swa_by_updates(),
                "refused": _batchnorm_update_refused()}  # last: the refused Trainer is never closed
     torch.save(results, out / f"rank{rank}.pt")
     return rank
