@@ -171,8 +171,8 @@ ACTIONS = [
       " and a stateful DataLoader's position, as they are after the window's update."),
     # Weight averages (EMACallback, SWACallback) move only here and at an epoch's end, so a rollback finds
     # them as the last commit point left them; the run state carries them (rollback, snapshots, find_lr).
-    A("average_update", "Move the weight averages (EMACallback) by the update just applied, as part of its"
-      " commit; nothing when every optimizer of the update skipped (inf/NaN)."),
+    A("average_update", "Move the weight averages (EMACallback; SWACallback from start_update) by the update"
+      " just applied, as part of its commit; nothing when every optimizer of the update skipped (inf/NaN)."),
     A("commit_update", "Commit the window's update: the data position moves past the window and its loss sums"
       " and patches join the task's; rollback never undoes it.", commit=True),
     A("release_interrupts", "End the update's critical section: a Ctrl-C held since unscale_gradients is raised"

@@ -12,6 +12,14 @@ Where the average lives: its tensors are the run state's (`RunState.averages[ave
 averaged module's `state_dict()`, whose tensors are the module's own, and its counters), so a rollback,
 `find_lr`, a failed checkpoint load and an epoch's end that does not commit put it back with the rest of
 the run, and every checkpoint and snapshot holds it under the `averages` key.
+
+Under `strategy='fsdp'` the average is sharded like the parameters: `AveragedModel` is made over a module
+tree mirroring the model's (`_mirror`) whose tensors are the model's own, so its deep copy holds DTensors
+with the parameters' placements, each rank storing its shard only. torch's `update_parameters` then
+moves them with the model's sharded parameters (elementwise DTensor arithmetic on each rank's shard, no
+collective), and the sharded checkpoint writes them as it writes the model's DTensors: each rank its
+shards, read back at any world size, `consolidate` assembling full tensors. The mirror has no `forward`:
+evaluate the average with `evaluate=True` or `applied()`, which load its shards into the model's.
 """
 
 from __future__ import annotations
@@ -47,6 +55,26 @@ def _flag(name: str, value) -> bool:
     return value
 
 
+def _mirror(model: torch.nn.Module) -> torch.nn.Module:
+    """Bare modules arranged as `model`'s submodules, holding `model`'s parameters (detached, as parameters)
+    and buffers under the same names, in the same order: what `AveragedModel` may deep-copy when `model`
+    itself refuses it (an FSDP2 `fully_shard` module), with `state_dict()` keys equal to `model`'s."""
+    made, mirrored = {"": torch.nn.Module()}, {}
+    for name, module in model.named_modules():
+        if name:
+            parent, _, leaf = name.rpartition(".")
+            made[name] = torch.nn.Module()
+            made[parent].add_module(leaf, made[name])
+        for key, param in module.named_parameters(recurse=False):
+            if id(param) not in mirrored:  # a tied parameter stays one, as `parameters()` lists it once
+                mirrored[id(param)] = torch.nn.Parameter(param.detach(), requires_grad=False)
+            made[name].register_parameter(key, mirrored[id(param)])
+        for key, buffer in module.named_buffers(recurse=False):
+            made[name].register_buffer(key, buffer.detach(),
+                                       persistent=key not in module._non_persistent_buffers_set)  # noqa: SLF001
+    return made[""]
+
+
 def _count(name: str, value, low: int, meaning: str) -> int:
     """`value` if it is an int >= `low`, else a `ConfigError` naming `name` and what it means."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -72,6 +100,9 @@ class _WeightAverage(Callback):
     def _make(self, model: torch.nn.Module) -> AveragedModel:
         raise NotImplementedError
 
+    def _check_sharded(self, model: torch.nn.Module) -> None:
+        """Refuse what cannot run on a sharded model (nothing, unless a subclass says so)."""
+
     def on_attach(self, trainer) -> None:
         """Make the averaged module from the trainer's model and put its state in the run state."""
         name = type(self).__name__
@@ -80,12 +111,12 @@ class _WeightAverage(Callback):
             raise ConfigError(f"{name} needs a model with parameters to average (got a"
                               f" {type(model).__name__} without any)")
         if trainer.dist.shards_model:
-            raise ConfigError(f"{name} does not support strategy='fsdp' yet (got it); use strategy='ddp'")
+            self._check_sharded(model)
         same = [cb for cb in trainer.callbacks if getattr(cb, "average_id", None) == self.average_id]
         if len(same) > 1:
             raise ConfigError(f"two {name}s are attached (average_id {self.average_id!r}); keep one, or give"
                               " the second another average_id")
-        self.averaged = self._make(model)
+        self.averaged = self._make(_mirror(model) if trainer.dist.shards_model else model)
         self._state = None
         self._registered(trainer)
 
@@ -116,12 +147,12 @@ class _WeightAverage(Callback):
             return
         model = trainer.raw_model
         self._backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model.load_state_dict(self.averaged.module.state_dict())
+        trainer.dist.load_model_state_dict(model, self.averaged.module.state_dict())
 
     def _swap_out(self, trainer) -> None:
         backup, self._backup = self._backup, None
         if backup is not None:
-            trainer.raw_model.load_state_dict(backup)
+            trainer.dist.load_model_state_dict(trainer.raw_model, backup)
 
     @contextlib.contextmanager
     def applied(self, trainer):
@@ -131,12 +162,13 @@ class _WeightAverage(Callback):
         if self.updates == 0:
             raise ConfigError(f"{type(self).__name__}.applied() needs an average, but none was taken yet (got"
                               " 0 updates); fit first")
-        backup = {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()}
-        trainer.raw_model.load_state_dict(self.averaged.module.state_dict())
+        model = trainer.raw_model
+        backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        trainer.dist.load_model_state_dict(model, self.averaged.module.state_dict())  # under FSDP: the shards
         try:
             yield trainer
         finally:
-            trainer.raw_model.load_state_dict(backup)
+            trainer.dist.load_model_state_dict(model, backup)
 
     def on_before_val_epochs(self, trainer, tasks, epoch_idx):
         """Validate the average (`evaluate=True`): its weights go into the model until validation ends."""
@@ -221,32 +253,48 @@ class EMACallback(_WeightAverage):
 
 class SWACallback(_WeightAverage):
     """Stochastic weight averaging: the equal-weight average of the model's weights at the end of each
-    epoch from `start_epoch` on, with torch's `SWALR` learning-rate schedule and `update_bn` at the fit's end.
+    epoch from `start_epoch` on (or after each committed update from `start_update` on), with torch's
+    `SWALR` learning-rate schedule and `update_bn` at the fit's end.
 
     Args:
         start_epoch: the first epoch (1-based) whose end is averaged; it must lie within the fit's epochs.
-        swa_lr: the rate `SWALR` anneals every optimizer's groups to, over `anneal_epochs` epochs from the
-            end of `start_epoch`; None leaves the rates alone.
-        anneal_epochs: epochs of the annealing (`SWALR`'s `anneal_epochs`).
+        swa_lr: the rate `SWALR` anneals every optimizer's groups to, over `anneal_epochs` steps from the
+            first average on (one step per average: per epoch, or per update with `start_update`); None
+            leaves the rates alone.
+        start_update: instead of `start_epoch`, the first committed update (1-based, counted over the run as
+            `max_updates` counts) whose weights are averaged; from it on every committed update is averaged
+            (an update skipped for inf/NaN is not) and `SWALR` steps after each. Under
+            `Trainer(max_updates=N)` it must be at most N.
+        anneal_epochs: steps of the annealing (`SWALR`'s `anneal_epochs`): epochs, or updates with
+            `start_update`.
         anneal_strategy: 'cos' or 'linear' (`SWALR`'s).
         buffers: 'copy' (torch's default: the model's buffers are copied, and `update_bn` recomputes the
             BatchNorm statistics at the fit's end) or 'average'.
         bn_update: run `torch.optim.swa_utils.update_bn` over the training data at the fit's end (only when
-            the model has BatchNorm layers, buffers='copy' and the average has moved).
+            the model has BatchNorm layers, buffers='copy' and the average has moved; not under
+            strategy='fsdp', where a model with BatchNorm layers needs bn_update=False).
         evaluate: validation and `test()` evaluate the average.
 
     The rates `SWALR` sets come after an epoch-wise scheduler's step at the epoch's end; a step-wise
-    scheduler keeps changing them during the epochs that follow, so use one or the other from `start_epoch`.
-    The average moves at epochs' ends only; the start is an epoch (an update count would be a second way to
-    start, `average_weights` being called for updates too).
+    scheduler keeps changing them during the epochs that follow, so use one or the other from the start.
     """
 
     average_id = "swa"
 
-    def __init__(self, start_epoch: int, swa_lr: float | None = None, *, anneal_epochs: int = 10,
-                 anneal_strategy: str = "cos", buffers: str = "copy", bn_update: bool = True,
-                 evaluate: bool = False):
-        self.start_epoch = _count("SWACallback start_epoch", start_epoch, 1, ", the first epoch averaged")
+    def __init__(self, start_epoch: int | None = None, swa_lr: float | None = None, *,
+                 start_update: int | None = None, anneal_epochs: int = 10, anneal_strategy: str = "cos",
+                 buffers: str = "copy", bn_update: bool = True, evaluate: bool = False):
+        if (start_epoch is None) == (start_update is None):
+            raise ConfigError(f"SWACallback takes start_epoch or start_update, exactly one (got start_epoch="
+                              f"{start_epoch!r}, start_update={start_update!r}); start_epoch=E averages each epoch"
+                              " from epoch E on, start_update=U each committed update from update U on")
+        if start_epoch is not None:
+            _count("SWACallback start_epoch", start_epoch, 1, ", the first epoch averaged")
+        else:
+            _count("SWACallback start_update", start_update, 1, ", the first committed update averaged")
+        self.start_epoch, self.start_update = start_epoch, start_update
+        #: When the average moves: 'epoch' (its end) or 'update' (each committed update).
+        self.every = "epoch" if start_update is None else "update"
         if swa_lr is not None:
             _number("SWACallback swa_lr", swa_lr, 0, math.inf, "")
         self.swa_lr = swa_lr
@@ -259,18 +307,33 @@ class SWACallback(_WeightAverage):
         super().__init__(buffers, evaluate)
 
     def __repr__(self) -> str:
-        return (f"SWACallback(start_epoch={self.start_epoch}, swa_lr={self.swa_lr!r},"
-                f" anneal_epochs={self.anneal_epochs}, anneal_strategy={self.anneal_strategy!r})")
+        start = (f"start_epoch={self.start_epoch}" if self.start_update is None
+                 else f"start_update={self.start_update}")
+        return (f"SWACallback({start}, swa_lr={self.swa_lr!r}, anneal_epochs={self.anneal_epochs},"
+                f" anneal_strategy={self.anneal_strategy!r})")
 
     def _make(self, model):
         return AveragedModel(model, use_buffers=self.buffers == "average")
 
+    def _check_sharded(self, model):
+        """`update_bn` runs the averaged module's forward, which the sharded average's mirror lacks."""
+        if self.bn_update and self.buffers == "copy" and any(
+                isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):  # noqa: SLF001
+            raise ConfigError("SWACallback bn_update=True recomputes BatchNorm statistics with the averaged"
+                              " model's forward, which strategy='fsdp' does not give it (got a model with"
+                              " BatchNorm layers); pass bn_update=False, or buffers='average'")
+
     def on_before_fit(self, trainer, epochs):
-        """Refuse a start after the fit's last epoch: nothing would be averaged."""
+        """Refuse a start after the fit's end (its last epoch, or its update budget): nothing would be
+        averaged."""
         super().on_before_fit(trainer, epochs)
-        if self.start_epoch > epochs:
+        budget = trainer.loop.target_updates
+        if self.start_epoch is not None and self.start_epoch > epochs:
             raise ConfigError(f"SWACallback start_epoch must be at most the fit's epochs ({epochs}), or nothing"
                               f" is averaged (got {self.start_epoch})")
+        if self.start_update is not None and budget is not None and self.start_update > budget:
+            raise ConfigError(f"SWACallback start_update must be at most the fit's max_updates ({budget}), or"
+                              f" nothing is averaged (got {self.start_update})")
 
     def on_before_train_epochs(self, trainer, tasks, epoch_idx):
         self._loaders = [task.dataloader for task in tasks]
@@ -287,10 +350,18 @@ class SWACallback(_WeightAverage):
             self._schedules = (steps, schedules)
         return self._schedules[1]
 
+    def _due(self, trainer, at: str) -> bool:
+        if at != self.every:
+            return False
+        if at == "epoch":
+            return trainer.loop.epoch >= self.start_epoch
+        return trainer.loop.run.updates >= self.start_update  # an applied update is counted as it steps
+
     def average_weights(self, trainer, at: str) -> None:
-        """Called by the engine at an epoch's end (`at='epoch'`): from `start_epoch` on the average takes the
-        model's weights and `SWALR` steps."""
-        if at != "epoch" or trainer.loop.epoch < self.start_epoch:
+        """Called by the engine at an epoch's end (`at='epoch'`) and as an update commits (`at='update'`):
+        from `start_epoch` (epochs) or `start_update` (updates) on the average takes the model's weights and
+        `SWALR` steps."""
+        if not self._due(trainer, at):
             return
         state = self._registered(trainer)
         self.averaged.update_parameters(trainer.raw_model)

@@ -57,7 +57,8 @@ yours keeps other objects in its state). Keys:
 `averages`          dict or None: the weight averages (`EMACallback`, `SWACallback`) by their id
                     (`'ema'`, `'swa'`): `{'model': the AveragedModel's state_dict() ('n_averaged',
                     'module.<name>'), 'updates': times averaged, 'epochs': SWALR steps}`, as of the
-                    file's commit point. None without one (or in files of older versions).
+                    file's commit point. None without one (or in files of older versions). In a
+                    sharded folder's `checkpoint.pt` the tensors are in the shards (`average/<id>/<key>`).
 ==================  ==========================================================================
 
 Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank

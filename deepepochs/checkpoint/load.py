@@ -248,7 +248,23 @@ def load_averages(trainer, saved) -> None:
     if saved and live:
         for average_id, state in saved.items():
             if average_id in live:
-                runstate.write_in_place(live[average_id], state)
+                runstate.write_in_place(live[average_id], _as_shards(live[average_id], state))
+
+
+def _as_shards(live: Mapping, saved: Mapping) -> Mapping:
+    """`saved` with each full tensor cut to this rank's shard where the live average holds a DTensor (a
+    single file loaded under FSDP: every rank read the whole file, so each keeps its part, no collective)."""
+    model, own = saved.get("model"), live.get("model") or {}
+    if not isinstance(model, Mapping) or not any(is_dtensor(v) for v in own.values()):
+        return saved
+    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415 (heavy import, FSDP runs only)
+
+    def cut(key, value):
+        now = own.get(key)
+        if not is_dtensor(now) or is_dtensor(value) or not isinstance(value, torch.Tensor):
+            return value
+        return distribute_tensor(value.to(now.device), now.device_mesh, now.placements, src_data_rank=None)
+    return {**saved, "model": {key: cut(key, value) for key, value in model.items()}}
 
 
 def _apply(trainer, ckpt: Checkpoint, path) -> None:

@@ -130,11 +130,12 @@ def _completed(ckpt: Checkpoint, folder: Path, flat: Mapping) -> Checkpoint:
     optimizer states."""
     try:
         model, optimizers = shard_storage.split_tensors(flat, ckpt.shards["params"], ckpt.optimizers)
+        averages = shard_storage.split_averages(flat, ckpt.averages)
     except (KeyError, ValueError, IndexError) as e:
         raise CheckpointError(f"{folder}: the shards do not match its {shard_storage.SIDE_CAR} (tensor of an unknown"
-                              f" optimizer or parameter: {e})") from None
+                              f" optimizer, parameter or weight average: {e})") from None
     return attrs.evolve(ckpt, model=model if any(k.startswith("model/") for k in flat) else ckpt.model,
-                        optimizers=optimizers)
+                        optimizers=optimizers, averages=averages)
 
 
 def _folder_of(path: Path) -> Path:
@@ -145,12 +146,13 @@ def _folder_of(path: Path) -> Path:
 def _read_shards(ckpt: Checkpoint, path, trainer=None, model_only: bool = False) -> Checkpoint:
     """`ckpt` (read from the sharded checkpoint at `path`) with its tensors read: under FSDP this rank's
     shards of the trainer's parameters and states, at any world size (every rank calls it: a collective);
-    otherwise (one process, DDP, or no trainer) full tensors on the CPU. `model_only`: the model's."""
+    otherwise (one process, DDP, or no trainer) full tensors on the CPU. `model_only`: the model's and the
+    weight averages' (what `test()` swaps in)."""
     folder = _folder_of(Path(path))
     shards = shard_storage.check_name(ckpt.shards["folder"], folder)
     specs = shard_storage.tensor_specs(shards)
     if model_only:
-        specs = {key: spec for key, spec in specs.items() if key.startswith("model/")}
+        specs = {key: spec for key, spec in specs.items() if key.startswith(("model/", "average/"))}
     distributed = trainer is not None and trainer.dist.shards_model
     likes = {}
     if distributed:  # a DTensor target of the parameter's placement reads just this rank's shard
@@ -158,6 +160,7 @@ def _read_shards(ckpt: Checkpoint, path, trainer=None, model_only: bool = False)
         params = dict(trainer.raw_model.named_parameters())
         likes.update({key: params.get(key.split("/", 2)[2].rsplit("/", 1)[0])
                       for key in specs if key.startswith("optim/")})
+        likes.update(shard_storage.flat_averages(trainer.loop.run.averages)[0])  # sharded like the parameters
     targets = {}
     for key, (size, dtype) in specs.items():
         like = likes.get(key)

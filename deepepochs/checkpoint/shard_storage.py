@@ -10,8 +10,10 @@ Under `strategy='fsdp'` a checkpoint is a folder named like a checkpoint file (`
 
 The tensors are stored as one flat dict: `model/<key>` for each entry of the model's `state_dict()`,
 `optim/<i>/<parameter name>/<state name>` for each tensor of optimizer i's per-parameter state
-(`flat_tensors`). Each rank writes its own shards of the sharded tensors (DTensors) and nothing is
-gathered; DCP writes replicated tensors (buffers, step counts) once.
+(`flat_tensors`), `average/<id>/<key>` for each tensor of a weight average's `AveragedModel` state
+(`flat_averages`; under FSDP its tensors are DTensors sharded like the parameters). Each rank writes
+its own shards of the sharded tensors (DTensors) and nothing is gathered; DCP writes replicated tensors
+(buffers, step counts) once.
 
 `checkpoint.pt` is written last, atomically, by rank 0: it is the commit. A save killed midway leaves
 the previous `checkpoint.pt` and the shard folder it names intact; the next save removes shard folders
@@ -44,12 +46,14 @@ from deepepochs.errors import CheckpointError
 __all__ = [
     "SIDE_CAR",
     "check_name",
+    "flat_averages",
     "flat_tensors",
     "foreign_entries",
     "is_folder",
     "new_folder_name",
     "read_into",
     "remove_unnamed",
+    "split_averages",
     "split_tensors",
     "tensor_specs",
     "write",
@@ -152,6 +156,33 @@ def split_tensors(flat: Mapping, params: list[list[str]], optimizer_states: list
         slot = index[int(i)][param]
         states[int(i)]["state"].setdefault(slot, {})[name] = value
     return model, states
+
+
+def flat_averages(averages: Mapping | None) -> tuple[dict, dict | None]:
+    """The weight averages' tensors (`RunState.averages[id]['model']`, the live tensors) as flat
+    `average/<id>/<key>` entries, and the averages without them (their counters, for `checkpoint.pt`)."""
+    flat, rest = {}, None
+    if averages:
+        rest = {}
+        for average_id, state in averages.items():
+            model = state.get("model", {}) if isinstance(state, Mapping) else {}
+            flat.update({f"average/{average_id}/{key}": value for key, value in model.items()})
+            rest[average_id] = {**state, "model": {}}
+    return flat, rest
+
+
+def split_averages(flat: Mapping, averages: Mapping | None) -> Mapping | None:
+    """The inverse of `flat_averages`: `averages` (from `checkpoint.pt`) with the flat dict's tensors."""
+    if not averages:
+        return averages
+    full = {average_id: {**state, "model": dict(state.get("model") or {})} for average_id, state in averages.items()}
+    for key, value in flat.items():
+        if key.startswith("average/"):
+            average_id, name = key[len("average/"):].split("/", 1)
+            if average_id not in full:
+                raise KeyError(f"weight average {average_id!r}")
+            full[average_id]["model"][name] = value
+    return full
 
 
 # ---- DCP ----

@@ -129,6 +129,8 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
         _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
         return path if dist.is_main else None
     flat, params = shard_storage.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
+    averages, counters = shard_storage.flat_averages(trainer.loop.run.averages)
+    flat.update(averages)  # each rank writes its shards of the averages, as of the parameters
     rng = generator_states(trainer)  # every rank's, before rank 0 alone commits
     folder = _agreed(dist, path, lambda: _prepare_folder(path))
     try:
@@ -142,7 +144,7 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
         opts = trainer.opt.state_dict()
         opts["optimizers"] = [_without_tensors(state) for state in opts["optimizers"]]
         ckpt = _header(trainer, position, {}, opts, rng)
-        ckpt.format_version, ckpt.shards = 3, {"folder": folder, "params": params}
+        ckpt.format_version, ckpt.shards, ckpt.averages = 3, {"folder": folder, "params": params}, counters
         write_atomic(ckpt.to_dict(), path / shard_storage.SIDE_CAR)
         shard_storage.remove_unnamed(path, folder)
 

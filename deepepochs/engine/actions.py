@@ -421,8 +421,9 @@ def remember_position(ctx: Context) -> None:
 
 @action
 def average_update(ctx: Context) -> None:
-    """The weight averages (`EMACallback`) take the update just applied, as part of its commit point: once
-    per update in which an optimizer stepped, never for one every optimizer skipped (inf/NaN), never for a
+    """The weight averages (`EMACallback`, `SWACallback` from `start_update`) take the update just applied, as
+    part of its commit point: once per update in which an optimizer stepped (counted in `run.updates`
+    already: `apply_update` commits it), never for one every optimizer skipped (inf/NaN), never for a
     window a rollback discards (its update never reaches this). A rollback completing an applied update
     whose end did not run calls it too (`discard_window`)."""
     averagers = ctx.parts.averagers
@@ -502,10 +503,10 @@ def discard_window(ctx: Context) -> None:
     if meters is not None and loop.stage == "train" and loop.window_pos:
         if loop.window_updated:  # applied: the update's commit point is completed now, with the position after it
             remember_position(ctx)
-            if unfinished:  # the weight averages take it, as its end would have
-                average_update(ctx)
             if not loop.window_committed:
                 commit_update(ctx)
+            if unfinished:  # the weight averages take it, as its end would have (counted first, as it is there)
+                average_update(ctx)
         if loop.window_committed:
             # The step's own loss is counted once the window committed; its patches never came back.
             if ctx.step_loss is not None and not ctx.batch_counted:

@@ -290,8 +290,8 @@ class ActionName(str, enum.Enum):
     """Keep what a refit continues from besides the batch count: torch's generator states and a stateful DataLoader's
     position, as they are after the window's update."""
     AVERAGE_UPDATE = 'average_update'
-    """Move the weight averages (EMACallback) by the update just applied, as part of its commit; nothing when every
-    optimizer of the update skipped (inf/NaN)."""
+    """Move the weight averages (EMACallback; SWACallback from start_update) by the update just applied, as part of its
+    commit; nothing when every optimizer of the update skipped (inf/NaN)."""
     COMMIT_UPDATE = 'commit_update'
     """Commit the window's update: the data position moves past the window and its loss sums and patches join the
     task's; rollback never undoes it."""

@@ -192,8 +192,8 @@ ACTIONS = (('resume_checkpoint',
  ('average_update',
   False,
   False,
-  'Move the weight averages (EMACallback) by the update just applied, as part of its commit; nothing when '
-  'every optimizer of the update skipped (inf/NaN).'),
+  'Move the weight averages (EMACallback; SWACallback from start_update) by the update just applied, as part '
+  'of its commit; nothing when every optimizer of the update skipped (inf/NaN).'),
  ('commit_update',
   True,
   False,

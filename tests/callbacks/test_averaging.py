@@ -466,6 +466,10 @@ def test_predict_inside_applied_uses_the_average_and_the_model_gets_its_weights_
     (lambda: EMACallback(buffers="mean"), r"EMACallback buffers must be one of"),
     (lambda: SWACallback(0), r"SWACallback start_epoch must be an int >= 1"),
     (lambda: SWACallback(2, swa_lr=-0.1), r"SWACallback swa_lr must be a number"),
+    (lambda: SWACallback(start_update=0), r"SWACallback start_update must be an int >= 1, the first committed"),
+    (lambda: SWACallback(2, start_update=5), r"SWACallback takes start_epoch or start_update, exactly one \(got"
+                                             r" start_epoch=2, start_update=5\)"),
+    (lambda: SWACallback(), r"SWACallback takes start_epoch or start_update, exactly one"),
 ])
 def test_bad_arguments_are_refused_naming_the_argument_and_the_value(make, message):
     """Each bad argument names itself, what it accepts and what it got."""
@@ -479,6 +483,40 @@ def test_an_swa_start_after_the_fits_last_epoch_is_refused():
     with pytest.raises(ConfigError, match=r"SWACallback start_epoch must be at most the fit's epochs \(3\).*got 5"):
         fit(trainer)
     assert trainer.loop.completed_epochs == 0
+
+
+def test_an_swa_start_after_the_fits_update_budget_is_refused():
+    """Under the update clock a start_update past max_updates is refused before training."""
+    trainer = trainer_with([SWACallback(start_update=21)], epochs=None, max_updates=20)
+    with pytest.raises(ConfigError, match=r"SWACallback start_update must be at most the fit's max_updates \(20\)"
+                                          r", or nothing is averaged \(got 21\)"):
+        fit(trainer)
+    assert trainer.loop.run.updates == 0
+
+
+def test_swa_from_an_update_equals_a_plain_loop_with_swalr_bit_for_bit():
+    """start_update=5 under max_updates=20: updates 5 to 20 averaged, SWALR stepping after each, as
+    AveragedModel and SWALR after each step of a plain loop from its 5th on."""
+    swa = SWACallback(start_update=5, swa_lr=0.02, anneal_epochs=4, bn_update=False)
+    trainer = trainer_with([swa], epochs=None, max_updates=20)
+    fit(trainer)
+    holder = {}
+
+    class Late(AveragedModel):
+        def update_parameters(self, model):
+            holder["n"] = holder.get("n", 0) + 1
+            if 5 <= holder["n"] <= 20:
+                super().update_parameters(model)
+                holder.setdefault("swalr", SWALR(holder["opt"], 0.02, anneal_epochs=4)).step()
+
+    def averaged_of(model, opt):
+        holder["opt"] = opt
+        return Late(model)
+
+    with pytest.warns(UserWarning, match="lr_scheduler.step"):  # SWALR made after the optimizer's steps
+        _, averaged, _ = plain_loop(averaged_of)
+    assert swa.updates == 16 and trainer.loop.run.updates == 20
+    assert same(avg_state(swa), averaged.state_dict())
 
 
 def test_a_model_without_parameters_is_refused():
