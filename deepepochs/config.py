@@ -9,7 +9,7 @@ import attrs
 from deepepochs.errors import ConfigError
 
 __all__ = ["DATA_ORDERS", "METRIC_PATCHES", "NONFINITE", "OTHER_NAMES", "PRECISIONS", "RUN_LOCKS", "STRATEGIES",
-           "UNBOUNDED_EPOCHS", "TrainerConfig", "check_choice", "check_run_name", "unknown_keywords"]
+           "UNBOUNDED_EPOCHS", "VAL_POINT_KEY", "TrainerConfig", "check_choice", "check_run_name", "unknown_keywords"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 #: Other libraries' precision names (Lightning's, plain numbers) and what they are here.
@@ -133,6 +133,9 @@ def _data_order(_instance, attribute, value):
 #: The epoch target of a fit with an update budget and no epoch target (`Trainer(max_updates=N)` alone):
 #: more epochs than any run has, so the budget ends the fit (`TrainerConfig.epoch_target`).
 UNBOUNDED_EPOCHS = 2**40
+#: The column of the validation records that holds each validation point's update count (the update clock:
+#: `fit(val_every_n_updates=M)` records one row per validation point, when it commits).
+VAL_POINT_KEY = "updates"
 
 
 def _optional_positive_int(_instance, attribute, value):

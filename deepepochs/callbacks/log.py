@@ -42,7 +42,7 @@ from deepepochs.data.batch_rules import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.events import Event
 from deepepochs.fsm.render import render
-from deepepochs.reporting.scalars import epoch_scalars, step_source, test_scalars
+from deepepochs.reporting.scalars import epoch_scalars, stage_scalars, step_source, test_scalars, watch_update_rates
 from deepepochs.reporting.summary_writer import CSV_FILE, DEFAULT_LOG_DIR, CsvRecord, add_hparams_record, add_png
 
 __all__ = ["LogCallback"]
@@ -202,12 +202,12 @@ class LogCallback(Callback):
     def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
         """A validation point of the update clock (`fit(val_every_n_updates=M)`): its metrics at the step of
         its update count, `<metric>/val` (the epoch's end then logs none)."""
-        if not (trainer.is_main_process and trainer.loop.val_point_open):
+        step = step_source(trainer).val_point_step(trainer)
+        if not trainer.is_main_process or step is None:
             return
         writer = self.writer(trainer)
-        step = trainer.loop.run.updates
-        for name, value in metrics.items():
-            writer.add_scalar(f"{name}/val", value, step)
+        for tag, value in stage_scalars("val", metrics).items():
+            writer.add_scalar(tag, value, step)
         writer.flush()
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
@@ -249,30 +249,16 @@ class LogCallback(Callback):
         self._table.add(epoch, stage, metrics)
 
     def _watch_updates(self, trainer):
-        """Log the learning rate of every applied update of each optimizer with a step-wise scheduler.
-
-        An optimizer step pre-hook (no per-batch callback hook, so training keeps its fused path) reads
-        the rates just before `step()` applies them, i.e. those the update uses; the scheduler steps after
-        it. The GradScaler does not call `step()` for a skipped update, so none is logged for it."""
+        """Log the learning rate of every applied update of each optimizer with a step-wise scheduler
+        (`reporting.scalars.watch_update_rates`)."""
         self._unwatch_updates()
-        if not trainer.is_main_process:
-            return
-        opts, loop = trainer.opt, trainer.loop
-        single = len(opts) == 1 and len(opts[0].opt.param_groups) == 1
-        for index, item in enumerate(opts):
-            scheduler = opts.step_scheduler(index)
-            if scheduler is None:
-                continue
-            tags = ["lr/update" if single else f"lr/lr_{index}_{j}_update" for j in range(len(item.opt.param_groups))]
 
-            def log(optimizer, _args, _kwargs, tags=tags, scheduler=scheduler):
-                if loop.stage != "train":  # a step outside this trainer's training is not its update
-                    return
-                writer, step = self.writer(trainer), int(scheduler.last_epoch) + 1
-                for tag, group in zip(tags, optimizer.param_groups):
-                    writer.add_scalar(tag, float(group["lr"]), step)
+        def log(step, rates, _scheduler):
+            writer = self.writer(trainer)
+            for tag, value in rates.items():
+                writer.add_scalar(tag, value, step)
 
-            self._update_hooks.append(item.opt.register_step_pre_hook(log))
+        self._update_hooks = watch_update_rates(trainer, log)
 
     def _unwatch_updates(self):
         for handle in self._update_hooks:

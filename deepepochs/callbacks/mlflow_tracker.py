@@ -2,14 +2,18 @@
 
 What is logged, and at which step, is what `LogCallback` writes to TensorBoard (`reporting.scalars`):
 `<metric>/train`, `<metric>/val` and the learning rates (`lr`, or `lr/lr_<opt>_<group>`) at the epoch's
-1-based number; `<metric>/test` at the number of completed epochs. Besides: the Trainer's `hyper_params`
+1-based number; with `fit(val_every_n_updates=M)`, `<metric>/val` at each validation point's update count
+instead; with a step-wise scheduler, `lr/update` (or `lr/lr_<opt>_<group>_update`) at each update's count;
+`<metric>/test` at the number of completed epochs. Besides: the Trainer's `hyper_params`
 as parameters, tags (`deepepochs.running_id`, `deepepochs.version`, `deepepochs.torch_version`,
 `deepepochs.world_size`), the loop's state graph (`deepepochs/state-graph.mmd`) and, with
 `log_checkpoints`, the best checkpoint under `checkpoints/` at the end of each fit.
 
-Only committed work reaches the tracker: an epoch's records wait until its end committed (they are sent
-from the next hook that follows a commit: the next epoch's start, the fit's end, or the rollback's
-`on_interrupted`, which drops those of an epoch end it undid). The tracker run is found by the running id
+Only committed work reaches the tracker: an epoch's records wait until its end committed, a validation
+point's until its row joined the run's records, an update's learning rate until the update committed (they
+are sent from the next hook that follows a commit: the next epoch's or validation point's start, the fit's
+end, or the rollback's `on_interrupted`, which drops what it undid; during a long stretch of updates, every
+few hundred updates too). The tracker run is found by the running id
 (`reporting.mlflow_run`), so a resumed, refit or requeued fit continues it, and a (tag, step) is logged
 once. Everything the tracker is told goes through a bounded queue on a thread of its own
 (`reporting.background`): a slow or unreachable server never makes training wait; failures are reported
@@ -27,6 +31,7 @@ import sys
 import time
 import urllib.parse
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -37,7 +42,7 @@ from deepepochs.errors import ConfigError, DeepEpochsWarning, Preempted
 from deepepochs.fsm.render import render
 from deepepochs.reporting.background import BackgroundCalls
 from deepepochs.reporting.mlflow_run import MlflowRun
-from deepepochs.reporting.scalars import epoch_scalars, step_source, test_scalars
+from deepepochs.reporting.scalars import epoch_scalars, stage_scalars, step_source, test_scalars, watch_update_rates
 
 __all__ = ["MLflowCallback", "check_tracking_uri"]
 
@@ -45,6 +50,9 @@ __all__ = ["MLflowCallback", "check_tracking_uri"]
 _SERVER_SCHEMES = ("http", "https")
 _DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 _OTHER_SCHEMES = ("file", "databricks", "databricks-uc", "uc")
+#: Staged records that make the training thread hand them to the worker (during a long stretch of updates
+#: with a step-wise scheduler, whose every update stages its learning rates).
+_SEND_EVERY = 256
 _ACCEPTED = ("None (MLflow's default: MLFLOW_TRACKING_URI, else its local store), 'http(s)://host[:port]',"
              " a database URI such as 'sqlite:///mlflow.db', 'file:///folder', 'databricks' or a local folder")
 
@@ -145,6 +153,7 @@ class MLflowCallback(Callback):
         self.queue_size = queue_size
         self.close_timeout = float(close_timeout)
         self._calls: BackgroundCalls | None = None
+        self._rate_hooks: list = []
         self._reset()
 
     def __repr__(self) -> str:
@@ -154,10 +163,12 @@ class MLflowCallback(Callback):
     def _reset(self) -> None:
         if self._calls is not None:  # attached to another trainer: what the last one queued goes first
             self._calls.close(self.close_timeout)
+        self._unwatch_rates()
         self._calls = None
         self._tracker: MlflowRun | None = None
         self._running_id: str | None = None
-        self._staged: list[tuple[int, dict, int]] = []  # (step, scalars, time in ms) not committed yet
+        # (is it committed? (trainer, step) -> bool, step, scalars, time in ms), not sent yet
+        self._staged: list[tuple[Callable, int, dict, int]] = []
         self._status = "FINISHED"
 
     # ---- hooks ----
@@ -170,20 +181,33 @@ class MLflowCallback(Callback):
         self._checkpoints(trainer)
         self._status = "FINISHED"
         self._begin(trainer)
+        self._watch_rates(trainer)
 
     def on_before_epoch(self, trainer, train_tasks, val_tasks, epoch_idx) -> None:
         """The previous epoch's end committed: send its records."""
         self._send_committed(trainer)
 
+    def on_before_val_epochs(self, trainer, tasks, epoch_idx) -> None:
+        """The previous validation point committed (or a rollback came first): send its records."""
+        self._send_committed(trainer)
+
+    def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx) -> None:
+        """A validation point of the update clock: keep its records until its row commits."""
+        clock = step_source(trainer)
+        step = clock.val_point_step(trainer)
+        if trainer.is_main_process and step is not None:
+            self._stage(clock.val_point_committed, step, stage_scalars("val", metrics))
+
     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx) -> None:
         """Keep the epoch's records until its end commits (a rollback may still undo it)."""
         if trainer.is_main_process:
-            step = step_source(trainer).epoch_step(trainer, epoch_idx)
-            scalars = epoch_scalars(train_metrics, val_metrics, trainer.opt.lrs())
-            self._staged.append((step, scalars, int(time.time() * 1000)))
+            clock = step_source(trainer)
+            self._stage(clock.committed, clock.epoch_step(trainer, epoch_idx),
+                        epoch_scalars(train_metrics, val_metrics, trainer.opt.lrs()))
 
     def on_after_fit(self, trainer) -> None:
         """Send the last epoch's records and, with `log_checkpoints`, the best checkpoint files."""
+        self._unwatch_rates()
         self._send_committed(trainer)
         if trainer.is_main_process and self._tracker is not None:
             for monitor in self._checkpoints(trainer):
@@ -207,11 +231,13 @@ class MLflowCallback(Callback):
     def on_interrupted(self, trainer, exception) -> None:
         """After a rollback: send what committed before it, drop what it undid."""
         self._status = "KILLED" if isinstance(exception, Preempted) else "FAILED"
-        self._send_committed(trainer)
+        self._unwatch_rates()
+        self._send_committed(trainer, drop=True)
         self._report()
 
     def on_close(self, trainer) -> None:
         """Send what is left, mark the tracker run ended, and wait at most `close_timeout` for the queue."""
+        self._unwatch_rates()
         self._send_committed(trainer)
         if self._calls is None:
             return
@@ -247,16 +273,41 @@ class MLflowCallback(Callback):
         self._put(self._tracker.open, self._running_id, fresh, tags, dict(trainer.hyper_params),
                   lambda: render("mermaid"))
 
-    def _send_committed(self, trainer) -> None:
-        """Queue the staged records that committed; forget the others (no later commit can include them:
-        every caller runs after the epoch's commit or after a rollback)."""
-        staged, self._staged = self._staged, []
+    def _stage(self, committed, step: int, scalars: dict) -> None:
+        """Keep records at `step` until `committed(trainer, step)` says a rollback can no longer undo them."""
+        self._staged.append((committed, step, scalars, int(time.time() * 1000)))
+
+    def _send_committed(self, trainer, drop: bool = False) -> None:
+        """Queue the staged records that committed, in one call; keep the others for a later commit, or
+        with `drop` (after a rollback: what it undid never commits) forget them."""
+        if self._tracker is None:
+            self._staged = []
+            return
+        ready, waiting = [], []
+        for entry in self._staged:
+            (ready if entry[0](trainer, entry[1]) else waiting).append(entry)
+        self._staged = [] if drop else waiting
+        if ready:
+            self._put(self._tracker.log_records, [(step, scalars, stamp) for _, step, scalars, stamp in ready])
+
+    def _watch_rates(self, trainer) -> None:
+        """Stage the learning rates of each update of an optimizer with a step-wise scheduler
+        (`reporting.scalars.watch_update_rates`), committed once the scheduler's count reaches the update."""
+        self._unwatch_rates()
         if self._tracker is None:
             return
-        clock = step_source(trainer)
-        for step, scalars, stamp in staged:
-            if clock.committed(trainer, step):
-                self._put(self._tracker.log, step, scalars, stamp)
+
+        def stage(step, rates, scheduler):
+            self._stage(lambda _trainer, at: at <= scheduler.last_epoch, step, rates)
+            if len(self._staged) >= _SEND_EVERY:  # the earlier updates committed: a long epoch keeps no backlog
+                self._send_committed(trainer)
+
+        self._rate_hooks = watch_update_rates(trainer, stage)
+
+    def _unwatch_rates(self) -> None:
+        for handle in self._rate_hooks:
+            handle.remove()
+        self._rate_hooks = []
 
     def _put(self, method, *args) -> None:
         self._calls.put(lambda: method(*args))

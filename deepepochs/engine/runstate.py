@@ -30,6 +30,8 @@ import math
 
 import attrs
 
+from deepepochs.config import VAL_POINT_KEY  # defined where the trackers (`reporting`) can read it too
+
 __all__ = ["DEEP", "GENERIC", "SHARED", "VAL_POINT_KEY", "ResumePoint", "RunState", "StopRequest", "capture",
            "generic_fields", "record_row", "record_val_point", "restore", "write_in_place"]
 
@@ -40,9 +42,6 @@ SHARED = "shared"
 #: `snapshot` metadata: a mid-epoch snapshot stores the value as it is (tensors, numbers, strings, lists,
 #: dicts, tuples and attrs records of those), per rank.
 GENERIC = "generic"
-#: The column of the validation records that holds each validation point's update count (the update clock:
-#: `fit(val_every_n_updates=M)` records one row per validation point).
-VAL_POINT_KEY = "updates"
 
 
 def _field(default=attrs.NOTHING, *, factory=None, copy: str = DEEP, snapshot: str = GENERIC,

@@ -118,13 +118,25 @@ class MlflowRun:
     # ---- records ----
     def log(self, step: int, scalars: dict, timestamp_ms: int) -> None:
         """`{tag: value}` at `step`, but for tags the run already holds at that step."""
+        self.log_records([(step, scalars, timestamp_ms)])
+
+    def log_records(self, records) -> None:
+        """Each `(step, {tag: value}, time in ms)` of `records` (in as few requests as MLflow allows), but for
+        the (tag, step) the run already holds."""
         from mlflow.entities import Metric
 
         run_id = self._ensure()
-        metrics = [Metric(tag, float(value), timestamp_ms, int(step)) for tag, value in scalars.items()
-                   if (tag, int(step)) not in self._logged]
-        self._batch(self._client(), run_id, metrics=metrics)
-        self._logged.update((m.key, m.step) for m in metrics)
+        metrics = []
+        for step, scalars, timestamp_ms in records:
+            for tag, value in scalars.items():
+                if (tag, int(step)) not in self._logged:
+                    self._logged.add((tag, int(step)))
+                    metrics.append(Metric(tag, float(value), timestamp_ms, int(step)))
+        try:
+            self._batch(self._client(), run_id, metrics=metrics)
+        except BaseException:  # not sent: a later record at the same (tag, step) may be
+            self._logged.difference_update((m.key, m.step) for m in metrics)
+            raise
 
     def log_artifact(self, path, folder: str) -> None:
         """Upload a file, or a folder's files, under `folder` of the run's artifacts."""

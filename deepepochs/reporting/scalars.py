@@ -4,18 +4,24 @@ same numbers at the same steps.
 
 - `epoch_scalars`: an epoch's `<metric>/train` and `<metric>/val` values and the learning rates the epoch
   used (`lr`, or `lr/lr_<opt>_<group>` with several optimizers or parameter groups).
-- `test_scalars`: a test's `<metric>/test` values.
-- `step_source(trainer)`: the step axis (`EpochClock`: an epoch's records at its 1-based number, a test's at
-  the count of completed epochs), and when a record at a step is committed (a rollback can no longer
-  discard it). A trainer that validates at other points than epochs' ends gets another clock here, with
-  the same three methods; the callbacks need no change.
+- `stage_scalars`: a stage's `<metric>/<stage>` values (a test's `<metric>/test`, a validation point's
+  `<metric>/val`).
+- `step_source(trainer)`: the step axis (`EpochClock`): an epoch's records at its 1-based number, a
+  validation point's of the update clock (`fit(val_every_n_updates=M)`) at its update count, a test's at
+  the count of completed epochs; and when a record at a step is committed (a rollback can no longer
+  discard it: a tracker that must never hold discarded work sends a record only then).
+- `watch_update_rates`: the learning rate of every applied update of each optimizer with a step-wise
+  scheduler (`lr/update`, or `lr/lr_<opt>_<group>_update`), at that scheduler's count of updates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-__all__ = ["EpochClock", "epoch_scalars", "lr_tag", "step_source", "test_scalars"]
+from deepepochs.config import VAL_POINT_KEY
+
+__all__ = ["EpochClock", "epoch_scalars", "lr_tag", "stage_scalars", "step_source", "test_scalars",
+           "watch_update_rates"]
 
 
 def lr_tag(name: str) -> str:
@@ -23,12 +29,14 @@ def lr_tag(name: str) -> str:
     return name if name == "lr" else f"lr/{name}"
 
 
+def stage_scalars(stage: str, metrics: Mapping) -> dict[str, float]:
+    """`{tag: value}` of a stage's metrics (`<metric>/<stage>`)."""
+    return {f"{name}/{stage}": float(value) for name, value in metrics.items()}
+
+
 def epoch_scalars(train_metrics: Mapping, val_metrics: Mapping, lrs: Mapping) -> dict[str, float]:
     """`{tag: value}` of an epoch's end: its training and validation metrics, then its learning rates."""
-    out = {}
-    for stage, metrics in (("train", train_metrics), ("val", val_metrics)):
-        for name, value in metrics.items():
-            out[f"{name}/{stage}"] = float(value)
+    out = {**stage_scalars("train", train_metrics), **stage_scalars("val", val_metrics)}
     for name, lr in lrs.items():
         out[lr_tag(name)] = float(lr)
     return out
@@ -36,12 +44,13 @@ def epoch_scalars(train_metrics: Mapping, val_metrics: Mapping, lrs: Mapping) ->
 
 def test_scalars(metrics: Mapping) -> dict[str, float]:
     """`{tag: value}` of a test's metrics (`<metric>/test`)."""
-    return {f"{name}/test": float(value) for name, value in metrics.items()}
+    return stage_scalars("test", metrics)
 
 
 class EpochClock:
-    """The step axis of a run validated at epochs' ends: an epoch's records sit at its 1-based number (the
-    console's `E 1/5`), a test's at the number of completed epochs (0 before any)."""
+    """The step axis: an epoch's records sit at its 1-based number (the console's `E 1/5`), a validation
+    point's at its update count (the console's `U 500/1001`), a test's at the number of completed epochs
+    (0 before any)."""
 
     def epoch_step(self, trainer, epoch_idx: int) -> int:
         """The step of the records of the epoch `epoch_idx` (0-based, as hooks receive it)."""
@@ -51,10 +60,21 @@ class EpochClock:
         """The step of a test's records."""
         return trainer.loop.completed_epochs
 
+    def val_point_step(self, trainer) -> int | None:
+        """In a validation stage: the step of its records when it is a validation point of the update
+        clock (its update count), else None (an epoch's end validates; its records are the epoch's)."""
+        return trainer.loop.run.updates if trainer.loop.val_point_open else None
+
     def committed(self, trainer, step: int) -> bool:
-        """Whether the records at `step` belong to committed work: an epoch whose end committed (its
+        """Whether the epoch records at `step` belong to committed work: an epoch whose end committed (its
         `commit_epoch` ran; an epoch end that a rollback undid counts as not completed again)."""
         return step <= trainer.loop.completed_epochs
+
+    def val_point_committed(self, trainer, step: int) -> bool:
+        """Whether the validation point at `step` committed: its row is in the run's validation records
+        (`commit_val_point` writes it; a rollback before that, or a resume from a snapshot taken before it,
+        leaves it out)."""
+        return step in trainer.history.get("val", {}).get(VAL_POINT_KEY, ())
 
 
 _EPOCHS = EpochClock()
@@ -63,3 +83,38 @@ _EPOCHS = EpochClock()
 def step_source(trainer) -> EpochClock:
     """The step axis of `trainer`'s records (see the module docstring)."""
     return _EPOCHS
+
+
+#: `sink(step, {tag: rate}, scheduler)` of `watch_update_rates`.
+RateSink = Callable[[int, dict, object], None]
+
+
+def watch_update_rates(trainer, sink: RateSink) -> list:
+    """Hand `sink` the learning rates of every applied update of each optimizer with a step-wise scheduler
+    (`sched_on='step'`), on the main process; returns the hook handles (`handle.remove()` stops it).
+
+    An optimizer step pre-hook (no per-batch callback hook, so training keeps its fused path) reads the
+    rates just before `step()` applies them, i.e. those the update uses; the scheduler steps after it.
+    The step is that optimizer's updates so far (its scheduler's count, so a resumed run continues the
+    curve): the update is committed once the scheduler's count reaches it (`step <= scheduler.last_epoch`).
+    The GradScaler does not call `step()` for a skipped update, so none is handed for it; nor for a step
+    outside this trainer's training stage."""
+    if not trainer.is_main_process:
+        return []
+    opts, loop = trainer.opt, trainer.loop
+    single = len(opts) == 1 and len(opts[0].opt.param_groups) == 1
+    handles = []
+    for index, item in enumerate(opts):
+        scheduler = opts.step_scheduler(index)
+        if scheduler is None:
+            continue
+        tags = ["lr/update" if single else f"lr/lr_{index}_{j}_update" for j in range(len(item.opt.param_groups))]
+
+        def pre_step(optimizer, _args, _kwargs, tags=tags, scheduler=scheduler):
+            if loop.stage != "train":  # a step outside this trainer's training is not its update
+                return
+            rates = {tag: float(group["lr"]) for tag, group in zip(tags, optimizer.param_groups)}
+            sink(int(scheduler.last_epoch) + 1, rates, scheduler)
+
+        handles.append(item.opt.register_step_pre_hook(pre_step))
+    return handles

@@ -1,9 +1,10 @@
-"""`MLflowCallback` against a real MLflow tracking server (started once per session on 127.0.0.1 with a SQLite
-store and a local artifact folder), read back through MLflow's own client: every metric at every step equals
-the trainer's history and TensorBoard's values; parameters, tags and artifacts are there; a preempted and
-resumed run is one tracker run with each step once; an epoch end a rollback undid never reaches the tracker;
-a tracker that refuses connections or stops answering mid-fit costs no training progress. Where mlflow is not
-installed or the server cannot start, these tests skip and say why (the argument checks need mlflow only)."""
+"""`MLflowCallback` against a real MLflow tracking server (`tests/mlflow_server.py`: started once per session
+on 127.0.0.1 with a SQLite store and a local artifact folder), read back through MLflow's own client: every
+metric at every step equals the trainer's history and TensorBoard's values; parameters, tags and artifacts
+are there; a preempted and resumed run is one tracker run with each step once; an epoch end a rollback undid
+never reaches the tracker; a tracker that refuses connections or stops answering mid-fit costs no training
+progress. Where mlflow is not installed or the server cannot start, these tests skip and say why (the
+argument checks need mlflow only). Training by updates and DDP: `test_mlflow_updates.py`."""
 
 from __future__ import annotations
 
@@ -16,21 +17,21 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from processes import free_port  # tests/, on sys.path under pytest
+from mlflow_server import assert_tensorboard_has, data, preempted_then_resumed, untracked_run  # tests/
+from mlflow_server import client as _client
+from mlflow_server import runs as _runs
+from mlflow_server import series as _series
+from mlflow_server import the_run as _the_run
+from mlflow_server import weights as _weights
 from state_compare import states_equal  # tests/, on sys.path under pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_snapshots import SendAt  # tests/, on sys.path under pytest
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import (
     Callback,
@@ -39,8 +40,6 @@ from deepepochs import (
     LogCallback,
     MLflowCallback,
     Optimizer,
-    Preempted,
-    SnapshotCallback,
     Trainer,
 )
 from deepepochs.callbacks import mlflow_tracker
@@ -51,101 +50,12 @@ from deepepochs.metrics import accuracy
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
                                   reason="mlflow is not installed: pip install 'deepepochs[mlflow]'")
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "logging.md"
-SERVER_START_S = 300  # 60-140 s on a loaded 2-core machine
 # Experiment names of this session (a server named by DEEPEPOCHS_TEST_MLFLOW_URI keeps earlier sessions' runs)
 SESSION = uuid.uuid4().hex[:8]
 EXPERIMENT = {name: f"{name}-{SESSION}" for name in ("logged", "preempted", "rolled-back", "down", "linear")}
 
 
-# ---- the server ----
-@pytest.fixture(scope="session")
-def tracking_server(tmp_path_factory):
-    """The URI of an `mlflow server` on a free loopback port (its own process group, ended afterwards); or of
-    the server `DEEPEPOCHS_TEST_MLFLOW_URI` names, already running (to rerun these tests without its start)."""
-    if importlib.util.find_spec("mlflow") is None:
-        pytest.skip("mlflow is not installed: pip install 'deepepochs[mlflow]'")
-    if os.environ.get("DEEPEPOCHS_TEST_MLFLOW_URI"):
-        yield os.environ["DEEPEPOCHS_TEST_MLFLOW_URI"]
-        return
-    folder = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    log = open(folder / "server.log", "wb")
-    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'db.sqlite'}",
-               "--default-artifact-root", str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1"]
-    try:
-        # No job runner: the server's background job workers (several processes) are unused here and busy a
-        # small machine's cores.
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    except OSError as e:
-        pytest.skip(f"the MLflow tracking server could not start: {e}")
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVER_START_S
-    try:
-        while True:
-            if server.poll() is not None:
-                tail = (folder / "server.log").read_text(errors="replace")[-1500:]
-                pytest.skip(f"the MLflow tracking server exited with status {server.returncode}: {tail}")
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.skip(f"the MLflow tracking server did not answer on {uri} within {SERVER_START_S} s")
-            time.sleep(0.5)
-        yield uri
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-        log.close()
-
-
-def _client(uri):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(uri)
-
-
-def _runs(uri, experiment, running_id):
-    """The tracker runs of the experiment tagged with `running_id`."""
-    client = _client(uri)
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
-        return []
-    return [run for run in client.search_runs([found.experiment_id])
-            if run.data.tags.get("deepepochs.running_id") == running_id]
-
-
-def _the_run(uri, experiment, running_id):
-    runs = _runs(uri, experiment, running_id)
-    assert len(runs) == 1, f"{len(runs)} tracker runs for {running_id!r}"
-    return runs[0]
-
-
-def _series(uri, run) -> dict[str, list[tuple[int, float]]]:
-    """`{tag: [(step, value), ...]}` of every metric the run holds, in step order (repeats kept)."""
-    client = _client(uri)
-    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
-            for key in run.data.metrics}
-
-
 # ---- the training run ----
-def _data():
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
-    loader = torch.Generator().manual_seed(4)
-    return (DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=loader),
-            DataLoader(TensorDataset(x[:40], y[:40]), batch_size=20))
-
-
 def _trainer(callbacks=(), resume=False, hyper_params=None, running_id="run"):
     """A model with BatchNorm and dropout on shuffled data, Adam with an epoch-wise StepLR halving the rate."""
     torch.manual_seed(0)
@@ -159,12 +69,8 @@ def _trainer(callbacks=(), resume=False, hyper_params=None, running_id="run"):
 
 
 def _fit(trainer):
-    train, val = _data()
+    train, val = data()
     return trainer.fit(train, val, metrics=[accuracy])
-
-
-def _weights(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _expected(history) -> dict[str, list[tuple[int, float]]]:
@@ -178,10 +84,7 @@ def _expected(history) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def reference():
     """The run without any tracker: its weights and history."""
-    trainer, model = _trainer()
-    history = _fit(trainer)
-    trainer.close()
-    return _weights(model), history
+    return untracked_run(_trainer, _fit)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +96,7 @@ def logged(tracking_server, tmp_path_factory):
     hyper_params = {"lr": 0.01, "batch_size": 16, "arch": "bn-mlp"}
     trainer, model = _trainer(callbacks, hyper_params=hyper_params)
     _fit(trainer)
-    test_metrics = trainer.test(_data()[1], metrics=[accuracy])
+    test_metrics = trainer.test(data()[1], metrics=[accuracy])
     trainer.close()
     run = _the_run(tracking_server, EXPERIMENT["logged"], "run")
     return dict(trainer=trainer, weights=_weights(model), test=test_metrics, run=run, folder=folder,
@@ -215,13 +118,7 @@ def test_every_metric_reaches_the_tracker_once_per_epoch_with_the_histories_valu
 @pytest.mark.slow
 def test_the_tracker_gets_the_tags_steps_and_values_tensorboard_gets(logged):
     """The same scalar tags at the same steps as LogCallback's event file, equal in its float32."""
-    events = EventAccumulator(str(logged["folder"] / "logs" / "run"))
-    events.Reload()
-    board = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    assert board.keys() == logged["series"].keys()
-    for tag, points in logged["series"].items():
-        assert [step for step, _ in points] == [step for step, _ in board[tag]], tag
-        assert [np.float32(v) for _, v in points] == [np.float32(v) for _, v in board[tag]], tag
+    assert_tensorboard_has(logged["series"], logged["folder"] / "logs" / "run")
 
 
 @pytest.mark.slow
@@ -262,18 +159,13 @@ def test_a_sigterm_then_resume_continues_one_tracker_run_with_each_step_once(tra
     def tracker():
         return MLflowCallback(tracking_server, experiment=EXPERIMENT["preempted"], close_timeout=60)
 
-    first, _ = _trainer([SnapshotCallback(tmp_path), SendAt(signal.SIGTERM, 2, batch), tracker()],
-                        running_id=running_id)
-    with pytest.raises(Preempted):
-        _fit(first)
-    first.close()  # the requeued job's predecessor has ended
-    assert {tag: [s for s, _ in points] for tag, points in
-            _series(tracking_server, _the_run(tracking_server, EXPERIMENT["preempted"], running_id)).items()} == {
-        tag: steps_before for tag in _expected(reference[1])}
-    resumed, model = _trainer([SnapshotCallback(tmp_path), tracker()], resume=True, running_id=running_id)
-    _fit(resumed)
-    resumed.close()
-    assert states_equal(_weights(model), reference[0])
+    def check_first(_trainer):
+        assert {tag: [s for s, _ in points] for tag, points in
+                _series(tracking_server, _the_run(tracking_server, EXPERIMENT["preempted"], running_id)).items()} == {
+            tag: steps_before for tag in _expected(reference[1])}
+
+    resumed = preempted_then_resumed(_trainer, _fit, tracker, tmp_path, running_id, 2, batch, check_first)
+    assert states_equal(resumed, reference[0])
     run = _the_run(tracking_server, EXPERIMENT["preempted"], running_id)
     assert _series(tracking_server, run) == _expected(reference[1])
 
@@ -281,7 +173,9 @@ def test_a_sigterm_then_resume_continues_one_tracker_run_with_each_step_once(tra
 PREEMPTED_SCRIPT = """
 import signal, sys
 sys.path[:0] = [{tests!r}, {here!r}]
-from test_mlflow import MLflowCallback, SendAt, SnapshotCallback, _fit, _trainer
+from test_mlflow import _fit, _trainer
+from test_snapshots import SendAt
+from deepepochs import MLflowCallback, SnapshotCallback
 trainer, _ = _trainer([SnapshotCallback({folder!r}), SendAt(signal.SIGTERM, 2, None),
                        MLflowCallback({uri!r}, experiment={experiment!r})], running_id="exits")
 _fit(trainer)  # Preempted ends the process (exit status 143), without trainer.close()
@@ -443,6 +337,7 @@ def test_a_tracker_that_goes_down_mid_fit_costs_no_training_progress(tracking_se
     reasons = " | ".join(str(w.message) for w in said)
     if failure == "refuse":
         assert re.search(r"a call failed \(MlflowException: .*Connection refused", reasons), reasons
+        assert reasons.count("a call failed") == 1, reasons  # said once, though every later call failed too
     else:  # no answer within close_timeout: what was left is said not sent
         assert re.search(r"the tracker did not take the last \d+ record\(s\) within close_timeout=3s", reasons), reasons
     series = _series(tracking_server, _the_run(tracking_server, EXPERIMENT["down"], running_id))
