@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from deepepochs.engine.context import Context
+from deepepochs.utils import host_state
 
-__all__ = ["random_state", "remember_random_state", "set_generators", "set_random_state", "state_tensor"]
+__all__ = ["random_state", "remember_host_state", "remember_random_state", "set_generators", "set_random_state",
+           "state_tensor"]
 
 
 def random_state(ctx: Context) -> tuple:
@@ -54,7 +56,19 @@ def remember_random_state(ctx: Context) -> None:
     """Keep torch's generator states as of this commit point: the fit after a rollback (a refit) starts
     from them, so it draws the random numbers (dropout, augmentation in torch) the uninterrupted run drew.
     Once per update; a copy of each generator is kept rather than its state tensor, which costs a third
-    as much inside a training loop. Python's and NumPy's generators are not kept (10-70x dearer to read)."""
+    as much inside a training loop. Python's and NumPy's generators are kept only where a signal can drop
+    what was drawn after this point (`remember_host_state`): they are 10-70x dearer to read."""
     ctx.loop.run.random_state = random_state(ctx)  # the run state's own field (`ctx.random_state` aliases it)
+    remember_host_state(ctx)
+
+
+def remember_host_state(ctx: Context) -> None:
+    """Keep Python's and NumPy's generator states as of now (`Context.host_random_state`) while a snapshot
+    writer listens for signals with windows of several batches; else None. A signal inside such a window
+    drops the micro-batches it ran (no batch is fetched once it arrived), so the snapshot of the last commit
+    point must hold the states from before their draws, not the current ones (`position.capture`)."""
+    writer = ctx.snapshots
+    keep = writer is not None and bool(writer.signals) and ctx.parts.config.gradient_accumulation_steps > 1
+    ctx.host_random_state = host_state() if keep else None
 
 
