@@ -14,7 +14,8 @@ drawn from torch's, NumPy's and Python's global generators; Adam and a step-wise
   rank 1) prints `at <B> <pid>` and waits until the SIGTERM the test sends it has reached the
   `SnapshotCallback`'s handler. `--signal-in-val P`: the same during the
   first validation batch of the validation point after update P.
-- `--plain`: no deepepochs at all: the plain PyTorch loop a user writes for the same program.
+- `--plain`: no deepepochs at all: the plain PyTorch loop a user writes for the same program (with `--ddp`:
+  in `DistributedDataParallel`, started by `launch`).
 
 Writes the final weights and buffers, optimizer and scheduler states, the fit's records and the update count
 to `out.pt` (rank 0 under DDP). Exits with `Preempted`'s status (143) when a signal stopped it.
@@ -23,6 +24,7 @@ to `out.pt` (rank 0 under DDP). Exits with `Preempted`'s status (143) when a sig
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -182,6 +184,60 @@ def plain(args) -> dict:
             "updates": UPDATES}
 
 
+def plain_ddp(args) -> dict | None:
+    """The user's loop on this rank of 2 (gloo): the model in `DistributedDataParallel`, gradients not
+    synchronised on a window's first batch (`no_sync`), each rank's own sampler, validation of the rank's
+    own replica (its BatchNorm statistics are its own: DDP broadcasts rank 0's only before a training
+    forward) on the rank's share of the samples (every other one), the losses summed over the ranks."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, opt, sched = parts()
+    ddp = DistributedDataParallel(model)
+    train_dl, val_dl = data(args, rank)
+    val_dl = DataLoader(torch.utils.data.Subset(val_dl.dataset, range(rank, VAL_N, 2)), batch_size=8)
+    batches = iter(train_dl)
+    points, losses, train = [], [], torch.zeros(2, dtype=torch.float64)
+    ddp.train()
+    for update in range(1, UPDATES + 1):
+        for micro in range(args.accumulate):
+            x, y = next(batches)
+            sync = micro == args.accumulate - 1
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                loss = F.cross_entropy(ddp(noisy(x)), y)
+                (loss * (1 / args.accumulate)).backward()
+            train += torch.tensor([float(loss.detach()) * len(y), len(y)], dtype=torch.float64)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if update % EVERY == 0 or update == UPDATES:
+            ddp.eval()
+            total = torch.zeros(2, dtype=torch.float64)
+            with torch.no_grad():
+                for vx, vy in val_dl:
+                    total += torch.tensor([float(F.cross_entropy(model(vx), vy)) * len(vy), len(vy)],
+                                          dtype=torch.float64)
+            dist.all_reduce(total)
+            ddp.train()
+            points.append(update)
+            losses.append(float(total[0] / total[1]))
+    dist.all_reduce(train)
+    records = {"train": {"loss": [float(train[0] / train[1])]}, "val": {"updates": points, "loss": losses}}
+    dist.destroy_process_group()
+    if rank:
+        return None
+    return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "records": records,
+            "updates": UPDATES}
+
+
+def plain_rank_main():
+    """What each rank of `--plain --ddp` runs."""
+    return plain_ddp(parse(sys.argv[1:]))
+
+
 def rank_main():
     """What each rank of `--ddp` runs (`launch` imports it in fresh processes): the arguments are this
     script's own."""
@@ -190,12 +246,12 @@ def rank_main():
 
 def main() -> None:
     args = parse()
-    if args.plain:
-        result = plain(args)
-    elif args.ddp:
+    if args.ddp:
         from deepepochs.launch import launch  # noqa: PLC0415
 
-        result = launch(rank_main, num_processes=2)
+        result = launch(plain_rank_main if args.plain else rank_main, num_processes=2)
+    elif args.plain:
+        result = plain(args)
     else:
         result = train(args)
     torch.save(result, args.out)
