@@ -36,15 +36,16 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
 
 
 def host_state() -> tuple:
-    """The states of Python's and NumPy's global generators as they give them (for `rng_state(host=...)`)."""
+    """The states of Python's and NumPy's global generators as they give them (`random.setstate`,
+    `np.random.set_state` put them back)."""
     return random.getstate(), np.random.get_state()
 
 
-def rng_state(host: tuple | None = None) -> dict:
+def rng_state() -> dict:
     """The states of Python's, NumPy's and PyTorch's global generators (CPU and every initialised CUDA
     device) as tensors, numbers, strings, lists and dicts only, so `torch.load(weights_only=True)` reads
-    them back. `host`: Python's and NumPy's states kept earlier (`host_state`) instead of the current ones."""
-    (version, keys, gauss), (name, np_keys, pos, has_gauss, cached) = host if host is not None else host_state()
+    them back."""
+    (version, keys, gauss), (name, np_keys, pos, has_gauss, cached) = host_state()
     state = {
         "python": [version, list(keys), gauss],
         "numpy": {"bit_generator": name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(pos),

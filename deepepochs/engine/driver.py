@@ -172,7 +172,6 @@ class Driver:
         finally:
             loop.resume_tasks = None
         buffers.keep(ctx, fresh=True)  # after a resume loaded them: where a fault before any commit returns
-        generators.remember_host_state(ctx)  # the Python and NumPy states a resume set
         carried.keep(ctx, fresh=True)
         self._header()
         emit(self.ctx, Event.BEFORE_FIT, epochs)

@@ -16,9 +16,8 @@ continue from there, besides the training state every checkpoint holds:
                     and metric patches (`encode_meters`), so the epoch's metrics cover the batches
                     before the resume; 'random': {'commit': torch's generator states at the commit
                     point, 'task': those just before the task made its data iterator, 'host':
-                    Python's, NumPy's and torch's generators when the snapshot was written (Python's
-                    and NumPy's as of the commit point where a signal may have dropped a window's
-                    draws after it: `generators.remember_host_state`)},
+                    Python's, NumPy's and torch's generators when the snapshot was written (a
+                    dropped window's draws rewound: `generators.put_back_host_state`)},
                     (`generators.random_state`), so dropout and DataLoader worker seeds replay exactly;
                     'data': a stateful DataLoader's `state_dict()` at the commit point, or None;
                     'run': the run state's fields stored as they are (`runstate.GENERIC`: those
@@ -76,9 +75,7 @@ def capture(ctx: Context) -> dict | None:
         return None
     data_state = ctx.data_state
     mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state),
-                       # Python's and NumPy's (and torch's): kept at the commit point where a signal may have
-                       # dropped a window's draws after it (`generators.remember_host_state`), else as of now
-                       "host": rng_state(ctx.host_random_state)},
+                       "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
             "meters": [encode_meters(meters) for meters in ctx.train_meters],
             "data": None if data_state is None or data_state[:3] != (point.epoch, point.task_index, point.batches_done)
             else data_state[3],

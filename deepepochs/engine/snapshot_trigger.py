@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from deepepochs import torch_private
+from deepepochs.engine import generators
 from deepepochs.engine.context import Context
 from deepepochs.fsm.events import TriggerName
 
@@ -92,6 +93,8 @@ def fetches(ctx: Context, data, training: bool = True):
         while True:
             batch, end, failed = None, False, False
             if writer.pending_signal is None or not training:
+                if training:
+                    generators.keep_host_state(ctx)  # a window's first fetch: what a dropped window rewinds to
                 try:
                     batch = next(it)
                 except StopIteration:
