@@ -7,6 +7,7 @@
 #   make docs                  the docs extra, then the site into docs/_build/html, warnings as errors
 #   make docs-check            make docs, then every page rendered in headless Chromium: no clipped table
 #   make fault-matrix          every cell of the fault matrix (make test runs a fixed sample of it)
+#   make updates-preemption    a job by updates signalled at random updates of every stream (make test: a quick set)
 #   make exit-stress           200 clean two-process exits under launch and under torchrun, with a busy loop
 #   VENV=path                  another environment folder (default .venv)
 #   TORCH_SPEC=torch==2.6.0    another torch
@@ -23,7 +24,7 @@ PYTEST_ARGS ?=
 DOCS_OUT ?= docs/_build/html
 
 .PHONY: venv install install-runtime install-docs demo test test-fast fields-full lint gen check-gen graph bench \
-	bench-instructions bench-memory docs docs-check clean fault-matrix exit-stress
+	bench-instructions bench-memory docs docs-check clean fault-matrix exit-stress updates-preemption
 
 # ---- environments: one stamp per install level, redone when pyproject.toml changes ----
 $(PYTHON):
@@ -71,6 +72,10 @@ fault-matrix: install
 exit-stress: install
 	$(PYTHON) benchmarks/exit_stress.py --launcher launch --runs 200 --load
 	$(PYTHON) benchmarks/exit_stress.py --launcher torchrun --runs 200 --load
+
+# a job by updates signalled at several random updates of every stream kind (make test runs a quick set)
+updates-preemption: install
+	DEEPEPOCHS_UPDATES_PREEMPTION=full $(PYTHON) -m pytest -q tests/preemption/test_updates_preemption.py $(PYTEST_ARGS)
 
 # every leaf of every file a run writes, damaged with every replacement (CI damages each field once): an hour
 fields-full: install

@@ -11,7 +11,7 @@ import torch
 
 from deepepochs.errors import ConfigError
 
-__all__ = ["every_step", "rng_state", "set_rng_state", "set_seed"]
+__all__ = ["every_step", "host_state", "rng_state", "set_rng_state", "set_seed"]
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:
@@ -35,12 +35,17 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def host_state() -> tuple:
+    """The states of Python's and NumPy's global generators as they give them (`random.setstate`,
+    `np.random.set_state` put them back)."""
+    return random.getstate(), np.random.get_state()
+
+
 def rng_state() -> dict:
     """The states of Python's, NumPy's and PyTorch's global generators (CPU and every initialised CUDA
     device) as tensors, numbers, strings, lists and dicts only, so `torch.load(weights_only=True)` reads
     them back."""
-    version, keys, gauss = random.getstate()
-    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    (version, keys, gauss), (name, np_keys, pos, has_gauss, cached) = host_state()
     state = {
         "python": [version, list(keys), gauss],
         "numpy": {"bit_generator": name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(pos),

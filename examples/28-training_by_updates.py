@@ -3,13 +3,16 @@
 A character model in the shape of karpathy's makemore: every (3 previous characters, next character) pair
 of a list of names, sampled with replacement from the sampler's own generator (an endless stream in
 practice), an evaluation every M updates, the best validation checkpoint and snapshots; a first job is
-stopped part-way (here by its own budget, as a preemption would), and a second one resumes the run
-(`resume=True`) and trains on to the full budget.
+preempted half-way by SIGTERM (sent here by a callback standing in for the cluster's scheduler): it stops
+in the middle of the stream with a snapshot, and a second one resumes the run (`resume=True`) from that
+update, drawing the very batches the first would have drawn, and trains on to the full budget.
 
 Run: `python examples/28-training_by_updates.py` (or `--small` for a few seconds' run).
 """
 
 import argparse
+import os
+import signal
 import tempfile
 
 import torch
@@ -17,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from deepepochs import CheckCallback, SnapshotCallback, Trainer
+from deepepochs import Callback, CheckCallback, Preempted, SnapshotCallback, Trainer
 
 BLOCK = 3
 SYLLABLES = ("ka", "mo", "li", "sa", "ne", "ri", "ta", "lo", "mi", "an", "el", "jo")
@@ -54,6 +57,17 @@ class MLP(nn.Module):
         return self.net(self.emb(x).flatten(1))
 
 
+class TimeLimit(Callback):
+    """Stands in for the cluster's scheduler: sends this process SIGTERM after update `at`."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        if trainer.loop.run.updates == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a budget of a few dozen updates")
@@ -72,18 +86,21 @@ def main():
         return DataLoader(train_set, batch_size=32, sampler=sampler)
 
     with tempfile.TemporaryDirectory() as folder:
-        def make_trainer(max_updates):
+        def make_trainer(*extra):
             torch.manual_seed(42)
             model = MLP(len(chars) + 1)
             opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
             callbacks = [CheckCallback("loss", on_stage="val", ckpt_dir=folder),
-                         SnapshotCallback(ckpt_dir=folder, every_n_updates=every)]
-            return Trainer(model, F.cross_entropy, opt, max_updates=max_updates, callbacks=callbacks,
+                         SnapshotCallback(ckpt_dir=folder, every_n_updates=every), *extra]
+            return Trainer(model, F.cross_entropy, opt, max_updates=budget, callbacks=callbacks,
                            resume=True, running_id="names", log_batch=False)
 
-        with make_trainer(max_updates=budget // 2) as trainer:  # a job stopped part-way
-            trainer.fit(stream(), val_dl, val_every_n_updates=every)
-        with make_trainer(max_updates=budget) as trainer:  # the next job resumes the run to the full budget
+        with make_trainer(TimeLimit(budget // 2)) as trainer:  # a job preempted half-way
+            try:
+                trainer.fit(stream(), val_dl, val_every_n_updates=every)
+            except Preempted as stop:  # uncaught, the script would exit with status 143 (a requeue)
+                print(f"preempted at update {trainer.loop.run.updates}: {stop.path.name}")
+        with make_trainer() as trainer:  # the requeued job resumes the run to the full budget
             records = trainer.fit(stream(), val_dl, val_every_n_updates=every)
             print("validation points:", records["val"]["updates"])
             print("best validation loss:", min(records["val"]["loss"]))

@@ -25,7 +25,7 @@ from deepepochs.engine import buffers, carried, kept_grads, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
-from deepepochs.engine.generators import remember_random_state
+from deepepochs.engine.generators import put_back_host_state, remember_random_state
 from deepepochs.engine.registry import ACTIONS, GUARDS, action, guard
 from deepepochs.engine.runstate import record_row
 from deepepochs.errors import Preempted
@@ -519,6 +519,7 @@ def discard_window(ctx: Context) -> None:
     loop.save_requests.clear()
     buffers.put_back(ctx)  # last: the epoch-end undo above may have put back an earlier commit point's
     carried.put_back(ctx)  # likewise
+    put_back_host_state(ctx)  # what the dropped window drew from Python and NumPy, where kept
     kept_grads.put_back(ctx)  # the gradients the optimizers that did not step kept, without this window's
 
 

@@ -127,7 +127,7 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
                 emit(ctx, after_batch, BatchMetrics(value, patches), loop.batch_idx - 1)
             if log_batch:
                 console.batch(loop.batch_idx, lambda value=value, patches=patches: BatchMetrics(value, patches),
-                              meters.skipped)
+                              meters.skipped, loop.run.updates)
             if snapshot_writer is not None and loop.window_pos == 0 and loop.window_committed:
                 snapshot_trigger.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
             if clock is not None and loop.window_pos == 0 and loop.window_committed and clock():

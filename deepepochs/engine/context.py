@@ -189,9 +189,9 @@ class Context:
         told: the differences from deepepochs 0.6.18 this trainer has announced (`compat.tell_once`).
         carried: `trainer.carried`, what steps carry from batch to batch (live; the run state keeps its
             copy at commit points, `deepepochs.engine.carried`).
-        host_random: (epoch, task index, batches done, `rng_state()`) as of the running accumulation window's
-            start, kept while a snapshot writer listens for signals (`snapshot_trigger.fetches`): a stop
-            inside the window stores these Python and NumPy states, not the ones its fetches moved on.
+        host_random_state: Python's and NumPy's generator states when the open window's first batch was
+            fetched, kept only where a signal can drop the window (`generators.keep_host_state`); None otherwise.
+        host_state_due: the next training fetch keeps them (set at each commit point).
         update_clock: with the update clock on (`max_updates` or `val_every_n_updates`), what a training
             task calls at its start and after each committed window (`deepepochs.engine.update_clock`):
             True when the task stops there; None otherwise (nothing is called).
@@ -221,7 +221,8 @@ class Context:
     told: set = attrs.Factory(set)
     carried: dict = attrs.Factory(dict)
     update_clock: Callable[[], bool] | None = None
-    host_random: tuple | None = None
+    host_random_state: tuple | None = None
+    host_state_due: bool = False
 
     @property
     def run(self) -> RunState:

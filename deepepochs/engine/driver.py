@@ -364,7 +364,8 @@ class Driver:
             data = continuation.TrainingBatches(ctx, data, epoch, skip, samples)
             skip = data.start
         loop.batch_idx = skip
-        parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total)
+        parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total,
+                                 update_clock.progress(ctx) if stage == "train" else None)
         if stage == "train":
             stopped = batches.train_batches(ctx, iter(data), meters, data.total)
             if not skip and loop.batch_idx == 0 and not stopped:

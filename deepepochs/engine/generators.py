@@ -6,11 +6,16 @@ A commit point keeps a copy of torch's generators (`remember_random_state`), so 
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 
 from deepepochs.engine.context import Context
+from deepepochs.utils import host_state
 
-__all__ = ["random_state", "remember_random_state", "set_generators", "set_random_state", "state_tensor"]
+__all__ = ["keep_host_state", "put_back_host_state", "random_state", "remember_random_state", "set_generators",
+           "set_random_state", "state_tensor"]
 
 
 def random_state(ctx: Context) -> tuple:
@@ -54,7 +59,32 @@ def remember_random_state(ctx: Context) -> None:
     """Keep torch's generator states as of this commit point: the fit after a rollback (a refit) starts
     from them, so it draws the random numbers (dropout, augmentation in torch) the uninterrupted run drew.
     Once per update; a copy of each generator is kept rather than its state tensor, which costs a third
-    as much inside a training loop. Python's and NumPy's generators are not kept (10-70x dearer to read)."""
+    as much inside a training loop. Python's and NumPy's generators are 10-70x dearer to read: they are kept
+    only where a signal can drop a window that drew from them (`keep_host_state`)."""
     ctx.loop.run.random_state = random_state(ctx)  # the run state's own field (`ctx.random_state` aliases it)
+    writer = ctx.snapshots
+    ctx.host_random_state = None
+    ctx.host_state_due = (writer is not None and bool(writer.signals)
+                          and ctx.parts.config.gradient_accumulation_steps > 1)
 
 
+def keep_host_state(ctx: Context) -> None:
+    """Right before a training batch is fetched: on the first fetch after a commit point (the next window's
+    first batch, after the hooks, snapshot and validation point that follow the commit) keep Python's and
+    NumPy's generator states, when the commit point asked for it (`remember_random_state`: a snapshot writer
+    listens for signals, windows of several batches). A signal inside that window drops the micro-batches it
+    ran (no batch is fetched once it arrived), and `put_back_host_state` rewinds what they drew."""
+    if ctx.host_state_due:
+        ctx.host_state_due = False
+        ctx.host_random_state = host_state()
+
+
+def put_back_host_state(ctx: Context) -> None:
+    """A dropped window (`discard_window`): Python's and NumPy's generators back to where its first batch was
+    fetched, when `keep_host_state` kept them, so that a snapshot written now holds what the resumed run
+    draws next."""
+    kept = ctx.host_random_state
+    if kept is not None:
+        ctx.host_random_state = None
+        random.setstate(kept[0])
+        np.random.set_state(kept[1])

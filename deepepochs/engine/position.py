@@ -16,7 +16,8 @@ continue from there, besides the training state every checkpoint holds:
                     and metric patches (`encode_meters`), so the epoch's metrics cover the batches
                     before the resume; 'random': {'commit': torch's generator states at the commit
                     point, 'task': those just before the task made its data iterator, 'host':
-                    Python's, NumPy's and torch's generators when the snapshot was written},
+                    Python's, NumPy's and torch's generators when the snapshot was written (a
+                    dropped window's draws rewound: `generators.put_back_host_state`)},
                     (`generators.random_state`), so dropout and DataLoader worker seeds replay exactly;
                     'data': a stateful DataLoader's `state_dict()` at the commit point, or None;
                     'run': the run state's fields stored as they are (`runstate.GENERIC`: those
@@ -72,11 +73,9 @@ def capture(ctx: Context) -> dict | None:
         point = ResumePoint(point.epoch, index, done)
     if point is None or point.task_index < 0 or ctx.train_meters is None:
         return None
-    data_state, host = ctx.data_state, ctx.host_random
-    if host is None or host[:3] != (point.epoch, point.task_index, point.batches_done):
-        host = (None, None, None, rng_state())  # Python's and NumPy's (and torch's) as of now: the commit point
+    data_state = ctx.data_state
     mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state),
-                       "host": host[3]},  # inside a window: as of its start (`snapshot_trigger.fetches`)
+                       "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
             "meters": [encode_meters(meters) for meters in ctx.train_meters],
             "data": None if data_state is None or data_state[:3] != (point.epoch, point.task_index, point.batches_done)
             else data_state[3],

@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 
 from deepepochs import torch_private
+from deepepochs.engine import generators
 from deepepochs.engine.context import Context
 from deepepochs.fsm.events import TriggerName
-from deepepochs.utils import rng_state
 
 __all__ = ["FetchStopped", "after_fit", "commit_point", "fetches", "find_writer", "guard", "stop_fetching"]
 
@@ -86,16 +86,15 @@ def fetches(ctx: Context, data, training: bool = True):
     """Iterate `data` until a listed signal arrives: then raise `FetchStopped` instead of the next batch (see
     the module doc). `training`: stop before fetching once a signal arrived, every rank agreeing after each
     fetch under DDP (all stop at the same micro-batch); else stop only at a fetch the signal made fail."""
-    writer, dist, loop = ctx.snapshots, ctx.parts.dist, ctx.loop
+    writer, dist = ctx.snapshots, ctx.parts.dist
     agree = training and dist.world_size > 1
-    windows = training and ctx.parts.config.gradient_accumulation_steps > 1
     it = iter(data)
     try:
         while True:
             batch, end, failed = None, False, False
-            if windows and loop.window_pos == 0:  # a window starts: Python's and NumPy's states of its commit point
-                ctx.host_random = (loop.epoch, ctx.task_index, loop.batch_idx, rng_state())
             if writer.pending_signal is None or not training:
+                if training:
+                    generators.keep_host_state(ctx)  # a window's first fetch: what a dropped window rewinds to
                 try:
                     batch = next(it)
                 except StopIteration:

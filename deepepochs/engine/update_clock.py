@@ -18,30 +18,48 @@ import functools
 import itertools
 import types
 
+from torch.utils.data import DataLoader
+
+from deepepochs.data.sampling import ShortestShard
 from deepepochs.engine.context import Context
 from deepepochs.engine.stage_tasks import data_length
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import StateName, TriggerName
 
-__all__ = ["check_clock", "clock_point", "endless", "make_clock"]
+__all__ = ["check_clock", "clock_point", "endless", "make_clock", "progress"]
 
 #: Iterables that are endless by construction (`itertools.repeat` only without `times`: then it has no
 #: length hint).
 _ENDLESS_TYPES = (itertools.count, itertools.cycle)
 
 
-def endless(data) -> bool:
-    """Whether `data` is known to be endless: `itertools.count`, `itertools.cycle` or `itertools.repeat`
-    without `times`. Other data without a length (an `IterableDataset`, a generator) may end on its own:
-    then its epoch ends when it is exhausted."""
-    if isinstance(data, _ENDLESS_TYPES):
+def _endless_iterator(obj) -> bool:
+    if isinstance(obj, _ENDLESS_TYPES):
         return True
-    if isinstance(data, itertools.repeat):
+    if isinstance(obj, itertools.repeat):
         try:
-            return data.__length_hint__() is None
+            return obj.__length_hint__() is None
         except TypeError:  # repeat(x) without times refuses a length hint
             return True
     return False
+
+
+def endless(data) -> str | None:
+    """What makes `data` known to be endless, or None: `itertools.count`, `itertools.cycle` or
+    `itertools.repeat` without `times` given as the data, or as a DataLoader's `sampler=` or
+    `batch_sampler=` (its indices then never end). Other data without a length (an `IterableDataset`, a
+    generator, a sampler of your own) may end on its own, which nothing can tell before iterating it: its
+    epoch ends when it is exhausted, and one that never ends needs `max_updates`."""
+    data = data.data if isinstance(data, ShortestShard) else data
+    if _endless_iterator(data):
+        return type(data).__name__
+    if isinstance(data, DataLoader):
+        batch_sampler = getattr(data, "batch_sampler", None)
+        for name, source in (("sampler", getattr(data, "sampler", None)), ("batch_sampler", batch_sampler),
+                             ("sampler", getattr(batch_sampler, "sampler", None))):
+            if _endless_iterator(source):
+                return f"a DataLoader whose {name} is {type(source).__name__}"
+    return None
 
 
 def check_clock(train_tasks, val_tasks, max_updates: int | None, val_every: int | None) -> None:
@@ -57,11 +75,11 @@ def check_clock(train_tasks, val_tasks, max_updates: int | None, val_every: int 
                               " val_every_n_updates=None")
     if max_updates is None:
         for index, task in enumerate(train_tasks):
-            if endless(task.data):
+            why = endless(task.data)
+            if why is not None:
                 raise ConfigError(
-                    f"the train data of task {index} is an endless stream ({type(task.data).__name__}), and"
-                    " nothing ends the fit: pass Trainer(max_updates=N), a positive int, to train N updates"
-                    " (got max_updates=None)")
+                    f"the train data of task {index} is an endless stream ({why}), and nothing ends the fit:"
+                    " pass Trainer(max_updates=N), a positive int, to train N updates (got max_updates=None)")
 
 
 def make_clock(driver, val_tasks, max_updates: int | None, val_every: int | None):
@@ -94,6 +112,13 @@ def clock_point(driver, val_tasks) -> bool:
     return state == StateName.TASK_SPENT
 
 
+def progress(ctx: Context) -> tuple[int, int | None] | None:
+    """What a training task's progress bar counts with the clock on: (committed updates, `max_updates` or
+    None); None with the clock off (the bar counts the task's batches)."""
+    loop = ctx.loop
+    return None if ctx.update_clock is None else (loop.run.updates, loop.target_updates)
+
+
 class _TrainingScratch(types.SimpleNamespace):
     """The running training task's scratch that a validation stage overwrites (its task, meters, batch
     index, stage, stateful loader), put back when the stage returns."""
@@ -112,4 +137,5 @@ class _TrainingScratch(types.SimpleNamespace):
     def reopen(self, ctx: Context) -> None:
         """The training task's progress line (or bar) again."""
         loop = ctx.loop
-        ctx.parts.console.start_task("train", loop.epoch, loop.target_epochs, data_length(self.task.data))
+        ctx.parts.console.start_task("train", loop.epoch, loop.target_epochs, data_length(self.task.data),
+                                     progress(ctx))

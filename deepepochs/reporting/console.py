@@ -48,6 +48,7 @@ class Console:
         self._bar = None
         self._prefix = ""
         self._total = None
+        self._updates = None
         self._dirty = False
         self._noted: set[str] = set()
 
@@ -84,24 +85,34 @@ class Console:
             self._noted.add(key)
             self.info(text)
 
-    def start_task(self, stage: str, epoch: int, epochs: int | None, total: int | None) -> None:
-        """A task begins: reset the refresh clock and open a progress bar when asked."""
+    def start_task(self, stage: str, epoch: int, epochs: int | None, total: int | None,
+                   updates: tuple[int, int | None] | None = None) -> None:
+        """A task begins: reset the refresh clock and open a progress bar when asked. `updates`: (committed
+        updates, their target or None) when the update clock runs a training task: the bar and the batch
+        lines then count updates (`U 17/30`) instead of the task's batches."""
         self._prefix = f"E {_of(epoch, epochs)}  "
         self._stage = stage.upper()
         self._total = total
+        self._updates = updates
         self._due = time.monotonic() + self.interval
         if self.log_tqdm:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=f"{self._prefix}{self._stage}", leave=False, file=self.stream,
-                             dynamic_ncols=True)
+            count, total = updates if updates is not None else (0, total)
+            self._bar = tqdm(total=total, initial=count, desc=f"{self._prefix}{self._stage}", leave=False,
+                             file=self.stream, dynamic_ncols=True, unit="update" if updates is not None else "it")
 
-    def batch(self, batch_idx: int, metrics: Callable[[], Mapping[str, float]], skipped: int = 0) -> None:
+    def batch(self, batch_idx: int, metrics: Callable[[], Mapping[str, float]], skipped: int = 0,
+              updates: int = 0) -> None:
         """After batch `batch_idx` (1-based); `metrics()` is only called when a refresh is due; `skipped`
-        updates so far in the task (inf/NaN) are shown when there are any."""
-        bar = self._bar
+        updates so far in the task (inf/NaN) are shown when there are any; `updates`: the run's committed
+        updates, which the bar and line count when the task began with `updates`."""
+        bar, clock = self._bar, self._updates
         if bar is not None:
-            bar.update(1)
+            if clock is None:
+                bar.update(1)
+            elif updates > bar.n:  # a committed window (an inner micro-batch leaves the count as it is)
+                bar.update(updates - bar.n)
         if not self.log_batch:
             return
         now = time.monotonic()
@@ -114,8 +125,11 @@ class Console:
             # metrics would wait for tqdm's next redraw (or never show, on a task's last refresh).
             bar.set_postfix_str(text, refresh=True)
             return
-        total = f"/{self._total}" if self._total else ""
-        line = f"{self._prefix}B {batch_idx}{total}  {self._stage}> {text}"
+        if clock is None:
+            total = f"/{self._total}" if self._total else ""
+            line = f"{self._prefix}B {batch_idx}{total}  {self._stage}> {text}"
+        else:
+            line = f"{self._prefix}U {_of(updates, clock[1])}  {self._stage}> {text}"
         if self.tty:
             self.stream.write("\r" + line)
             self.stream.flush()

@@ -184,7 +184,35 @@ def test_a_validation_interval_without_validation_data_is_refused():
         _trainer().fit(_loaders()[0], val_every_n_updates=5)
 
 
-def test_an_endless_stream_without_a_budget_is_refused():
-    """itertools.cycle with no max_updates would never end: the error names max_updates."""
-    with pytest.raises(ConfigError, match=r"endless stream \(cycle\).*Trainer\(max_updates=N\).*got max_updates=None"):
-        _trainer(max_updates=None, epochs=3).fit(itertools.cycle([(X[:4], Y[:4])]))
+@pytest.mark.parametrize(("make", "why"), [
+    (lambda: itertools.cycle([(X[:4], Y[:4])]), "cycle"),
+    (lambda: itertools.repeat((X[:4], Y[:4])), "repeat"),
+    (lambda: DataLoader(TensorDataset(X, Y), batch_size=4, sampler=itertools.cycle(range(24))),
+     "a DataLoader whose sampler is cycle"),
+    (lambda: DataLoader(TensorDataset(X, Y), batch_sampler=itertools.repeat([0, 1, 2, 3])),
+     "a DataLoader whose batch_sampler is repeat"),
+], ids=["itertools.cycle", "itertools.repeat", "loader-over-an-endless-sampler", "loader-over-endless-batches"])
+def test_an_endless_stream_without_a_budget_is_refused_naming_max_updates(make, why):
+    """Data that never ends by construction (an endless itertools iterator as the data, or as a DataLoader's
+    sampler or batch sampler) with no max_updates would never end a fit: refused before training, naming
+    what makes it endless and max_updates."""
+    with pytest.raises(ConfigError, match=rf"endless stream \({why}\).*Trainer\(max_updates=N\).*got max_updates=None"):
+        _trainer(max_updates=None, epochs=3).fit(make())
+
+
+class Finite(IterableDataset):
+    """A stream without a length that ends after 3 batches of 4 samples."""
+
+    def __iter__(self):
+        return iter(zip(X[:12], Y[:12]))
+
+
+@pytest.mark.parametrize("make", [lambda: DataLoader(Finite(), batch_size=4),
+                                  lambda: ((X[i:i + 4], Y[i:i + 4]) for i in (0, 4, 8))],
+                         ids=["iterable-dataset", "generator"])
+def test_a_stream_without_a_length_that_ends_trains_by_epochs_without_a_budget(make):
+    """Nothing can tell a length-less stream that ends from one that does not before iterating it, so an
+    IterableDataset or a generator is accepted without max_updates: each epoch ends with the stream."""
+    trainer = _trainer(max_updates=None, epochs=1)
+    trainer.fit(make())
+    assert trainer.loop.run.updates == 3 and trainer.loop.completed_epochs == 1
