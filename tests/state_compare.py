@@ -6,6 +6,7 @@ Test modules import this from tests/ (pytest puts it on `sys.path`, as for check
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 
 def states_equal(a, b) -> bool:
@@ -43,3 +44,17 @@ def assert_tensors_equal(got: dict, want: dict) -> None:
             assert torch.equal(got[name], value), name
         else:
             assert got[name] == value, name
+
+
+def plain_val_loss(model, val, device=None) -> float:
+    """A plain loop's evaluation: the sample-weighted mean cross-entropy over `val` in eval mode (batches
+    moved to `device` when given), the model back in training mode after."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in val:
+            if device is not None:
+                x, y = x.to(device), y.to(device)
+            total, count = total + float(F.cross_entropy(model(x), y)) * len(y), count + len(y)
+    model.train()
+    return total / count

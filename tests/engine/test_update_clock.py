@@ -9,6 +9,7 @@ the stream (in an update, in a validation point) ends as the uninterrupted run d
 import numpy as np
 import pytest
 import torch
+from state_compare import plain_val_loss  # the plain loop's evaluation
 from test_exact_order import FailingLoss  # cross_entropy raising once, on call `fail_at` (training or not)
 from test_loader_order import Noisy as TorchNoisy  # noise drawn from torch's generator when loaded
 from test_loader_order import _assert_equal as assert_weights_and_optimizer_equal
@@ -59,17 +60,6 @@ def _parts():
     return model, opt, sched
 
 
-def _val_loss(model, val):
-    """The plain loop's evaluation: the sample-weighted mean loss over `val`, in eval mode."""
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for vx, vy in val:
-            total, count = total + float(F.cross_entropy(model(vx), vy)) * len(vy), count + len(vy)
-    model.train()
-    return total / count
-
-
 def plain_loop(resampled=True, numpy=True):
     """The user's loop: UPDATES updates, validation after every EVERY-th and after the last; a new iterator
     (an epoch) when one runs out, the training loss recorded per epoch."""
@@ -95,7 +85,7 @@ def plain_loop(resampled=True, numpy=True):
         train_sum, train_n = train_sum + float(loss.detach()) * len(y), train_n + len(y)
         if update % EVERY == 0 or update == UPDATES:
             points.append(update)
-            losses.append(_val_loss(model, val))
+            losses.append(plain_val_loss(model, val))
     train_losses.append(train_sum / train_n)
     records = {"train": {"loss": train_losses}, "val": {"updates": points, "loss": losses}}
     return model.state_dict(), opt.state_dict(), sched.state_dict(), records
@@ -196,7 +186,7 @@ def test_reduce_lr_on_plateau_steps_at_each_validation_point_with_its_loss_as_in
         opt.step()
         opt.zero_grad()
         if update % EVERY == 0 or update == UPDATES:
-            plateau.step(_val_loss(model, val))
+            plateau.step(plain_val_loss(model, val))
     want = (model.state_dict(), opt.state_dict(), plateau.state_dict())
 
     model, opt, plateau = parts()

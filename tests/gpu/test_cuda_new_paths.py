@@ -21,6 +21,7 @@ from deepepochs import EMACallback, Trainer, TrainerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the CPU tests' helpers
 from callbacks.test_averaging import Watch  # noqa: E402  (the average after each batch, and the skipped ones)
+from state_compare import plain_val_loss  # noqa: E402  (a plain loop's evaluation)
 from test_own_backward import ManagedBackward  # noqa: E402  (self.backward(loss) then self.optimize())
 
 pytestmark = [
@@ -64,17 +65,6 @@ def assert_same(got: dict, want: dict):
         assert torch.equal(got[name], value), name
 
 
-def val_loss(model, val):
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for x, y in val:
-            x, y = x.to(CUDA), y.to(CUDA)
-            total, count = total + float(F.cross_entropy(model(x), y)) * len(y), count + len(y)
-    model.train()
-    return total / count
-
-
 def test_training_by_updates_with_an_ema_on_cuda_equals_the_plain_update_loop():
     """UPDATES updates over the stream, validation after every EVERY-th and the last, an EMA moved after each
     step: the weights, the optimizer state and the average equal the plain CUDA loop's bit for bit, and each
@@ -98,7 +88,7 @@ def test_training_by_updates_with_an_ema_on_cuda_equals_the_plain_update_loop():
         averaged.update_parameters(ref)
         if update % EVERY == 0 or update == UPDATES:
             points.append(update)
-            losses.append(val_loss(ref, val))
+            losses.append(plain_val_loss(ref, val, CUDA))
 
     assert trainer.loop.run.updates == UPDATES
     assert_same(trainer.raw_model.state_dict(), ref.state_dict())

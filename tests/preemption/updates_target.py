@@ -39,6 +39,9 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import deepepochs as de
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for state_compare
+from state_compare import plain_val_loss  # noqa: E402  (the plain loop's evaluation)
+
 N, BATCH, VAL_N, UPDATES, EVERY = 40, 4, 16, 30, 7
 
 
@@ -171,14 +174,8 @@ def plain(args) -> dict:
         sched.step()
         opt.zero_grad()
         if update % EVERY == 0 or update == UPDATES:
-            model.eval()
-            total, count = 0.0, 0
-            with torch.no_grad():
-                for vx, vy in val_dl:
-                    total, count = total + float(F.cross_entropy(model(vx), vy)) * len(vy), count + len(vy)
-            model.train()
             points.append(update)
-            losses.append(total / count)
+            losses.append(plain_val_loss(model, val_dl))
     records = {"train": {"loss": [train_sum / train_n]}, "val": {"updates": points, "loss": losses}}
     return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "records": records,
             "updates": UPDATES}
