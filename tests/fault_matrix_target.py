@@ -10,10 +10,16 @@
   trainer runs the stage again), with the final result; a signal nobody listens for ends the process.
 - `kill`: run STAGE with a snapshot after every update in FOLDER and SIGKILL this process on that entry.
 - `resume`: a new trainer with `resume=True` on FOLDER runs STAGE to its end; the result goes to OUT.
+
+`ddp_cell` is a `launch` target: each of 2 gloo ranks runs the stage named by the DDP_* variables; the rank
+DDP_RANK gets the fault on the DDP_OCCURRENCE-th entry into DDP_STATE (an exception, or the signal sent to its
+own process); in a fit a SnapshotCallback in DDP_FOLDER listens for the signal, and with DDP_RESUME the run
+resumes from it. Rank 0 returns the stage's result and the states it entered.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import sys
@@ -23,7 +29,40 @@ from fault_matrix_setup import FITS, make_trainer, stage_result  # this folder, 
 
 from deepepochs import Preempted
 
+__all__ = ["DDP_VARIABLES", "ddp_cell"]
+
 WORKERS = 2
+#: What `ddp_cell` reads: the stage, state, occurrence, fault, faulted rank, snapshot folder, resume flag.
+DDP_VARIABLES = ("DDP_STAGE", "DDP_STATE", "DDP_OCCURRENCE", "DDP_FAULT", "DDP_RANK", "DDP_FOLDER", "DDP_RESUME")
+
+
+class InjectedOnRank(Exception):
+    pass
+
+
+def ddp_cell():
+    """One rank of a 2-process DDP cell (see the module's text); rank 0 returns the result and the states."""
+    stage, state, occurrence, fault, rank, folder, resume = (os.environ.get(name, "") for name in DDP_VARIABLES)
+    listened = stage in FITS and fault in ("SIGTERM", "SIGUSR1")
+    trainer = make_trainer(folder or None, stage, resume=bool(resume), snapshot_signal=fault if listened else None)
+    seen, entered = [0], collections.Counter()
+
+    def probe(dest):
+        entered[dest] += 1
+        if dest != state or resume or os.environ["RANK"] != rank:
+            return
+        seen[0] += 1
+        if seen[0] != int(occurrence):
+            return
+        if fault == "exception":
+            raise InjectedOnRank(f"injected on rank {rank} entering {state}")
+        signal.raise_signal(getattr(signal, fault))
+
+    trainer.machine.probe = probe
+    try:
+        return {"result": stage_result(trainer, stage), "entered": entered}
+    finally:
+        trainer.close()
 
 
 def main() -> None:

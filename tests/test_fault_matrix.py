@@ -30,10 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 from fault_matrix_setup import FITS, STAGES, entered_states, make_trainer, stage_result  # tests/
+from fault_matrix_target import DDP_VARIABLES, ddp_cell  # tests/
 from state_compare import states_equal  # tests/, on sys.path under pytest
 
 from deepepochs import Preempted
+from deepepochs.errors import DistributedError
 from deepepochs.fsm.machine import load_spec
+
+sys.path.insert(0, str(Path(__file__).with_name("distributed")))
+from deadline import TORCHRUN_VARIABLES, launch_with_deadline  # noqa: E402  (tests/distributed)
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs POSIX signals")
 
@@ -234,3 +239,53 @@ def test_a_fit_killed_in_any_state_resumes_from_its_last_file_to_the_uninterrupt
     assert code == 0, stderr[-3000:]
     assert states_equal(torch.load(out, weights_only=False)["result"], reference)
     _report(stage, state, "SIGKILL", "resumed")
+
+
+# ---- 2-process DDP (gloo): a sampled subset of the cells, the fault on one rank ------------------------------
+DDP_STAGES = ("fit", "fit_by_updates", "test", "predict")
+DDP_CELLS = [(stage, state, fault, rank) for stage in DDP_STAGES for state in sorted(ENTERED[stage])
+             for fault in FAULTS for rank in ("0", "1")]
+DDP_SELECTED = sorted(random.Random(SAMPLE_SEED).sample(DDP_CELLS, 12 if FULL else 1))
+_DDP_REFERENCE: dict = {}
+
+
+def _launch_cell(monkeypatch, **variables):
+    """`launch(ddp_cell, 2)` with the cell's variables (the unset ones cleared), bounded in time."""
+    for name in DDP_VARIABLES:
+        monkeypatch.setenv(name, variables.get(name.removeprefix("DDP_").lower(), ""))
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return launch_with_deadline(ddp_cell, 240)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(("stage", "state", "fault", "rank"), DDP_SELECTED)
+def test_a_fault_on_one_ddp_rank_in_any_state_ends_in_a_documented_outcome(stage, state, fault, rank, tmp_path,
+                                                                         monkeypatch):
+    """Under `launch` with 2 gloo ranks, the fault on one rank on entering `state`: a signal listened for in
+    a fit stops both ranks with `Preempted` and the resumed 2-rank run ends as the uninterrupted one; any
+    other fault ends the group with `DistributedError` carrying that rank's error."""
+    if stage not in _DDP_REFERENCE:
+        _DDP_REFERENCE[stage] = _launch_cell(monkeypatch, stage=stage)
+    reference = _DDP_REFERENCE[stage]
+    if not reference["entered"][state]:
+        pytest.skip(f"{stage} does not enter {state} under 2 ranks (each rank's share of the data differs)")
+    occurrence = str(2 if reference["entered"][state] >= 2 else 1)
+    cell = {"stage": stage, "state": state, "occurrence": occurrence, "fault": fault, "rank": rank,
+            "folder": str(tmp_path / "snap")}
+    if stage in FITS and fault in ("SIGTERM", "SIGUSR1"):
+        with pytest.raises(Preempted) as info:
+            _launch_cell(monkeypatch, **cell)
+        assert info.value.code == 128 + getattr(signal, fault) and info.value.path.is_file()
+        resumed = _launch_cell(monkeypatch, **cell, resume="1")
+        assert states_equal(resumed["result"], reference["result"])
+        _report(stage, state, f"ddp-rank{rank}-{fault}", "preempted")
+        return
+    with pytest.raises(DistributedError) as info:
+        _launch_cell(monkeypatch, **cell)
+    expected = {"exception": f"injected on rank {rank} entering {state}", "SIGINT": f"rank {rank} was interrupted"}
+    message = str(info.value)
+    assert expected.get(fault, f"rank {rank} of 2 died with signal {fault}") in message, message[-3000:]
+    assert message.startswith(f"launch: rank {rank} of 2"), message[-3000:]  # the faulted rank, not its peer
+    _report(stage, state, f"ddp-rank{rank}-{fault}", "distributed error")
