@@ -99,8 +99,8 @@ def main() -> None:
         result = stage_result(trainer, stage, workers, context)
         record = {"outcome": "unaffected", "result": result}
     except Preempted as stop:
-        record = {"outcome": "preempted", "code": stop.code, "snapshot": str(stop.path),
-                  "idle": trainer.machine.state == "idle"}
+        record = {"outcome": "preempted", "code": stop.code, "idle": trainer.machine.state == "idle",
+                  "snapshot_written": stop.path is not None and stop.path.is_file()}  # (the resume may prune it)
         resumed = make_trainer(folder, stage, resume=True, snapshot_signal=fault)
         record["result"] = stage_result(resumed, stage)
     except KeyboardInterrupt:
