@@ -185,8 +185,9 @@ GROUP_CELLS = [(stage, state, context, fault) for stage in STAGES for state in s
                for context in CONTEXTS for fault in GROUP_FAULTS]
 #: every state a fit enters (the stages that write files a resume continues from)
 KILL_CELLS = [(stage, state) for stage in FITS for state in sorted(ENTERED[stage])]
-GROUP_SELECTED = GROUP_CELLS if FULL else [random.Random(SAMPLE_SEED).choice(
-    [cell for cell in GROUP_CELLS if cell[2] == context]) for context in CONTEXTS]
+_rng = random.Random(SAMPLE_SEED)
+GROUP_SELECTED = GROUP_CELLS if FULL else [_rng.choice([cell for cell in GROUP_CELLS if cell[2] == context])
+                                           for context in CONTEXTS]  # one cell with each start method
 KILL_SELECTED = KILL_CELLS if FULL else sorted(random.Random(SAMPLE_SEED).sample(KILL_CELLS, 2))
 
 
