@@ -40,8 +40,16 @@ class InjectedOnRank(Exception):
     pass
 
 
+def _foreground_sigint() -> None:
+    """SIGINT raises KeyboardInterrupt, as in a job started from a terminal. A suite started in the background
+    by a shell (`cmd &`) passes SIGINT on ignored, and Python then installs no handler for it: test and
+    predict, which install none either, would not see the signal at all."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def ddp_cell():
     """One rank of a 2-process DDP cell (see the module's text); rank 0 returns the result and the states."""
+    _foreground_sigint()
     stage, state, occurrence, fault, rank, folder, resume = (os.environ.get(name, "") for name in DDP_VARIABLES)
     listened = stage in FITS and fault in ("SIGTERM", "SIGUSR1")
     trainer = make_trainer(folder or None, stage, resume=bool(resume), snapshot_signal=fault if listened else None)
@@ -68,6 +76,7 @@ def ddp_cell():
 def main() -> None:
     mode, stage, state, occurrence, fault, context, folder, out = sys.argv[1:]
     occurrence = int(occurrence)
+    _foreground_sigint()
     torch.set_num_threads(1)
     if mode == "resume":
         trainer = make_trainer(folder, stage, resume=True, every_n_updates=1)
