@@ -277,7 +277,8 @@ def test_a_fault_on_one_ddp_rank_in_any_state_ends_in_a_documented_outcome(stage
                                                                          monkeypatch):
     """Under `launch` with 2 gloo ranks, the fault on one rank on entering `state`: a signal listened for in
     a fit stops both ranks with `Preempted` and the resumed 2-rank run ends as the uninterrupted one; any
-    other fault ends the group with `DistributedError` carrying that rank's error."""
+    other fault (a signal after the fit: its default effect) ends the group with `DistributedError` naming
+    the faulted rank."""
     if stage not in _DDP_REFERENCE:
         _DDP_REFERENCE[stage] = _launch_cell(monkeypatch, stage=stage)
     reference = _DDP_REFERENCE[stage]
@@ -286,7 +287,8 @@ def test_a_fault_on_one_ddp_rank_in_any_state_ends_in_a_documented_outcome(stage
     occurrence = str(2 if reference["entered"][state] >= 2 else 1)
     cell = {"stage": stage, "state": state, "occurrence": occurrence, "fault": fault, "rank": rank,
             "folder": str(tmp_path / "snap")}
-    if stage in FITS and fault in ("SIGTERM", "SIGUSR1"):
+    # the machine's rest state is entered once the fit ended and its previous handlers are back
+    if stage in FITS and fault in ("SIGTERM", "SIGUSR1") and state != SPEC.initial:
         with pytest.raises(Preempted) as info:
             _launch_cell(monkeypatch, **cell)
         assert info.value.code == 128 + getattr(signal, fault) and info.value.path.is_file()
