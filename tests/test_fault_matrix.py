@@ -205,6 +205,14 @@ def _target(mode, stage, state, occurrence, fault, context, folder, out):
     return proc.returncode, stderr
 
 
+def _tracebacks_of_the_run(stderr: str) -> list[str]:
+    """The tracebacks in `stderr`, less those of multiprocessing's resource tracker: with spawn workers it runs
+    in the job's process group too, and a SIGUSR1 that ended it makes its relaunch print KeyErrors (the
+    documented note in the snapshots guide); they are not the run's."""
+    chunks = stderr.split("Traceback (most recent call last):")[1:]
+    return [chunk for chunk in chunks if "multiprocessing/resource_tracker.py" not in chunk.split("\n", 2)[1]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "state", "context", "fault"), GROUP_SELECTED)
 def test_the_job_signalled_with_workers_in_any_state_of_any_stage_ends_in_a_documented_outcome(
@@ -219,7 +227,7 @@ def test_the_job_signalled_with_workers_in_any_state_of_any_stage_ends_in_a_docu
     out = tmp_path / "out.pt"
     code, stderr = _target("group", stage, state, occurrence, fault, context, tmp_path / "snap", out)
     number = getattr(signal, fault)
-    assert "exited unexpectedly" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "exited unexpectedly" not in stderr and not _tracebacks_of_the_run(stderr), stderr[-3000:]
     if fault != "SIGINT" and stage not in FITS:
         assert code == -number and not out.exists(), stderr[-3000:]
         _report(stage, state, f"group-{context}-{fault}", "ended by the signal")
