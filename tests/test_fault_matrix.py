@@ -188,7 +188,7 @@ KILL_CELLS = [(stage, state) for stage in FITS for state in sorted(ENTERED[stage
 _rng = random.Random(SAMPLE_SEED)
 GROUP_SELECTED = GROUP_CELLS if FULL else [_rng.choice([cell for cell in GROUP_CELLS if cell[2] == context])
                                            for context in CONTEXTS]  # one cell with each start method
-KILL_SELECTED = KILL_CELLS if FULL else sorted(random.Random(SAMPLE_SEED).sample(KILL_CELLS, 2))
+KILL_SELECTED = KILL_CELLS if FULL else sorted(random.Random(SAMPLE_SEED).sample(KILL_CELLS, 1))
 
 
 def _target(mode, stage, state, occurrence, fault, context, folder, out):
