@@ -70,6 +70,13 @@ def _run_rank(local_rank: int, main_pickled: bytes, world_size: int, master_port
         with open(_preempted_path(os.path.dirname(result_path), local_rank), "wb") as fh:
             pickle.dump((stop.code, stop.signal_name, None if stop.path is None else str(stop.path)), fh)
         _exit_quietly()
+    except KeyboardInterrupt as exc:
+        # torch's child wrapper takes a KeyboardInterrupt for its parent stopping it and exits 0 without a
+        # word; a SIGINT that reached this rank alone would then surface as the other ranks' collective
+        # failing for want of a peer. Raised as an error, its traceback (the rollback's flight record) is the
+        # one the parent reports first.
+        raise RuntimeError(f"rank {local_rank} was interrupted (KeyboardInterrupt: SIGINT reached it); main() "
+                           "rolled back and ended there") from exc
     if local_rank == 0:
         _write_result(result, result_path)
     open(_done_path(result_path, local_rank), "w").close()

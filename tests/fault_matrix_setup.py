@@ -1,0 +1,108 @@
+"""The fault matrix's run, shared by the in-process cells (tests/test_fault_matrix.py) and the cells that run
+in a process of their own (tests/fault_matrix_target.py: the whole process group signalled with DataLoader
+workers, SIGKILL followed by a resume, 2-process DDP).
+
+One small classifier, fp16 with a scaler (one update skipped for inf gradients), dropout, shuffling, Adam with a
+step-wise StepLR and accumulation over 2 batches; each stage runs on it: fit (by epochs or by updates with
+validation points), test, predict and the LR sweep. `stage_result` gives what a stage returns in a form
+`states_equal` compares (a fit: weights, optimizer, scheduler, scaler and history).
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from deepepochs import Callback, Optimizer, SnapshotCallback, Trainer
+
+__all__ = ["EPOCHS", "FITS", "MAX_UPDATES", "STAGES", "VAL_EVERY", "entered_states", "loaders", "make_trainer",
+           "stage_result"]
+
+STAGES = ("fit", "fit_by_updates", "test", "predict", "lr_sweep")
+#: The stages a SnapshotCallback listens in.
+FITS = ("fit", "fit_by_updates")
+MAX_UPDATES, VAL_EVERY = 5, 2  # fit_by_updates: the budget ends inside epoch 2, validation points in between
+EPOCHS = 2
+POISONED = {(1, 3)}  # fp16: the (epoch, batch) whose gradients are made inf, so the scaler skips that update
+
+
+class Poison(Callback):
+    """inf in a gradient at the POISONED positions: the scaler skips those updates (optimize_skipped)."""
+
+    def on_after_backward(self, trainer, loss):
+        if (trainer.loop.epoch, trainer.loop.batch_idx) in POISONED:
+            next(trainer.raw_model.parameters()).grad.fill_(float("inf"))
+
+
+def loaders(workers: int = 0, context: str | None = None):
+    """(train, val): 40 shuffled samples in 5 batches (k=2 windows), 8 in 2; with `workers`, both load in that
+    many DataLoader worker processes started by `context`."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 6, generator=g)
+    y = (x[:, 0] - x[:, 1] > 0).long()
+    options = {"num_workers": workers, "multiprocessing_context": context} if workers else {}
+    train = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=8, shuffle=True, **options)
+    val = DataLoader(TensorDataset(x[40:], y[40:]), batch_size=4, **options)
+    return train, val
+
+
+def make_trainer(folder, stage, resume=False, snapshot_signal=None, every_n_updates=None, **options):
+    """The matrix's trainer for `stage`; with `snapshot_signal` (or `every_n_updates`) a SnapshotCallback in
+    `folder` listens for that signal (and writes every that many updates)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 2))
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = Optimizer(adam, torch.optim.lr_scheduler.StepLR(adam, 2, gamma=0.8), sched_on="step")
+    callbacks = [Poison()]
+    if snapshot_signal is not None or every_n_updates is not None:
+        signals = (snapshot_signal,) if snapshot_signal is not None else ()
+        callbacks.append(SnapshotCallback(folder, on_signals=signals, every_n_updates=every_n_updates))
+    return Trainer(model, F.cross_entropy, opt, epochs=EPOCHS, gradient_accumulation_steps=2, precision="fp16",
+                   fuse_steps=False, device="cpu", log_batch=False, show_info=False, callbacks=callbacks,
+                   resume=resume, running_id="run", max_updates=MAX_UPDATES if stage == "fit_by_updates" else None,
+                   **options)
+
+
+def stage_result(trainer, stage, workers: int = 0, context: str | None = None):
+    """Run `stage` on a trainer; what it returns, comparable with `states_equal`."""
+    train, val = loaders(workers, context)
+    if stage == "fit":
+        trainer.fit(train, val)
+        return _state(trainer)
+    if stage == "fit_by_updates":
+        trainer.fit(train, val, val_every_n_updates=VAL_EVERY)
+        return _state(trainer)
+    if stage == "test":
+        return trainer.test(val)
+    if stage == "predict":
+        return trainer.predict(val)
+    result = trainer.find_lr(train, num_steps=6, plot=False)
+    return (result.lrs, result.losses, _state(trainer))
+
+
+def _state(trainer):
+    return {"model": trainer.raw_model.state_dict(), "opt": trainer.opt[0].opt.state_dict(),
+            "lrs": trainer.opt.lrs(), "scale": trainer.scaler.get_scale() if trainer.scaler is not None else None,
+            "history": trainer.history}
+
+
+def entered_states(stage, workers: int = 0, context: str | None = None):
+    """(how often a clean run of `stage` enters each state, for each state the entries (1-based) made while
+    DataLoader worker processes are alive)."""
+    trainer = make_trainer(None, stage)
+    entered, with_workers = collections.Counter(), collections.defaultdict(list)
+    before = set(multiprocessing.active_children())
+
+    def probe(dest):
+        entered[dest] += 1
+        if set(multiprocessing.active_children()) - before:
+            with_workers[dest].append(entered[dest])
+
+    trainer.machine.probe = probe
+    stage_result(trainer, stage, workers, context)
+    return entered, dict(with_workers)
