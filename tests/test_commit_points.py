@@ -452,3 +452,32 @@ def test_an_exception_inside_step_leaves_the_first_parameters_updated_and_a_chec
     failing.fit(TRAIN)
     for key, value in reference.raw_model.state_dict().items():
         assert torch.equal(failing.raw_model.state_dict()[key], value), key
+
+
+def test_a_fit_started_with_sigint_ignored_keeps_it_ignored_throughout():
+    """A job started in the background has SIGINT ignored: fit and test leave it so (a handler of their own would
+    make every process started meanwhile, which inherits an ignored signal across exec, take it again), and a
+    SIGINT sent meanwhile changes nothing."""
+    seen = []
+
+    class Probe(Callback):
+        def on_before_train_batch(self, trainer, batch_x, batch_y, batch_idx):
+            seen.append(signal.getsignal(signal.SIGINT))
+            if batch_idx == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        def on_before_test_batch(self, trainer, batch_x, batch_y, batch_idx):
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1,
+                          callbacks=[Probe()], **QUIET)
+        trainer.fit(TRAIN)
+        trainer.test(TRAIN)
+        assert seen and all(handler == signal.SIG_IGN for handler in seen), seen
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+from deepepochs.data import workers
 from deepepochs.data.batch_rules import batch_splitter, lookahead
 from deepepochs.data.outputs import label_split
 from deepepochs.data.sampling import PaddingBatch
@@ -162,7 +163,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     console, autocast = parts.console, parts.precision.autocast
     data, guarded = snapshot_trigger.guard(ctx, data, stage)  # a fetch a listed signal made fail stops the fit
     try:
-        for batch in parts.dist.pad_eval(data):
+        for batch in workers.start(parts.dist.pad_eval(data)):
             if type(batch) is PaddingBatch:  # FSDP: this rank's shard has ended; its forward meets the others'
                 with autocast():
                     steps.padding_forward(ctx, split(batch.batch)[0])

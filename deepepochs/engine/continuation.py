@@ -20,6 +20,7 @@ import warnings
 
 from torch.utils.data import DataLoader
 
+from deepepochs.data import workers
 from deepepochs.data.batch_rules import exact_length
 from deepepochs.data.sampling import DataOrder, LoaderOrder, iterate_past, loader_order, skip_batches
 from deepepochs.data.streams import StreamSource, generators_of, resume_warning, start_draws, stream_holder
@@ -185,7 +186,7 @@ def _replay(ctx: Context, data, skip: int, past: int, generators: list):
 
 def _watched(ctx: Context, data):
     """The iterator of `data`, made now; a stateful source's notes where it ends (`StreamSource.watch`)."""
-    batches = iter(data)
+    batches = workers.start(data)
     return batches if ctx.data_source is None else ctx.data_source.watch(batches)
 
 

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from deepepochs.data import workers
 from deepepochs.data.batch_rules import input_splitter
 from deepepochs.data.outputs import concat_batches, detached, label_split, merge_shards
 from deepepochs.engine import (
@@ -90,7 +91,8 @@ class Driver:
         ctx.signals.install()
         self.running, self.running_thread = name, threading.current_thread()
         try:
-            return run()
+            with workers.stage():  # the workers of iterators left running are shut down before any rollback
+                return run()
         except BaseException as exc:
             task = ctx.task  # the rollback forgets it
             self._rollback(exc)

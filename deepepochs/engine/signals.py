@@ -4,7 +4,8 @@ A SIGINT that lands inside `optimizer.step()` (Adam on the CPU updates parameter
 some parameters updated and others not, and no rollback can tell which. While `fit` or `test` runs, the
 guard replaces the SIGINT handler (main thread only); inside an update (`hold` ... `release`) a SIGINT is
 noted and delivered when the update and its scheduler step are complete. Outside one, it is delivered at
-once. Delivery means what the caller's handler would have done: call it, ignore the signal, or raise
+once. A SIGINT the process ignores (a job started in the background) stays ignored: the guard is not
+installed. Delivery means what the caller's handler would have done: call it, ignore the signal, or raise
 `KeyboardInterrupt`. The caller's handler is put back when `fit`/`test` returns or raises.
 """
 
@@ -31,8 +32,11 @@ class InterruptGuard:
         """Take over SIGINT until `uninstall` (a no-op outside the main thread or when already installed)."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGINT) is None:  # a handler set outside Python: it could not be put back
+        current = signal.getsignal(signal.SIGINT)
+        if current is None:  # a handler set outside Python: it could not be put back
             return
+        if current == signal.SIG_IGN:  # ignored (a background job): nothing to hold, and the processes the
+            return  # stage starts keep inheriting the ignoring, which exec would reset for a handler
         try:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         except (ValueError, OSError):  # no signal support here (e.g. an embedded interpreter)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from deepepochs import torch_private
+from deepepochs.data import workers
 from deepepochs.data.sampling import PaddingBatch, len_or_minus_one
 from deepepochs.errors import ConfigError, DistributedError
 from deepepochs.parallel.ddp import DDPPolicy, is_dtensor
@@ -355,14 +356,14 @@ class FSDPPolicy(DDPPolicy):
 
     def _pad_counted(self, data, most: int):
         last, ran = None, 0
-        for batch in itertools.islice(data, most):
+        for batch in itertools.islice(workers.start(data), most):
             last, ran = batch, ran + 1
             yield batch
         for _ in range(most - ran):
             yield PaddingBatch(last if last is not None else self._some_batch(data))
 
     def _pad_agreed(self, data):
-        batches, last, done = iter(data), None, False
+        batches, last, done = workers.start(data), None, False
         while True:
             if not done:
                 try:

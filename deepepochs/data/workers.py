@@ -1,0 +1,88 @@
+"""Starting a stage's data: DataLoader workers that never take a Ctrl-C.
+
+A Ctrl-C in a terminal (and a scheduler's SIGINT to the job) reaches the whole process group, DataLoader
+workers included. The main process handles it (the stage rolls back, see `deepepochs.engine.signals`); a worker
+that took it would die instead: a spawn worker still importing prints its KeyboardInterrupt traceback, and
+torch's SIGCHLD handler then raises "DataLoader worker is killed by signal: Interrupt" wherever the main
+process is, even inside the iterator's `__del__`, and a persistent worker is gone for the next epoch.
+
+So every stage makes its data's iterator through `start` (where a DataLoader starts its workers), with SIGINT
+blocked in the calling thread meanwhile: a new process inherits the mask (fork copies it, and exec keeps it),
+so the workers keep a SIGINT pending and end when the stage shuts them down, as torch's own worker loop
+intends (it swallows KeyboardInterrupt). The main process loses nothing: a SIGINT that arrived while blocked
+is delivered when `start` returns. Processes a worker starts inherit the mask too.
+
+multiprocessing's helper processes are started first, outside the block: its resource tracker (started at
+the first spawn or forkserver worker, it unblocks SIGINT in the starting thread once it runs, which would
+expose every worker started after it) and the fork server (whose mask every process it forks would keep).
+So forkserver workers are not covered (they are forked by the server), nor is data whose workers start later
+than its `iter()` (an iterator wrapping a DataLoader inside its `__next__`).
+
+A stage that ends before its iterators are exhausted (an exception, a Ctrl-C, the update budget reached
+mid-epoch) shuts their workers down as it ends (`stage`), not when the garbage collector reaches them: an
+iterator held by a traceback's reference cycle is collected in any order with its queues, and a spawn worker
+still starting then finds the queues' semaphores gone, dies with its own traceback, and torch's SIGCHLD
+handler raises "exited unexpectedly" wherever the main process is. Persistent workers are left to their
+DataLoader, which holds their iterator and reuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import signal
+import weakref
+from multiprocessing import forkserver, resource_tracker
+
+from deepepochs import torch_private
+
+__all__ = ["stage", "start"]
+
+_BLOCKABLE = hasattr(signal, "pthread_sigmask")  # POSIX
+#: per running stage (innermost last: a callback may run another stage inside one), the iterators it started
+_stages: list[weakref.WeakSet] = []
+
+
+@contextlib.contextmanager
+def stage():
+    """Run a stage: as it ends, however it ends, shut down the workers of the iterators `start` made in it
+    that are still running (see the module doc)."""
+    started = weakref.WeakSet()
+    _stages.append(started)
+    try:
+        yield
+    finally:
+        del _stages[next(i for i in reversed(range(len(_stages))) if _stages[i] is started)]  # not ==: equal sets
+        for iterator in list(started):
+            torch_private.shutdown_loader_workers(iterator)
+
+
+def start(data):
+    """`iter(data)`, with SIGINT blocked in this thread while it runs; within a `stage`, shut down when it ends
+    (see the module doc)."""
+    if not _BLOCKABLE:
+        iterator = iter(data)
+    else:
+        _helpers_first(data)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            iterator = iter(data)
+        finally:
+            if signal.SIGINT not in previous:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if _stages and not getattr(data, "persistent_workers", False) and hasattr(iterator, "_shutdown_workers"):
+        _stages[-1].add(iterator)
+    return iterator
+
+
+def _helpers_first(data) -> None:
+    """Start the multiprocessing helpers `data`'s workers would start, before SIGINT is blocked (module doc)."""
+    if not getattr(data, "num_workers", 0):
+        return
+    context = getattr(data, "multiprocessing_context", None)  # a DataLoader's; None: multiprocessing's default
+    method = (context.get_start_method() if context is not None
+              else multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0])
+    if method == "forkserver":
+        forkserver.ensure_running()  # starts the resource tracker too
+    elif method == "spawn":
+        resource_tracker.ensure_running()

@@ -1,0 +1,31 @@
+"""Ctrl-C (SIGINT to the whole process group) while a stage's spawn DataLoader workers are still starting, in
+every stage: the main process rolls the stage back, and the workers neither die of the signal nor of the
+stage's end (tests/worker_sigint_target.py). Before, each printed a KeyboardInterrupt traceback from its
+imports, or a FileNotFoundError when the stopped iterator's queues were collected before it had read them,
+and torch's SIGCHLD handler raised "DataLoader worker ... killed by signal" inside the iterator's `__del__`."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(signal, "pthread_sigmask") or "spawn" not in multiprocessing.get_all_start_methods(),
+    reason="needs POSIX signal masks and the spawn start method")
+
+TARGET = Path(__file__).with_name("worker_sigint_target.py")
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_while_workers_start_rolls_every_stage_back_and_no_worker_dies_of_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(TARGET.parent)])}
+    proc = subprocess.run([sys.executable, str(TARGET)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=env, start_new_session=True)  # the target signals its own process group
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-6:] == [f"{stage} 2 True" for stage in
+                                            ("train", "val", "test", "predict", "lr_sweep")] + [""], proc.stdout
+    assert "Traceback" not in proc.stderr and "DataLoader worker" not in proc.stderr, proc.stderr[-3000:]
