@@ -74,9 +74,10 @@ FSDP2's per-parameter records (`FSDPModule._get_fsdp_state()._fsdp_param_groups[
 `_MultiProcessingDataLoaderIter._shutdown_workers` (a DataLoader iterator's worker shutdown)
     Used when a fit stops on a listed signal with an iterator whose workers the signal killed: it joins
     them and takes their pids out of the table torch's SIGCHLD handler checks, so that the handler, put
-    back when the fit ends, does not raise at exit for workers that were part of the preemption. Why:
+    back when the fit ends, does not raise at exit for workers that were part of the preemption; and when
+    any stage ends with iterators still running (`data.workers.stage`), while their queues exist. Why:
     torch shuts an iterator down only when it is exhausted or collected, which a stopped fit's traceback
-    delays until after the handler is back.
+    delays until after the handler is back, and a collected reference cycle may free the queues first.
     Fallback: `shutdown_loader_workers` does nothing (the workers are shut down when the iterator is
     collected).
 """
