@@ -35,7 +35,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, up
 
 from deepepochs.callbacks.base import Callback
 from deepepochs.config import check_choice
-from deepepochs.errors import ConfigError
+from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["EMACallback", "SWACallback"]
@@ -379,7 +379,16 @@ class SWACallback(_WeightAverage):
         """Recompute the average's BatchNorm statistics over the training data (torch's `update_bn`), leaving
         every generator as it was so that a later fit draws what it would have drawn. The data is the training
         DataLoaders as given (the whole data, also under DDP, where every rank then takes rank 0's statistics:
-        one broadcast, at the fit's end, as the ranks' orders, and so the float sums, may differ)."""
+        one broadcast, at the fit's end, as the ranks' orders, and so the float sums, may differ). A fit that
+        ended before the start (its total was not known in advance: by epochs, or stopped early) is warned of."""
+        if self.updates == 0:
+            start = (f"start_epoch={self.start_epoch}" if self.start_update is None
+                     else f"start_update={self.start_update}")
+            warnings.warn(f"SWACallback averaged nothing: the fit ended at epoch {trainer.loop.epoch}, update"
+                          f" {trainer.loop.run.updates}, before {start}; evaluate=True validated and tested the"
+                          " model itself and applied() refuses. Start earlier or train longer",
+                          DeepEpochsWarning, stacklevel=2)
+            return
         if not (self.bn_update and self.buffers == "copy" and self.updates and self._loaders):
             return
         generators = rng_state()

@@ -29,6 +29,7 @@ from deepepochs import (
     SWACallback,
     Trainer,
 )
+from deepepochs.errors import DeepEpochsWarning
 
 QUIET = dict(log_batch=False, show_info=False, device="cpu")
 EPOCHS = 3
@@ -492,6 +493,20 @@ def test_an_swa_start_after_the_fits_update_budget_is_refused():
                                           r", or nothing is averaged \(got 21\)"):
         fit(trainer)
     assert trainer.loop.run.updates == 0
+
+
+def test_a_fit_by_epochs_that_ends_before_the_swa_start_update_warns_that_nothing_was_averaged():
+    """By epochs the fit's update count is not known before training: the end of a fit that never reached
+    start_update says so, and the average stays unusable (applied() refuses)."""
+    swa = SWACallback(start_update=1000)
+    trainer = trainer_with([swa])
+    with pytest.warns(DeepEpochsWarning, match=r"SWACallback averaged nothing: the fit ended at epoch 3, update"
+                                               r" \d+, before start_update=1000"):
+        fit(trainer)
+    assert swa.updates == 0 and trainer.loop.run.updates > 0
+    with pytest.raises(ConfigError, match=r"SWACallback.applied\(\) needs an average"):
+        with swa.applied(trainer):
+            pass
 
 
 def test_swa_from_an_update_equals_a_plain_loop_with_swalr_bit_for_bit():
