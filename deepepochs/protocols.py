@@ -113,7 +113,7 @@ class SnapshotWriter(Protocol):
 
 
 class DistPolicy(Protocol):
-    """How processes train together (`deepepochs.parallel.ddp.SingleProcess`, `DDPPolicy`,
+    """How processes train together (`deepepochs.parallel.single.SingleProcess`, `DDPPolicy`,
     `deepepochs.parallel.fsdp.FSDPPolicy`): the same methods whatever the world size, so the engine has no
     `if distributed` branches. Also `trainer.dist` for callbacks."""
 

@@ -15,8 +15,8 @@ if not hasattr(torch.distributed.fsdp, "fully_shard"):
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402 (after the skip above)
 
 from deepepochs import ConfigError, Trainer  # noqa: E402
-from deepepochs.parallel.ddp import SingleProcess  # noqa: E402
 from deepepochs.parallel.fsdp import FSDP_KEYS, FSDPConfig, shard_targets  # noqa: E402
+from deepepochs.parallel.single import SingleProcess  # noqa: E402
 
 X = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] > 0).long()

@@ -12,8 +12,9 @@ from deepepochs import protocols
 from deepepochs.callbacks import CheckCallback, EMACallback, GradClipCallback, SnapshotCallback, SWACallback
 from deepepochs.callbacks.base import HookTable
 from deepepochs.engine.context import Parts
-from deepepochs.parallel.ddp import DDPPolicy, SingleProcess
+from deepepochs.parallel.ddp import DDPPolicy
 from deepepochs.parallel.fsdp import FSDPPolicy
+from deepepochs.parallel.single import SingleProcess
 from deepepochs.reporting.console import Console
 from deepepochs.training.optim import Optimizers
 from deepepochs.training.precision import Precision

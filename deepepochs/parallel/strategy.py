@@ -21,9 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from deepepochs.errors import ConfigError, DistributedError
 from deepepochs.parallel import slurm
-from deepepochs.parallel.ddp import DDPPolicy, SingleProcess
+from deepepochs.parallel.ddp import DDPPolicy
 from deepepochs.parallel.fsdp import FSDPConfig, FSDPPolicy
 from deepepochs.parallel.process_group import env_int
+from deepepochs.parallel.single import SingleProcess
 
 __all__ = ["check_ddp_kwargs", "select_policy"]
 

@@ -33,7 +33,7 @@ from deepepochs import Trainer
 from deepepochs.data.sampling import EvalShardSampler
 from deepepochs.data.sampling import shard as _shard
 from deepepochs.errors import ConfigError
-from deepepochs.parallel.ddp import SingleProcess
+from deepepochs.parallel.single import SingleProcess
 from deepepochs.parallel.strategy import select_policy
 
 # Spawned children import their targets by module name; they inherit this sys.path entry.
