@@ -63,3 +63,23 @@ def test_a_resume_from_a_best_file_of_an_epochs_end_with_validation_every_second
     resumed = build(tmp_path / "kept", True, resume=True, clock=False)
     assert fit(resumed, clock=False) == records
     assert states_equal(run_state(resumed), want)
+
+
+@pytest.mark.parametrize("on_stage, every", [("val", 6), ("train", EVERY)], ids=["val-point-at-an-epochs-end",
+                                                                                "train-monitor"])
+def test_a_resume_from_a_best_file_of_the_update_clock_at_an_epochs_end_is_exact(tmp_path, on_stage, every):
+    """Files of the update clock at an epoch's last update: a validation point there (its position: every
+    batch of the epoch done), or a training monitor's check at the epoch's end (no position). Resumed, the run
+    ends with the uninterrupted run's tensors and records."""
+    copy = tmp_path / "kept" / "run" / "loss.ckpt"
+    trainer = build(tmp_path / "a", True, lambda c: KeepFile(c, N // BATCH + 1, copy), on_stage=on_stage)
+    records, want = fit(trainer, every=every), run_state(trainer)
+    ckpt = read_checkpoint(copy)
+    assert ckpt.updates == N // BATCH
+    if on_stage == "val":  # inside epoch 1, after all its batches: the epoch's end follows the point
+        assert ckpt.epoch == 0 and ckpt.position["batches_done"] == N // BATCH
+    else:
+        assert ckpt.epoch == 1 and ckpt.position is None
+    resumed = build(tmp_path / "kept", True, resume=True, on_stage=on_stage)
+    assert fit(resumed, every=every) == records
+    assert states_equal(run_state(resumed), want)
