@@ -83,3 +83,36 @@ def test_a_resume_from_a_best_file_of_the_update_clock_at_an_epochs_end_is_exact
     resumed = build(tmp_path / "kept", True, resume=True, on_stage=on_stage)
     assert fit(resumed, every=every) == records
     assert states_equal(run_state(resumed), want)
+
+
+def test_a_finished_run_resumed_from_its_mid_epoch_best_file_says_which_update_it_continues_from(
+        stopped_run, tmp_path, capsys):
+    """The run reached max_updates after its best point (update 10, inside epoch 1): resume=True beside the
+    run's end record names that update and what is trained again, and no epoch target (before: "epoch 0" and
+    "of 1099511627776 epoch(s)"); the run then ends as the run never stopped."""
+    copy, records, want = stopped_run[True]
+    folder = tmp_path / "ckpt"
+    shutil.copytree(copy.parent.parent, folder)
+    shutil.copy(copy.parents[2] / "run-True" / "run" / "finished.pt", folder / "run")
+    trainer = build(folder, True, resume=True)
+    capsys.readouterr()
+    got = fit(trainer)
+    out = capsys.readouterr().out
+    assert ("Run run had completed 3 epoch(s), but its latest state was not saved: its newest checkpoint is of"
+            " update 10 (inside epoch 1), so the run continues from there and the updates after it to the end of"
+            " epoch 3 will be trained again") in out
+    assert got == records and states_equal(run_state(trainer), want)
+
+
+def test_a_finished_run_whose_best_file_is_of_its_last_update_resumes_to_its_end_training_nothing(tmp_path, capsys):
+    """The best point is the update reaching max_updates (inside epoch 3): resume=True from it says that
+    nothing is trained again, and the run ends with the same tensors and records."""
+    records = fit(build(tmp_path, True))
+    assert read_checkpoint(tmp_path / "run" / "val-loss.best.ckpt").updates == UPDATES  # the premise
+    capsys.readouterr()
+    trainer = build(tmp_path, True, resume=True)
+    got = fit(trainer)
+    out = capsys.readouterr().out
+    assert ("its newest checkpoint is of update 30 (inside epoch 3), so the run continues from there and epoch 3"
+            " ends at once (that update reached max_updates: nothing is trained again)") in out
+    assert got == records and trainer.loop.run.updates == UPDATES
