@@ -50,15 +50,17 @@ class KeepFile(Callback):
             shutil.copy(self.check.path(trainer), self.copy)
 
 
-def build(folder, save_best, *extra, resume=False, clock=True, seed=0, on_stage="val", **kwargs):
+def build(folder, save_best, *extra, resume=False, clock=True, seed=0, on_stage="val", patience=0, lr=0.01,
+          **kwargs):
     """A trainer of the run, its monitor of the `on_stage` loss writing to `folder`; `extra`: functions of
     the monitor making more callbacks; `clock`: by updates, else 4 epochs."""
     torch.manual_seed(0)
     np.random.seed(seed)
     random.seed(seed)
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    check = CheckCallback("loss", on_stage=on_stage, save_best=save_best, ckpt_dir=folder)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    check = CheckCallback("loss", on_stage=on_stage, save_best=save_best, ckpt_dir=folder,
+                          patience=patience)
     limit = {"max_updates": UPDATES} if clock else {"epochs": 4}
     return Trainer(model, noisy_loss, Optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.8)),
                    callbacks=[check, *(make(check) for make in extra)], running_id="run", resume=resume,

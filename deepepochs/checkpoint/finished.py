@@ -118,15 +118,22 @@ def _latest_not_saved(trainer, finished: dict, ckpt_epoch: int) -> bool:
     return True
 
 
+def _loaded(trainer, ckpt_epoch: int) -> str:
+    """What the file a resume loaded is of: an epoch's end, or a validation point inside an epoch (its
+    position is loaded)."""
+    point = trainer.loop.resume
+    if point is None or point.task_index < 0:
+        return f"epoch {ckpt_epoch}"
+    return f"update {trainer.loop.run.updates} (inside epoch {point.epoch})"
+
+
 def _retrained(trainer, ckpt_epoch: int, done: int) -> tuple[str, str]:
     """For the messages of a resume from a file older than the run's `done` completed epochs: what the loaded
-    file is of (an epoch's end, or a validation point inside an epoch: its position is loaded), and what the
-    run trains again."""
-    point, updates = trainer.loop.resume, trainer.loop.run.updates
+    file is of (`_loaded`), and what the run trains again."""
+    point, updates, loaded = trainer.loop.resume, trainer.loop.run.updates, _loaded(trainer, ckpt_epoch)
     if point is None or point.task_index < 0:
         again = f"epoch {done}" if done == ckpt_epoch + 1 else f"epochs {ckpt_epoch + 1} to {done}"
-        return f"epoch {ckpt_epoch}", f"{again} will be trained again"
-    loaded = f"update {updates} (inside epoch {point.epoch})"
+        return loaded, f"{again} will be trained again"
     budget = trainer.config.max_updates
     if budget is not None and updates >= budget:
         return loaded, f"epoch {point.epoch} ends at once (that update reached max_updates: nothing is trained again)"
@@ -172,7 +179,7 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> bool:
         on = (f"to train on, raise epochs= above {loop.completed_epochs} (Trainer(epochs=...) or"
               " fit(epochs=...)); to start afresh, pass a new running_id")
     if ckpt_epoch < loop.completed_epochs:  # stopped early after its best epoch: say which weights are loaded
-        how += f"; the weights loaded are those of epoch {ckpt_epoch}, its checkpoint"
+        how += f"; the weights loaded are those of {_loaded(trainer, ckpt_epoch)}, its checkpoint"
     trainer.console.decision(f"Run {trainer.running_id} is finished ({how}); fit() returns its records without"
                               f" training. {on[0].upper()}{on[1:]}")
     return False

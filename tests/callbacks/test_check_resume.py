@@ -116,3 +116,18 @@ def test_a_finished_run_whose_best_file_is_of_its_last_update_resumes_to_its_end
     assert ("its newest checkpoint is of update 30 (inside epoch 3), so the run continues from there and epoch 3"
             " ends at once (that update reached max_updates: nothing is trained again)") in out
     assert got == records and trainer.loop.run.updates == UPDATES
+
+
+def test_a_run_stopped_early_at_a_validation_point_stays_stopped_when_resumed_from_its_best_file(tmp_path, capsys):
+    """patience=1 stops the fit at the first point that does not improve (30, after the best at 25, inside
+    epoch 3): resume=True says the run is finished, names the loaded weights by their update, trains nothing
+    and returns the run's records."""
+    records = fit(build(tmp_path, True, patience=1, lr=0.2))
+    assert records["val"]["updates"][-1] == UPDATES  # the premise: stopped at the last point, its best at 25
+    assert read_checkpoint(tmp_path / "run" / "val-loss.best.ckpt").updates == UPDATES - EVERY
+    capsys.readouterr()
+    got = fit(build(tmp_path, True, resume=True, patience=1, lr=0.2))
+    out = capsys.readouterr().out
+    assert "Run run is finished (stopped early after epoch 3" in out
+    assert "the weights loaded are those of update 25 (inside epoch 3), its checkpoint" in out
+    assert got == records
