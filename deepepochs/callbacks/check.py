@@ -41,7 +41,9 @@ class CheckCallback(Callback):
             is an epoch's end, or with `fit(val_every_n_updates=M)` and `on_stage='val'` a validation point
             (the fit then stops at that point).
         save_best: True keeps the snapshot of the best epoch (for evaluation; `test` uses it); False
-            keeps the latest epoch's snapshot (for resuming).
+            keeps the latest epoch's snapshot (for resuming). Either resumes exactly: with
+            `fit(val_every_n_updates=M)` the file is of a validation point and records its position inside
+            the epoch, so the resume continues at the next update (`checkpoint.save` takes it there).
         ckpt_dir: root folder; files go to `<ckpt_dir>/<running_id>/<on_stage>-<monitor>.<best|latest>.ckpt`.
 
     Each file holds the full training state and the state of every `CheckCallback` of the trainer.

@@ -107,14 +107,37 @@ def _latest_not_saved(trainer, finished: dict, ckpt_epoch: int) -> bool:
     done = finished["completed_epochs"]
     if finished["stop_reason"] is not None or done <= ckpt_epoch:
         return False
-    again = f"epoch {done}" if done == ckpt_epoch + 1 else f"epochs {ckpt_epoch + 1} to {done}"
+    target = finished["target_epochs"]
+    of = f" of {target}" if target < UNBOUNDED_EPOCHS else ""  # a fit by updates has no epoch target to name
+    loaded, again = _retrained(trainer, ckpt_epoch, done)
     trainer.console.decision(
-        f"Run {trainer.running_id} had completed {done} of {finished['target_epochs']} epoch(s), but its"
-        f" latest state was not saved: its newest checkpoint is of epoch {ckpt_epoch}, so the run continues"
-        f" from there and {again} will be trained again (a CheckCallback with save_best=True saves only"
-        " improving epochs; add CheckCallback(..., save_best=False) or a SnapshotCallback to keep the last"
-        " epoch)")
+        f"Run {trainer.running_id} had completed {done}{of} epoch(s), but its latest state was not saved: its"
+        f" newest checkpoint is of {loaded}, so the run continues from there and {again} (a CheckCallback with"
+        " save_best=True saves only improving epochs; add CheckCallback(..., save_best=False) or a"
+        " SnapshotCallback to keep the last epoch)")
     return True
+
+
+def _loaded(trainer, ckpt_epoch: int) -> str:
+    """What the file a resume loaded is of: an epoch's end, or a validation point inside an epoch (its
+    position is loaded)."""
+    point = trainer.loop.resume
+    if point is None or point.task_index < 0:
+        return f"epoch {ckpt_epoch}"
+    return f"update {trainer.loop.run.updates} (inside epoch {point.epoch})"
+
+
+def _retrained(trainer, ckpt_epoch: int, done: int) -> tuple[str, str]:
+    """For the messages of a resume from a file older than the run's `done` completed epochs: what the loaded
+    file is of (`_loaded`), and what the run trains again."""
+    point, updates, loaded = trainer.loop.resume, trainer.loop.run.updates, _loaded(trainer, ckpt_epoch)
+    if point is None or point.task_index < 0:
+        again = f"epoch {done}" if done == ckpt_epoch + 1 else f"epochs {ckpt_epoch + 1} to {done}"
+        return loaded, f"{again} will be trained again"
+    budget = trainer.config.max_updates
+    if budget is not None and updates >= budget:
+        return loaded, f"epoch {point.epoch} ends at once (that update reached max_updates: nothing is trained again)"
+    return loaded, f"the updates after it to the end of epoch {done} will be trained again"
 
 
 def apply_finished(trainer, folder, ckpt_epoch: int) -> bool:
@@ -156,7 +179,7 @@ def apply_finished(trainer, folder, ckpt_epoch: int) -> bool:
         on = (f"to train on, raise epochs= above {loop.completed_epochs} (Trainer(epochs=...) or"
               " fit(epochs=...)); to start afresh, pass a new running_id")
     if ckpt_epoch < loop.completed_epochs:  # stopped early after its best epoch: say which weights are loaded
-        how += f"; the weights loaded are those of epoch {ckpt_epoch}, its checkpoint"
+        how += f"; the weights loaded are those of {_loaded(trainer, ckpt_epoch)}, its checkpoint"
     trainer.console.decision(f"Run {trainer.running_id} is finished ({how}); fit() returns its records without"
                               f" training. {on[0].upper()}{on[1:]}")
     return False
@@ -182,10 +205,9 @@ def report_retrained(trainer, folder, ckpt_epoch: int) -> int:
     done = data["completed_epochs"]
     if done <= ckpt_epoch or trainer.loop.completed_epochs >= done:
         return 0
-    again = f"epoch {done}" if done == ckpt_epoch + 1 else f"epochs {ckpt_epoch + 1} to {done}"
+    loaded, again = _retrained(trainer, ckpt_epoch, done)
     trainer.console.decision(
-        f"Run {trainer.running_id} had completed {done} epoch(s), but its newest checkpoint is of epoch"
-        f" {ckpt_epoch}: {again} will be trained again (a CheckCallback with save_best=True saves only"
-        " improving epochs; add CheckCallback(..., save_best=False) or a SnapshotCallback to resume from"
-        " the last epoch)")
+        f"Run {trainer.running_id} had completed {done} epoch(s), but its newest checkpoint is of {loaded}:"
+        f" {again} (a CheckCallback with save_best=True saves only improving epochs; add"
+        " CheckCallback(..., save_best=False) or a SnapshotCallback to resume from the last epoch)")
     return done - ckpt_epoch

@@ -36,7 +36,8 @@ yours keeps other objects in its state). Keys:
                     with it, later epochs of a resumed run see the order the uninterrupted run saw,
                     in any process and at any world size. None in files of older versions.
 `position`          dict or None: where inside epoch `epoch + 1` a mid-epoch snapshot was taken
-                    (`SnapshotCallback`): the data position, the task meters, every rank's generator
+                    (`SnapshotCallback`), or a `CheckCallback` file written at a validation point of
+                    the update clock: the data position, the task meters, every rank's generator
                     states; see `deepepochs.engine.position`. None at an epoch's end.
 `shards`            dict or None: in a sharded checkpoint's `checkpoint.pt`, `{'folder': shard folder
                     name, 'params': per optimizer, its parameters' names in index order}`; `model` is

@@ -99,10 +99,11 @@ def _run_records(trainer, position: Mapping | None) -> Mapping:
     """The records of the epochs the file counts as completed. An epoch-end save runs before its epoch
     commits (`save_checkpoints` precedes `commit_epoch`; `epoch_undo` is pending then), so that epoch's
     metrics are added to the history here; a validation point's save likewise runs before
-    `commit_val_point`, so the point's row is added (and nothing else: the epoch goes on)."""
+    `commit_val_point`, so the point's row is added (and nothing else: the epoch goes on, its position in
+    the file)."""
     loop = trainer.loop
     run = loop.run
-    if position is not None or not (loop.epoch_undo or loop.val_point_open):
+    if not loop.val_point_open and (position is not None or not loop.epoch_undo):
         return run.history
     records = {stage: {name: list(values) for name, values in metrics.items()}
                for stage, metrics in run.history.items()}
@@ -121,9 +122,14 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
 
     One file written atomically by rank 0 (`snapshot`, `write_atomic`), or under FSDP a sharded checkpoint
     folder of that name written by every rank (`shard_storage`). `path` is replaced whichever form it had
-    before. `position` as for `snapshot`. When the save fails, every rank raises (see `_agreed`).
+    before. `position` as for `snapshot`; None: where the loop stands, which is a position at a validation
+    point of the update clock (a save `trainer.request_save` asked for there: `LoopState.save_position`),
+    so that a resume from the file continues inside the epoch exactly. When the save fails, every rank
+    raises (see `_agreed`).
     """
     path, dist = Path(path), trainer.dist
+    if position is None and trainer.loop.save_position is not None:
+        position = trainer.loop.save_position()
     if not dist.shards_model:
         ckpt = snapshot(trainer, position)
         _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))

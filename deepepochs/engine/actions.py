@@ -191,10 +191,18 @@ def step_epoch_schedulers(ctx: Context) -> None:
 
 @action
 def save_checkpoints(ctx: Context) -> None:
-    requests = list(ctx.loop.save_requests)
-    ctx.loop.save_requests.clear()
-    for save in requests:
-        save()
+    """Run the saves callbacks requested here. At a validation point inside an epoch the files record that
+    point's position, as a mid-epoch snapshot does (`LoopState.save_position`: `position.capture` once, at
+    the first save that asks, so a request that saves nothing starts no collective under DDP)."""
+    loop = ctx.loop
+    requests = list(loop.save_requests)
+    loop.save_requests.clear()
+    loop.save_position = functools.cache(functools.partial(position.capture, ctx)) if loop.val_point_open else None
+    try:
+        for save in requests:
+            save()
+    finally:
+        loop.save_position = None
 
 
 @action

@@ -66,7 +66,9 @@ class LoopState:
     so the gradients it leaves are not kept yet (`kept_grads`). The update clock (the running fit's):
     `target_updates` (`Trainer(max_updates=...)`, a total of committed updates, or None), `val_every`
     (`fit(val_every_n_updates=...)`, or None), `val_point_open` (the validation stage runs at an update
-    point inside a training task). `own_gradients`: the open window's gradients
+    point inside a training task), `save_position` (while a validation point's save requests run: a function
+    giving the point's mid-epoch position for the files they write, `checkpoint.save`'s default; else None).
+    `own_gradients`: the open window's gradients
     come from the step's own `loss.backward()` (`keep_own_gradients`). `closure`: the closure a step handed
     `self.optimize(closure=...)` while its update runs, and `closure_loss` what the optimizer's step returned.
     """
@@ -99,6 +101,7 @@ class LoopState:
     target_updates: int | None = None
     val_every: int | None = None
     val_point_open: bool = False
+    save_position: object = None
 
 
 @attrs.define(frozen=True, eq=False)

@@ -62,8 +62,11 @@ class _Unstorable(TypeError):
 def capture(ctx: Context) -> dict | None:
     """The mid-epoch position of the last commit point, or None at an epoch's end (the file's epoch count
     says it all). After the epoch's training stage (a stop in its validation) that is the last training
-    task's end: a resume skips all its batches and validates next. Under DDP a collective: every rank's
-    meters and random states are gathered (every rank calls it at the same commit point)."""
+    task's end: a resume skips all its batches and validates next. At a validation point of the update
+    clock (its files: `save_checkpoints`) it is the point's update, with torch's generators as the
+    validation left them (what `commit_val_point` keeps): the resume does not validate that point again.
+    Under DDP a collective: every rank's meters and random states are gathered (every rank calls it at the
+    same commit point)."""
     loop, dist = ctx.loop, ctx.parts.dist
     point = loop.resume
     batch_size = getattr(getattr(ctx.task, "data", None), "batch_size", None)
@@ -74,7 +77,8 @@ def capture(ctx: Context) -> dict | None:
     if point is None or point.task_index < 0 or ctx.train_meters is None:
         return None
     data_state = ctx.data_state
-    mine = {"random": {"commit": _states(ctx.random_state), "task": _states(ctx.task_random_state),
+    commit = generators.random_state(ctx) if loop.val_point_open else ctx.random_state
+    mine = {"random": {"commit": _states(commit), "task": _states(ctx.task_random_state),
                        "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
             "meters": [encode_meters(meters) for meters in ctx.train_meters],
             "data": None if data_state is None or data_state[:3] != (point.epoch, point.task_index, point.batches_done)
