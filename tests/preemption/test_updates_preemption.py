@@ -109,9 +109,8 @@ def reference(tmp_path_factory):
 
 def _positions(stream: str, count: int) -> list:
     """Seeded random training batches to signal after: the first batch of a window (inside it) or its last
-    (at its end), never the run's first window or its last."""
-    rng = random.Random(stream)
-    return [rng.randrange(3, 2 * UPDATES - 2) for _ in range(count)]
+    (at its end), never the run's first window or its last; distinct (each has a folder of its own)."""
+    return random.Random(stream).sample(range(3, 2 * UPDATES - 2), count)
 
 
 QUICK = [("one-process", "inside-window"), ("fork-workers", "inside-window"), ("ddp", "inside-window")]
