@@ -130,7 +130,13 @@ def _trainer(rank: int, ddp_kwargs: dict, callbacks=(), evaluate: bool = True, v
         out = {"val": {name: records["val"][name] for name in ("loss", "accuracy") if validate},
                "state": _state(trainer.raw_model)}
         if evaluate:
-            out["test"] = trainer.test(val)
+            broadcast, calls = dist.broadcast, []
+            dist.broadcast = lambda *args, **kwargs: calls.append(args[0].dtype) or broadcast(*args, **kwargs)
+            try:
+                out["test"] = trainer.test(val)
+            finally:
+                dist.broadcast = broadcast
+            out["test_broadcasts"] = calls
             out["predict"] = trainer.predict(val)
         return out
 
@@ -144,7 +150,7 @@ def run_scenarios() -> int:
     try:
         own = {"broadcast_buffers": False}
         results = {"plain": _plain(rank, {}), "trainer": _trainer(rank, {}),
-                   "plain_own": _plain(rank, own), "trainer_own": _trainer(rank, own, evaluate=False),
+                   "plain_own": _plain(rank, own), "trainer_own": _trainer(rank, own),
                    "rollback": _trainer(rank, {}, [_FailOnce()], evaluate=False),
                    "unvalidated": _trainer(rank, {}, validate=False)}
     finally:

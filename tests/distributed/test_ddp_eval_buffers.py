@@ -97,3 +97,12 @@ def test_a_rollback_in_validation_and_after_it_ends_as_the_run_never_interrupted
     for rank in ranks:
         assert states_equal(rank["rollback"]["state"], rank["trainer"]["state"])
         assert rank["rollback"]["val"] == rank["trainer"]["val"]
+
+
+def test_a_test_of_several_batches_costs_one_broadcast_and_none_without_broadcast_buffers(ranks):
+    """trainer.test() over 4 batches per rank: one broadcast (the buffers' bytes) on each rank; none with
+    ddp_kwargs={'broadcast_buffers': False}."""
+    for rank in ranks:
+        assert rank["trainer"]["test_broadcasts"] == [torch.uint8]
+        assert rank["trainer_own"]["test_broadcasts"] == []
+
