@@ -161,6 +161,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     else:
         step_fn = steps.custom_step(ctx, step_fn)
     console, autocast = parts.console, parts.precision.autocast
+    parts.dist.sync_eval_buffers(parts.raw_model)  # DDP: every rank evaluates rank 0's (the saved) buffers
     data, guarded = snapshot_trigger.guard(ctx, data, stage)  # a fetch a listed signal made fail stops the fit
     try:
         for batch in workers.start(parts.dist.pad_eval(data)):

@@ -25,10 +25,13 @@ Which collectives run, and when (every rank must issue them in the same order):
 - Each update: the window's global sample count (with accumulation) and the fp32 finite-loss flag.
 - Training data without a length (an IterableDataset, a generator): before each batch, whether every rank
   still has one (`ShortestShard`).
+- Start of each evaluation task (validation, test, prediction), with DDP's `broadcast_buffers` (the
+  default) and a model with buffers: one broadcast of rank 0's buffers (`sync_eval_buffers`).
 - End of each task: the batch-count check (training), the loss sums, one exchange per metric patch.
 
 Evaluation runs on the unwrapped module and issues no collective per batch, so validation and test shards
-of different lengths cannot deadlock.
+of different lengths cannot deadlock. It evaluates rank 0's buffers (BatchNorm's running statistics) on
+every rank, as a plain loop that evaluates through the DDP wrapper does: the model a checkpoint saves.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from deepepochs.parallel.single import PolicyBase
 from deepepochs.patches import TensorPatch, _map_tensors
 from deepepochs.patches.selection import merge_on_root
 
-__all__ = ["DDPPolicy", "is_dtensor"]
+__all__ = ["DDPPolicy", "broadcast_bytes", "is_dtensor"]
 
 
 class DDPPolicy(PolicyBase):
@@ -122,6 +125,32 @@ class DDPPolicy(PolicyBase):
             for tensor in [*model.parameters(), *model.buffers()]:
                 if not is_dtensor(tensor):
                     dist.broadcast(tensor.data, src=0)
+
+    def sync_eval_buffers(self, model: torch.nn.Module) -> None:
+        """At an evaluation task's start: rank 0's buffers into every rank's `model` (the unwrapped module),
+        in place, in one broadcast; nothing when the DDP wrapper does not sync buffers
+        (`ddp_kwargs={'broadcast_buffers': False}`: each rank keeps its own, as DDP does) or there are none.
+
+        Why: after the last training forward each rank's BatchNorm running statistics are its own (DDP
+        broadcasts rank 0's *before* each training forward, then every rank updates them with its own batch).
+        A plain loop that evaluates through the wrapper gets rank 0's again at its first evaluation forward,
+        so every rank evaluates the model rank 0 saves; evaluation here runs on the unwrapped module without
+        a collective per batch, so the broadcast is made here, once per task, for the same result.
+
+        Training stays bit-identical: the next training forward broadcasts rank 0's buffers anyway (the
+        wrapper ran no forward since, so it still syncs), and no rank reads its own values in between. The
+        commit-point copies (`deepepochs.engine.buffers`) hold whatever the model held at the commit, so a
+        rollback or a snapshot taken before or after this call puts back values that the next training
+        forward (or the re-run evaluation's broadcast) makes rank 0's again. Every rank enters every
+        evaluation task (validation stages and points, test, predict), so the collectives stay in step.
+        """
+        ddp = self.model
+        if not isinstance(ddp, DistributedDataParallel) or not ddp.broadcast_buffers:
+            return
+        ignored = getattr(ddp, "parameters_to_ignore", ())  # what DDP leaves out of its own broadcast
+        tensors = [buffer for name, buffer in model.named_buffers() if name not in ignored]
+        if tensors:
+            broadcast_bytes(tensors, self._collective_device())
 
     def broadcast_object(self, obj):
         """Rank 0's value of a picklable object (e.g. the running id), on every rank."""
@@ -338,6 +367,21 @@ class DDPPolicy(PolicyBase):
             for name in ("logger", "reducer"):
                 if name in vars(model):
                     setattr(model, name, None)
+
+
+def broadcast_bytes(tensors: list, device: torch.device) -> None:
+    """Rank 0's values of `tensors` written into every rank's, bit for bit and in place, with one broadcast
+    whatever their dtypes: their bytes packed into one uint8 tensor on `device` (the collective's)."""
+    flat = [tensor.detach().reshape(-1).view(torch.uint8).to(device) for tensor in tensors]
+    packed = torch.cat(flat)
+    dist.broadcast(packed, src=0)
+    start = 0
+    with torch.no_grad():
+        for tensor, part in zip(tensors, flat):
+            # A copy first: a slice's byte offset need not suit a wider dtype's view.
+            values = packed[start:start + part.numel()].clone().view(tensor.dtype).reshape(tensor.shape)
+            tensor.copy_(values)
+            start += part.numel()
 
 
 def is_dtensor(tensor) -> bool:

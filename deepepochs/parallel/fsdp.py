@@ -336,6 +336,10 @@ class FSDPPolicy(DDPPolicy):
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     # ---- evaluation ----
+    def sync_eval_buffers(self, model: nn.Module) -> None:
+        """Nothing: FSDP never syncs buffers (they stay whole and rank-local, no forward broadcasts them), so
+        each rank trains and evaluates its own, as a plain FSDP loop does."""
+
     def pad_eval(self, data):
         """`data`'s batches, then `PaddingBatch`es until every rank has run as many forwards as the rank with
         the most batches (see the module doc). One exchange of the batch counts per task; for data without

@@ -118,6 +118,10 @@ class PolicyBase:
         """The evaluation batches to run: `data` as it is (FSDP adds `PaddingBatch`es)."""
         return data
 
+    def sync_eval_buffers(self, model: torch.nn.Module) -> None:
+        """At an evaluation task's start: make the buffers every rank evaluates the model's that a checkpoint
+        saves (DDP: rank 0's); one process has nothing to make equal."""
+
     # The checkpoint code loads states only through these (FSDP loads full states into shards).
     def load_model_state_dict(self, model: torch.nn.Module, state: Mapping) -> None:
         """Load a full model state (strict)."""

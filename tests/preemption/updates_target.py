@@ -183,9 +183,10 @@ def plain(args) -> dict:
 
 def plain_ddp(args) -> dict | None:
     """The user's loop on this rank of 2 (gloo): the model in `DistributedDataParallel`, gradients not
-    synchronised on a window's first batch (`no_sync`), each rank's own sampler, validation of the rank's
-    own replica (its BatchNorm statistics are its own: DDP broadcasts rank 0's only before a training
-    forward) on the rank's share of the samples (every other one), the losses summed over the ranks."""
+    synchronised on a window's first batch (`no_sync`), each rank's own sampler, validation through the
+    wrapper (its first evaluation forward broadcasts rank 0's BatchNorm statistics, which training left
+    different on each rank: every rank evaluates the model rank 0 saves) on the rank's share of the samples
+    (every other one), the losses summed over the ranks."""
     import torch.distributed as dist  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
@@ -215,7 +216,7 @@ def plain_ddp(args) -> dict | None:
             total = torch.zeros(2, dtype=torch.float64)
             with torch.no_grad():
                 for vx, vy in val_dl:
-                    total += torch.tensor([float(F.cross_entropy(model(vx), vy)) * len(vy), len(vy)],
+                    total += torch.tensor([float(F.cross_entropy(ddp(vx), vy)) * len(vy), len(vy)],
                                           dtype=torch.float64)
             dist.all_reduce(total)
             ddp.train()
