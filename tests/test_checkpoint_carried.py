@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import CheckCallback, Optimizer, SnapshotCallback, TrainerBase, checkpoint
+from deepepochs.errors import DeepEpochsWarning
 
 EPOCHS, STOP, QUEUE = 3, 2, 6
 
@@ -185,3 +186,17 @@ def test_a_file_without_carried_loads_and_leaves_the_dict_as_it_is(written, tmp_
         with pytest.raises(checkpoint.CheckpointError, match=r"carried\[0\] must be an encoded dict"):
             trainer.load_checkpoint(tmp_path / "damaged.ckpt")
         assert trainer.carried.keys() == {"queue"} and trainer.carried["queue"] is kept
+
+
+def test_a_value_no_file_can_hold_is_left_out_with_a_warning_and_the_load_leaves_the_dict_as_it_is(tmp_path):
+    """`trainer.carried` holding a set (not a value `weights_only` reads): the save warns naming what to store
+    and writes None for the process; loading that file leaves the loading trainer's dict as it is."""
+    with make() as trainer:
+        trainer.carried["seen"] = {1, 2}
+        with pytest.warns(DeepEpochsWarning, match=r"cannot store trainer.carried .*a set value"):
+            checkpoint.save(trainer, tmp_path / "file.ckpt")
+    assert torch.load(tmp_path / "file.ckpt", weights_only=True)["carried"] == [None]
+    with make() as other:
+        other.carried["queue"] = kept = torch.ones(QUEUE, 1)
+        other.load_checkpoint(tmp_path / "file.ckpt")
+        assert other.carried == {"queue": kept}
