@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checkpoint_helpers import save_sharded
+from state_compare import states_equal as same
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,16 +76,6 @@ def outcome(trainer, records) -> dict:
     """Everything the run ends with: weights, optimizer and scheduler states, records, the carried dict."""
     return copy.deepcopy({"model": trainer.raw_model.state_dict(), "opt": trainer.opt.state_dict(),
                           "records": records, "carried": dict(trainer.carried)})
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.fixture(scope="module")
