@@ -191,3 +191,22 @@ def test_a_value_no_file_can_hold_is_left_out_with_a_warning_and_the_load_leaves
         other.carried["queue"] = kept = torch.ones(QUEUE, 1)
         other.load_checkpoint(tmp_path / "file.ckpt")
         assert other.carried == {"queue": kept}
+
+
+def test_a_load_that_fails_after_applying_the_carried_state_puts_the_dict_back(written, monkeypatch):
+    """All or nothing: a failure later in the load (the data streams' states, once) leaves `trainer.carried`
+    as it was, a value no file can hold included."""
+    with make() as trainer:
+        trainer.carried.update(queue=(kept := torch.ones(QUEUE, 1)), seen={1, 2})
+        calls = []
+
+        def fails_once(states):
+            calls.append(states)
+            if len(calls) == 1:
+                raise RuntimeError("a stream refused its state")
+
+        monkeypatch.setattr(trainer.dist, "continue_streams", fails_once)
+        with pytest.raises(checkpoint.CheckpointError, match="random generator states do not fit"):
+            trainer.load_checkpoint(written["latest"])
+        assert trainer.carried.keys() == {"queue", "seen"} and trainer.carried["seen"] == {1, 2}
+        assert torch.equal(trainer.carried["queue"], kept) and trainer.loop.completed_epochs == 0

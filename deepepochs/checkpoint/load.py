@@ -16,7 +16,7 @@ from deepepochs.checkpoint import field_rules, names
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.optimizer_rules import whole_state
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
-from deepepochs.checkpoint.write import _header, carried_states, generator_states
+from deepepochs.checkpoint.write import _header, generator_states
 from deepepochs.engine import buffers, carried, position, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.parallel.ddp import is_dtensor
@@ -181,6 +181,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
     run = trainer.loop.run
     run_backup = runstate.capture(run)  # the run state (history, position, random state) as well
+    carried_backup = carried.copied(trainer.carried)  # and the dict the steps hold, as it is (storable or not)
     try:
         if ckpt.shards is not None:
             ckpt = _read_shards(ckpt, path, trainer)
@@ -197,6 +198,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     except BaseException as exc:
         _apply(trainer, backup, "<the state before loading>")
         runstate.restore(run, run_backup)
+        carried.write(trainer.carried, carried_backup)
         if isinstance(exc, CheckpointError):
             raise
         first_line = (str(exc).strip().splitlines() or [""])[0]
@@ -234,8 +236,7 @@ def _backup(trainer) -> Checkpoint:
     """The trainer's state as an independent `Checkpoint` (tensors copied, the weights to the CPU; under
     FSDP each rank's shards, copied where they are)."""
     backup = _header(trainer, None, copied_to_cpu(trainer.raw_model.state_dict()),
-                     copy.deepcopy(trainer.opt.state_dict()), generator_states(trainer, gather=False),
-                     carried_states(trainer, None, gather=False))
+                     copy.deepcopy(trainer.opt.state_dict()), generator_states(trainer, gather=False), None)
     return attrs.evolve(backup, scaler=copy.deepcopy(backup.scaler), monitors=copy.deepcopy(backup.monitors))
 
 

@@ -70,12 +70,11 @@ def generator_states(trainer, gather: bool = True):
     return mine if dist.world_size == 1 else {"ranks": _per_rank(dist, mine, gather)}
 
 
-def carried_states(trainer, position: Mapping | None, gather: bool = True) -> list:
+def carried_states(trainer, position: Mapping | None) -> list:
     """The `carried` a checkpoint holds: every rank's `trainer.carried` as of the file's commit point
-    (`deepepochs.engine.carried`), in rank order (under DDP a collective: every rank calls it), or with
-    `gather=False` this rank's alone at its index (a local backup, never a file)."""
+    (`deepepochs.engine.carried`), in rank order (under DDP a collective: every rank calls it)."""
     now = carried.at_commit_point(trainer.carried, trainer.loop.run, mid_epoch=position is not None)
-    return _per_rank(trainer.dist, carried.stored(now), gather)
+    return _per_rank(trainer.dist, carried.stored(now), gather=True)
 
 
 def _per_rank(dist, mine, gather: bool) -> list:
@@ -87,8 +86,10 @@ def _per_rank(dist, mine, gather: bool) -> list:
     return [mine if rank == dist.rank else None for rank in range(dist.world_size)]
 
 
-def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rng, carried_now: list) -> Checkpoint:
-    """A `Checkpoint` of the trainer's state with the given model, optimizer, generator and carried states."""
+def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rng,
+            carried_now: list | None) -> Checkpoint:
+    """A `Checkpoint` of the trainer's state with the given model, optimizer, generator and carried states
+    (`carried_states`; None: the file leaves `trainer.carried` as it is)."""
     return Checkpoint(
         format_version=1 if position is None else 2,
         position=position,
