@@ -81,10 +81,13 @@ def _per_epoch(model):
 
 
 class InTurn(TrainerBase):
-    """Two optimizers, one stepped per batch in turn: the other keeps its gradients to the next batch."""
+    """Two optimizers, one stepped per batch in turn: the other keeps its gradients to the next batch. The
+    step writes what it carries (`self.carried`, never read back: its values are the user's own), so every
+    file holds a carried state whose leaves are damaged too."""
 
     def train_step(self, batch_x, batch_y, **step_args):
         self.turn = 1 - getattr(self, "turn", 1)
+        self.carried.update(turn=self.turn, last=batch_y[:2].clone(), pair=(self.turn, [batch_x.shape[0]]))
         self.loss(self.model(batch_x), batch_y, do_optimize=False)
         self.optimize(optimize_index=self.turn)
 
@@ -337,6 +340,8 @@ def test_the_written_files_hold_the_fields_the_damage_must_reach():
     runs = [rank["run"] for data in snapshots if data["position"] for rank in data["position"]["ranks"]]
     assert any(run["grads"] is not None for run in runs), "no snapshot kept gradients"
     assert any(run["order_draws"]["fields"]["sampler"] is not None for run in runs), "no sampler generator state"
+    files = [data for name, data in written()["in-turn-shuffled"].items() if _is_checkpoint(name)]
+    assert files and all(set(data["carried"][0]["__dict__"]) == {"turn", "last", "pair"} for data in files)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -18,7 +18,7 @@ import torch
 
 from deepepochs.checkpoint.format import FORMAT_VERSION, Checkpoint, monitors_of
 from deepepochs.checkpoint.optimizer_rules import optimizer_problems
-from deepepochs.checkpoint.run_rules import generator_state, run_problems
+from deepepochs.checkpoint.run_rules import carried_state, generator_state, run_problems
 from deepepochs.checkpoint.value_rules import MAX_COUNT, MAX_INT, MAX_TEXT, got, int_field, is_number, like
 from deepepochs.engine.runstate import VAL_POINT_KEY
 from deepepochs.utils import rng_state
@@ -27,6 +27,22 @@ __all__ = ["finished_problems", "problems", "progress_problems"]
 
 
 # ---- the whole file ----
+def _carried(value, world_size, out: list) -> None:
+    """`carried`: None (an older file) or one rank's carried state (or None: it could not be stored) per
+    rank of the file's `world_size`, in rank order."""
+    if value is None:
+        return
+    if not isinstance(value, list) or len(value) != world_size:
+        found = f"{len(value)} entries" if isinstance(value, list) else got(value)
+        out.append(f"carried must be None or a list of one carried state per rank ({world_size}, the file's"
+                   f" world_size; got {found})")
+        return
+    for rank, entry in enumerate(value):
+        if entry is not None:
+            carried_state(entry, f"carried[{rank}]", out)
+
+
+
 def problems(trainer, ckpt: Checkpoint) -> list[str]:
     """Every way `ckpt` (its optimizer states already in the trainer's parameter order,
     `names.by_name`) breaks the rules against `trainer`; empty when it may be applied."""
@@ -78,6 +94,7 @@ def problems(trainer, ckpt: Checkpoint) -> list[str]:
         _rng(ckpt.rng, "rng", out)
     _history(ckpt.history, ckpt.epoch, "history", out, ckpt.updates)
     _averages(trainer, ckpt.averages, out)
+    _carried(ckpt.carried, ckpt.world_size, out)
     if ckpt.position is not None:
         _position(trainer, ckpt.position, ckpt.epoch, out)
     return out

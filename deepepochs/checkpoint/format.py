@@ -60,6 +60,12 @@ yours keeps other objects in its state). Keys:
                     'module.<name>'), 'updates': times averaged, 'epochs': SWALR steps}`, as of the
                     file's commit point. None without one (or in files of older versions). In a
                     sharded folder's `checkpoint.pt` the tensors are in the shards (`average/<id>/<key>`).
+`carried`           list or None: per rank in rank order, what the run's steps carry across batches
+                    (`trainer.carried`) as of the file's commit point (the epoch's end, or a mid-epoch
+                    snapshot's last committed update), each dict stored as a snapshot stores run state
+                    (`{'__dict__': {...}}`, tensors on the CPU). Loading gives each rank its own at the
+                    same world size, rank 0's on another. None in files of older versions
+                    (`trainer.carried` is then left as it is).
 ==================  ==========================================================================
 
 Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank
@@ -161,6 +167,7 @@ class Checkpoint:
     history: Mapping | None = None
     updates: int = attrs.field(default=0, validator=_non_negative_int)
     averages: Mapping | None = None
+    carried: list | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""

@@ -181,6 +181,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     backup = _backup(trainer)  # and what check_fits cannot foresee (a damaged scaler or monitor state)
     run = trainer.loop.run
     run_backup = runstate.capture(run)  # the run state (history, position, random state) as well
+    carried_backup = carried.copied(trainer.carried)  # and the dict the steps hold, as it is (storable or not)
     try:
         if ckpt.shards is not None:
             ckpt = _read_shards(ckpt, path, trainer)
@@ -194,11 +195,10 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
             # this rank's buffers at the snapshot's commit point (non-persistent ones too); the fit takes them
             buffers.write(trainer.raw_model, run.buffers)
             run.buffers = None
-            carried.write(trainer.carried, run.carried)  # and what its steps carried there (trainer.carried)
-            run.carried = None
     except BaseException as exc:
         _apply(trainer, backup, "<the state before loading>")
         runstate.restore(run, run_backup)
+        carried.write(trainer.carried, carried_backup)
         if isinstance(exc, CheckpointError):
             raise
         first_line = (str(exc).strip().splitlines() or [""])[0]
@@ -236,7 +236,7 @@ def _backup(trainer) -> Checkpoint:
     """The trainer's state as an independent `Checkpoint` (tensors copied, the weights to the CPU; under
     FSDP each rank's shards, copied where they are)."""
     backup = _header(trainer, None, copied_to_cpu(trainer.raw_model.state_dict()),
-                     copy.deepcopy(trainer.opt.state_dict()), generator_states(trainer, gather=False))
+                     copy.deepcopy(trainer.opt.state_dict()), generator_states(trainer, gather=False), None)
     return attrs.evolve(backup, scaler=copy.deepcopy(backup.scaler), monitors=copy.deepcopy(backup.monitors))
 
 
@@ -268,7 +268,8 @@ def _as_shards(live: Mapping, saved: Mapping) -> Mapping:
 
 
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
-    """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors and (same world size) generator states."""
+    """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors, weight averages, carried state and (same
+    world size) generator states."""
     load_model_state(trainer, ckpt.model, path)
     dist, model = trainer.dist, trainer.raw_model
     try:
@@ -286,6 +287,8 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
         history.clear()
         history.update({"train": {}, "val": {}, **plain_records(ckpt.history)})
     load_averages(trainer, ckpt.averages)
+    # what the steps carry across batches, as of the file's commit point (every kind of file: one path)
+    carried.load(trainer.carried, ckpt.carried, trainer.dist.rank, trainer.world_size, trainer.device)
     if ckpt.order_seed is not None:  # the training order continues as it was (`sampling.DataOrder`)
         trainer.dist.order_seed = ckpt.order_seed
     rng = _own_generator_states(trainer, ckpt.rng)

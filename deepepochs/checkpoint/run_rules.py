@@ -19,7 +19,7 @@ import torch
 
 from deepepochs.checkpoint.value_rules import MAX_COUNT, got, int_field
 
-__all__ = ["RULES", "generator_state", "run_problems"]
+__all__ = ["RULES", "carried_state", "generator_state", "run_problems"]
 
 #: The sizes a generator's state may have: the CPU generator's (Mersenne Twister) and an accelerator's
 #: (Philox: seed and offset).
@@ -107,9 +107,10 @@ def _data_ended(trainer, value, field: str, out: list) -> None:
     int_field(items[2], f"{field}[2]", 0, MAX_COUNT, out)
 
 
-def _carried(trainer, value, field: str, out: list) -> None:
-    """What the steps carry across batches (`trainer.carried`): a dict by name. Its values are the user's own
-    (hidden states, queues), so only the dict itself has a rule."""
+def carried_state(value, field: str, out: list) -> None:
+    """One rank's entry of a file's `carried` (what the steps carry across batches, `trainer.carried`): an
+    encoded dict by name. Its values are the user's own (hidden states, queues), so only the dict itself
+    has a rule. (Not a snapshot's run-state field: every file holds it, checked by `field_rules`.)"""
     _encoded(value, "__dict__", Mapping, field, out)
 
 
@@ -151,4 +152,4 @@ def _grads(trainer, value, field: str, out: list) -> None:
 
 #: The rule of each run-state field a snapshot stores as it is: (trainer, value, field, problems).
 RULES = {"data_generators": _data_generators, "data_ended": _data_ended, "order_draws": _order_draws,
-         "buffers": _buffers, "grads": _grads, "carried": _carried}
+         "buffers": _buffers, "grads": _grads}

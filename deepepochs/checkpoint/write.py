@@ -29,11 +29,12 @@ import torch
 from deepepochs.checkpoint import names, shard_storage
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
-from deepepochs.engine import runstate
+from deepepochs.engine import carried, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.utils import rng_state
 
 __all__ = [
+    "carried_states",
     "consolidate",
     "generator_states",
     "remove",
@@ -55,7 +56,7 @@ def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
                               " snapshot; call deepepochs.checkpoint.save(trainer, path) on every rank (a sharded"
                               " checkpoint folder) and consolidate(path, file) for one file")
     return _header(trainer, position, trainer.raw_model.state_dict(), trainer.opt.state_dict(),
-                   generator_states(trainer))
+                   generator_states(trainer), carried_states(trainer, position))
 
 
 def generator_states(trainer, gather: bool = True):
@@ -66,15 +67,29 @@ def generator_states(trainer, gather: bool = True):
     index (a local backup, never a file)."""
     dist = trainer.dist
     mine = {**rng_state(), "loaders": dist.loader_generator_states(), "streams": dist.stream_states()}
+    return mine if dist.world_size == 1 else {"ranks": _per_rank(dist, mine, gather)}
+
+
+def carried_states(trainer, position: Mapping | None) -> list:
+    """The `carried` a checkpoint holds: every rank's `trainer.carried` as of the file's commit point
+    (`deepepochs.engine.carried`), in rank order (under DDP a collective: every rank calls it)."""
+    now = carried.at_commit_point(trainer.carried, trainer.loop.run, mid_epoch=position is not None)
+    return _per_rank(trainer.dist, carried.stored(now), gather=True)
+
+
+def _per_rank(dist, mine, gather: bool) -> list:
+    """`mine` of every rank in rank order (one all-gather), or with `gather=False` at this rank's index only."""
     if dist.world_size == 1:
-        return mine
+        return [mine]
     if gather:
-        return {"ranks": dist.all_gather_object(mine)}
-    return {"ranks": [mine if rank == dist.rank else None for rank in range(dist.world_size)]}
+        return dist.all_gather_object(mine)
+    return [mine if rank == dist.rank else None for rank in range(dist.world_size)]
 
 
-def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rng) -> Checkpoint:
-    """A `Checkpoint` of the trainer's state with the given model, optimizer and generator states."""
+def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rng,
+            carried_now: list | None) -> Checkpoint:
+    """A `Checkpoint` of the trainer's state with the given model, optimizer, generator and carried states
+    (`carried_states`; None: the file leaves `trainer.carried` as it is)."""
     return Checkpoint(
         format_version=1 if position is None else 2,
         position=position,
@@ -92,6 +107,7 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rn
         history=plain_records(_run_records(trainer, position)),
         updates=trainer.loop.run.updates,
         averages=trainer.loop.run.averages or None,
+        carried=carried_now,
     )
 
 
@@ -137,7 +153,8 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
     flat, params = shard_storage.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
     averages, counters = shard_storage.flat_averages(trainer.loop.run.averages)
     flat.update(averages)  # each rank writes its shards of the averages, as of the parameters
-    rng = generator_states(trainer)  # every rank's, before rank 0 alone commits
+    # every rank's generator and carried states (collectives), before rank 0 alone commits
+    rng, carried_now = generator_states(trainer), carried_states(trainer, position)
     folder = _agreed(dist, path, lambda: _prepare_folder(path))
     try:
         shard_storage.write(flat, path / folder)  # DCP raises on every rank when one fails
@@ -149,7 +166,7 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
     def commit() -> None:
         opts = trainer.opt.state_dict()
         opts["optimizers"] = [_without_tensors(state) for state in opts["optimizers"]]
-        ckpt = _header(trainer, position, {}, opts, rng)
+        ckpt = _header(trainer, position, {}, opts, rng, carried_now)
         ckpt.format_version, ckpt.shards, ckpt.averages = 3, {"folder": folder, "params": params}, counters
         write_atomic(ckpt.to_dict(), path / shard_storage.SIDE_CAR)
         shard_storage.remove_unnamed(path, folder)

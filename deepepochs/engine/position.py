@@ -47,7 +47,8 @@ from deepepochs.patches import PatchBase
 from deepepochs.tasks import TaskMeters
 from deepepochs.utils import rng_state, set_rng_state
 
-__all__ = ["capture", "check", "check_data", "check_point", "decode_meters", "encode_meters", "restore"]
+__all__ = ["capture", "check", "check_data", "check_point", "decode", "decode_meters", "encode", "encode_meters",
+           "restore"]
 
 #: Modules that held a stored class before the package layout moved them: a snapshot written before the
 #: move names the old module, which is read as the new one.
@@ -195,7 +196,7 @@ def _encode_run(run) -> dict:
     out = {}
     for name in runstate.generic_fields(run):
         try:
-            out[name] = _encode(getattr(run, name))
+            out[name] = encode(getattr(run, name))
         except _Unstorable as e:
             warnings.warn(f"a snapshot cannot store the run state's {name!r} ({e}); a resume keeps that field as"
                           " it is in the resuming trainer", DeepEpochsWarning, stacklevel=3)
@@ -208,7 +209,7 @@ def _restore_run(run, stored: dict | None, device: torch.device) -> None:
     names = set(runstate.generic_fields(run))
     for name, value in (stored or {}).items():
         if name in names:
-            setattr(run, name, _decode(value, device))
+            setattr(run, name, decode(value, device))
 
 
 def _merged(parts: list[TaskMeters]) -> TaskMeters:
@@ -282,7 +283,7 @@ def _encode_patch(patch: PatchBase) -> dict:
         if callable(value) and not isinstance(value, torch.Tensor):
             callables.append(key)
         else:
-            fields[key] = _encode(value)
+            fields[key] = encode(value)
     if set(callables) - {"metric"}:
         raise _Unstorable(f"its {', '.join(sorted(set(callables) - {'metric'}))} attribute holds a function")
     return {"class": f"{cls.__module__}:{cls.__qualname__}", "fields": fields, "callables": callables}
@@ -291,7 +292,7 @@ def _encode_patch(patch: PatchBase) -> dict:
 def _decode_patch(state: dict, device: torch.device) -> PatchBase:
     cls = _patch_class(state["class"])
     patch = cls.__new__(cls)
-    patch.__dict__.update({key: _decode(value, device) for key, value in state["fields"].items()})
+    patch.__dict__.update({key: decode(value, device) for key, value in state["fields"].items()})
     patch.__dict__.update(dict.fromkeys(state["callables"]))  # filled in by the resumed task (`_adopt`)
     return patch
 
@@ -318,39 +319,43 @@ def _patch_class(name: str) -> type:
                           " process (import the module that defines it before resuming)")
 
 
-def _encode(value):
+def encode(value):
+    """`value` as what `torch.load(weights_only=True)` reads back as it was: tensors on the CPU, tuples as
+    `{'__tuple__': [...]}`, str-keyed dicts as `{'__dict__': {...}}`, attrs records by class name and fields;
+    `_Unstorable` (a `TypeError`) names anything else."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
         return value.detach().cpu() if value.device.type != "meta" else value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return {"__tuple__": [_encode(v) for v in value]}
+        return {"__tuple__": [encode(v) for v in value]}
     if isinstance(value, list):
-        return [_encode(v) for v in value]
+        return [encode(v) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"__dict__": {k: _encode(v) for k, v in value.items()}}
+        return {"__dict__": {k: encode(v) for k, v in value.items()}}
     if attrs.has(type(value)):
         cls = type(value)
         return {"__attrs__": f"{cls.__module__}:{cls.__qualname__}",
-                "fields": {f.name: _encode(getattr(value, f.name)) for f in attrs.fields(cls)}}
+                "fields": {f.name: encode(getattr(value, f.name)) for f in attrs.fields(cls)}}
     raise _Unstorable(f"a {type(value).__name__} value")
 
 
-def _decode(value, device: torch.device):
+def decode(value, device: torch.device):
+    """What `encode` stored, tensors moved to `device`."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, list):
-        return [_decode(v, device) for v in value]
+        return [decode(v, device) for v in value]
     if isinstance(value, dict):
         if "__tuple__" in value:
-            return tuple(_decode(v, device) for v in value["__tuple__"])
+            return tuple(decode(v, device) for v in value["__tuple__"])
         if "__dict__" in value:
-            return {k: _decode(v, device) for k, v in value["__dict__"].items()}
+            return {k: decode(v, device) for k, v in value["__dict__"].items()}
         if "__attrs__" in value:
             module, _, qualname = value["__attrs__"].partition(":")
             cls = getattr(sys.modules.get(_MOVED_MODULES.get(module, module)), qualname, None)
             if cls is None or not attrs.has(cls):
                 raise CheckpointError(f"the snapshot holds a {value['__attrs__']} record, which is not defined in"
                                       " this process")
-            return cls(**{k: _decode(v, device) for k, v in value["fields"].items()})
+            return cls(**{k: decode(v, device) for k, v in value["fields"].items()})
     return value

@@ -139,7 +139,7 @@ class RunState:
             fit starts from (`deepepochs.engine.kept_grads`); None when they held none.
         carried: what steps carry from batch to batch (`trainer.carried`: an RNN's hidden state, a queue)
             as the last commit point of the running fit saw it, which a rollback writes back
-            (`deepepochs.engine.carried`); None outside a fit.
+            (`deepepochs.engine.carried`); None outside a fit. Every checkpoint file holds it (`carried`).
         updates: the update windows the run committed (`commit_update`: applied, or skipped for inf/NaN),
             resumed runs included: the update clock (`max_updates`, `val_every_n_updates`) and the snapshots'
             count (`snapshot-u<updates>`).
@@ -177,7 +177,7 @@ class RunState:
     # Replaced whole at commit points where some optimizer did not step (`kept_grads.keep`); None otherwise.
     grads: dict | None = _field(None, copy=SHARED)
     # Replaced whole, by a copy, at commit points (`carried.keep`); a capture copies it (small: hidden states).
-    carried: dict | None = _field(None)
+    carried: dict | None = _field(None, snapshot="the checkpoint's carried, per rank (every file holds it)")
     updates: int = _field(0, copy=SHARED, snapshot="the checkpoint's updates")
     # The averaged modules' own tensors: a capture copies them, a restore writes them back into the module.
     averages: dict | None = _field(None, snapshot="the checkpoint's averages", in_place=True)
