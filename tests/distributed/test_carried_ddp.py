@@ -11,19 +11,17 @@ from torch.nn import functional as F
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
-    return tmp_path_factory.mktemp("carried_ddp")
-
-
-@pytest.fixture(scope="module")
-def ranks(out):
-    return launched_ranks(C.run, C.OUT_ENV, out)
+def launched(tmp_path_factory):
+    """(the folder the two processes wrote their runs into, what each rank recorded)."""
+    out = tmp_path_factory.mktemp("carried_ddp")
+    return out, launched_ranks(C.run, C.OUT_ENV, out)
 
 
 @pytest.mark.distributed
-def test_each_rank_continues_from_an_epoch_end_file_with_its_own_carried_queue(ranks):
+def test_each_rank_continues_from_an_epoch_end_file_with_its_own_carried_queue(launched):
     """The file holds both ranks' queues (different: each rank's own shard), and the resumed run's weights,
     records and queues equal the uninterrupted run's on every rank."""
+    ranks = launched[1]
     stored = ranks[0]["file"]
     assert len(stored) == 2 and not torch.equal(stored[0]["__dict__"]["queue"], stored[1]["__dict__"]["queue"])
     for rank in ranks:
@@ -34,8 +32,9 @@ def test_each_rank_continues_from_an_epoch_end_file_with_its_own_carried_queue(r
 
 
 @pytest.mark.distributed
-def test_one_process_loading_a_two_process_file_takes_rank_0s_carried_state(ranks, out):
+def test_one_process_loading_a_two_process_file_takes_rank_0s_carried_state(launched):
     """On another world size each process takes rank 0's dict, as a mid-epoch snapshot's run state."""
+    out, ranks = launched
     model = T.make_model()
     with C.Queue(model, F.cross_entropy, T.make_optimizer(model), **T.trainer_kwargs()) as trainer:
         path = out / "b" / "run" / "train-loss.latest.ckpt"  # the resumed run's last epoch
