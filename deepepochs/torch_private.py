@@ -80,6 +80,12 @@ FSDP2's per-parameter records (`FSDPModule._get_fsdp_state()._fsdp_param_groups[
     delays until after the handler is back, and a collected reference cycle may free the queues first.
     Fallback: `shutdown_loader_workers` does nothing (the workers are shut down when the iterator is
     collected).
+`DataLoader._iterator` (the iterator a DataLoader with persistent workers keeps and reuses)
+    Used by `drop_persistent_workers` when a stage failed: its workers are shut down (as above) and the
+    DataLoader forgets the iterator, so that its next `iter()` starts new workers instead of resuming the
+    shut-down ones. Why: torch shuts persistent workers down only when the DataLoader is collected or the
+    interpreter exits, and offers no call that makes a DataLoader start afresh.
+    Fallback: `drop_persistent_workers` does nothing (the workers stay, as after a normal end).
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ __all__ = [
     "buffers_unchanged",
     "copy_tensors",
     "compiled_module",
+    "drop_persistent_workers",
     "fsdp_drop_unsynced_grads",
     "fsdp_unsynced_grads_private",
     "grads_finite_on_host",
@@ -451,6 +458,16 @@ def install_loader_child_handler() -> None:
     except (ImportError, AttributeError):
         return
     install()
+
+
+def drop_persistent_workers(loader) -> None:
+    """Shut down the persistent workers a DataLoader keeps and make its next `iter()` start new ones (see the
+    module doc); anything else is left alone."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is None or not callable(getattr(iterator, "_shutdown_workers", None)):
+        return
+    shutdown_loader_workers(iterator)
+    loader._iterator = None  # noqa: SLF001
 
 
 def shutdown_loader_workers(iterator) -> None:

@@ -21,11 +21,17 @@ TARGET = Path(__file__).with_name("worker_sigint_target.py")
 
 
 @pytest.mark.slow
-def test_a_ctrl_c_while_workers_start_rolls_every_stage_back_and_no_worker_dies_of_it(tmp_path):
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+def test_a_ctrl_c_while_workers_start_rolls_every_stage_back_and_no_worker_dies_of_it(tmp_path, persistent):
+    """Persistent workers: the failed stage shuts them down too, and the DataLoader kept starts new ones when
+    the stage runs again."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(TARGET.parent)])}
-    proc = subprocess.run([sys.executable, str(TARGET)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=env, start_new_session=True)  # the target signals its own process group
+    proc = subprocess.run([sys.executable, str(TARGET), *(["persistent"] if persistent else [])],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+                          start_new_session=True)  # the target signals its own process group
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[-6:] == [f"{stage} 2 True" for stage in
-                                            ("train", "val", "test", "predict", "lr_sweep")] + [""], proc.stdout
+    stages = ("train", "test") if persistent else ("train", "val", "test", "predict", "lr_sweep")
+    kept = " 2 True" if persistent else ""
+    lines = [line for line in proc.stdout.split("\n") if line.split(" ")[0] in stages]
+    assert lines == [f"{stage} 2 True{kept}" for stage in stages], proc.stdout
     assert "Traceback" not in proc.stderr and "DataLoader worker" not in proc.stderr, proc.stderr[-3000:]

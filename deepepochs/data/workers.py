@@ -22,8 +22,11 @@ A stage that ends before its iterators are exhausted (an exception, a Ctrl-C, th
 mid-epoch) shuts their workers down as it ends (`stage`), not when the garbage collector reaches them: an
 iterator held by a traceback's reference cycle is collected in any order with its queues, and a spawn worker
 still starting then finds the queues' semaphores gone, dies with its own traceback, and torch's SIGCHLD
-handler raises "exited unexpectedly" wherever the main process is. Persistent workers are left to their
-DataLoader, which holds their iterator and reuses it.
+handler raises "exited unexpectedly" wherever the main process is. Persistent workers stay with their
+DataLoader, which holds their iterator and reuses it, when the stage ends normally; a stage that failed
+shuts them down too and makes the DataLoader start new ones when next iterated (its iterator stopped
+mid-epoch, and the DataLoader itself may be garbage in the traceback's cycle, as one made inline in the
+call is once a notebook goes on after the interrupt).
 """
 
 from __future__ import annotations
@@ -34,27 +37,43 @@ import signal
 import weakref
 from multiprocessing import forkserver, resource_tracker
 
+import attrs
+
 from deepepochs import torch_private
 
 __all__ = ["stage", "start"]
 
 _BLOCKABLE = hasattr(signal, "pthread_sigmask")  # POSIX
-#: per running stage (innermost last: a callback may run another stage inside one), the iterators it started
-_stages: list[weakref.WeakSet] = []
+#: per running stage (innermost last: a callback may run another stage inside one), what it started
+_stages: list[_Started] = []
+
+
+@attrs.define(eq=False)
+class _Started:
+    """What a running stage started: the iterators whose workers it shuts down as it ends, and the
+    DataLoaders whose persistent workers it shuts down if it fails (both held weakly)."""
+
+    iterators: weakref.WeakSet = attrs.field(factory=weakref.WeakSet)
+    persistent: weakref.WeakSet = attrs.field(factory=weakref.WeakSet)
 
 
 @contextlib.contextmanager
 def stage():
     """Run a stage: as it ends, however it ends, shut down the workers of the iterators `start` made in it
-    that are still running (see the module doc)."""
-    started = weakref.WeakSet()
+    that are still running; if it fails, those of its DataLoaders' persistent workers too (module doc)."""
+    started = _Started()
     _stages.append(started)
+    failed = True
     try:
         yield
+        failed = False
     finally:
-        del _stages[next(i for i in reversed(range(len(_stages))) if _stages[i] is started)]  # not ==: equal sets
-        for iterator in list(started):
+        _stages.remove(started)  # by identity (eq=False)
+        for iterator in list(started.iterators):
             torch_private.shutdown_loader_workers(iterator)
+        if failed:
+            for loader in list(started.persistent):
+                torch_private.drop_persistent_workers(loader)
 
 
 def start(data):
@@ -70,8 +89,12 @@ def start(data):
         finally:
             if signal.SIGINT not in previous:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    if _stages and not getattr(data, "persistent_workers", False) and hasattr(iterator, "_shutdown_workers"):
-        _stages[-1].add(iterator)
+    if _stages and hasattr(iterator, "_shutdown_workers"):
+        started = _stages[-1]
+        if getattr(data, "persistent_workers", False):
+            started.persistent.add(data)
+        else:
+            started.iterators.add(iterator)
     return iterator
 
 
