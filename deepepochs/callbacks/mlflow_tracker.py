@@ -18,7 +18,10 @@ few hundred updates too). The tracker run is found by the running id
 once. Everything the tracker is told goes through a bounded queue on a thread of its own
 (`reporting.background`): a slow or unreachable server never makes training wait; failures are reported
 once, as a `DeepEpochsWarning` with the reason, at the next hook; `trainer.close()` waits at most
-`close_timeout` seconds. Only the main process talks to the tracker.
+`close_timeout` seconds. Only the main process talks to the tracker. A resumed job sends again the metrics
+its history holds (`reporting.scalars.history_scalars`), of which the tracker run keeps those it lacks: a
+record the job before committed but never sent (killed with SIGKILL) arrives once. Credentials in the
+tracking URI are written `***@` in everything printed (`reporting.redact`).
 """
 
 from __future__ import annotations
@@ -42,19 +45,28 @@ from deepepochs.errors import ConfigError, DeepEpochsWarning, Preempted
 from deepepochs.fsm.render import render
 from deepepochs.reporting.background import BackgroundCalls
 from deepepochs.reporting.mlflow_run import MlflowRun
-from deepepochs.reporting.scalars import epoch_scalars, stage_scalars, step_source, test_scalars, watch_update_rates
+from deepepochs.reporting.redact import redact, redacted_uri
+from deepepochs.reporting.scalars import (
+    epoch_scalars,
+    history_scalars,
+    stage_scalars,
+    step_source,
+    test_scalars,
+    watch_update_rates,
+)
 
 __all__ = ["MLflowCallback", "check_tracking_uri"]
 
 #: URI schemes MLflow's client takes for a tracking store (a database URI may name its driver: `mysql+pymysql`).
 _SERVER_SCHEMES = ("http", "https")
 _DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
-_OTHER_SCHEMES = ("file", "databricks", "databricks-uc", "uc")
+_OTHER_SCHEMES = ("databricks", "databricks-uc", "uc")
 #: Staged records that make the training thread hand them to the worker (during a long stretch of updates
 #: with a step-wise scheduler, whose every update stages its learning rates).
 _SEND_EVERY = 256
 _ACCEPTED = ("None (MLflow's default: MLFLOW_TRACKING_URI, else its local store), 'http(s)://host[:port]',"
-             " a database URI such as 'sqlite:///mlflow.db', 'file:///folder', 'databricks' or a local folder")
+             " a database URI such as 'sqlite:///mlflow.db' or 'databricks' ('file:///folder' or a folder with"
+             " MLFLOW_ALLOW_FILE_STORE=true)")
 
 
 def _require_mlflow() -> None:
@@ -64,21 +76,51 @@ def _require_mlflow() -> None:
                           " 'deepepochs[mlflow]' (or pip install 'mlflow>=3,<3.18')")
 
 
+def _file_store_allowed() -> bool:
+    """Whether the user opted into MLflow's file store (`MLFLOW_ALLOW_FILE_STORE=true`, MLflow's own switch)."""
+    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
+
+
+def _file_store_problem(uri: str) -> str | None:
+    """Why a file store (`file:///folder` or a folder) records nothing with the pinned MLflow, or None when
+    the user opted into it."""
+    if _file_store_allowed():
+        return None
+    return ("MLflow's file store is in maintenance mode and refuses to record (MLflow 3 raises on it);"
+            f" use a database in that folder, 'sqlite:///{_folder(uri)}/mlflow.db', or set"
+            " MLFLOW_ALLOW_FILE_STORE=true, MLflow's switch that keeps the file store")
+
+
+def _folder(uri: str) -> str:
+    """The folder a file store URI or path names, for the message that proposes a database there."""
+    if uri.startswith("file:"):
+        path = urllib.parse.urlsplit(uri).path
+        return path.rstrip("/") or "."
+    return uri.rstrip("/\\") or "."
+
+
 def check_tracking_uri(uri):
     """`uri` as MLflow's client takes it, or a `ConfigError` naming `tracking_uri`, what it accepts and
-    what came."""
+    what came (its credentials, `user:password@`, written `***@`)."""
     if uri is None:
         return None
     if isinstance(uri, os.PathLike):
-        return os.fspath(uri)
+        uri = os.fspath(uri)
     if not isinstance(uri, str) or not uri.strip() or uri != uri.strip():
-        raise ConfigError(f"MLflowCallback tracking_uri must be {_ACCEPTED} (got {uri!r})")
-    parts = urllib.parse.urlsplit(uri)
+        raise ConfigError(f"MLflowCallback tracking_uri must be {_ACCEPTED} (got {redacted_uri(uri)!r})")
+    shown = redacted_uri(uri)
+    try:
+        parts = urllib.parse.urlsplit(uri)
+    except ValueError as e:  # an unclosed IPv6 bracket, ...
+        raise ConfigError(f"MLflowCallback tracking_uri must be {_ACCEPTED} (got {shown!r}: it is not a URI:"
+                          f" {redact(str(e), uri)})") from None
     scheme = parts.scheme.split("+")[0]
-    if not parts.scheme or (len(parts.scheme) == 1 and os.name == "nt"):  # a path (C:\... on Windows)
-        return uri
     problem = None
-    if scheme in _SERVER_SCHEMES:
+    if uri in _OTHER_SCHEMES:  # 'databricks' alone: the workspace of the default profile
+        return uri
+    if not parts.scheme or (len(parts.scheme) == 1 and os.name == "nt"):  # a path (C:\... on Windows)
+        problem = _file_store_problem(uri)
+    elif scheme in _SERVER_SCHEMES:
         try:
             _ = parts.port  # urllib checks the port when it is read
         except ValueError:
@@ -88,12 +130,14 @@ def check_tracking_uri(uri):
     elif scheme in _DATABASE_SCHEMES:
         if "://" not in uri:
             problem = f"a database URI reads '{parts.scheme}://...'"
+    elif scheme == "file":
+        problem = _file_store_problem(uri)
     elif scheme not in _OTHER_SCHEMES:
         problem = f"{parts.scheme!r} is not a scheme MLflow tracks to"
         if parts.path.isdigit():
-            problem += f"; a server is 'http://{uri}'"
+            problem += f"; a server is 'http://{shown}'"
     if problem:
-        raise ConfigError(f"MLflowCallback tracking_uri must be {_ACCEPTED} (got {uri!r}: {problem})")
+        raise ConfigError(f"MLflowCallback tracking_uri must be {_ACCEPTED} (got {shown!r}: {problem})")
     return uri
 
 
@@ -108,7 +152,9 @@ class MLflowCallback(Callback):
 
     One deepepochs run is one tracker run, found by the tag `deepepochs.running_id`: `Trainer(resume=True)`
     after a preemption, a refit after an error and a second `fit` continue it, with each step logged
-    once; epochs that a rollback discarded are never sent. Writes run on a background thread through a
+    once; epochs that a rollback discarded are never sent. A resumed job hands the tracker its history's
+    metrics again (each (tag, step) the tracker run lacks is sent, the others skipped), so a record the job
+    before it committed but never sent (a SIGKILL) arrives once. Writes run on a background thread through a
     queue of `queue_size` records: a tracker that is down or slow never stops training (records that do
     not fit in the queue are dropped, and said so); `trainer.close()` flushes, waiting at most
     `close_timeout` seconds. How long one request to a server that does not answer may take is MLflow's
@@ -117,8 +163,12 @@ class MLflowCallback(Callback):
     Needs the `mlflow` extra: `pip install 'deepepochs[mlflow]'`.
 
     Args:
-        tracking_uri: the tracking server or store: 'http://host:port', a database URI
-            ('sqlite:///mlflow.db'), a local folder, or None for MLflow's default (`MLFLOW_TRACKING_URI`).
+        tracking_uri: the tracking server or store: 'http://host:port' (credentials in it,
+            'http://user:password@host', are written `***@` wherever deepepochs or MLflow's run link prints
+            it), a database URI ('sqlite:///mlflow.db'), or None for MLflow's default
+            (`MLFLOW_TRACKING_URI`). A file store ('file:///folder' or a folder) is refused, since MLflow 3's
+            is in maintenance mode and records nothing, unless MLflow's switch `MLFLOW_ALLOW_FILE_STORE=true`
+            is set.
         experiment: the experiment's name (created when missing).
         log_checkpoints: False; True uploads the file of every `CheckCallback(save_best=True)` at each
             fit's end; a monitor name ('loss', or a `CheckCallback`'s `monitor_id` such as
@@ -157,7 +207,7 @@ class MLflowCallback(Callback):
         self._reset()
 
     def __repr__(self) -> str:
-        return (f"MLflowCallback(tracking_uri={self.tracking_uri!r}, experiment={self.experiment!r},"
+        return (f"MLflowCallback(tracking_uri={redacted_uri(self.tracking_uri)!r}, experiment={self.experiment!r},"
                 f" log_checkpoints={self.log_checkpoints!r})")
 
     def _reset(self) -> None:
@@ -272,6 +322,10 @@ class MLflowCallback(Callback):
                 "deepepochs.world_size": trainer.world_size}
         self._put(self._tracker.open, self._running_id, fresh, tags, dict(trainer.hyper_params),
                   lambda: render("mermaid"))
+        if not fresh:  # the job this one continues may have ended (SIGKILL) before it sent what it committed
+            stamp = int(time.time() * 1000)
+            records = [(step, scalars, stamp) for step, scalars in history_scalars(trainer)]
+            self._put(self._tracker.log_records, records)
 
     def _stage(self, committed, step: int, scalars: dict) -> None:
         """Keep records at `step` until `committed(trainer, step)` says a rollback can no longer undo them."""
@@ -317,9 +371,10 @@ class MLflowCallback(Callback):
         calls = calls or self._calls
         if calls is None:
             return
+        where = redacted_uri(self.tracking_uri) or "default tracking URI"
         for text in calls.report():
-            warnings.warn(f"MLflowCallback ({self.tracking_uri or 'default tracking URI'}): {text}; training goes"
-                          " on, the tracker misses those records", DeepEpochsWarning, stacklevel=3)
+            warnings.warn(f"MLflowCallback ({where}): {redact(text, self.tracking_uri)}; training goes on, the"
+                          " tracker misses those records", DeepEpochsWarning, stacklevel=3)
 
     def _checkpoints(self, trainer) -> list[CheckCallback]:
         """The CheckCallbacks whose files `log_checkpoints` uploads; a name that matches none is an error."""

@@ -15,6 +15,9 @@ epochs after its last snapshot; the tracker keeps the values it got first).
 from __future__ import annotations
 
 import os
+import sys
+
+from deepepochs.reporting.redact import redacted_uri
 
 __all__ = ["RUNNING_ID_TAG", "MlflowRun"]
 
@@ -47,6 +50,7 @@ class MlflowRun:
         self._opening: tuple | None = None  # what `open` was asked, until the run is found or created
         self._logged: set[tuple[str, int]] = set()
         self._params: dict[str, str] = {}
+        self._experiment: str | None = None  # the experiment's id, once known
 
     # ---- the run ----
     def open(self, running_id: str, fresh: bool, tags: dict, params: dict, state_graph) -> None:
@@ -65,7 +69,7 @@ class MlflowRun:
             raise RuntimeError("no tracker run was opened (neither fit nor test started)")
         running_id, fresh, tags, params, state_graph = self._opening
         client = self._client()
-        experiment_id = self._experiment_id(client)
+        experiment_id = self._experiment = self._experiment_id(client)
         found = None if fresh else self._find(client, experiment_id, running_id)
         if found is None:
             tags = {**{k: str(v) for k, v in tags.items()}, RUNNING_ID_TAG: running_id}  # MLflow stores strings
@@ -90,7 +94,25 @@ class MlflowRun:
             from mlflow.tracking import MlflowClient
 
             self.client = MlflowClient(self.tracking_uri)
+            if redacted_uri(self.tracking_uri) != self.tracking_uri:
+                self._hide_credentials(self.client)
         return self.client
+
+    def _hide_credentials(self, client) -> None:
+        """MLflow prints a link to the run when it ends, from the tracking URI as given, password included:
+        print that link with the credentials written `***@` instead (MLflow 3's client prints it from
+        `_log_url`; a client without it prints no link, so nothing is replaced)."""
+        tracking = getattr(client, "_tracking_client", None)
+        if tracking is None or not callable(getattr(tracking, "_log_url", None)):
+            return
+        host = redacted_uri(self.tracking_uri).rstrip("/")
+
+        def log_url(run_id):
+            experiment_url = f"{host}/#/experiments/{self._experiment}"
+            sys.stdout.write(f"\N{RUNNER} View run {self.running_id} at: {experiment_url}/runs/{run_id}\n"
+                             f"\N{TEST TUBE} View experiment at: {experiment_url}\n")
+
+        tracking._log_url = log_url
 
     def _experiment_id(self, client) -> str:
         experiment = client.get_experiment_by_name(self.experiment)

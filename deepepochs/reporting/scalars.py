@@ -10,6 +10,9 @@ same numbers at the same steps.
   validation point's of the update clock (`fit(val_every_n_updates=M)`) at its update count, a test's at
   the count of completed epochs; and when a record at a step is committed (a rollback can no longer
   discard it: a tracker that must never hold discarded work sends a record only then).
+- `history_scalars(trainer)`: the metric records the run's history holds, each at its step: what a
+  resumed job hands its tracker again, since the job it continues may have ended (SIGKILL) after a record
+  committed and before it reached the tracker.
 - `watch_update_rates`: the learning rate of every applied update of each optimizer with a step-wise
   scheduler (`lr/update`, or `lr/lr_<opt>_<group>_update`), at that scheduler's count of updates.
 """
@@ -20,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from deepepochs.config import VAL_POINT_KEY
 
-__all__ = ["EpochClock", "epoch_scalars", "lr_tag", "stage_scalars", "step_source", "test_scalars",
+__all__ = ["EpochClock", "epoch_scalars", "history_scalars", "lr_tag", "stage_scalars", "step_source", "test_scalars",
            "watch_update_rates"]
 
 
@@ -83,6 +86,29 @@ _EPOCHS = EpochClock()
 def step_source(trainer) -> EpochClock:
     """The step axis of `trainer`'s records (see the module docstring)."""
     return _EPOCHS
+
+
+def history_scalars(trainer) -> list[tuple[int, dict[str, float]]]:
+    """`(step, {tag: value})` of every epoch and validation point the run's history holds (committed
+    records only: the history is the run's committed records), at the steps their hooks log them.
+
+    Learning rates are not in the history, so they are not among these. An epoch's validation metrics are
+    only when every epoch has them (with `fit(val_freq=k)` the history does not say which epochs
+    validated)."""
+    clock, history = step_source(trainer), trainer.history
+    train, val = history.get("train", {}), dict(history.get("val", {}))
+    points = val.pop(VAL_POINT_KEY, None)
+    epochs = max((len(values) for values in train.values()), default=0)
+    per_epoch_val = points is None and all(len(values) == epochs for values in val.values())
+    out = []
+    for index in range(epochs):
+        train_metrics = {name: values[index] for name, values in train.items()}
+        val_metrics = {name: values[index] for name, values in val.items()} if per_epoch_val else {}
+        out.append((clock.epoch_step(trainer, index), epoch_scalars(train_metrics, val_metrics, {})))
+    for index, step in enumerate(points or ()):
+        metrics = {name: values[index] for name, values in val.items() if index < len(values)}
+        out.append((int(step), stage_scalars("val", metrics)))
+    return out
 
 
 #: `sink(step, {tag: rate}, scheduler)` of `watch_update_rates`.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -29,7 +30,7 @@ from state_compare import states_equal  # tests/, on sys.path under pytest
 from torch import nn
 from torch.nn import functional as F
 
-from deepepochs import Callback, LogCallback, MLflowCallback, Optimizer, Trainer
+from deepepochs import Callback, LogCallback, MLflowCallback, Optimizer, SnapshotCallback, Trainer
 from deepepochs.callbacks import mlflow_tracker
 from deepepochs.metrics import accuracy
 
@@ -42,7 +43,7 @@ import mlflow_targets as D  # noqa: E402  (needs the sys.path entry above)
 from deadline import launched_ranks  # noqa: E402  (same sys.path entry)
 
 SESSION = uuid.uuid4().hex[:8]
-EXPERIMENT = {name: f"{name}-{SESSION}" for name in ("updates", "discarded", "preempted", "ddp")}
+EXPERIMENT = {name: f"{name}-{SESSION}" for name in ("updates", "discarded", "preempted", "ddp", "killed")}
 BUDGET, EVERY = 15, 4  # 6 updates an epoch: epochs end at 6, 12 and 15; validation points at 4, 8, 12, 15
 
 
@@ -201,6 +202,46 @@ def test_a_sigterm_then_resume_under_the_update_clock_logs_each_step_once(tracki
     assert states_equal(resumed, reference[0])
     run = the_run(tracking_server, EXPERIMENT["preempted"], running_id)
     assert series(tracking_server, run) == _expected(reference[1], BUDGET, [6, 12, 15])
+
+
+KILLED_SCRIPT = """
+import signal, sys
+sys.path[:0] = [{tests!r}, {here!r}]
+from test_mlflow_updates import _fit, _trainer
+from test_snapshots import SendAt
+from deepepochs import MLflowCallback, SnapshotCallback
+trainer, _ = _trainer([SnapshotCallback({folder!r}, every_n_updates=1), SendAt(signal.SIGKILL, 2, 3),
+                       MLflowCallback({uri!r}, experiment={experiment!r})], running_id="killed")
+_fit(trainer)  # SIGKILL after update 10: the point at 8 committed and is in the snapshot at 9, never sent
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL") or os.name == "nt", reason="POSIX signals")
+def test_a_validation_point_committed_before_a_sigkill_reaches_the_tracker_once_after_the_resume(
+        tracking_server, tmp_path, reference):
+    """A job killed (SIGKILL: no handler, no flush) after update 10 had committed the validation point at 8,
+    which its last snapshot holds but its tracker thread never sent; the resumed job sends it, and the
+    tracker run holds every validation point and epoch once, equal to the uninterrupted run (learning
+    rates the killed job had not sent yet are not in the history and stay missing)."""
+    here = Path(__file__).resolve().parent
+    script = KILLED_SCRIPT.format(tests=str(here.parent), here=str(here), folder=str(tmp_path), uri=tracking_server,
+                                  experiment=EXPERIMENT["killed"])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    resumed, model = _trainer([SnapshotCallback(tmp_path), MLflowCallback(tracking_server,
+                               experiment=EXPERIMENT["killed"], close_timeout=60)], resume=True, running_id="killed")
+    _fit(resumed)
+    resumed.close()
+    assert states_equal(weights(model), reference[0])
+    logged = series(tracking_server, the_run(tracking_server, EXPERIMENT["killed"], "killed"))
+    expected = _expected(reference[1], BUDGET, [6, 12, 15])
+    assert {tag: points for tag, points in logged.items() if not tag.startswith("lr")} == {
+        tag: points for tag, points in expected.items() if not tag.startswith("lr")}
+    assert logged["loss/val"] == list(zip([4, 8, 12, 15], reference[1]["val"]["loss"]))
+    for tag in ("lr", "lr/update"):  # each step once, with the uninterrupted run's value
+        assert set(logged[tag]) <= set(expected[tag]) and len({s for s, _ in logged[tag]}) == len(logged[tag])
 
 
 @pytest.mark.slow
