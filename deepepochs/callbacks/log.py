@@ -196,7 +196,7 @@ class LogCallback(Callback):
         for tag, value in epoch_scalars(train_metrics, val_metrics, trainer.opt.lrs()).items():
             writer.add_scalar(tag, value, step)
         for stage, metrics in (("train", train_metrics), ("val", val_metrics)):
-            self._add_row(trainer, step, stage, metrics)
+            self._add_row(trainer, epoch_idx + 1, stage, metrics)
         writer.flush()  # so that a TensorBoard watching the run sees each epoch as it ends
 
     def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
@@ -222,7 +222,7 @@ class LogCallback(Callback):
             add_hparams_record(writer, trainer.hyper_params, tagged)
         for tag, value in tagged.items():
             writer.add_scalar(tag, value, step)
-        self._add_row(trainer, step, "test", metrics)
+        self._add_row(trainer, trainer.loop.completed_epochs, "test", metrics)
         writer.flush()
 
     def on_interrupted(self, trainer, exception):

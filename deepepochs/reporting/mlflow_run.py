@@ -39,11 +39,13 @@ class MlflowRun:
     Args:
         tracking_uri: passed to `MlflowClient` (None: MLflow's default, `MLFLOW_TRACKING_URI` or its own).
         experiment: the experiment's name; created when missing.
+        state_graph: gives the loop's Mermaid text, stored as an artifact of a new run.
     """
 
-    def __init__(self, tracking_uri, experiment: str):
+    def __init__(self, tracking_uri, experiment: str, state_graph):
         self.tracking_uri = tracking_uri
         self.experiment = experiment
+        self.state_graph = state_graph
         self.client = None
         self.run_id: str | None = None
         self.running_id: str | None = None
@@ -53,12 +55,11 @@ class MlflowRun:
         self._experiment: str | None = None  # the experiment's id, once known
 
     # ---- the run ----
-    def open(self, running_id: str, fresh: bool, tags: dict, params: dict, state_graph) -> None:
-        """Find (or create) the tracker run of `running_id` and record its tags and parameters;
-        `state_graph()` gives the Mermaid text stored as an artifact of a new run. When the server cannot
-        be reached, the next call tries again."""
+    def open(self, running_id: str, fresh: bool, tags: dict, params: dict) -> None:
+        """Find (or create) the tracker run of `running_id` and record its tags and parameters. When the
+        server cannot be reached, the next call tries again."""
         self.run_id, self.running_id = None, running_id
-        self._opening = (running_id, fresh, dict(tags), dict(params), state_graph)
+        self._opening = (running_id, fresh, dict(tags), dict(params))
         self._ensure()
 
     def _ensure(self) -> str:
@@ -67,7 +68,7 @@ class MlflowRun:
             return self.run_id
         if self._opening is None:
             raise RuntimeError("no tracker run was opened (neither fit nor test started)")
-        running_id, fresh, tags, params, state_graph = self._opening
+        running_id, fresh, tags, params = self._opening
         client = self._client()
         experiment_id = self._experiment = self._experiment_id(client)
         found = None if fresh else self._find(client, experiment_id, running_id)
@@ -75,7 +76,7 @@ class MlflowRun:
             tags = {**{k: str(v) for k, v in tags.items()}, RUNNING_ID_TAG: running_id}  # MLflow stores strings
             run = client.create_run(experiment_id, tags=tags, run_name=running_id)
             run_id, self._logged, self._params = run.info.run_id, set(), {}
-            client.log_text(run_id, state_graph(), "deepepochs/state-graph.mmd")
+            client.log_text(run_id, self.state_graph(), "deepepochs/state-graph.mmd")
         else:
             run_id = found.info.run_id
             self._logged = {(key, int(m.step)) for key in found.data.metrics
@@ -138,11 +139,7 @@ class MlflowRun:
         return next((run for run in runs if run.data.tags.get(RUNNING_ID_TAG) == running_id), None)
 
     # ---- records ----
-    def log(self, step: int, scalars: dict, timestamp_ms: int) -> None:
-        """`{tag: value}` at `step`, but for tags the run already holds at that step."""
-        self.log_records([(step, scalars, timestamp_ms)])
-
-    def log_records(self, records) -> None:
+    def log(self, records) -> None:
         """Each `(step, {tag: value}, time in ms)` of `records` (in as few requests as MLflow allows), but for
         the (tag, step) the run already holds."""
         from mlflow.entities import Metric
@@ -160,7 +157,7 @@ class MlflowRun:
             self._logged.difference_update((m.key, m.step) for m in metrics)
             raise
 
-    def log_artifact(self, path, folder: str) -> None:
+    def log_file(self, path, folder: str) -> None:
         """Upload a file, or a folder's files, under `folder` of the run's artifacts."""
         run_id = self._ensure()
         if os.path.isdir(path):
