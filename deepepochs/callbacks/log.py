@@ -9,6 +9,9 @@ side in TensorBoard's `<metric>` section:
   point's; step: its update count.
 - `lr` (one optimizer, one param group) or `lr/lr_<opt>_<group>`: the learning rates the epoch used;
   step: the 1-based epoch.
+- Under the update clock (`Trainer(max_updates=N)` or `fit(val_every_n_updates=M)`) every step is an update
+  count: an epoch's `<metric>/train` and `lr` sit at the count its end reached, a test's at the run's count
+  (`reporting.scalars.UpdateClock`), so no chart mixes epochs and updates.
 - `lr/update` (one optimizer, one param group) or `lr/lr_<opt>_<group>_update`: for an optimizer with a
   step-wise scheduler (`sched_on='step'`), the learning rate each applied update used; step: that
   optimizer's updates so far (its scheduler's count, so a resumed run continues the curve). An update

@@ -42,8 +42,9 @@ from deepepochs import (
     Optimizer,
     SnapshotCallback,
     Trainer,
+    WandbCallback,
 )
-from deepepochs.callbacks import mlflow_tracker
+from deepepochs.callbacks import mlflow_tracker, wandb_tracker
 from deepepochs.errors import DeepEpochsWarning
 from deepepochs.fsm.render import render
 from deepepochs.metrics import accuracy
@@ -481,13 +482,16 @@ def test_a_log_checkpoints_name_that_matches_no_checkpoint_fails_before_training
     trainer.close()
 
 
-def test_without_mlflow_the_callback_names_the_extra_to_install(monkeypatch):
-    """When mlflow cannot be imported, building the callback says `pip install 'deepepochs[mlflow]'`."""
-    find_spec = mlflow_tracker.importlib.util.find_spec
-    monkeypatch.setattr(mlflow_tracker.importlib.util, "find_spec",
-                        lambda name, *args: None if name == "mlflow" else find_spec(name, *args))
-    with pytest.raises(ImportError, match=r"pip install 'deepepochs\[mlflow\]'"):
-        MLflowCallback()
+@pytest.mark.parametrize("module, package, callback", [(mlflow_tracker, "mlflow", MLflowCallback),
+                                                      (wandb_tracker, "wandb", WandbCallback)], ids=["mlflow", "wandb"])
+def test_without_its_package_a_tracker_callback_names_the_extra_to_install(monkeypatch, module, package, callback):
+    """When mlflow (wandb) cannot be imported, building the callback says `pip install 'deepepochs[mlflow]'`
+    (`[wandb]`)."""
+    find_spec = module.importlib.util.find_spec
+    monkeypatch.setattr(module.importlib.util, "find_spec",
+                        lambda name, *args: None if name == package else find_spec(name, *args))
+    with pytest.raises(ImportError, match=rf"pip install 'deepepochs\[{package}\]'"):
+        callback()
 
 
 @needs_mlflow

@@ -21,7 +21,6 @@ from state_compare import states_equal  # tests/, on sys.path under pytest
 from wandb_files import history_rows, run_files, scalar_series  # tests/, on sys.path under pytest
 
 from deepepochs import ConfigError, Trainer, WandbCallback
-from deepepochs.callbacks import wandb_tracker
 from deepepochs.metrics import accuracy
 from deepepochs.reporting.wandb_run import wandb_run_id
 
@@ -166,15 +165,6 @@ def test_the_repr_names_init_arguments_without_their_values():
     text = repr(WandbCallback("p", mode="offline", entity="secret-entity", notes="api-key-123"))
     assert text == ("WandbCallback(project='p', mode='offline', dir=None, log_checkpoints=False, entity=...,"
                     " notes=...)")
-
-
-def test_without_wandb_the_callback_names_the_extra_to_install(monkeypatch):
-    """When wandb cannot be imported, building the callback says `pip install 'deepepochs[wandb]'`."""
-    find_spec = wandb_tracker.importlib.util.find_spec
-    monkeypatch.setattr(wandb_tracker.importlib.util, "find_spec",
-                        lambda name, *args: None if name == "wandb" else find_spec(name, *args))
-    with pytest.raises(ImportError, match=r"pip install 'deepepochs\[wandb\]'"):
-        WandbCallback()
 
 
 @pytest.mark.parametrize("running_id", ["run-a_1", "a/b:c", "x" * 80])
