@@ -12,6 +12,8 @@ from deepepochs.callbacks import (
     MLflowCallback,
     SnapshotCallback,
     SWACallback,
+    TrackerCallback,
+    WandbCallback,
 )
 from deepepochs.checkpoint import consolidate
 from deepepochs.compat import (
@@ -84,9 +86,11 @@ __all__ = [
     "TensorDict",
     "TensorPatch",
     "TensorTuple",
+    "TrackerCallback",
     "Trainer",
     "TrainerBase",
     "ValuePatch",
+    "WandbCallback",
     "batches",
     "concat",
     "consolidate",

@@ -10,6 +10,8 @@ from deepepochs.callbacks.log import LogCallback
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.callbacks.mlflow_tracker import MLflowCallback
 from deepepochs.callbacks.snapshot import SnapshotCallback
+from deepepochs.callbacks.tracker import TrackerCallback
+from deepepochs.callbacks.wandb_tracker import WandbCallback
 
 __all__ = [
     "AnalyzeCallback",
@@ -24,4 +26,6 @@ __all__ = [
     "MLflowCallback",
     "SWACallback",
     "SnapshotCallback",
+    "TrackerCallback",
+    "WandbCallback",
 ]

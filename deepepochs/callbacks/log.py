@@ -9,6 +9,9 @@ side in TensorBoard's `<metric>` section:
   point's; step: its update count.
 - `lr` (one optimizer, one param group) or `lr/lr_<opt>_<group>`: the learning rates the epoch used;
   step: the 1-based epoch.
+- Under the update clock (`Trainer(max_updates=N)` or `fit(val_every_n_updates=M)`) every step is an update
+  count: an epoch's `<metric>/train` and `lr` sit at the count its end reached, a test's at the run's count
+  (`reporting.scalars.UpdateClock`), so no chart mixes epochs and updates.
 - `lr/update` (one optimizer, one param group) or `lr/lr_<opt>_<group>_update`: for an optimizer with a
   step-wise scheduler (`sched_on='step'`), the learning rate each applied update used; step: that
   optimizer's updates so far (its scheduler's count, so a resumed run continues the curve). An update
@@ -196,7 +199,7 @@ class LogCallback(Callback):
         for tag, value in epoch_scalars(train_metrics, val_metrics, trainer.opt.lrs()).items():
             writer.add_scalar(tag, value, step)
         for stage, metrics in (("train", train_metrics), ("val", val_metrics)):
-            self._add_row(trainer, step, stage, metrics)
+            self._add_row(trainer, epoch_idx + 1, stage, metrics)
         writer.flush()  # so that a TensorBoard watching the run sees each epoch as it ends
 
     def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
@@ -222,7 +225,7 @@ class LogCallback(Callback):
             add_hparams_record(writer, trainer.hyper_params, tagged)
         for tag, value in tagged.items():
             writer.add_scalar(tag, value, step)
-        self._add_row(trainer, step, "test", metrics)
+        self._add_row(trainer, trainer.loop.completed_epochs, "test", metrics)
         writer.flush()
 
     def on_interrupted(self, trainer, exception):

@@ -198,7 +198,8 @@ class Driver:
             self._count_epoch(epoch)
             emit(self.ctx, Event.AFTER_EPOCH, train, val, train_metrics, val_metrics, epoch_idx)
             skipped = sum(meters.skipped for meters in ctx.train_meters or ())
-            parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped)
+            parts.console.epoch(epoch, loop.target_epochs, {"train": train_metrics, "val": val_metrics}, skipped,
+                                update_clock.progress(ctx))
             fire(TriggerName.END_EPOCH)
             if ctx.snapshots is not None:
                 snapshot_trigger.commit_point(ctx, epoch_end=True)

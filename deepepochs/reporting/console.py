@@ -144,14 +144,17 @@ class Console:
             self._bar = None
 
     def epoch(self, epoch: int, epochs: int | None, stages: Mapping[str, Mapping[str, float]],
-              skipped: int = 0) -> None:
+              skipped: int = 0, updates: tuple[int, int | None] | None = None) -> None:
         """`E 1/3  TRAIN> loss: ...   VAL> loss: ...`; the training stage's `skipped` updates (inf/NaN)
-        follow its metrics when there are any: `TRAIN> loss: ... (2 updates skipped)`."""
+        follow its metrics when there are any: `TRAIN> loss: ... (2 updates skipped)`. Under the update
+        clock (`updates`: the committed updates and `max_updates`) the line also names the update count its
+        end reached, the step the trackers log it at: `E 1  U 6/15  TRAIN> loss: ...`."""
         if not self.enabled:
             return
         parts = [f"{stage.upper()}> {_fmt(m, self.digits)}{_skipped(skipped) if stage == 'train' else ''}"
                  for stage, m in stages.items() if m]
-        self._print(f"E {_of(epoch, epochs)}  " + "   ".join(parts))
+        at = "" if updates is None else f"U {_of(*updates)}  "
+        self._print(f"E {_of(epoch, epochs)}  {at}" + "   ".join(parts))
 
     def update_point(self, updates: int, target: int | None, metrics: Mapping[str, float]) -> None:
         """A validation point of the update clock: `U 500/1001  VAL> loss: ...`."""

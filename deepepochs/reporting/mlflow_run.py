@@ -15,6 +15,9 @@ epochs after its last snapshot; the tracker keeps the values it got first).
 from __future__ import annotations
 
 import os
+import sys
+
+from deepepochs.reporting.redact import redacted_uri
 
 __all__ = ["RUNNING_ID_TAG", "MlflowRun"]
 
@@ -36,25 +39,27 @@ class MlflowRun:
     Args:
         tracking_uri: passed to `MlflowClient` (None: MLflow's default, `MLFLOW_TRACKING_URI` or its own).
         experiment: the experiment's name; created when missing.
+        state_graph: gives the loop's Mermaid text, stored as an artifact of a new run.
     """
 
-    def __init__(self, tracking_uri, experiment: str):
+    def __init__(self, tracking_uri, experiment: str, state_graph):
         self.tracking_uri = tracking_uri
         self.experiment = experiment
+        self.state_graph = state_graph
         self.client = None
         self.run_id: str | None = None
         self.running_id: str | None = None
         self._opening: tuple | None = None  # what `open` was asked, until the run is found or created
         self._logged: set[tuple[str, int]] = set()
         self._params: dict[str, str] = {}
+        self._experiment: str | None = None  # the experiment's id, once known
 
     # ---- the run ----
-    def open(self, running_id: str, fresh: bool, tags: dict, params: dict, state_graph) -> None:
-        """Find (or create) the tracker run of `running_id` and record its tags and parameters;
-        `state_graph()` gives the Mermaid text stored as an artifact of a new run. When the server cannot
-        be reached, the next call tries again."""
+    def open(self, running_id: str, fresh: bool, tags: dict, params: dict) -> None:
+        """Find (or create) the tracker run of `running_id` and record its tags and parameters. When the
+        server cannot be reached, the next call tries again."""
         self.run_id, self.running_id = None, running_id
-        self._opening = (running_id, fresh, dict(tags), dict(params), state_graph)
+        self._opening = (running_id, fresh, dict(tags), dict(params))
         self._ensure()
 
     def _ensure(self) -> str:
@@ -63,15 +68,15 @@ class MlflowRun:
             return self.run_id
         if self._opening is None:
             raise RuntimeError("no tracker run was opened (neither fit nor test started)")
-        running_id, fresh, tags, params, state_graph = self._opening
+        running_id, fresh, tags, params = self._opening
         client = self._client()
-        experiment_id = self._experiment_id(client)
+        experiment_id = self._experiment = self._experiment_id(client)
         found = None if fresh else self._find(client, experiment_id, running_id)
         if found is None:
             tags = {**{k: str(v) for k, v in tags.items()}, RUNNING_ID_TAG: running_id}  # MLflow stores strings
             run = client.create_run(experiment_id, tags=tags, run_name=running_id)
             run_id, self._logged, self._params = run.info.run_id, set(), {}
-            client.log_text(run_id, state_graph(), "deepepochs/state-graph.mmd")
+            client.log_text(run_id, self.state_graph(), "deepepochs/state-graph.mmd")
         else:
             run_id = found.info.run_id
             self._logged = {(key, int(m.step)) for key in found.data.metrics
@@ -90,7 +95,25 @@ class MlflowRun:
             from mlflow.tracking import MlflowClient
 
             self.client = MlflowClient(self.tracking_uri)
+            if redacted_uri(self.tracking_uri) != self.tracking_uri:
+                self._hide_credentials(self.client)
         return self.client
+
+    def _hide_credentials(self, client) -> None:
+        """MLflow prints a link to the run when it ends, from the tracking URI as given, password included:
+        print that link with the credentials written `***@` instead (MLflow 3's client prints it from
+        `_log_url`; a client without it prints no link, so nothing is replaced)."""
+        tracking = getattr(client, "_tracking_client", None)
+        if tracking is None or not callable(getattr(tracking, "_log_url", None)):
+            return
+        host = redacted_uri(self.tracking_uri).rstrip("/")
+
+        def log_url(run_id):
+            experiment_url = f"{host}/#/experiments/{self._experiment}"
+            sys.stdout.write(f"\N{RUNNER} View run {self.running_id} at: {experiment_url}/runs/{run_id}\n"
+                             f"\N{TEST TUBE} View experiment at: {experiment_url}\n")
+
+        tracking._log_url = log_url
 
     def _experiment_id(self, client) -> str:
         experiment = client.get_experiment_by_name(self.experiment)
@@ -116,11 +139,7 @@ class MlflowRun:
         return next((run for run in runs if run.data.tags.get(RUNNING_ID_TAG) == running_id), None)
 
     # ---- records ----
-    def log(self, step: int, scalars: dict, timestamp_ms: int) -> None:
-        """`{tag: value}` at `step`, but for tags the run already holds at that step."""
-        self.log_records([(step, scalars, timestamp_ms)])
-
-    def log_records(self, records) -> None:
+    def log(self, records) -> None:
         """Each `(step, {tag: value}, time in ms)` of `records` (in as few requests as MLflow allows), but for
         the (tag, step) the run already holds."""
         from mlflow.entities import Metric
@@ -138,7 +157,7 @@ class MlflowRun:
             self._logged.difference_update((m.key, m.step) for m in metrics)
             raise
 
-    def log_artifact(self, path, folder: str) -> None:
+    def log_file(self, path, folder: str) -> None:
         """Upload a file, or a folder's files, under `folder` of the run's artifacts."""
         run_id = self._ensure()
         if os.path.isdir(path):

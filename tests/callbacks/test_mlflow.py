@@ -40,9 +40,11 @@ from deepepochs import (
     LogCallback,
     MLflowCallback,
     Optimizer,
+    SnapshotCallback,
     Trainer,
+    WandbCallback,
 )
-from deepepochs.callbacks import mlflow_tracker
+from deepepochs.callbacks import mlflow_tracker, wandb_tracker
 from deepepochs.errors import DeepEpochsWarning
 from deepepochs.fsm.render import render
 from deepepochs.metrics import accuracy
@@ -52,7 +54,8 @@ needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "logging.md"
 # Experiment names of this session (a server named by DEEPEPOCHS_TEST_MLFLOW_URI keeps earlier sessions' runs)
 SESSION = uuid.uuid4().hex[:8]
-EXPERIMENT = {name: f"{name}-{SESSION}" for name in ("logged", "preempted", "rolled-back", "down", "linear")}
+EXPERIMENT = {name: f"{name}-{SESSION}"
+              for name in ("logged", "preempted", "rolled-back", "down", "linear", "credentials")}
 
 
 # ---- the training run ----
@@ -356,6 +359,55 @@ def test_the_logging_guides_mlflow_example_runs_against_the_server(tracking_serv
         exec(compile(code, f"{DOCS_PAGE}:mlflow", "exec"), {"__name__": "docs_page"})  # noqa: S102
 
 
+PASSWORD = "s3cr3t-Pw"
+
+
+def _with_credentials(uri: str) -> str:
+    return uri.replace("http://", f"http://alice:{PASSWORD}@", 1)
+
+
+@pytest.mark.slow
+def test_credentials_in_the_tracking_uri_are_never_printed_or_written(tracking_server, tmp_path, capfd):
+    """A fit, a test and a close against `http://alice:<password>@host` (the server ignores them): the
+    tracker records the run; the console (MLflow's own run link included, shown with `***@`), the
+    callback's repr, every warning and every file the run wrote (checkpoints, snapshots, TensorBoard and
+    CSV logs) hold no password; a server that refuses connections is said so without it too."""
+    tracker = MLflowCallback(_with_credentials(tracking_server), experiment=EXPERIMENT["credentials"])
+    callbacks = [CheckCallback("loss", ckpt_dir=tmp_path / "ckpt"), SnapshotCallback(tmp_path / "snap"),
+                 LogCallback(tmp_path / "logs"), tracker]
+    trainer, _ = _trainer(callbacks, running_id="credentials")
+    trainer.show_info = True
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _fit(trainer)
+        trainer.test(data()[1], metrics=[accuracy])
+        trainer.close()
+        refused = MLflowCallback(f"http://alice:{PASSWORD}@127.0.0.1:{_closed_port()}", close_timeout=5)
+        monkey = pytest.MonkeyPatch()
+        monkey.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        try:
+            other, _ = _trainer([refused], running_id="refused")
+            _fit(other)
+            other.close()
+        finally:
+            monkey.undo()
+    out = capfd.readouterr()
+    printed = out.out + out.err + repr(tracker) + repr(refused) + " ".join(str(w.message) for w in said)
+    assert PASSWORD not in printed and "alice" not in printed
+    assert "View run credentials at: http://***@127.0.0.1" in out.out
+    assert re.search(r"MLflowCallback \(http://\*\*\*@127\.0\.0\.1:\d+\): a call failed", printed), printed
+    for path in tmp_path.rglob("*"):
+        assert not path.is_file() or PASSWORD.encode() not in path.read_bytes(), path
+    assert "loss/train" in _the_run(tracking_server, EXPERIMENT["credentials"], "credentials").data.metrics
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # ---- arguments (no server needed) ----
 @pytest.mark.parametrize("kwargs, message", [
     ({"tracking_uri": "localhost:5000"}, r"tracking_uri must be .*got 'localhost:5000': 'localhost' is not a scheme"
@@ -364,6 +416,14 @@ def test_the_logging_guides_mlflow_example_runs_against_the_server(tracking_serv
     ({"tracking_uri": "http://127.0.0.1:99999"}, r"tracking_uri .*its port is not a number from 0 to 65535"),
     ({"tracking_uri": "htp://host:5000"}, r"tracking_uri .*'htp' is not a scheme MLflow tracks to"),
     ({"tracking_uri": "sqlite:mlflow.db"}, r"tracking_uri .*a database URI reads 'sqlite://\.\.\.'"),
+    ({"tracking_uri": "http://[::1"}, r"tracking_uri .*\(got 'http://\[::1': it is not a URI: Invalid IPv6 URL\)"),
+    ({"tracking_uri": "http://bob:pw-123@[::1"}, r"tracking_uri .*\(got 'http://\*\*\*@\[::1': it is not a URI"),
+    ({"tracking_uri": "http://bob:pw-123@host:99999"}, r"\(got 'http://\*\*\*@host:99999': its port is not"),
+    ({"tracking_uri": "file:///tmp/mlruns"}, r"tracking_uri .*got 'file:///tmp/mlruns': MLflow's file store is in"
+                                             r" maintenance mode and refuses to record .*use a database in that"
+                                             r" folder, 'sqlite:////tmp/mlruns/mlflow.db', or set"
+                                             r" MLFLOW_ALLOW_FILE_STORE=true"),
+    ({"tracking_uri": "./mlruns"}, r"got './mlruns': MLflow's file store .*'sqlite:///\./mlruns/mlflow.db'"),
     ({"tracking_uri": ""}, r"tracking_uri must be None .*\(got ''\)"),
     ({"tracking_uri": 5000}, r"tracking_uri must be None .*\(got 5000\)"),
     ({"experiment": 3}, r"experiment must be a non-empty experiment name string \(got 3\)"),
@@ -373,26 +433,47 @@ def test_the_logging_guides_mlflow_example_runs_against_the_server(tracking_serv
     ({"queue_size": 0}, r"queue_size must be an int >= 1 \(got 0\)"),
     ({"close_timeout": -1}, r"close_timeout must be a number of seconds >= 0 \(got -1\)"),
 ])
-def test_bad_arguments_are_refused_naming_the_argument(kwargs, message):
-    """Each argument's check names it, what it takes and what came."""
-    with pytest.raises(ConfigError, match=message):
+def test_bad_arguments_are_refused_naming_the_argument(kwargs, message, monkeypatch):
+    """Each argument's check names it, what it takes and what came (a password written `***`)."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(ConfigError, match=message) as refused:
         MLflowCallback(**kwargs)
+    assert "pw-123" not in str(refused.value)
 
 
 @needs_mlflow
 @pytest.mark.parametrize("uri", ["http://127.0.0.1:5000", "https://mlflow.example.com/path", "sqlite:///mlflow.db",
-                                 "postgresql+psycopg2://user@db/mlflow", "file:///tmp/mlruns", "./mlruns",
-                                 "databricks", Path("mlruns")])
+                                 "postgresql+psycopg2://user@db/mlflow", "databricks", "http://[::1]:5000"])
 def test_well_formed_tracking_uris_are_taken(uri):
-    """Server addresses, database URIs, file stores and plain folders pass the check."""
-    assert MLflowCallback(uri).tracking_uri == (os.fspath(uri) if isinstance(uri, Path) else uri)
+    """Server addresses and database URIs pass the check."""
+    assert MLflowCallback(uri).tracking_uri == uri
+
+
+@needs_mlflow
+@pytest.mark.parametrize("uri", ["file:///tmp/mlruns", "./mlruns", Path("mlruns")])
+def test_file_stores_are_taken_when_mlflows_own_switch_allows_them(uri, monkeypatch):
+    """With MLFLOW_ALLOW_FILE_STORE=true (MLflow's switch that keeps its file store) file stores pass."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert MLflowCallback(uri).tracking_uri == os.fspath(uri)
+
+
+@needs_mlflow
+def test_a_file_store_allowed_by_mlflows_switch_records_the_run(tmp_path, monkeypatch):
+    """`file:///folder` with MLFLOW_ALLOW_FILE_STORE=true: the pinned MLflow records every epoch there."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    trainer, _ = _trainer([MLflowCallback(uri, experiment="files")], running_id="files")
+    history = _fit(trainer)
+    trainer.close()
+    assert {tag: [s for s, _ in points] for tag, points in _series(uri, _the_run(uri, "files", "files")).items()} == {
+        tag: [1, 2, 3] for tag in _expected(history)}
 
 
 @needs_mlflow
 def test_a_log_checkpoints_name_that_matches_no_checkpoint_fails_before_training(tmp_path):
     """log_checkpoints='accuracy' without such a CheckCallback fails when the fit starts, naming what exists."""
     trainer, model = _trainer([CheckCallback("loss", ckpt_dir=tmp_path),
-                               MLflowCallback(tmp_path / "mlruns", log_checkpoints="accuracy")])
+                               MLflowCallback(f"sqlite:///{tmp_path}/mlflow.db", log_checkpoints="accuracy")])
     before = _weights(model)
     with pytest.raises(ConfigError, match=r"log_checkpoints='accuracy' names no checkpoint of this trainer: .*"
                                           r"\(the trainer has \['val-loss.best'\]\)"):
@@ -401,13 +482,16 @@ def test_a_log_checkpoints_name_that_matches_no_checkpoint_fails_before_training
     trainer.close()
 
 
-def test_without_mlflow_the_callback_names_the_extra_to_install(monkeypatch):
-    """When mlflow cannot be imported, building the callback says `pip install 'deepepochs[mlflow]'`."""
-    find_spec = mlflow_tracker.importlib.util.find_spec
-    monkeypatch.setattr(mlflow_tracker.importlib.util, "find_spec",
-                        lambda name, *args: None if name == "mlflow" else find_spec(name, *args))
-    with pytest.raises(ImportError, match=r"pip install 'deepepochs\[mlflow\]'"):
-        MLflowCallback()
+@pytest.mark.parametrize("module, package, callback", [(mlflow_tracker, "mlflow", MLflowCallback),
+                                                      (wandb_tracker, "wandb", WandbCallback)], ids=["mlflow", "wandb"])
+def test_without_its_package_a_tracker_callback_names_the_extra_to_install(monkeypatch, module, package, callback):
+    """When mlflow (wandb) cannot be imported, building the callback says `pip install 'deepepochs[mlflow]'`
+    (`[wandb]`)."""
+    find_spec = module.importlib.util.find_spec
+    monkeypatch.setattr(module.importlib.util, "find_spec",
+                        lambda name, *args: None if name == package else find_spec(name, *args))
+    with pytest.raises(ImportError, match=rf"pip install 'deepepochs\[{package}\]'"):
+        callback()
 
 
 @needs_mlflow
@@ -417,9 +501,9 @@ def test_only_the_main_process_talks_to_the_tracker(tmp_path, monkeypatch):
         return {t for t in threading.enumerate() if t.name == "deepepochs-mlflow" and t.is_alive()}
 
     before = workers()
-    trainer, _ = _trainer([MLflowCallback(tmp_path / "mlruns")], running_id="rank1")
+    trainer, _ = _trainer([MLflowCallback(f"sqlite:///{tmp_path}/mlflow.db")], running_id="rank1")
     monkeypatch.setattr(Trainer, "is_main_process", property(lambda self: False))
     _fit(trainer)
     assert workers() <= before
     trainer.close()
-    assert not (tmp_path / "mlruns").exists()
+    assert not (tmp_path / "mlflow.db").exists()

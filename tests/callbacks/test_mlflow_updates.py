@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -29,8 +30,8 @@ from state_compare import states_equal  # tests/, on sys.path under pytest
 from torch import nn
 from torch.nn import functional as F
 
-from deepepochs import Callback, LogCallback, MLflowCallback, Optimizer, Trainer
-from deepepochs.callbacks import mlflow_tracker
+from deepepochs import Callback, LogCallback, MLflowCallback, Optimizer, SnapshotCallback, Trainer
+from deepepochs.callbacks import tracker as tracker_core
 from deepepochs.metrics import accuracy
 
 # Spawned children import their targets by module name; they inherit this sys.path entry.
@@ -42,7 +43,7 @@ import mlflow_targets as D  # noqa: E402  (needs the sys.path entry above)
 from deadline import launched_ranks  # noqa: E402  (same sys.path entry)
 
 SESSION = uuid.uuid4().hex[:8]
-EXPERIMENT = {name: f"{name}-{SESSION}" for name in ("updates", "discarded", "preempted", "ddp")}
+EXPERIMENT = {name: f"{name}-{SESSION}" for name in ("updates", "discarded", "preempted", "ddp", "killed")}
 BUDGET, EVERY = 15, 4  # 6 updates an epoch: epochs end at 6, 12 and 15; validation points at 4, 8, 12, 15
 
 
@@ -79,17 +80,18 @@ def _fit(trainer):
 
 
 def _expected(history, updates: int, epoch_ends, schedule=_schedule) -> dict[str, list[tuple[int, float]]]:
-    """What the tracker must hold after `updates` committed updates: each epoch's training metrics at its
-    number, each validation point's at its update count, the rate each update used (a plain scheduler's) at
-    its count, and at each epoch the rate after its last update (`epoch_ends`: the update counts there)."""
-    out = {f"{name}/train": list(enumerate(values, 1)) for name, values in history["train"].items()}
+    """What the tracker must hold after `updates` committed updates, every scalar at an update count (one
+    axis under the update clock): each epoch's training metrics and the rate after its last update at the
+    count its end reached (`epoch_ends`), each validation point's metrics at its count, the rate each update
+    used (a plain scheduler's) at its count."""
+    out = {f"{name}/train": list(zip(epoch_ends, values)) for name, values in history["train"].items()}
     points = history["val"]["updates"]
     out.update({f"{name}/val": list(zip(points, values)) for name, values in history["val"].items()
                 if name != "updates"})
     rates = _rates(schedule, updates)
     out["lr/update"] = list(enumerate(rates[:updates], 1))
     epochs = len(history["train"].get("loss", ()))
-    out["lr"] = [(epoch, rates[end]) for epoch, end in enumerate(epoch_ends[:epochs], 1)]
+    out["lr"] = [(end, rates[end]) for end in epoch_ends[:epochs]]
     return {tag: points for tag, points in out.items() if points}
 
 
@@ -107,7 +109,7 @@ def by_updates(tracking_server, tmp_path_factory):
     trainer, model = _trainer([LogCallback(folder, csv=False), MLflowCallback(tracking_server,
                                                                             experiment=EXPERIMENT["updates"])])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mlflow_tracker, "_SEND_EVERY", 3)
+        patch.setattr(tracker_core, "_SEND_EVERY", 3)
         history = _fit(trainer)
     trainer.close()
     run = the_run(tracking_server, EXPERIMENT["updates"], "run")
@@ -117,7 +119,8 @@ def by_updates(tracking_server, tmp_path_factory):
 @pytest.mark.slow
 def test_each_validation_point_and_update_reaches_the_tracker_once_at_its_update_count(by_updates, reference):
     """`<metric>/val` at 4, 8, 12 and 15 with the history's values, `lr/update` at 1..15 with a plain
-    scheduler's rates, the epochs' records at 1..3; training is unchanged by the tracker."""
+    scheduler's rates, the epochs' records at the update counts their ends reached (6, 12, 15), on the same
+    axis; training is unchanged by the tracker."""
     assert by_updates["history"]["val"]["updates"] == [4, 8, 12, 15]
     assert by_updates["series"] == _expected(by_updates["history"], BUDGET, [6, 12, 15])
     assert by_updates["history"] == reference[1]
@@ -201,6 +204,49 @@ def test_a_sigterm_then_resume_under_the_update_clock_logs_each_step_once(tracki
     assert states_equal(resumed, reference[0])
     run = the_run(tracking_server, EXPERIMENT["preempted"], running_id)
     assert series(tracking_server, run) == _expected(reference[1], BUDGET, [6, 12, 15])
+
+
+KILLED_SCRIPT = """
+import signal, sys
+sys.path[:0] = [{tests!r}, {here!r}]
+from test_mlflow_updates import _fit, _trainer
+from test_snapshots import SendAt
+from deepepochs import MLflowCallback, SnapshotCallback
+trainer, _ = _trainer([SnapshotCallback({folder!r}, every_n_updates=1), SendAt(signal.SIGKILL, 2, 3),
+                       MLflowCallback({uri!r}, experiment={experiment!r})], running_id="killed")
+_fit(trainer)  # SIGKILL after update 10: the point at 8 committed and is in the snapshot at 9, never sent
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL") or os.name == "nt", reason="POSIX signals")
+def test_a_validation_point_committed_before_a_sigkill_reaches_the_tracker_once_after_the_resume(
+        tracking_server, tmp_path, reference):
+    """A job killed (SIGKILL: no handler, no flush) after update 10 had committed the validation point at 8,
+    which its last snapshot holds but its tracker thread never sent; the resumed job sends it, and the
+    tracker run holds every validation point once, equal to the uninterrupted run. The history holds no
+    learning rates and (under the update clock) no epoch end's update count: those records the killed job
+    had not sent stay missing; every step logged is logged once, with the uninterrupted run's value."""
+    here = Path(__file__).resolve().parent
+    script = KILLED_SCRIPT.format(tests=str(here.parent), here=str(here), folder=str(tmp_path), uri=tracking_server,
+                                  experiment=EXPERIMENT["killed"])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    resumed, model = _trainer([SnapshotCallback(tmp_path), MLflowCallback(tracking_server,
+                               experiment=EXPERIMENT["killed"], close_timeout=60)], resume=True, running_id="killed")
+    _fit(resumed)
+    resumed.close()
+    assert states_equal(weights(model), reference[0])
+    logged = series(tracking_server, the_run(tracking_server, EXPERIMENT["killed"], "killed"))
+    expected = _expected(reference[1], BUDGET, [6, 12, 15])
+    val = {tag for tag in expected if tag.endswith("/val")}
+    assert {tag: logged[tag] for tag in val} == {tag: expected[tag] for tag in val}
+    assert logged["loss/val"] == list(zip([4, 8, 12, 15], reference[1]["val"]["loss"]))
+    for tag in expected.keys() - val:  # each step once, with the uninterrupted run's value
+        points = logged.get(tag, [])
+        assert set(points) <= set(expected[tag]) and len({s for s, _ in points}) == len(points)
+        assert set(expected[tag]) - set(points) <= {(s, v) for s, v in expected[tag] if s <= 9}, tag
 
 
 @pytest.mark.slow

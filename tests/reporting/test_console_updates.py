@@ -63,3 +63,21 @@ def test_a_batch_line_under_the_update_clock_shows_the_update_count(monkeypatch)
     assert counts and counts == sorted(counts) and counts[-1] == UPDATES
     assert set(range(1, UPDATES + 1)) <= set(counts)  # each update shown (after the window's first batch too)
     assert not re.search(r"B \d+\S*  TRAIN>", log)  # validation lines count their batches: `E 1  B 1/2  VAL>`
+
+
+def test_the_epoch_line_under_the_update_clock_names_the_update_count_its_end_reached():
+    """A budget of 6 updates over 4 batches an epoch (2 updates): each epoch's line reads `E <e>  U <n>/6
+    TRAIN> ...` with n the updates committed at its end (2, 4, 6), the step the trackers log it at; the
+    validation points keep their `U <n>/6  VAL>` lines."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    out = _Terminal()
+    with contextlib.redirect_stdout(out):
+        trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), max_updates=6,
+                          gradient_accumulation_steps=2, device="cpu", show_info=False, log_batch=False)
+        trainer.fit(DataLoader(TensorDataset(X[:16], Y[:16]), batch_size=4),
+                    DataLoader(TensorDataset(X[:8], Y[:8]), batch_size=8), val_every_n_updates=3)
+        trainer.close()
+    log = out.getvalue()
+    assert re.findall(r"^E (\d)  U (\d)/6  TRAIN> loss: \d\.\d{4}$", log, re.M) == [("1", "2"), ("2", "4"), ("3", "6")]
+    assert re.findall(r"^U (\d)/6  VAL> loss", log, re.M) == ["3", "6"]
