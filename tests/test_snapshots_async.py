@@ -5,6 +5,7 @@ during background writes, in a process of their own, are in tests/preemption/tes
 
 from __future__ import annotations
 
+import copy
 import errno
 import shutil
 import threading
@@ -13,10 +14,10 @@ import warnings
 
 import pytest
 import torch
-from state_compare import states_equal  # tests/, on sys.path under pytest
-from test_snapshots import _equal, _fit, _last, _state, _trainer
+from state_compare import plain_val_loss, states_equal  # tests/, on sys.path under pytest
+from test_snapshots import _data, _equal, _fit, _last, _state, _trainer
 
-from deepepochs import ConfigError, SnapshotCallback
+from deepepochs import CheckCallback, ConfigError, SnapshotCallback
 from deepepochs.checkpoint import background, read_checkpoint
 from deepepochs.errors import DeepEpochsWarning
 
@@ -67,6 +68,9 @@ def test_training_goes_on_while_a_snapshot_is_written(tmp_path):
 
     def slow_write(data, path):
         start = trainer.loop.run.updates
+        deadline = time.monotonic() + (30 if not seen else 0.3)
+        while not seen and trainer.loop.run.updates == start and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first write (update 4 of 6) lasts until the loop made an update beside it
         time.sleep(0.3)
         seen.append((start, trainer.loop.run.updates, threading.current_thread() is threading.main_thread()))
         return write(data, path)
@@ -133,3 +137,35 @@ def test_async_write_must_be_a_bool(tmp_path, value):
 def test_async_write_shows_in_the_repr(tmp_path):
     assert "async_write=True" in repr(SnapshotCallback(tmp_path, async_write=True))
 
+
+
+def _checked(folder, async_write, slow=0.0):
+    check = CheckCallback("loss", save_best=False, ckpt_dir=folder, async_write=async_write)
+    trainer, model = _trainer(None, callbacks=[check])
+    if slow:
+        write = check._writer._write
+        check._writer._write = lambda data, path: (time.sleep(slow), write(data, path))
+    return trainer, check
+
+
+@pytest.mark.filterwarnings("ignore::deepepochs.errors.MigrationWarning")
+def test_check_callback_files_written_in_the_background_equal_synchronous_ones(tmp_path):
+    """`CheckCallback(async_write=True)`: the latest file equals the synchronous run's, and `test()` evaluates
+    it complete although its (slowed) write was still in flight when the fit's last epoch ended."""
+    files = {}
+    for mode in (False, True):
+        trainer, check = _checked(tmp_path / str(mode), mode, slow=0.3 if mode else 0.0)
+        train, val = _data()
+        _fit(trainer)
+        tested = trainer.test(val)["loss"]  # waits for the file in flight, then evaluates it
+        files[mode] = read_checkpoint(check.path(trainer))
+        reference = copy.deepcopy(trainer.raw_model)
+        reference.load_state_dict(files[mode].model)
+        assert tested == pytest.approx(plain_val_loss(reference, val), abs=1e-6)
+    for field in ("model", "optimizers", "schedulers", "rng", "history", "updates"):
+        assert states_equal(getattr(files[True], field), getattr(files[False], field)), field
+
+
+def test_check_callback_async_write_must_be_a_bool(tmp_path):
+    with pytest.raises(ConfigError, match=r"CheckCallback async_write must be True or False \(got 'no'\)"):
+        CheckCallback("loss", ckpt_dir=tmp_path, async_write="no")

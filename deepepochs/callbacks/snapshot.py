@@ -22,7 +22,7 @@ from pathlib import Path
 
 from deepepochs import checkpoint, torch_private
 from deepepochs.callbacks.base import Callback
-from deepepochs.checkpoint.background import EXIT_WAIT_SECONDS, BackgroundWriter
+from deepepochs.checkpoint import background
 from deepepochs.errors import ConfigError, DeepEpochsWarning, Preempted
 from deepepochs.parallel import slurm
 
@@ -132,7 +132,7 @@ class SnapshotCallback(Callback):
         self._last = time.monotonic()
         self._signal: str | None = None
         self._previous: dict = {}
-        self._writer = BackgroundWriter(checkpoint.write_atomic) if async_write else None
+        self._writer = background.BackgroundWriter(checkpoint.write_atomic) if async_write else None
         self.waited_seconds = 0.0  # time snapshots waited for the background write before them
 
     def __repr__(self) -> str:
@@ -216,31 +216,15 @@ class SnapshotCallback(Callback):
             if path is not None:
                 self._prune(folder)
             return path
-        self._report_failure()
+        writer.report("SnapshotCallback")
         path = checkpoint.save(trainer, target, position, writer=writer, after=lambda _: self._prune(folder))
         self.waited_seconds += writer.waited
         return path
 
-    def finish_writes(self, timeout: float | None = None) -> bool:
-        """Wait for the background write in flight, if any (at most `timeout` seconds), then report a failed
-        one; True when none is left. A write that does not end in time is named in a warning."""
-        writer = self._writer
-        if writer is None:
-            return True
-        path = writer.in_flight
-        done = writer.wait(timeout)
-        if not done:
-            warnings.warn(f"SnapshotCallback: the background write of {path} did not end within {timeout:.0f} s;"
-                          " the previous snapshot is intact", DeepEpochsWarning, stacklevel=2)
-        self._report_failure()
-        return done
-
-    def _report_failure(self) -> None:
-        failure = self._writer.take_failure()
-        if failure is not None:
-            path, error = failure
-            warnings.warn(f"SnapshotCallback: the background write of snapshot {path} failed ({error}); the"
-                          " snapshots before it are intact and training goes on", DeepEpochsWarning, stacklevel=3)
+    def finish_writes(self) -> None:
+        """Wait for the background write in flight, if any (bounded), and report a failed one."""
+        if self._writer is not None:
+            self._writer.finish("SnapshotCallback")
 
     def exit_code(self, signal_name: str) -> int:
         """`Preempted`'s exit status for `signal_name`."""
@@ -271,9 +255,7 @@ class SnapshotCallback(Callback):
     # ---- hooks ----
     def on_attach(self, trainer) -> None:
         self._loop = trainer.loop
-        if self.async_write and trainer.dist.shards_model:
-            raise ConfigError("SnapshotCallback async_write=True writes one snapshot file in the background; under"
-                              " strategy='fsdp' every rank writes its shards: leave async_write=False there")
+        background.check_attached("SnapshotCallback", self._writer, trainer)
         same = [cb for cb in trainer.callbacks if isinstance(cb, SnapshotCallback)]
         if len(same) > 1:
             raise ConfigError(f"a trainer takes one SnapshotCallback (got {same[0]!r} and {same[1]!r})")
@@ -286,14 +268,14 @@ class SnapshotCallback(Callback):
         self._arm()
 
     def on_after_fit(self, trainer):
-        self.finish_writes(EXIT_WAIT_SECONDS)  # the last snapshot is on disk when fit() returns
+        self.finish_writes()  # the last snapshot is on disk when fit() returns
 
     def on_close(self, trainer):
-        self.finish_writes(EXIT_WAIT_SECONDS)
+        self.finish_writes()
 
     def on_interrupted(self, trainer, exception):
         self._disarm()
-        self.finish_writes(EXIT_WAIT_SECONDS)  # on disk before the run's lock is released
+        self.finish_writes()  # on disk before the run's lock is released
         if self.requeue and isinstance(exception, Preempted) and trainer.dist.is_main:
             try:
                 done = slurm.requeue()

@@ -23,13 +23,16 @@ import copy
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
-__all__ = ["EXIT_WAIT_SECONDS", "BackgroundWriter", "host_copy"]
+from deepepochs.errors import ConfigError, DeepEpochsWarning
+
+__all__ = ["EXIT_WAIT_SECONDS", "BackgroundWriter", "check_attached", "host_copy"]
 
 #: How long the interpreter's exit waits for a write still in flight before it gives up and names the file.
 EXIT_WAIT_SECONDS = 600.0
@@ -72,6 +75,13 @@ def _tensors(value):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)
+
+
+def check_attached(owner: str, writer, trainer) -> None:
+    """Refuse `owner`'s background writes (`writer` not None) on a trainer whose ranks write shards (FSDP)."""
+    if writer is not None and trainer.dist.shards_model:
+        raise ConfigError(f"{owner} async_write=True writes one checkpoint file in the background; under"
+                          " strategy='fsdp' every rank writes its shards: leave async_write=False there")
 
 
 class BackgroundWriter:
@@ -134,6 +144,25 @@ class BackgroundWriter:
         """(path, error) of a background write that failed since the last call, or None; given once."""
         failure, self._failure = self._failure, None
         return failure
+
+    def report(self, owner: str) -> None:
+        """Warn once, in `owner`'s name, of a background write that failed since the last report."""
+        failure = self.take_failure()
+        if failure is not None:
+            path, error = failure
+            warnings.warn(f"{owner}: the background write of checkpoint {path} failed ({error}); the files before"
+                          " it are intact and training goes on", DeepEpochsWarning, stacklevel=3)
+
+    def finish(self, owner: str, timeout: float = EXIT_WAIT_SECONDS) -> bool:
+        """Wait for the write in flight, if any (at most `timeout` seconds), then `report`; True when none is
+        left. A write that does not end in time is named in a warning."""
+        path = self.in_flight
+        done = self.wait(timeout)
+        if not done:
+            warnings.warn(f"{owner}: the background write of checkpoint {path} did not end within {timeout:.0f} s;"
+                          " the previous file is intact", DeepEpochsWarning, stacklevel=3)
+        self.report(owner)
+        return done
 
 
 _LIVE: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
