@@ -24,7 +24,7 @@ PYTEST_ARGS ?=
 DOCS_OUT ?= docs/_build/html
 
 .PHONY: venv install install-runtime install-docs demo test test-fast fields-full lint gen check-gen graph bench \
-	bench-instructions bench-memory docs docs-check clean fault-matrix exit-stress updates-preemption
+	bench-instructions bench-memory bench-snapshots docs docs-check clean fault-matrix exit-stress updates-preemption
 
 # ---- environments: one stamp per install level, redone when pyproject.toml changes ----
 $(PYTHON):
@@ -126,6 +126,11 @@ bench: install
 bench-instructions: install
 	$(PIP) install -q -e ".[bench]"
 	nice -n 10 $(PYTHON) benchmarks/instructions.py
+
+# The loop's stall per snapshot (sync, async_write=True, a plain torch.save + fsync, a plain host copy) for MLPs
+# of ~25M and ~100M parameters with Adam on the CPU (a few minutes; several GB of memory and of disk in /tmp)
+bench-snapshots: install-runtime
+	$(PYTHON) benchmarks/snapshot_stall.py
 
 bench-memory: install-runtime
 	$(PYTHON) benchmarks/memory_steady.py

@@ -20,7 +20,7 @@ import torch
 
 from deepepochs import checkpoint
 from deepepochs.callbacks.base import Callback
-from deepepochs.checkpoint import finished
+from deepepochs.checkpoint import background, finished
 from deepepochs.compat import warn_at_user_code
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, MigrationWarning
@@ -45,6 +45,10 @@ class CheckCallback(Callback):
             `fit(val_every_n_updates=M)` the file is of a validation point and records its position inside
             the epoch, so the resume continues at the next update (`checkpoint.save` takes it there).
         ckpt_dir: root folder; files go to `<ckpt_dir>/<running_id>/<on_stage>-<monitor>.<best|latest>.ckpt`.
+        async_write: write the files beside training, as `SnapshotCallback(async_write=True)` does: the loop
+            waits for a host copy of the state, a background thread writes the file (complete or absent); the
+            fit's end, an interruption, `test()` and `close()` wait for it, and a failed write is one warning at
+            the next save. Not under `strategy='fsdp'`.
 
     Each file holds the full training state and the state of every `CheckCallback` of the trainer.
     Under DDP the metric is global, every rank takes the same decisions, and only rank 0 writes; under
@@ -62,7 +66,7 @@ class CheckCallback(Callback):
     """
 
     def __init__(self, monitor: str, on_stage: str = "val", mode: str = "min", patience: int = 0,
-                 save_best: bool = True, ckpt_dir="./checkpoints"):
+                 save_best: bool = True, ckpt_dir="./checkpoints", async_write: bool = False):
         if not isinstance(monitor, str) or not monitor:
             raise ConfigError(f"CheckCallback monitor must be a non-empty metric name string, e.g. 'loss'"
                               f" (got {monitor!r})")
@@ -74,6 +78,8 @@ class CheckCallback(Callback):
                               f" (got {patience!r})")
         if not isinstance(save_best, bool):
             raise ConfigError(f"CheckCallback save_best must be True or False (got {save_best!r})")
+        if not isinstance(async_write, bool):
+            raise ConfigError(f"CheckCallback async_write must be True or False (got {async_write!r})")
         if not isinstance(ckpt_dir, (str, os.PathLike)):
             raise ConfigError(f"CheckCallback ckpt_dir must be a path (str or os.PathLike)"
                               f" (got {type(ckpt_dir).__name__})")
@@ -83,6 +89,7 @@ class CheckCallback(Callback):
         self.patience = patience
         self.save_best = save_best
         self.ckpt_dir = Path(ckpt_dir)
+        self._writer = background.BackgroundWriter(checkpoint.write_atomic) if async_write else None
         kind = "best" if save_best else "latest"
         #: Stable key of this monitor inside checkpoints; also names its file.
         self.monitor_id = f"{on_stage}-{monitor}.{kind}"
@@ -101,7 +108,13 @@ class CheckCallback(Callback):
 
     def __repr__(self) -> str:
         return (f"CheckCallback({self.monitor!r}, on_stage={self.on_stage!r}, mode={self.mode!r},"
-                f" patience={self.patience}, save_best={self.save_best}, ckpt_dir={str(self.ckpt_dir)!r})")
+                f" patience={self.patience}, save_best={self.save_best}, ckpt_dir={str(self.ckpt_dir)!r}"
+                + (", async_write=True)" if self._writer is not None else ")"))
+
+    def _finish_writes(self) -> None:
+        """Wait for the background write in flight, if any (bounded), and report a failed one."""
+        if self._writer is not None:
+            self._writer.finish("CheckCallback")
 
     # ---- files and state ----
     def path(self, trainer) -> Path:
@@ -128,6 +141,7 @@ class CheckCallback(Callback):
     # ---- hooks ----
     def on_attach(self, trainer) -> None:
         """Refuse two monitors with the same id: they would overwrite each other's file and state."""
+        background.check_attached("CheckCallback", self._writer, trainer)
         same = [m for m in checkpoint.monitors_of(trainer) if m.monitor_id == self.monitor_id]
         if len(same) > 1:
             raise ConfigError(f"two CheckCallbacks monitor {self.monitor_id!r} ({same[0]!r} and {same[1]!r});"
@@ -196,6 +210,7 @@ class CheckCallback(Callback):
     def on_after_fit(self, trainer):
         """The fit ended (target reached or stopped early): record it next to this monitor's checkpoints,
         so that resuming the run says it is finished instead of training again (`deepepochs.checkpoint.finished`)."""
+        self._finish_writes()  # the file is complete before the run is marked finished
         if trainer.dist.is_main:
             finished.write_finished(trainer, self.path(trainer).parent)
 
@@ -203,7 +218,11 @@ class CheckCallback(Callback):
         # Runs in the save_checkpoints action: every monitor has checked this epoch by now, so the
         # file carries all of their states. Every rank took the same decision and calls it (rank 0 writes
         # the file; under FSDP every rank writes its shards).
-        checkpoint.save(trainer, self.path(trainer))
+        if self._writer is None:
+            checkpoint.save(trainer, self.path(trainer))
+            return
+        self._writer.report("CheckCallback")
+        checkpoint.save(trainer, self.path(trainer), writer=self._writer)
 
     def _save_progress(self, trainer) -> None:
         if trainer.dist.is_main:
@@ -214,6 +233,8 @@ class CheckCallback(Callback):
         monitors = [m for m in checkpoint.monitors_of(trainer) if isinstance(m, CheckCallback)]  # not snapshots
         if not monitors or monitors[0] is not self:
             return  # one coordinator, so the weights are swapped (and restored) exactly once
+        for monitor in monitors:
+            monitor._finish_writes()  # the files read here are complete
         if trainer.world_size > 1:
             # Rank 0 may still be writing the last epoch's file: wait for it, so that all ranks see the
             # same files and pick the same monitor (a collective used as a barrier).
@@ -244,7 +265,11 @@ class CheckCallback(Callback):
 
     def on_interrupted(self, trainer, exception):
         """A failed test (or fit) must not leave the checkpoint's weights in the model."""
+        self._finish_writes()
         self._restore(trainer)
+
+    def on_close(self, trainer):
+        self._finish_writes()
 
     def _restore(self, trainer) -> None:
         averages, self._averages_backup = self._averages_backup, None

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from deepepochs import checkpoint, torch_private
 from deepepochs.callbacks.base import Callback
+from deepepochs.checkpoint import background
 from deepepochs.errors import ConfigError, DeepEpochsWarning, Preempted
 from deepepochs.parallel import slurm
 
@@ -72,6 +73,15 @@ class SnapshotCallback(Callback):
         keep: how many snapshot files to keep (the most progressed: completed epochs, then updates).
         exit_code: the exit status of `Preempted`; None: 128 + the signal's number (143 for SIGTERM), what
             a shell reports for a process ended by that signal.
+        async_write: write each snapshot beside training: at the commit point the loop waits only for a copy of
+            the state in host memory (pinned on CUDA), and a background thread writes the file (the same atomic
+            write: complete or absent). At most one write is in flight; a snapshot due meanwhile waits for it
+            (`waited_seconds` sums those waits). The snapshot a signal asks for is written after the one in
+            flight, and the fit stops once both are on disk; the fit's end, an interruption, `close()` and the
+            interpreter's exit wait for the write. A failed background write is reported once, as a warning at
+            the next commit point (or the fit's end), and training goes on from the previous snapshot's
+            safety. Costs one extra host copy of the state while a write is in flight. Not under
+            `strategy='fsdp'` (refused when attached).
         requeue: in a SLURM job, ask SLURM to requeue it (`scontrol requeue $SLURM_JOB_ID`, from rank 0)
             once a signal stopped the fit and its snapshot is written, so that the same sbatch script runs
             again and `resume=True` continues; a failed requeue is reported on stderr and `Preempted` is
@@ -87,8 +97,10 @@ class SnapshotCallback(Callback):
 
     def __init__(self, ckpt_dir="./checkpoints", every_n_updates: int | None = None,
                  every_n_minutes: float | None = None, on_signals=_DEFAULT_SIGNALS, keep: int = 2,
-                 exit_code: int | None = None, requeue: bool = False):
+                 exit_code: int | None = None, requeue: bool = False, async_write: bool = False):
         super().__init__()
+        if not isinstance(async_write, bool):
+            raise ConfigError(f"SnapshotCallback async_write must be True or False (got {async_write!r})")
         if not isinstance(requeue, bool):
             raise ConfigError(f"SnapshotCallback requeue must be True or False (got {requeue!r})")
         if requeue and not slurm.in_slurm_job():
@@ -120,11 +132,18 @@ class SnapshotCallback(Callback):
         self._last = time.monotonic()
         self._signal: str | None = None
         self._previous: dict = {}
+        self._writer = background.BackgroundWriter(checkpoint.write_atomic) if async_write else None
+        self.waited_seconds = 0.0  # time snapshots waited for the background write before them
 
     def __repr__(self) -> str:
         return (f"SnapshotCallback(ckpt_dir={str(self.ckpt_dir)!r}, every_n_updates={self.every_n_updates},"
                 f" every_n_minutes={self.every_n_minutes}, on_signals={self.signals}, keep={self.keep},"
-                f" requeue={self.requeue})")
+                f" requeue={self.requeue}, async_write={self.async_write})")
+
+    @property
+    def async_write(self) -> bool:
+        """Whether snapshots are written on a background thread."""
+        return self._writer is not None
 
     @property
     def updates(self) -> int:
@@ -188,10 +207,24 @@ class SnapshotCallback(Callback):
         self._since, self._last = 0, time.monotonic()
         folder = self.ckpt_dir / str(trainer.running_id)
         end = "" if position is not None else f"-epoch{trainer.loop.completed_epochs}"
-        path = checkpoint.save(trainer, folder / f"snapshot-u{self.updates:09d}{end}{checkpoint.SUFFIX}", position)
-        if path is not None:
-            self._prune(folder)
+        target = folder / f"snapshot-u{self.updates:09d}{end}{checkpoint.SUFFIX}"
+        writer = self._writer
+        if writer is None or self._signal is not None:
+            # synchronous; a preemption's snapshot also after the write in flight: both are on disk when it stops
+            self.finish_writes()
+            path = checkpoint.save(trainer, target, position)
+            if path is not None:
+                self._prune(folder)
+            return path
+        writer.report("SnapshotCallback")
+        path = checkpoint.save(trainer, target, position, writer=writer, after=lambda _: self._prune(folder))
+        self.waited_seconds += writer.waited
         return path
+
+    def finish_writes(self) -> None:
+        """Wait for the background write in flight, if any (bounded), and report a failed one."""
+        if self._writer is not None:
+            self._writer.finish("SnapshotCallback")
 
     def exit_code(self, signal_name: str) -> int:
         """`Preempted`'s exit status for `signal_name`."""
@@ -222,6 +255,7 @@ class SnapshotCallback(Callback):
     # ---- hooks ----
     def on_attach(self, trainer) -> None:
         self._loop = trainer.loop
+        background.check_attached("SnapshotCallback", self._writer, trainer)
         same = [cb for cb in trainer.callbacks if isinstance(cb, SnapshotCallback)]
         if len(same) > 1:
             raise ConfigError(f"a trainer takes one SnapshotCallback (got {same[0]!r} and {same[1]!r})")
@@ -233,8 +267,15 @@ class SnapshotCallback(Callback):
         self._last, self._signal = time.monotonic(), None
         self._arm()
 
+    def on_after_fit(self, trainer):
+        self.finish_writes()  # the last snapshot is on disk when fit() returns
+
+    def on_close(self, trainer):
+        self.finish_writes()
+
     def on_interrupted(self, trainer, exception):
         self._disarm()
+        self.finish_writes()  # on disk before the run's lock is released
         if self.requeue and isinstance(exception, Preempted) and trainer.dist.is_main:
             try:
                 done = slurm.requeue()

@@ -10,6 +10,7 @@ One reason to change per module:
 - `load`: the fit check against a trainer and the all-or-nothing load.
 - `find`: finding the most progressed checkpoint and honouring `Trainer(resume=...)`.
 - `run_lock`: the lock a fit holds on its run folders, so that one live process trains a run.
+- `background`: the host copy of a checkpoint and the thread that writes it beside training.
 """
 
 from deepepochs.checkpoint.find import by_progress, find_checkpoint, find_checkpoints, resume_once, resume_scope

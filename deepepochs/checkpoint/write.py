@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs.checkpoint import names, shard_storage
+from deepepochs.checkpoint import background, names, shard_storage
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
 from deepepochs.engine import carried, runstate
@@ -133,7 +133,7 @@ def _run_records(trainer, position: Mapping | None) -> Mapping:
     return records
 
 
-def save(trainer, path, position: Mapping | None = None) -> Path | None:
+def save(trainer, path, position: Mapping | None = None, writer=None, after=None) -> Path | None:
     """Save the trainer's state to `path`, every rank calling it; returns `path` on rank 0, else None.
 
     One file written atomically by rank 0 (`snapshot`, `write_atomic`), or under FSDP a sharded checkpoint
@@ -142,14 +142,24 @@ def save(trainer, path, position: Mapping | None = None) -> Path | None:
     point of the update clock (a save `trainer.request_save` asked for there: `LoopState.save_position`),
     so that a resume from the file continues inside the epoch exactly. When the save fails, every rank
     raises (see `_agreed`).
+
+    With `writer` (a `background.BackgroundWriter`, one file only), rank 0 makes a host copy of the state and
+    hands it to the writer, which writes it after the write in flight, if any, and then calls `after(path)`; the
+    call returns once the copy is made, and the writer keeps a failure for its owner to report.
     """
     path, dist = Path(path), trainer.dist
     if position is None and trainer.loop.save_position is not None:
         position = trainer.loop.save_position()
     if not dist.shards_model:
         ckpt = snapshot(trainer, position)
-        _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
+        if writer is None:
+            _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
+        else:
+            _agreed(dist, path, lambda: writer.submit(background.host_copy(ckpt.to_dict()), path, after))
         return path if dist.is_main else None
+    if writer is not None:
+        raise CheckpointError("a background write takes one checkpoint file; under strategy='fsdp' every rank"
+                              " writes its shards: save without a writer")
     flat, params = shard_storage.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
     averages, counters = shard_storage.flat_averages(trainer.loop.run.averages)
     flat.update(averages)  # each rank writes its shards of the averages, as of the parameters

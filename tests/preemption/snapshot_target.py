@@ -2,17 +2,18 @@
 
 `python snapshot_target.py <ckpt_dir> <out.pt> [--every N] [--epochs E] [--workers W --context C
 [--persistent]] [--accumulate K] [--slow-data S] [--samples M] [--requeue] [--run-lock MODE] [--replacement]
-[--val-workers W --val-context C --val-slow S]`: fp32 on the CPU, shuffle=True (`--replacement`: a RandomSampler
-drawing M samples with replacement from its own generator), dropout, Adam, a step-wise StepLR, k=3
-accumulation (`--accumulate`), M samples (600), DataLoader worker processes (`--workers`, started by
-`--context`: fork, spawn or forkserver; each prints `worker <id> <pid>` when it starts; `--slow-data`: each
-sample takes S seconds to load, the results are the same), a validation DataLoader of 64 samples in 2
-batches (with `--val-workers`, its own workers started by `--val-context`, each printing `val-worker <id>
-<pid>`; `--val-slow`: S seconds per sample), `SnapshotCallback(every_n_updates=N)` (with `--requeue`:
-requeue=True, a SLURM job requeues itself when preempted), `resume=True` and `run_lock=MODE` ('error' unless
-given); prints `training` when the fit starts and writes the final weights, optimizer and scheduler states
-(and the fit's records) to `out.pt` when it ends. Exits with `Preempted`'s status on SIGTERM. Without
-`--every` no SnapshotCallback is attached (the
+[--val-workers W --val-context C --val-slow S] [--async-write [--slow-fsync S]]`: fp32 on the CPU,
+shuffle=True (`--replacement`: a RandomSampler drawing M samples with replacement from its own generator),
+dropout, Adam, a step-wise StepLR, k=3 accumulation (`--accumulate`), M samples (600), DataLoader worker
+processes (`--workers`, started by `--context`: fork, spawn or forkserver; each prints `worker <id> <pid>` when
+it starts; `--slow-data`: each sample takes S seconds to load, the results are the same), a validation
+DataLoader of 64 samples in 2 batches (with `--val-workers`, its own workers started by `--val-context`, each
+printing `val-worker <id> <pid>`; `--val-slow`: S seconds per sample), `SnapshotCallback(every_n_updates=N)`
+(with `--requeue`: requeue=True, a SLURM job requeues itself when preempted; `--async-write`:
+async_write=True; `--slow-fsync`: every `os.fsync` of the process takes S seconds more, so that signals land
+inside background writes), `resume=True` and `run_lock=MODE` ('error' unless given); prints `training` when the
+fit starts and writes the final weights, optimizer and scheduler states (and the fit's records) to `out.pt` when
+it ends. Exits with `Preempted`'s status on SIGTERM. Without `--every` no SnapshotCallback is attached (the
 uninterrupted reference run).
 """
 
@@ -77,7 +78,17 @@ def main() -> None:
     parser.add_argument("--val-context", default=None)
     parser.add_argument("--val-slow", type=float, default=0.0)
     parser.add_argument("--replacement", action="store_true")
+    parser.add_argument("--async-write", action="store_true")
+    parser.add_argument("--slow-fsync", type=float, default=0.0)
     args = parser.parse_args()
+    if args.slow_fsync:
+        fsync = os.fsync
+
+        def slow_fsync(fd):
+            time.sleep(args.slow_fsync)
+            fsync(fd)
+
+        os.fsync = slow_fsync
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 4))
@@ -103,7 +114,7 @@ def main() -> None:
     callbacks = [Announce()]
     if args.every is not None:
         callbacks.append(de.SnapshotCallback(args.ckpt_dir, every_n_updates=args.every, keep=2,
-                                             requeue=args.requeue))
+                                             requeue=args.requeue, async_write=args.async_write))
     trainer = de.Trainer(model, nn.functional.cross_entropy, de.Optimizer(opt, sched, sched_on="step"),
                          epochs=args.epochs, callbacks=callbacks, resume=args.every is not None, running_id="run",
                          gradient_accumulation_steps=args.accumulate, log_batch=False, show_info=False,

@@ -41,10 +41,10 @@ def _run_to_end(ckpt_dir, out, *extra):
 EPOCHS = "5"  # 5 x 150 updates: 20 kills at most 0.12 s into each run cannot reach the end (~3 s of training)
 
 
-def _interrupt(ckpt_dir, out, sig, delay: float):
-    """Start a resumed run, wait until it trains, then `delay` seconds, and send `sig`. Returns the exit
-    status, or None when the run ended before the signal."""
-    proc = _start(ckpt_dir, out, "--every", "1", "--epochs", EPOCHS)
+def _interrupt(ckpt_dir, out, sig, delay: float, *extra):
+    """Start a resumed run (`extra` arguments to the target after `--every 1 --epochs 5`), wait until it trains,
+    then `delay` seconds, and send `sig`. Returns the exit status, or None when the run ended before the signal."""
+    proc = _start(ckpt_dir, out, "--every", "1", "--epochs", EPOCHS, *extra)
     line = proc.stdout.readline()  # 'training': the imports are done and fit has begun
     while line and line.strip() != "training":  # before it: the resume decision, printed whatever show_info says
         line = proc.stdout.readline()
@@ -101,4 +101,44 @@ def test_sigterm_stops_at_a_commit_point_with_status_143_and_resumes_bit_identic
     assert stops >= 1
     if not (tmp_path / "out.pt").exists():
         _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1", "--epochs", EPOCHS)
+    assert _same(torch.load(tmp_path / "out.pt", weights_only=True), reference)
+
+
+# Background writes (`async_write=True`), each fsync slowed so that signals land while a write is in flight.
+ASYNC = ("--async-write", "--slow-fsync", "0.02")
+
+
+@pytest.mark.slow
+def test_sigkill_during_background_writes_then_resume_is_bit_identical(tmp_path, reference):
+    """A SIGKILL while a snapshot is written beside training leaves the snapshots before it complete: each
+    resume takes the newest complete one, and the run ends bit-identical to the uninterrupted run."""
+    rng = random.Random(29)
+    for _ in range(KILLS // 4):
+        code, output = _interrupt(tmp_path, tmp_path / "out.pt", signal.SIGKILL, rng.uniform(0.1, 0.5), *ASYNC)
+        assert code == -signal.SIGKILL, output[-3000:]
+        assert not [p for p in (tmp_path / "run").glob("snapshot-u*.ckpt") if p.stat().st_size == 0]
+    updates = [int(p.name[len("snapshot-u"):][:9]) for p in (tmp_path / "run").glob("snapshot-u*.ckpt")]
+    assert max(updates) >= KILLS // 4  # the killed runs made progress together
+    _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1", "--epochs", EPOCHS, "--async-write")
+    assert _same(torch.load(tmp_path / "out.pt", weights_only=True), reference)
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert len([n for n in names if n.startswith("snapshot-")]) <= 2, names
+    assert not [n for n in names if n.endswith(".tmp")], names
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_background_write_exits_143_with_both_snapshots_on_disk(tmp_path, reference):
+    """A SIGTERM while a write is in flight: the fit writes its stop snapshot after that write ends and exits
+    with 143 once both are on disk; the resume ends bit-identical."""
+    code, output = _interrupt(tmp_path, tmp_path / "out.pt", signal.SIGTERM, 0.3, "--async-write", "--slow-fsync",
+                              "0.1")
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    stop = int(output.split("snapshot-u")[1][:9])  # the snapshot the stop wrote, named in the message
+    from deepepochs.checkpoint import read_checkpoint
+
+    files = {int(p.name[len("snapshot-u"):][:9]): p for p in (tmp_path / "run").glob("snapshot-u*.ckpt")}
+    assert stop in files and stop - 1 in files, (stop, sorted(files))  # the one in flight at the signal, too
+    for path in files.values():
+        assert read_checkpoint(path).updates in files
+    _run_to_end(tmp_path, tmp_path / "out.pt", "--every", "1", "--epochs", EPOCHS, "--async-write")
     assert _same(torch.load(tmp_path / "out.pt", weights_only=True), reference)
