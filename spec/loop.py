@@ -43,7 +43,8 @@ DataLoader's workers) fires `snapshot`, which stops at the last commit point, th
 the callback the trigger is never fired.
 
 The update clock: with `Trainer(max_updates=N)` or `fit(val_every_n_updates=M)`, every committed window (after
-its snapshot, if any) and every training task's start fire the cold trigger `validate` in `task_train`.
+its snapshot, if any) and every training task's start fire the trigger `validate` in `task_train` (hot:
+once per update).
 `val_point_due` (every M-th committed update, and the one that reaches the budget, unless the records already
 hold that count's validation) leads into `stage_val`, whose `end_stage` returns to the training task
 (`val_point_open`), committing the validation point's row; `task_stops` (the budget is reached, or a callback
@@ -92,7 +93,7 @@ TRIGGERS = [
     T("finish", "fit() returns to idle after its after-fit hooks."),
     T("begin_train", "The epoch starts its training stage."),
     T("validate", "The epoch's training stage ended, or (update clock) a training window committed or a training"
-      " task starts: validation runs if it is due."),
+      " task starts: validation runs if it is due.", hot=True),
     T("end_epoch", "After-epoch hooks ran; epoch-wise schedulers step and requested checkpoints are saved."),
     T("begin_task", "A stage starts one of its tasks (EpochTask)."),
     T("end_task", "A task's DataLoader is exhausted; its metrics are final."),

@@ -192,7 +192,7 @@ class Driver:
             fire(TriggerName.END_STAGE)
             loop.val_due = bool(val) and epoch % val_freq == 0 and loop.val_every is None
             val_metrics = {}
-            if fire(TriggerName.VALIDATE) == StateName.STAGE_VAL:
+            if ctx.machine.fire(TriggerName.VALIDATE) == StateName.STAGE_VAL:
                 val_metrics = self.eval_stage("val", val, epoch)
                 fire(TriggerName.END_STAGE)
             self._count_epoch(epoch)

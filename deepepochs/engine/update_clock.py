@@ -98,7 +98,7 @@ def clock_point(driver, val_tasks) -> bool:
     (`task_spent`)."""
     ctx: Context = driver.ctx
     machine = ctx.machine
-    state = machine.fire_cold(TriggerName.VALIDATE)
+    state = machine.fire(TriggerName.VALIDATE)  # once per update: the compiled table, not `transitions`
     if state == StateName.STAGE_VAL:
         kept = _TrainingScratch(ctx)
         try:

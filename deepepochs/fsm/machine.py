@@ -119,6 +119,13 @@ def _predicate(model: _Model, conditions: tuple[str, ...], unless: tuple[str, ..
     if not conds and len(negs) == 1:
         neg = negs[0]
         return lambda: not neg()
+    # the update clock's `validate` edges, asked once per update: no generator expression for two guards
+    if len(conds) == 1 and len(negs) == 1:
+        cond, neg = conds[0], negs[0]
+        return lambda: cond() and not neg()
+    if not conds and len(negs) == 2:
+        first, second = negs
+        return lambda: not (first() or second())
     return lambda: all(c() for c in conds) and not any(n() for n in negs)
 
 

@@ -81,7 +81,7 @@ TRIGGERS = (('fit', False, 'fit() was called.'),
  ('finish', False, 'fit() returns to idle after its after-fit hooks.'),
  ('begin_train', False, 'The epoch starts its training stage.'),
  ('validate',
-  False,
+  True,
   "The epoch's training stage ended, or (update clock) a training window committed or a training task "
   'starts: validation runs if it is due.'),
  ('end_epoch',

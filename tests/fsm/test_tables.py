@@ -118,12 +118,12 @@ def test_rollback_always_returns_to_an_idle_state_that_accepts_fit_and_test():
 
 
 def test_hot_triggers_are_the_per_batch_ones():
-    """Exactly the window/step/optimize triggers (and the fused batch, and the per-window snapshot
-    commit point) are hot; fit/epoch/stage/task ones are cold."""
+    """Exactly the window/step/optimize triggers (and the fused batch, the per-window snapshot commit point
+    and the update clock's per-update `validate`) are hot; fit/epoch/stage/task ones are cold."""
     hot = {t.name for t in SPEC.triggers if t.hot}
     assert hot == {"begin_window", "begin_batch", "backward", "optimize", "clip", "apply_update",
                    "finish_update", "end_batch", "accumulate_step", "update_step", "skip_step", "window_step",
-                   "window_skip_step", "snapshot"}
+                   "window_skip_step", "snapshot", "validate"}
 
 
 def test_only_one_module_imports_transitions():
