@@ -10,6 +10,7 @@ from deepepochs.callbacks import (
     LogCallback,
     LRFindCallback,
     MLflowCallback,
+    ProfileCallback,
     SnapshotCallback,
     SWACallback,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "Optimizer",
     "PatchBase",
     "Preempted",
+    "ProfileCallback",
     "RunLockedError",
     "SWACallback",
     "SnapshotCallback",

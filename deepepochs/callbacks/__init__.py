@@ -9,6 +9,7 @@ from deepepochs.callbacks.interprete import InterpreteCallback
 from deepepochs.callbacks.log import LogCallback
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.callbacks.mlflow_tracker import MLflowCallback
+from deepepochs.callbacks.profile import ProfileCallback
 from deepepochs.callbacks.snapshot import SnapshotCallback
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "LRFindCallback",
     "LogCallback",
     "MLflowCallback",
+    "ProfileCallback",
     "SWACallback",
     "SnapshotCallback",
 ]

@@ -18,6 +18,7 @@ from deepepochs.checkpoint.run_lock import hold_run
 from deepepochs.config import TrainerConfig
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
+from deepepochs.engine.profiling import profiles
 from deepepochs.engine.summary import explain
 from deepepochs.engine.trial import trial_fit
 from deepepochs.engine.update_clock import check_clock
@@ -293,6 +294,7 @@ class TrainerBase(StepMethods):
         self._clippers.extend(self._hooks.attach(callbacks, self))
         self._averagers.extend(cb.average_weights for cb in callbacks if callable(getattr(cb, "average_weights", None)))
 
+    @profiles("fit")
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None,
             val_every_n_updates=None):
@@ -337,6 +339,7 @@ class TrainerBase(StepMethods):
             return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, config.epoch_target,
                                                                 config.max_updates, val_every_n_updates))
 
+    @profiles("test")
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are plain
         floats (0.6 returned NumPy 0-d arrays; `float(v)` reads both)."""
@@ -377,6 +380,7 @@ class TrainerBase(StepMethods):
         k = self.config.gradient_accumulation_steps
         return -(-batches // k) * epochs  # windows never cross an epoch: a short tail window is one update
 
+    @profiles("predict")
     def predict(self, dataloader, device="cpu", batch_size=None):
         """The model's outputs for every batch of `dataloader`, concatenated in order along dim 0.
 

@@ -1,0 +1,124 @@
+"""What a profiled run's time went to, in words: the table, its text, the bottleneck's verdict and the
+Chrome trace-event file (`deepepochs.ProfileCallback` hands these the `deepepochs.engine.profiling`
+timeline's plain numbers; nothing here measures anything)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from deepepochs.fsm.schema import COSTS
+
+__all__ = ["CATEGORIES", "category_shares", "summary_text", "table_rows", "trace_document", "verdict"]
+
+#: The table's categories (the spec's costs), in the order the summary lists them.
+CATEGORIES = tuple(COSTS)
+
+
+def _row_name(key: tuple[str, str | None]) -> str:
+    state, part = key
+    return state if part is None else f"{state}/{part}"
+
+
+def table_rows(totals: Mapping[tuple[str, str | None], list[int]], cost_of: Callable, wall_ns: int) -> list[dict]:
+    """One row per `(state, part)` the run spent time in, the largest first: `{'state', 'category', 'count',
+    'seconds', 'share'}` (`share`: of the run's wall time `wall_ns`)."""
+    wall = max(wall_ns, 1)
+    rows = [{"state": _row_name(key), "category": cost_of(key), "count": count, "seconds": ns / 1e9,
+             "share": ns / wall} for key, (count, ns) in totals.items() if ns or count]
+    rows.sort(key=lambda row: (-row["seconds"], row["state"]))
+    return rows
+
+
+def category_shares(rows: list[dict]) -> dict[str, float]:
+    """`{category: share of the wall time}` over `rows`, every category present (0.0 where none)."""
+    shares = dict.fromkeys(CATEGORIES, 0.0)
+    for row in rows:
+        shares[row["category"]] += row["share"]
+    return shares
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.0f} %"
+
+
+def verdict(rows: list[dict], run: str, train_workers: set | None) -> tuple[str | None, str | None]:
+    """`(bottleneck, sentence)`: the category with the largest share and what to try about it (None, None
+    for a run without rows). `train_workers`: the `num_workers` of the training DataLoaders fetched from."""
+    if not rows:
+        return None, None
+    shares = category_shares(rows)
+    top = max(CATEGORIES, key=lambda c: shares[c])
+    share = _pct(shares[top])
+    biggest = next(row for row in rows if row["category"] == top)
+    where = biggest["state"].rsplit("/", 1)[-1]
+    if top == "data":
+        workers = sorted(w for w in (train_workers or ()) if w is not None)
+        if workers and workers[0] == 0:
+            return top, (f"data: {share} of the {run} waits for the training DataLoader (num_workers=0); try"
+                         " num_workers > 0 or faster __getitem__")
+        named = f" (num_workers={workers[0]})" if workers else ""
+        return top, (f"data: {share} of the {run} waits for the training DataLoader{named}; try more workers,"
+                     " pin_memory=True, or a faster __getitem__ or collate_fn")
+    if top == "callbacks":
+        return top, (f"callbacks: {share} of the {run} in callback hooks, {_pct(biggest['share'])} in {where};"
+                     " make that hook cheaper or run it less often")
+    if top == "checkpoint":
+        return top, (f"checkpoint: {share} of the {run} writes checkpoints and snapshots ({where}, {biggest['count']}"
+                     " times); write them less often or to faster storage")
+    if top == "validation":
+        return top, (f"validation: {share} of the {run} validates; validate less often (val_freq,"
+                     " val_every_n_updates) or on less data")
+    if top == "logging":
+        return top, f"logging: {share} of the {run} prints or logs ({where}); log less often"
+    if top == "forward":
+        return top, (f"forward: {share} of the {run} in the model's forward pass and loss: the model's compute"
+                     " dominates; try precision='bf16' or 'fp16', a larger batch, or torch.compile")
+    if top == "backward":
+        return top, (f"backward: {share} of the {run} backpropagates: the model's compute dominates; try"
+                     " precision='bf16' or 'fp16', or a larger batch")
+    if top == "optimizer":
+        return top, (f"optimizer: {share} of the {run} unscales, clips and steps; try a fused or foreach"
+                     " optimizer, or accumulate gradients over more batches")
+    return top, f"other: {share} of the {run} in the loop's own bookkeeping (most in {biggest['state']})"
+
+
+def summary_text(rows: list[dict], run: str, wall_s: float, verdict_text: str | None, limit: int = 12) -> str:
+    """The table as text: the categories' shares, the `limit` largest rows, and the verdict."""
+    shares = category_shares(rows)
+    covered = sum(row["share"] for row in rows)
+    lines = [f"Where the time goes ({run}: {wall_s:.3f} s wall, {100 * covered:.1f} % attributed)",
+             "  " + "  ".join(f"{c} {100 * shares[c]:.1f}%" for c in CATEGORIES if shares[c] >= 0.0005)]
+    width = max([len(row["state"]) for row in rows[:limit]] + [5])
+    lines.append(f"  {'state':<{width}}  {'category':<10}  {'count':>8}  {'seconds':>9}  {'share':>6}")
+    for row in rows[:limit]:
+        lines.append(f"  {row['state']:<{width}}  {row['category']:<10}  {row['count']:>8}  {row['seconds']:>9.4f}"
+                     f"  {100 * row['share']:>5.1f}%")
+    if len(rows) > limit:
+        rest = rows[limit:]
+        lines.append(f"  ({len(rest)} more rows: {sum(r['seconds'] for r in rest):.4f} s)")
+    if verdict_text:
+        lines.append(f"verdict: {verdict_text}")
+    return "\n".join(lines)
+
+
+def _complete(name: str, cat: str, t0: int, t1: int, origin: int, pid: int) -> dict:
+    """A complete event (`ph: 'X'`), timestamps in microseconds from the run's start."""
+    return {"name": name, "cat": cat, "ph": "X", "ts": (t0 - origin) / 1000, "dur": (t1 - t0) / 1000,
+            "pid": pid, "tid": 0}
+
+
+def trace_document(window, run: str, started: int, stopped: int, rank: int) -> dict:
+    """The Chrome trace-event document of a run's `TraceWindow`: the run, its epochs, the segments (each
+    update and what led to it), and every state visit and part inside them, as complete events on one track
+    (`pid` = the rank)."""
+    events = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+              {"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "loop"}},
+              _complete(run, "run", started, stopped, started, rank)]
+    events += [_complete(name, "epoch", t0, t1, started, rank) for name, t0, t1 in window.epochs]
+    for name, t0, t1, visits in window.segments:
+        events.append(_complete(name, "update", t0, t1, started, rank))
+        events += [_complete(n, cat, a, b, started, rank) for n, cat, a, b in visits]
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"producer": "deepepochs ProfileCallback", "run": run, "rank": rank,
+                          "trace_updates": window.segments.maxlen, "dropped_updates": window.dropped_segments,
+                          "dropped_events": window.dropped_events}}
