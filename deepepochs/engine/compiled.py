@@ -38,8 +38,8 @@ from deepepochs.fsm.events import TriggerName
 from deepepochs.fsm.machine import load_spec
 from deepepochs.fsm.schema import Transition
 
-__all__ = ["IN_WINDOW", "ONE_BATCH_WINDOW", "STEP_CODE", "STEP_HELPERS", "bind", "configuration", "describe",
-           "explain", "function_name", "generate", "generate_all"]
+__all__ = ["IN_WINDOW", "ONE_BATCH_WINDOW", "PROFILED_PIECES", "STEP_CODE", "STEP_HELPERS", "bind", "configuration",
+           "describe", "explain", "function_name", "generate", "generate_all"]
 
 #: The default training step's code around the hops, by trigger: (lines before the hop, lines after it).
 #: The same calls the hand-fired path makes (`steps.default_step`, `steps.loss`, `steps.optimize`,
@@ -61,6 +61,9 @@ STEP_CODE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 STEP_OPENS = TriggerName.BACKWARD.value
 #: ... to the code before this one's.
 STEP_CLOSES = TriggerName.END_BATCH.value
+#: The step pieces a profiled micro-batch times apart (the forward and the loss run in one state, `step_forward`);
+#: the time of the others is their state's (`deepepochs.engine.profiling`).
+PROFILED_PIECES = ("forward", "loss_value")
 #: The functions of `deepepochs.engine.steps` that `STEP_CODE` calls (looked up when a trainer binds).
 STEP_HELPERS = ("read_batch", "forward", "loss_value", "backpropagate", "step_patches", "select_update", "count_batch")
 
@@ -296,15 +299,15 @@ def _compiled(key: tuple, profiled: bool = False) -> tuple[str, object]:
 def bind(ctx: Context) -> dict[str, Callable]:
     """The compiled micro-batch functions for `ctx`'s configuration, by the state they start in, calling
     the registry's guards and actions as they are now. In a profiled run (`ctx.profiler`) the profiled
-    variant, whose actions and step pieces are the same functions, each timed."""
+    variant, calling the same functions, those whose time its state's would not tell apart timed."""
     timeline = ctx.profiler
     _, code = _compiled(configuration(ctx), timeline is not None)
     namespace: dict = {**actions.GUARDS, **actions.ACTIONS}
     assert not set(namespace) & set(STEP_HELPERS), "a step helper is named like a spec guard or action"
     namespace.update({name: getattr(steps, name) for name in STEP_HELPERS}, autocast=ctx.parts.precision.autocast)
-    if timeline is not None:
-        namespace.update({name: timeline.timed(name, namespace[name]) for name in (*actions.ACTIONS, *STEP_HELPERS)},
-                         enter_state=timeline.enter)
+    if timeline is not None:  # what a state's row would not tell apart: the forward from the loss, a write
+        timed = [*PROFILED_PIECES, *(name for name in actions.ACTIONS if timeline.costs_apart(name))]
+        namespace.update({name: timeline.timed(name, namespace[name]) for name in timed}, enter_state=timeline.enter)
     exec(code, namespace)  # noqa: S102 (our own generated source, see `generate`)
     return {source: namespace[function_name(source)] for source in _fused_paths(load_spec())}
 

@@ -11,11 +11,13 @@ Nothing here runs when no profiler is attached: `profiled` installs the timing f
 away after it, by swapping what the loop already looks up, never by a branch on the hot path:
 
 - the machine's compiled table for one whose edges first enter the state they lead to, then run the
-  actions timed (`LoopMachine.table`); for cold triggers the actions `transitions` finds by name on the
+  actions, those that count as something else than their state (a checkpoint write) timed apart
+  (`LoopMachine.table`); for cold triggers the actions `transitions` finds by name on the
   machine's model, timed (each enters its edge's state first), and `fire_cold`, which enters the state an
   edge without actions leads to;
 - the compiled micro-batch: `deepepochs.engine.compiled.bind` makes the profiled variant of the same
-  generated code (one `enter_state` line after each state move, the same actions and step pieces, timed);
+  generated code (one `enter_state` line after each state move, the forward and the loss and the actions
+  that count apart timed);
 - the hook table's handlers and the console's printing methods, timed;
 - the batch loops wrap their batches' iterator in `Timeline.fetching` (asked once per task).
 
@@ -139,15 +141,23 @@ class Timeline:
     def enter(self, state: str) -> None:
         """The machine entered `state` (a self-loop too: each entry is a visit)."""
         now = _now()
-        self._charge(now)
+        totals, key = self.totals, self.key
+        slot = totals.get(key)
+        if slot is None:
+            slot = totals[key] = [0, 0]
+        slot[1] += now - self.since
+        self.since = now
         if self.trace is not None:
             self.trace.add(self.state, self.state_costs[self.state], self.visit_start, now)
             self._group(now)
         self.visit_start = now
         self.state = state
-        if self.key[1] is None:
-            self.key = (state, None)
-            self._visit(self.key)
+        if key[1] is None:  # inside a part, the part goes on (and its end counts no visit)
+            key = self.key = (state, None)
+            slot = totals.get(key)
+            if slot is None:
+                slot = totals[key] = [0, 0]
+            slot[0] += 1
 
     def _group(self, now: int) -> None:
         """Trace: a new epoch or a committed update starts a new segment here."""
@@ -186,8 +196,12 @@ class Timeline:
                 if timeline.trace is not None and key[0] == state:
                     timeline.trace.add(name, timeline.part_costs.get(name) or timeline.state_costs[state], start, end)
 
-        run.__wrapped__ = fn
+        run.__wrapped__, run.part = fn, name
         return run
+
+    def costs_apart(self, name: str) -> bool:
+        """Whether the part `name` counts as something else than its state (a checkpoint write, a hook)."""
+        return name in self.part_costs
 
     def fetching(self, batches, stage: str, loader=None):
         """`batches` (an iterable) with each fetch timed as the part `fetch` of the state it runs in;
@@ -236,9 +250,12 @@ def _install(ctx: Context, timeline: Timeline):
 
     machine.fire_cold = timed_fire_cold
     table = machine.table
-    machine.table = {key: tuple((pred, dest, (_entering(timeline, dest), *acts), error)
-                                for pred, dest, acts, error in edges)
-                     for key, edges in compile_table(machine.machine).items()}
+    plain = {id(fn): fn.__wrapped__ for fn in model.__dict__.values() if hasattr(fn, "__wrapped__")}
+    machine.table = {  # hot edges: per batch, only the actions costed apart are timed (see `costs_apart`)
+        key: tuple((pred, dest, (_entering(timeline, dest),
+                                 *(act if timeline.costs_apart(act.part) else plain[id(act)] for act in acts)), error)
+                   for pred, dest, acts, error in edges)
+        for key, edges in compile_table(machine.machine).items()}
     by_event = hooks.by_event
     hooks.by_event = timed_hooks = wrap_handlers(by_event, functools.partial(_timed_hook, timeline))
     printing = [name for name in ("batch", "epoch", "start_task", "end_task", "test", "info", "decision")
