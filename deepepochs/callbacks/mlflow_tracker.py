@@ -42,7 +42,14 @@ from deepepochs.errors import ConfigError, DeepEpochsWarning, Preempted
 from deepepochs.fsm.render import render
 from deepepochs.reporting.background import BackgroundCalls
 from deepepochs.reporting.mlflow_run import MlflowRun
-from deepepochs.reporting.scalars import epoch_scalars, stage_scalars, step_source, test_scalars, watch_update_rates
+from deepepochs.reporting.scalars import (
+    epoch_scalars,
+    profile_scalars,
+    stage_scalars,
+    step_source,
+    test_scalars,
+    watch_update_rates,
+)
 
 __all__ = ["MLflowCallback", "check_tracking_uri"]
 
@@ -135,6 +142,8 @@ class MLflowCallback(Callback):
         >>> trainer.close()   # flushes the queue
     """
 
+    profile_cost = "logging"  # what a profile counts its hooks as (`ProfileCallback`)
+
     def __init__(self, tracking_uri=None, experiment: str = "deepepochs", log_checkpoints: bool | str = False,
                  queue_size: int = 1000, close_timeout: float = 30.0):
         self.tracking_uri = check_tracking_uri(tracking_uri)
@@ -192,11 +201,13 @@ class MLflowCallback(Callback):
         self._send_committed(trainer)
 
     def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx) -> None:
-        """A validation point of the update clock: keep its records until its row commits."""
+        """A validation point of the update clock: keep its records (with a `ProfileCallback`, where the time
+        since the previous point went, `profile/<category>`) until its row commits."""
         clock = step_source(trainer)
         step = clock.val_point_step(trainer)
         if trainer.is_main_process and step is not None:
-            self._stage(clock.val_point_committed, step, stage_scalars("val", metrics))
+            self._stage(clock.val_point_committed, step, {**stage_scalars("val", metrics),
+                                                          **profile_scalars(trainer, step)})
 
     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx) -> None:
         """Keep the epoch's records until its end commits (a rollback may still undo it)."""

@@ -16,7 +16,14 @@ from pathlib import Path
 from deepepochs.callbacks.base import Callback
 from deepepochs.engine.profiling import Timeline
 from deepepochs.errors import ConfigError
-from deepepochs.reporting.profile_report import category_shares, summary_text, table_rows, trace_document, verdict
+from deepepochs.reporting.profile_report import (
+    CATEGORIES,
+    category_shares,
+    summary_text,
+    table_rows,
+    trace_document,
+    verdict,
+)
 
 __all__ = ["ProfileCallback"]
 
@@ -69,16 +76,21 @@ class ProfileCallback(Callback):
         self.timeline: Timeline | None = None
         self.run: str | None = None
         self.trace_path: Path | None = None
+        self._running: Timeline | None = None
+        self._mark: tuple[dict, int] | None = None  # (ns per category, when) at the last validation point
+        self._interval: tuple[int, dict] | None = None  # (its step, its shares)
 
     # ---- called by the engine around a run (deepepochs.engine.profiling.profiled) ----
     def profile_begin(self, ctx, run: str) -> Timeline:
         """The timeline for the run `run` that starts now."""
-        return Timeline(ctx.loop, self.trace_updates if self.trace is not None else 0)
+        self._running = Timeline(ctx.loop, self.trace_updates if self.trace is not None else 0)
+        self._mark = self._interval = None
+        return self._running
 
     def profile_end(self, ctx, run: str, timeline: Timeline, failed: bool) -> None:
         """The run ended (`failed`: it raised): make the table and verdict, write the trace, and print the
         summary of a run that did not fail."""
-        self.timeline, self.run = timeline, run
+        self.timeline, self.run, self._running = timeline, run, None
         self.table = table_rows(timeline.totals, timeline.cost_of, timeline.wall_ns)
         self.bottleneck, self.verdict = verdict(self.table, run, timeline.loaders.get("train"))
         if self.trace is not None:
@@ -89,6 +101,25 @@ class ProfileCallback(Callback):
             self.trace_path = path
         if not failed:
             ctx.parts.console.decision(self.summary())
+
+    def interval_shares(self, step: int) -> dict[str, float]:
+        """`{category: share}` of the running fit's time since the previous call (or its start) up to now,
+        the validation point at update `step`; asked again for the same step, the same answer (every
+        logging callback logs the same numbers). `{}` outside a profiled run."""
+        timeline = self._running
+        if timeline is None:
+            return {}
+        if self._interval is not None and self._interval[0] == step:
+            return self._interval[1]
+        now = timeline.since  # the time up to here is charged (a hook runs now, timed from its start)
+        spent = dict.fromkeys(CATEGORIES, 0)
+        for key, (_, ns) in timeline.totals.items():
+            spent[timeline.cost_of(key)] += ns
+        before, since = self._mark if self._mark is not None else ({}, timeline.started)
+        span = max(now - since, 1)
+        shares = {category: (ns - before.get(category, 0)) / span for category, ns in spent.items()}
+        self._mark, self._interval = (spent, now), (step, shares)
+        return shares
 
     # ---- results ----
     @property

@@ -247,3 +247,30 @@ def test_bad_arguments_are_refused_naming_them(kw, message):
     """A bad argument raises ConfigError naming it, the accepted values and what was given."""
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ProfileCallback(**kw)
+
+
+def test_validation_points_log_where_the_time_since_the_previous_point_went(tmp_path):
+    """Under the update clock LogCallback writes `profile/<category>` at each validation point's update count:
+    the shares of the interval since the previous point, which add up to that interval's whole time; a
+    dataset that sleeps makes data the largest share once the writer has started."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from deepepochs import LogCallback
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), max_updates=6,
+                      callbacks=[LogCallback(tmp_path), ProfileCallback()], log_batch=False, show_info=False,
+                      running_id="run")
+    trainer.fit(DataLoader(Items(Sleeper(0.01)), batch_size=4), DataLoader(Items(), batch_size=16),
+                val_every_n_updates=3)
+    trainer.close()
+    events = EventAccumulator(str(tmp_path / "run"), size_guidance={"scalars": 0})
+    events.Reload()
+    shares = {c: dict((e.step, e.value) for e in events.Scalars(f"profile/{c}")) for c in CATEGORIES}
+    assert all(set(points) == {3, 6} for points in shares.values())
+    for step in (3, 6):
+        assert sum(points[step] for points in shares.values()) == pytest.approx(1.0, abs=1e-4)
+    # the first interval holds the writer's start (logging); the second is the sleeping dataset's
+    assert shares["logging"][3] > 0
+    assert max(CATEGORIES, key=lambda c: shares[c][6]) == "data", {c: shares[c][6] for c in CATEGORIES}
