@@ -96,7 +96,7 @@ class ProfileCallback(Callback):
         if self.trace is not None:
             rank = ctx.parts.dist.rank
             path = self.trace if rank == 0 else self.trace.with_name(f"{self.trace.stem}.rank{rank}{self.trace.suffix}")
-            document = trace_document(timeline.trace, run, timeline.started, timeline.stopped, rank)
+            document = trace_document(timeline.trace, run, timeline.started, timeline.stopped, rank, self.table)
             path.write_text(json.dumps(document))
             self.trace_path = path
         if not failed:

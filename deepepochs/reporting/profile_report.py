@@ -4,11 +4,14 @@ timeline's plain numbers; nothing here measures anything)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 
+from deepepochs.errors import ConfigError
 from deepepochs.fsm.schema import COSTS
 
-__all__ = ["CATEGORIES", "category_shares", "summary_text", "table_rows", "trace_document", "verdict"]
+__all__ = ["CATEGORIES", "category_shares", "profile_rows", "read_profile", "state_shares", "summary_text",
+           "table_rows", "trace_document", "verdict"]
 
 #: The table's categories (the spec's costs), in the order the summary lists them.
 CATEGORIES = tuple(COSTS)
@@ -35,6 +38,44 @@ def category_shares(rows: list[dict]) -> dict[str, float]:
     for row in rows:
         shares[row["category"]] += row["share"]
     return shares
+
+
+def state_shares(rows: list[dict]) -> dict[str, float]:
+    """`{state: share}`: each state's rows (the state's own and the parts that ran inside it) added up, for
+    the graph's heat map."""
+    shares: dict[str, float] = {}
+    for row in rows:
+        state = row["state"].split("/", 1)[0]
+        shares[state] = shares.get(state, 0.0) + row["share"]
+    return shares
+
+
+def profile_rows(profile) -> list[dict]:
+    """The rows of `profile`: a `ProfileCallback` (its `table`) or a table itself; `ConfigError` otherwise."""
+    table = getattr(profile, "table", profile)
+    if not isinstance(table, list) or not all(isinstance(r, dict) and {"state", "share"} <= set(r) for r in table):
+        raise ConfigError(f"profile must be a ProfileCallback or its table (got {type(profile).__name__})")
+    if not table:
+        raise ConfigError("profile: the ProfileCallback has profiled no run yet; fit, test or predict first")
+    return table
+
+
+def read_profile(path) -> list[dict]:
+    """The table a trace file written by `ProfileCallback(trace=...)` holds (`otherData.table`); `ConfigError`
+    for a file that is not one."""
+    try:
+        with open(path) as f:
+            document = json.load(f)
+        table = document["otherData"]["table"]
+    except FileNotFoundError:
+        raise ConfigError(f"--profile {path}: no such file") from None
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"--profile {path}: not a trace written by ProfileCallback(trace=...) (a JSON"
+                          " object whose otherData holds the profile's table)") from None
+    try:
+        return profile_rows(table)
+    except ConfigError:
+        raise ConfigError(f"--profile {path}: its otherData.table is not a list of profile rows") from None
 
 
 def _pct(share: float) -> str:
@@ -107,10 +148,10 @@ def _complete(name: str, cat: str, t0: int, t1: int, origin: int, pid: int) -> d
             "pid": pid, "tid": 0}
 
 
-def trace_document(window, run: str, started: int, stopped: int, rank: int) -> dict:
+def trace_document(window, run: str, started: int, stopped: int, rank: int, table: list[dict]) -> dict:
     """The Chrome trace-event document of a run's `TraceWindow`: the run, its epochs, the segments (each
     update and what led to it), and every state visit and part inside them, as complete events on one track
-    (`pid` = the rank)."""
+    (`pid` = the rank); `otherData` also holds the whole run's `table` (for the graph's heat map)."""
     events = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
               {"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "loop"}},
               _complete(run, "run", started, stopped, started, rank)]
@@ -121,4 +162,4 @@ def trace_document(window, run: str, started: int, stopped: int, rank: int) -> d
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"producer": "deepepochs ProfileCallback", "run": run, "rank": rank,
                           "trace_updates": window.segments.maxlen, "dropped_updates": window.dropped_segments,
-                          "dropped_events": window.dropped_events}}
+                          "dropped_events": window.dropped_events, "table": table}}

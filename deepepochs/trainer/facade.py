@@ -27,6 +27,7 @@ from deepepochs.fsm.render import auto_level, render
 from deepepochs.parallel.strategy import select_policy
 from deepepochs.patches.selection import patch_kind
 from deepepochs.reporting.console import Console
+from deepepochs.reporting.profile_report import profile_rows, state_shares
 from deepepochs.reporting.summary_writer import RunWriters
 from deepepochs.tasks import ahead_of, as_metric_list
 from deepepochs.torch_private import compiled_module
@@ -489,7 +490,7 @@ class TrainerBase(StepMethods):
         return explain(self._ctx)
 
     def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False, level: str | None = None,
-                    last: int = 12):
+                    last: int = 12, profile=None):
         """The loop's state graph as Mermaid/DOT text or PNG/SVG bytes (these need Graphviz `dot`).
 
         Args:
@@ -498,8 +499,11 @@ class TrainerBase(StepMethods):
             show_interrupts: draw every running state's interrupt edge (else one legend line).
             level: 'fit' (a fit as epochs), 'epoch' (stages and tasks), 'task' (windows of micro-batches),
                 'batch' (one micro-batch: accumulation, precision, the update) or 'full' (every state).
-                None: the coarsest level showing the state that failed (after a crash) or the current one.
+                None: the coarsest level showing the state that failed (after a crash) or the current one
+                (with `profile`: the hottest state).
             last: how many of the last transitions to number along the drawn path (1 = oldest).
+            profile: a `ProfileCallback` that profiled a run (or its `table`): draw the graph as a heat map,
+                each state shaded and labelled by its share of the run's time.
 
         After a crash the state that failed is red, the last transitions are numbered on the edges they
         took (as in the error's flight record) and a green edge leads from rollback to the last commit
@@ -509,9 +513,14 @@ class TrainerBase(StepMethods):
         records = self.machine.records()[-last:] if last else []
         failed = [r.source for r in records if r.trigger == self.machine.spec.interrupt]
         current = self.machine.state
+        heat = None
+        if profile is not None:
+            heat = state_shares(profile_rows(profile))
+            records, failed, current = [], [], None
         if level is None:
-            level = auto_level(self.machine.spec, failed[-1] if failed else current)
-        out = render(fmt, current=current, path=records, show_interrupts=show_interrupts, level=level)
+            hottest = max(heat, key=heat.get) if heat else None
+            level = auto_level(self.machine.spec, failed[-1] if failed else hottest or current)
+        out = render(fmt, current=current, path=records, show_interrupts=show_interrupts, level=level, heat=heat)
         if path is not None:
             mode = "wb" if isinstance(out, bytes) else "w"
             with open(path, mode) as f:

@@ -274,3 +274,37 @@ def test_validation_points_log_where_the_time_since_the_previous_point_went(tmp_
     # the first interval holds the writer's start (logging); the second is the sleeping dataset's
     assert shares["logging"][3] > 0
     assert max(CATEGORIES, key=lambda c: shares[c][6]) == "data", {c: shares[c][6] for c in CATEGORIES}
+
+
+def test_the_graph_of_a_profiled_run_is_a_heat_map_at_the_level_of_its_hottest_state(tmp_path, capsys):
+    """state_graph(profile=...) and `graph --profile FILE` shade and label each state by its share of the
+    run's time, drawn at the coarsest level showing the hottest state (here the training task, which waits
+    for the sleeping dataset)."""
+    import shutil
+    import xml.etree.ElementTree as ET
+
+    from deepepochs.__main__ import main
+    from deepepochs.fsm.render import heat_colour
+    from deepepochs.reporting.profile_report import state_shares
+
+    trace = tmp_path / "profile.json"
+    profiler = ProfileCallback(trace=trace)
+    trainer, _ = fit([profiler], Items(Sleeper(0.01)), epochs=1)
+    shares = state_shares(profiler.table)
+    assert max(shares, key=shares.get) == "task_train"
+    assert sum(shares.values()) == pytest.approx(1.0)
+    dot = trainer.state_graph("dot", profile=profiler)
+    assert "level epoch" in dot
+    task = next(line for line in dot.splitlines() if line.strip().startswith("task_train ["))
+    assert f'{100 * shares["task_train"]:.1f} %' in task and heat_colour(shares["task_train"]) in task
+    assert trainer.state_graph("mermaid", profile=profiler.table).count("classDef heat") >= 3
+    if shutil.which("dot") is None:
+        pytest.skip("Graphviz's dot is not installed: the SVG is not drawn")
+    out = tmp_path / "heat.svg"
+    assert main(["graph", "--profile", str(trace), "--format", "svg", "--output", str(out)]) == 0
+    svg = out.read_text()
+    ET.fromstring(svg)  # well-formed
+    assert heat_colour(shares["task_train"]) in svg and f'{100 * shares["task_train"]:.1f} %' in svg
+    (tmp_path / "other.json").write_text('{"traceEvents": []}')
+    assert main(["graph", "--profile", str(tmp_path / "other.json"), "--format", "dot"]) == 2
+    assert "not a trace written by ProfileCallback" in capsys.readouterr().err
