@@ -42,14 +42,8 @@ from deepepochs.data.batch_rules import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.events import Event
 from deepepochs.fsm.render import render
-from deepepochs.reporting.scalars import (
-    epoch_scalars,
-    profile_scalars,
-    stage_scalars,
-    step_source,
-    test_scalars,
-    watch_update_rates,
-)
+from deepepochs.reporting import scalars
+from deepepochs.reporting.scalars import epoch_scalars, stage_scalars, step_source, test_scalars, watch_update_rates
 from deepepochs.reporting.summary_writer import CSV_FILE, DEFAULT_LOG_DIR, CsvRecord, add_hparams_record, add_png
 
 __all__ = ["LogCallback"]
@@ -216,7 +210,7 @@ class LogCallback(Callback):
         if not trainer.is_main_process or step is None:
             return
         writer = self.writer(trainer)
-        for tag, value in {**stage_scalars("val", metrics), **profile_scalars(trainer, step)}.items():
+        for tag, value in {**stage_scalars("val", metrics), **scalars.profile_scalars(trainer, step)}.items():
             writer.add_scalar(tag, value, step)
         writer.flush()
 

@@ -40,16 +40,10 @@ from deepepochs.callbacks.base import Callback
 from deepepochs.callbacks.check import CheckCallback
 from deepepochs.errors import ConfigError, DeepEpochsWarning, Preempted
 from deepepochs.fsm.render import render
+from deepepochs.reporting import scalars
 from deepepochs.reporting.background import BackgroundCalls
 from deepepochs.reporting.mlflow_run import MlflowRun
-from deepepochs.reporting.scalars import (
-    epoch_scalars,
-    profile_scalars,
-    stage_scalars,
-    step_source,
-    test_scalars,
-    watch_update_rates,
-)
+from deepepochs.reporting.scalars import epoch_scalars, stage_scalars, step_source, test_scalars, watch_update_rates
 
 __all__ = ["MLflowCallback", "check_tracking_uri"]
 
@@ -207,7 +201,7 @@ class MLflowCallback(Callback):
         step = clock.val_point_step(trainer)
         if trainer.is_main_process and step is not None:
             self._stage(clock.val_point_committed, step, {**stage_scalars("val", metrics),
-                                                          **profile_scalars(trainer, step)})
+                                                          **scalars.profile_scalars(trainer, step)})
 
     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx) -> None:
         """Keep the epoch's records until its end commits (a rollback may still undo it)."""

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.schema import COSTS
 
-__all__ = ["CATEGORIES", "category_shares", "profile_rows", "read_profile", "state_shares", "summary_text",
+__all__ = ["ADVICE", "CATEGORIES", "category_shares", "profile_rows", "read_profile", "state_shares", "summary_text",
            "table_rows", "trace_document", "verdict"]
 
 #: The table's categories (the spec's costs), in the order the summary lists them.
@@ -82,6 +82,26 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f} %"
 
 
+#: Per bottleneck, the verdict's sentence: `{share}` of the `{run}`, its largest row (`{state}`, its last
+#: part `{where}`, its `{part}` share and `{count}`). The data verdict also names the DataLoader's workers.
+ADVICE = {
+    "callbacks": "callbacks: {share} of the {run} in callback hooks, {part} in {where}; make that hook cheaper or"
+                 " run it less often",
+    "checkpoint": "checkpoint: {share} of the {run} writes checkpoints and snapshots ({where}, {count} times); write"
+                  " them less often or to faster storage",
+    "validation": "validation: {share} of the {run} validates; validate less often (val_freq, val_every_n_updates)"
+                  " or on less data",
+    "logging": "logging: {share} of the {run} prints or logs ({where}); log less often",
+    "forward": "forward: {share} of the {run} in the model's forward pass and loss: the model's compute dominates;"
+               " try precision='bf16' or 'fp16', a larger batch, or torch.compile",
+    "backward": "backward: {share} of the {run} backpropagates: the model's compute dominates; try precision='bf16'"
+                " or 'fp16', or a larger batch",
+    "optimizer": "optimizer: {share} of the {run} unscales, clips and steps; try a fused or foreach optimizer, or"
+                 " accumulate gradients over more batches",
+    "other": "other: {share} of the {run} in the loop's own bookkeeping (most in {state})",
+}
+
+
 def verdict(rows: list[dict], run: str, train_workers: set | None) -> tuple[str | None, str | None]:
     """`(bottleneck, sentence)`: the category with the largest share and what to try about it (None, None
     for a run without rows). `train_workers`: the `num_workers` of the training DataLoaders fetched from."""
@@ -100,27 +120,9 @@ def verdict(rows: list[dict], run: str, train_workers: set | None) -> tuple[str 
         named = f" (num_workers={workers[0]})" if workers else ""
         return top, (f"data: {share} of the {run} waits for the training DataLoader{named}; try more workers,"
                      " pin_memory=True, or a faster __getitem__ or collate_fn")
-    if top == "callbacks":
-        return top, (f"callbacks: {share} of the {run} in callback hooks, {_pct(biggest['share'])} in {where};"
-                     " make that hook cheaper or run it less often")
-    if top == "checkpoint":
-        return top, (f"checkpoint: {share} of the {run} writes checkpoints and snapshots ({where}, {biggest['count']}"
-                     " times); write them less often or to faster storage")
-    if top == "validation":
-        return top, (f"validation: {share} of the {run} validates; validate less often (val_freq,"
-                     " val_every_n_updates) or on less data")
-    if top == "logging":
-        return top, f"logging: {share} of the {run} prints or logs ({where}); log less often"
-    if top == "forward":
-        return top, (f"forward: {share} of the {run} in the model's forward pass and loss: the model's compute"
-                     " dominates; try precision='bf16' or 'fp16', a larger batch, or torch.compile")
-    if top == "backward":
-        return top, (f"backward: {share} of the {run} backpropagates: the model's compute dominates; try"
-                     " precision='bf16' or 'fp16', or a larger batch")
-    if top == "optimizer":
-        return top, (f"optimizer: {share} of the {run} unscales, clips and steps; try a fused or foreach"
-                     " optimizer, or accumulate gradients over more batches")
-    return top, f"other: {share} of the {run} in the loop's own bookkeeping (most in {biggest['state']})"
+    advice = ADVICE.get(top, ADVICE["other"])
+    return top, advice.format(share=share, run=run, where=where, count=biggest["count"], state=biggest["state"],
+                              part=_pct(biggest["share"]))
 
 
 def summary_text(rows: list[dict], run: str, wall_s: float, verdict_text: str | None, limit: int = 12) -> str:

@@ -262,7 +262,7 @@ def test_validation_points_log_where_the_time_since_the_previous_point_went(tmp_
     trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), max_updates=6,
                       callbacks=[LogCallback(tmp_path), ProfileCallback()], log_batch=False, show_info=False,
                       running_id="run")
-    trainer.fit(DataLoader(Items(Sleeper(0.01)), batch_size=4), DataLoader(Items(), batch_size=16),
+    trainer.fit(DataLoader(Items(Sleeper(0.03)), batch_size=4), DataLoader(Items(), batch_size=16),
                 val_every_n_updates=3)
     trainer.close()
     events = EventAccumulator(str(tmp_path / "run"), size_guidance={"scalars": 0})
@@ -308,3 +308,47 @@ def test_the_graph_of_a_profiled_run_is_a_heat_map_at_the_level_of_its_hottest_s
     (tmp_path / "other.json").write_text('{"traceEvents": []}')
     assert main(["graph", "--profile", str(tmp_path / "other.json"), "--format", "dot"]) == 2
     assert "not a trace written by ProfileCallback" in capsys.readouterr().err
+
+
+class FailOnce(Callback):
+    """Raises at the first epoch's end, once."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("boom")
+
+
+def test_a_failed_fit_is_profiled_through_its_rollback_and_gives_the_loop_back(capsys):
+    """A fit that raises keeps its table (the rollback included) and prints no summary; the loop is given back,
+    so the refit (profiled again) ends with the weights of a run that never failed."""
+    profiler = ProfileCallback()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                      callbacks=[FailOnce(), profiler], log_batch=False, show_info=False)
+    data = DataLoader(Items(), batch_size=4)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(data, epochs=2)
+    assert "rollback" in {row["state"].split("/")[0] for row in profiler.table}
+    assert "Where the time goes" not in capsys.readouterr().out
+    assert trainer._driver.ctx.profiler is None and "fire_cold" not in vars(trainer.machine)
+    trainer.fit(data, epochs=2)
+    reference, _ = fit([], epochs=2)
+    for a, b in zip(reference.model.parameters(), trainer.model.parameters()):
+        assert torch.equal(a, b)
+    assert "Where the time goes (fit" in capsys.readouterr().out
+
+
+def test_predict_is_profiled_as_its_own_run():
+    """predict() is profiled: its batches in the test states, its fetches timed."""
+    profiler = ProfileCallback()
+    trainer, _ = fit([profiler], epochs=1)
+    trainer.predict(DataLoader(Items(), batch_size=8))
+    assert profiler.run == "predict"
+    states = {row["state"]: row for row in profiler.table}
+    assert states["test_batch"]["count"] == 2 and states["task_test/fetch"]["count"] == 3
