@@ -19,6 +19,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.reporting.profile_report import (
     CATEGORIES,
     category_shares,
+    merge_traces,
     summary_text,
     table_rows,
     trace_document,
@@ -40,8 +41,9 @@ class ProfileCallback(Callback):
 
     Args:
         trace: a path: also write the run as a Chrome trace-event JSON file (opens in Perfetto or
-            chrome://tracing), one complete event per state visit, under its epoch and update. Under DDP,
-            rank r > 0 writes `<stem>.rank<r><suffix>` beside it.
+            chrome://tracing), one complete event per state visit, under its epoch and update. Under DDP
+            rank 0 writes every rank's track into it (process r: rank r); after a failed run each rank
+            writes its own (`<stem>.rank<r><suffix>` for r > 0). Each rank's `table` is its own.
         torch_profiler: reserved for merging torch's operator trace; only None or False are accepted.
         trace_updates: how many of the last updates the trace keeps (memory stays bounded; the file says
             how many were dropped).
@@ -94,11 +96,7 @@ class ProfileCallback(Callback):
         self.table = table_rows(timeline.totals, timeline.cost_of, timeline.wall_ns)
         self.bottleneck, self.verdict = verdict(self.table, run, timeline.loaders.get("train"))
         if self.trace is not None:
-            rank = ctx.parts.dist.rank
-            path = self.trace if rank == 0 else self.trace.with_name(f"{self.trace.stem}.rank{rank}{self.trace.suffix}")
-            document = trace_document(timeline.trace, run, timeline.started, timeline.stopped, rank, self.table)
-            path.write_text(json.dumps(document))
-            self.trace_path = path
+            self.trace_path = self._write_trace(ctx.parts.dist, run, timeline, failed)
         if not failed:
             ctx.parts.console.decision(self.summary())
 
@@ -120,6 +118,23 @@ class ProfileCallback(Callback):
         shares = {category: (ns - before.get(category, 0)) / span for category, ns in spent.items()}
         self._mark, self._interval = (spent, now), (step, shares)
         return shares
+
+    def _write_trace(self, dist, run: str, timeline: Timeline, failed: bool) -> Path | None:
+        """Write the run's trace; returns its path on this rank. Under DDP, after a run every rank finished,
+        rank 0 writes every rank's track into the one file (one gather, at the run's end); after a failure
+        each rank writes its own (`<stem>.rank<r><suffix>` on ranks > 0): no collective a failed rank
+        would never join."""
+        rank = dist.rank
+        document = trace_document(timeline.trace, run, timeline.started, timeline.stopped, rank, self.table,
+                                  timeline.started_wall)
+        if dist.world_size > 1 and not failed:
+            documents = dist.all_gather_object(document)
+            if rank != 0:
+                return None
+            document = merge_traces(documents)
+        path = self.trace if rank == 0 else self.trace.with_name(f"{self.trace.stem}.rank{rank}{self.trace.suffix}")
+        path.write_text(json.dumps(document))
+        return path
 
     # ---- results ----
     @property

@@ -102,7 +102,7 @@ class Timeline:
         self.totals: dict[tuple[str, str | None], list[int]] = {}  # (state, part) -> [visits, ns]
         self.state = spec.initial
         self.key: tuple[str, str | None] = (self.state, None)
-        self.since = self.started = self.stopped = 0
+        self.since = self.started = self.stopped = self.started_wall = 0
         self.visit_start = 0
         self.trace = TraceWindow(trace_window) if trace_window else None
         self.epoch = self.updates = None
@@ -125,6 +125,7 @@ class Timeline:
     def start(self, state: str) -> None:
         """The run starts now, in `state`."""
         self.started = self.since = self.visit_start = _now()
+        self.started_wall = time.time_ns()  # the host clock's start: ranks' traces line up by it
         self.state, self.key = state, (state, None)
         self._visit(self.key)
         if self.trace is not None:

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.schema import COSTS
 
-__all__ = ["ADVICE", "CATEGORIES", "category_shares", "profile_rows", "read_profile", "state_shares", "summary_text",
-           "table_rows", "trace_document", "verdict"]
+__all__ = ["ADVICE", "CATEGORIES", "category_shares", "merge_traces", "profile_rows", "read_profile", "state_shares",
+           "summary_text", "table_rows", "trace_document", "verdict"]
 
 #: The table's categories (the spec's costs), in the order the summary lists them.
 CATEGORIES = tuple(COSTS)
@@ -150,10 +150,12 @@ def _complete(name: str, cat: str, t0: int, t1: int, origin: int, pid: int) -> d
             "pid": pid, "tid": 0}
 
 
-def trace_document(window, run: str, started: int, stopped: int, rank: int, table: list[dict]) -> dict:
+def trace_document(window, run: str, started: int, stopped: int, rank: int, table: list[dict],
+                   started_wall: int = 0) -> dict:
     """The Chrome trace-event document of a run's `TraceWindow`: the run, its epochs, the segments (each
     update and what led to it), and every state visit and part inside them, as complete events on one track
-    (`pid` = the rank); `otherData` also holds the whole run's `table` (for the graph's heat map)."""
+    (`pid` = the rank); `otherData` also holds the whole run's `table` (for the graph's heat map) and the
+    host clock's time at its start, `started_wall` (ns; `merge_traces` lines ranks up by it)."""
     events = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
               {"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "loop"}},
               _complete(run, "run", started, stopped, started, rank)]
@@ -164,4 +166,18 @@ def trace_document(window, run: str, started: int, stopped: int, rank: int, tabl
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"producer": "deepepochs ProfileCallback", "run": run, "rank": rank,
                           "trace_updates": window.segments.maxlen, "dropped_updates": window.dropped_segments,
-                          "dropped_events": window.dropped_events, "table": table}}
+                          "dropped_events": window.dropped_events, "table": table,
+                          "started_wall": started_wall}}
+
+
+def merge_traces(documents: list[dict]) -> dict:
+    """One document of the ranks' `trace_document`s (in rank order): each rank's events on its own process
+    track, shifted so that the host clock lines them up (the earliest start is 0); `otherData` holds rank 0's
+    table as `table` and every rank's own as `ranks`."""
+    first = min(d["otherData"]["started_wall"] for d in documents)
+    events = []
+    for document in documents:
+        shift = (document["otherData"]["started_wall"] - first) / 1000
+        events += [{**e, "ts": e["ts"] + shift} if "ts" in e else e for e in document["traceEvents"]]
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {**documents[0]["otherData"], "rank": None, "ranks": [d["otherData"] for d in documents]}}
