@@ -9,6 +9,7 @@ written in the spec (`State.cost`, `Action.cost`). Without this callback none of
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from pathlib import Path
@@ -16,10 +17,12 @@ from pathlib import Path
 from deepepochs.callbacks.base import Callback
 from deepepochs.engine.profiling import Timeline
 from deepepochs.errors import ConfigError
+from deepepochs.fsm.events import ActionName
 from deepepochs.reporting.profile_report import (
     CATEGORIES,
     category_shares,
     merge_traces,
+    straggler_line,
     summary_text,
     table_rows,
     trace_document,
@@ -37,7 +40,9 @@ class ProfileCallback(Callback):
     `'task_train/MyCallback.on_after_train_batch'`) as `{'state', 'category', 'count', 'seconds', 'share'}`,
     the largest first; the rows add up to the run's whole wall time. `bottleneck` is the category with the
     largest share, `verdict` a sentence saying what to try, `summary()` the table as text (printed at the
-    run's end).
+    run's end). Under DDP, `straggler` says which rank the others waited for at the gradient
+    synchronisations of the last `trace_updates` updates, and how long in all (host clocks; on one machine
+    exact, across machines as good as their clocks agree).
 
     Args:
         trace: a path: also write the run as a Chrome trace-event JSON file (opens in Perfetto or
@@ -77,6 +82,7 @@ class ProfileCallback(Callback):
         self.verdict: str | None = None
         self.timeline: Timeline | None = None
         self.run: str | None = None
+        self.straggler: str | None = None
         self.trace_path: Path | None = None
         self._running: Timeline | None = None
         self._mark: tuple[dict, int] | None = None  # (ns per category, when) at the last validation point
@@ -87,6 +93,8 @@ class ProfileCallback(Callback):
         """The timeline for the run `run` that starts now."""
         self._running = Timeline(ctx.loop, self.trace_updates if self.trace is not None else 0)
         self._mark = self._interval = None
+        if ctx.parts.dist.world_size > 1:  # when each window's synchronising micro-batch starts, for `straggler`
+            self._running.marks[ActionName.SYNC_GRADIENTS.value] = collections.deque(maxlen=self.trace_updates)
         return self._running
 
     def profile_end(self, ctx, run: str, timeline: Timeline, failed: bool) -> None:
@@ -95,6 +103,11 @@ class ProfileCallback(Callback):
         self.timeline, self.run, self._running = timeline, run, None
         self.table = table_rows(timeline.totals, timeline.cost_of, timeline.wall_ns)
         self.bottleneck, self.verdict = verdict(self.table, run, timeline.loaders.get("train"))
+        self.straggler = None
+        syncs = timeline.marks.get(ActionName.SYNC_GRADIENTS.value)
+        if syncs is not None and not failed:  # one gather at the run's end, every rank there
+            host = [timeline.started_wall + t - timeline.started for t in syncs]
+            self.straggler = straggler_line(ctx.parts.dist.all_gather_object(host))
         if self.trace is not None:
             self.trace_path = self._write_trace(ctx.parts.dist, run, timeline, failed)
         if not failed:
@@ -146,4 +159,4 @@ class ProfileCallback(Callback):
         """The last run's table as text (its `limit` largest rows), with the verdict."""
         if self.timeline is None:
             return "Where the time goes: nothing profiled yet"
-        return summary_text(self.table, self.run, self.timeline.wall_ns / 1e9, self.verdict, limit)
+        return summary_text(self.table, self.run, self.timeline.wall_ns / 1e9, self.verdict, limit, self.straggler)

@@ -107,6 +107,7 @@ class Timeline:
         self.trace = TraceWindow(trace_window) if trace_window else None
         self.epoch = self.updates = None
         self.loaders: dict[str, set] = {}  # stage -> the num_workers of the DataLoaders fetched from
+        self.marks: dict[str, collections.deque] = {}  # part -> when its last calls started (set before binding)
 
     # ---- the clock ----
     def _charge(self, now: int) -> None:
@@ -177,13 +178,15 @@ class Timeline:
         returns)."""
         if cost is not None:
             self.part_costs.setdefault(name, cost)
-        timeline = self
+        timeline, marks = self, self.marks.get(name)
 
         def run(*args, **kwargs):
             if model is not None and model.state != timeline.state:
                 timeline.enter(model.state)
             start = _now()
             timeline._charge(start)
+            if marks is not None:
+                marks.append(start)
             outer = timeline.key
             key = timeline.key = (timeline.state, name)
             timeline._visit(key)
@@ -201,8 +204,9 @@ class Timeline:
         return run
 
     def costs_apart(self, name: str) -> bool:
-        """Whether the part `name` counts as something else than its state (a checkpoint write, a hook)."""
-        return name in self.part_costs
+        """Whether the part `name` is timed apart: it counts as something else than its state (a checkpoint
+        write, a hook), or the times it starts are kept (`marks`)."""
+        return name in self.part_costs or name in self.marks
 
     def fetching(self, batches, stage: str, loader=None):
         """`batches` (an iterable) with each fetch timed as the part `fetch` of the state it runs in;

@@ -11,7 +11,7 @@ from deepepochs.errors import ConfigError
 from deepepochs.fsm.schema import COSTS
 
 __all__ = ["ADVICE", "CATEGORIES", "category_shares", "merge_traces", "profile_rows", "read_profile", "state_shares",
-           "summary_text", "table_rows", "trace_document", "verdict"]
+           "straggler_line", "summary_text", "table_rows", "trace_document", "verdict"]
 
 #: The table's categories (the spec's costs), in the order the summary lists them.
 CATEGORIES = tuple(COSTS)
@@ -125,8 +125,10 @@ def verdict(rows: list[dict], run: str, train_workers: set | None) -> tuple[str 
                               part=_pct(biggest["share"]))
 
 
-def summary_text(rows: list[dict], run: str, wall_s: float, verdict_text: str | None, limit: int = 12) -> str:
-    """The table as text: the categories' shares, the `limit` largest rows, and the verdict."""
+def summary_text(rows: list[dict], run: str, wall_s: float, verdict_text: str | None, limit: int = 12,
+                 straggler: str | None = None) -> str:
+    """The table as text: the categories' shares, the `limit` largest rows, the verdict and, under DDP, the
+    straggler line."""
     shares = category_shares(rows)
     covered = sum(row["share"] for row in rows)
     lines = [f"Where the time goes ({run}: {wall_s:.3f} s wall, {100 * covered:.1f} % attributed)",
@@ -141,7 +143,27 @@ def summary_text(rows: list[dict], run: str, wall_s: float, verdict_text: str | 
         lines.append(f"  ({len(rest)} more rows: {sum(r['seconds'] for r in rest):.4f} s)")
     if verdict_text:
         lines.append(f"verdict: {verdict_text}")
+    if straggler:
+        lines.append(straggler)
     return "\n".join(lines)
+
+
+def straggler_line(arrivals: list[list[int]]) -> str | None:
+    """Who the others waited for at the gradient synchronisations: `arrivals[r]` holds the host-clock times
+    (ns) rank r entered its last synchronising micro-batches, oldest first (the same synchronisations on every
+    rank, so the lists are aligned from their ends). None with one rank or no synchronisation."""
+    count = min((len(a) for a in arrivals), default=0)
+    if len(arrivals) < 2 or not count:
+        return None
+    last_counts = [0] * len(arrivals)
+    waited = 0
+    for times in zip(*(a[len(a) - count:] for a in arrivals)):
+        latest = max(times)
+        last_counts[times.index(latest)] += 1
+        waited += sum(latest - t for t in times)
+    rank = max(range(len(arrivals)), key=last_counts.__getitem__)
+    return (f"straggler: rank {rank} arrived last at {last_counts[rank]} of the last {count} gradient"
+            f" synchronisations; the ranks waited {waited / 1e9:.3f} s for the last one in all")
 
 
 def _complete(name: str, cat: str, t0: int, t1: int, origin: int, pid: int) -> dict:

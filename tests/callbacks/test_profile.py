@@ -352,3 +352,13 @@ def test_predict_is_profiled_as_its_own_run():
     assert profiler.run == "predict"
     states = {row["state"]: row for row in profiler.table}
     assert states["test_batch"]["count"] == 2 and states["task_test/fetch"]["count"] == 3
+
+
+def test_the_straggler_line_names_the_rank_that_arrived_last_and_the_time_the_others_waited():
+    """Arrival times per rank (aligned from the newest): the rank last most often, and the waits summed."""
+    from deepepochs.reporting.profile_report import straggler_line
+
+    line = straggler_line([[99, 0, 10_000_000, 20], [1_000_000_005, 12, 21]])  # rank 0 has one older sync
+    assert line == ("straggler: rank 1 arrived last at 2 of the last 3 gradient synchronisations; the ranks waited"
+                    " 1.010 s for the last one in all")
+    assert straggler_line([[1, 2]]) is None and straggler_line([[], [1]]) is None

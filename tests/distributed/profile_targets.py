@@ -52,7 +52,8 @@ def run_profiled() -> int:
         trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2,
                           callbacks=[profiler], log_batch=False, show_info=False, run_lock="off")
         trainer.fit(DataLoader(Items(rank), batch_size=4))
-        result = {"table": profiler.table, "trace_path": profiler.trace_path}
+        result = {"table": profiler.table, "trace_path": profiler.trace_path, "straggler": profiler.straggler,
+                  "summary": profiler.summary()}
     finally:
         dist.destroy_process_group()
     torch.save(result, out / f"rank{rank}.pt")

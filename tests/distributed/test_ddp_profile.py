@@ -1,5 +1,6 @@
-"""ProfileCallback under DDP: each rank's table is its own, and rank 0 writes one trace with a process track
-per rank (two gloo processes on the CPU, `profile_targets.py`)."""
+"""ProfileCallback under DDP: each rank's table is its own, rank 0 writes one trace with a process track
+per rank, and the straggler line names the rank the others waited for (two gloo processes on the CPU,
+`profile_targets.py`)."""
 
 import json
 import sys
@@ -49,3 +50,8 @@ def test_each_rank_profiles_itself_and_rank_0_writes_one_trace_with_a_track_per_
         assert _nested(track)
         assert sum(e["cat"] == "run" for e in track) == 1
     assert [r["rank"] for r in document["otherData"]["ranks"]] == [0, 1]
+    # both ranks name rank 1, which read slowly, as the one the gradient synchronisations waited for
+    for rank in ranks:
+        assert rank["straggler"].startswith("straggler: rank 1 arrived last at ")
+        assert "of the last 4 gradient synchronisations" in rank["straggler"]
+        assert rank["straggler"] in rank["summary"]
