@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from trace_events import nested  # tests/, on sys.path under pytest
 
 TARGETS_DIR = Path(__file__).resolve().parent
 if str(TARGETS_DIR) not in sys.path:
@@ -16,19 +17,6 @@ import profile_targets as P  # noqa: E402  (needs the sys.path entry above)
 from deadline import launched_ranks  # noqa: E402
 
 pytestmark = pytest.mark.distributed
-
-
-def _nested(events):
-    """Whether complete events on one track nest: any two are disjoint or one holds the other."""
-    stack = []
-    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
-        end = e["ts"] + e["dur"]
-        while stack and stack[-1] <= e["ts"] + 1e-3:
-            stack.pop()
-        if stack and end > stack[-1] + 1e-3:
-            return False
-        stack.append(end)
-    return True
 
 
 def test_each_rank_profiles_itself_and_rank_0_writes_one_trace_with_a_track_per_rank(tmp_path):
@@ -47,7 +35,7 @@ def test_each_rank_profiles_itself_and_rank_0_writes_one_trace_with_a_track_per_
     assert {e["pid"] for e in events} == {0, 1}
     for pid in (0, 1):
         track = [e for e in events if e["pid"] == pid]
-        assert _nested(track)
+        assert nested(track)
         assert sum(e["cat"] == "run" for e in track) == 1
     assert [r["rank"] for r in document["otherData"]["ranks"]] == [0, 1]
     # both ranks name rank 1, which read slowly, as the one the gradient synchronisations waited for
