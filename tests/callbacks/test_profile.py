@@ -168,12 +168,17 @@ def test_validation_and_test_runs_are_profiled_in_their_own_states():
     assert "step_forward" not in {row["state"].split("/")[0] for row in profiler.table}
 
 
-def test_profiling_changes_no_result_and_leaves_the_loop_as_it_was():
-    """The same fit with and without the profiler ends with bit-identical weights, and after it the machine,
-    the hook table and the console are the ones the trainer had."""
-    plain, _ = fit([])
+@pytest.mark.parametrize("kw", [{}, {"gradient_accumulation_steps": 3}, {"fuse_steps": False}],
+                         ids=["compiled", "accumulating", "every-edge"])
+def test_profiling_changes_no_result_and_leaves_the_loop_as_it_was(kw):
+    """The same fit with and without the profiler ends with bit-identical weights (compiled micro-batches,
+    accumulation windows, every edge fired), every micro-batch's states are counted, and after the fit the
+    machine, the hook table and the console are the ones the trainer had."""
+    plain, _ = fit([], **kw)
     profiler = ProfileCallback()
-    profiled, _ = fit([profiler])
+    profiled, _ = fit([profiler], **kw)
+    counts = {row["state"]: row["count"] for row in profiler.table}
+    assert counts["step_forward"] == 8  # 2 epochs of 4 micro-batches, each entering it once
     for a, b in zip(plain.model.parameters(), profiled.model.parameters()):
         assert torch.equal(a, b)
     ctx = profiled._driver.ctx
