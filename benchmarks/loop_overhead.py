@@ -53,6 +53,7 @@ import deepepochs  # noqa: E402
 #: default console over console off; the slack allowed over pytorch-ignite on the MLP.
 TINY_LIMIT, MLP_LIMIT, EVERY_EDGE_LIMIT, ACC_LIMIT = 1.10, 1.02, 1.20, 1.03
 CONSOLE_SLACK, MLP_IGNITE_SLACK = 0.02, 0.005
+PROFILED_LIMIT = 1.05  # a profiled fit per batch, over deepepochs without the profiler
 
 
 # ---- models and data ------------------------------------------------------------------------------
@@ -192,6 +193,14 @@ class DeepEpochsEveryEdge(DeepEpochs):
     note = "console off, fuse_steps=False (every edge recorded and probed)"
 
 
+class DeepEpochsProfiled(DeepEpochs):
+    note = "console off, ProfileCallback() (every state timed; its summary to devnull)"
+
+    def __init__(self, model):
+        self.kwargs = {**DeepEpochs.kwargs, "callbacks": [deepepochs.ProfileCallback()]}
+        super().__init__(model)
+
+
 class DeepEpochsAccumulate(DeepEpochs):
     reference = "raw_acc4"
     window = 4
@@ -285,6 +294,7 @@ VARIANTS = {
     "deepepochs": DeepEpochs,
     "deepepochs_console": DeepEpochsDefault,
     "deepepochs_every_edge": DeepEpochsEveryEdge,
+    "deepepochs_profiled": DeepEpochsProfiled,
     "raw_acc4": RawAccumulate,
     "deepepochs_acc4": DeepEpochsAccumulate,
     "raw_acc4_seeded": RawAccumulateSeeded,
@@ -507,6 +517,10 @@ def budget_verdict(rows: list[dict]) -> list[dict]:
         if de is not None and con is not None:
             add(f"tiny, {FEED_TITLES[feed]}, default console <= console off + 0.02", con, de + CONSOLE_SLACK,
                 con <= de + CONSOLE_SLACK)
+        profiled = ratio("tiny", feed, "deepepochs_profiled")
+        if de is not None and profiled is not None:
+            add(f"tiny, {FEED_TITLES[feed]}, ProfileCallback <= 1.05x console off", profiled / de, PROFILED_LIMIT,
+                profiled / de <= PROFILED_LIMIT)
         every = ratio("tiny", feed, "deepepochs_every_edge")
         if every is not None:
             add(f"tiny, {FEED_TITLES[feed]}, fuse_steps=False <= 1.20x", every, EVERY_EDGE_LIMIT,
@@ -546,8 +560,8 @@ def snapshot_costs(rows: list[dict]) -> dict:
 #: batches cost ~15 ms on a 2-core box, so each variant adds a minute per feed). The others (fp16, the
 #: seeded k=4 loop, snapshots) run with --variants.
 DEFAULT_VARIANTS = {
-    "tiny": ["raw", "deepepochs", "deepepochs_console", "deepepochs_every_edge", "raw_acc4", "deepepochs_acc4",
-             "ignite", "lightning"],
+    "tiny": ["raw", "deepepochs", "deepepochs_console", "deepepochs_every_edge", "deepepochs_profiled", "raw_acc4",
+             "deepepochs_acc4", "ignite", "lightning"],
     "mlp": ["raw", "deepepochs", "deepepochs_console", "raw_acc4", "deepepochs_acc4", "ignite", "lightning"],
 }
 

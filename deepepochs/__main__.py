@@ -2,7 +2,8 @@
 
 - `python -m deepepochs graph --format mermaid|dot|png|svg [--level fit|epoch|task|batch|full] [--output FILE]`:
   draw the loop machine, one level at a time; `--flight FILE` draws a saved flight record's last
-  transitions as a numbered path (a log holding the error's note, or JSON from `save_flight_record`).
+  transitions as a numbered path (a log holding the error's note, or JSON from `save_flight_record`);
+  `--profile FILE` draws a profiled run's trace (`ProfileCallback(trace=FILE)`) as a heat map.
 - `python -m deepepochs loop [--precision fp32|fp16|bf16] [--processes N] [--clip]`: print the code a
   training micro-batch runs for that configuration (generated from the loop spec), each line with its edge.
 - `python -m deepepochs consolidate SOURCE TARGET`: write a sharded checkpoint folder (saved under
@@ -36,6 +37,8 @@ def main(argv=None) -> int:
                        " (the log of a failed run, or JSON from deepepochs.save_flight_record)")
     graph.add_argument("--last", type=int, default=12, metavar="N", help="with --flight: how many of the last"
                        " transitions to number (default 12)")
+    graph.add_argument("--profile", metavar="FILE", help="shade each state by its share of a profiled run's time"
+                       " (the trace of ProfileCallback(trace=FILE)); the level of the hottest state")
     loop = sub.add_parser("loop", help="print the code a training micro-batch runs for a configuration")
     loop.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32")
     loop.add_argument("--processes", type=int, default=1, help="world size (DDP processes)")
@@ -73,7 +76,17 @@ def main(argv=None) -> int:
         failed = [r.source for r in records if r.trigger == load_spec().interrupt]
         if args.level is None:
             level = auto_level(load_spec(), failed[-1] if failed else records[-1].dest)
-    out = render(args.format, path=records, show_interrupts=args.show_interrupts, level=level)
+    heat = None
+    if args.profile:
+        from deepepochs.reporting.profile_report import read_profile, state_shares  # noqa: PLC0415
+        try:
+            heat = state_shares(read_profile(args.profile))
+        except ConfigError as e:
+            print(f"deepepochs graph: {e}", file=sys.stderr)
+            return 2
+        if args.level is None:
+            level = auto_level(load_spec(), max(heat, key=heat.get))
+    out = render(args.format, path=records, show_interrupts=args.show_interrupts, level=level, heat=heat)
     if args.output:
         with open(args.output, "wb" if isinstance(out, bytes) else "w") as f:
             f.write(out)

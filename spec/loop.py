@@ -63,22 +63,26 @@ STATES = [
     S("epoch_trained", "epoch", "The epoch's training stage is done; validation runs next if it is due."),
     S("epoch_end", "epoch", "The epoch's stages are done; after-epoch hooks request checkpoints or a stop."),
     S("stage_train", "stage", "The training stage, between its tasks."),
-    S("stage_val", "stage", "The validation stage, between its tasks."),
-    S("stage_test", "stage", "The test stage (test()), between its tasks."),
-    S("task_train", "task", "A training task iterates its DataLoader, between accumulation windows."),
-    S("task_val", "task", "A validation task iterates its DataLoader, between batches."),
-    S("task_test", "task", "A test task iterates its DataLoader, between batches."),
+    S("stage_val", "stage", "The validation stage, between its tasks.", cost="validation"),
+    S("stage_test", "stage", "The test stage (test()), between its tasks.", cost="validation"),
+    S("task_train", "task", "A training task iterates its DataLoader, between accumulation windows.", cost="data"),
+    S("task_val", "task", "A validation task iterates its DataLoader, between batches.", cost="validation"),
+    S("task_test", "task", "A test task iterates its DataLoader, between batches.", cost="validation"),
     S("task_spent", "task", "The training task reads no further batch: the update budget is reached or a stop was"
       " requested (update clock)."),
-    S("window_open", "window", "Inside an accumulation window, between its micro-batches."),
-    S("step_forward", "step", "A training micro-batch's step method runs the forward pass and the loss."),
-    S("step_backward", "step", "The step has backpropagated a loss into the accumulated gradients."),
-    S("step_optimized", "step", "The step has applied the window's update; gradients are zeroed."),
-    S("val_batch", "step", "One validation batch is evaluated without gradients."),
-    S("test_batch", "step", "One test batch is evaluated without gradients."),
-    S("optimize_unscaled", "optimize", "Gradients are unscaled (fp16) and normalised by the window's samples."),
-    S("optimize_clipped", "optimize", "Gradients are clipped; optimizers step in turn (the last one stepped)."),
-    S("optimize_skipped", "optimize", "The last optimizer skipped its step: its gradients were not finite."),
+    S("window_open", "window", "Inside an accumulation window, between its micro-batches.", cost="data"),
+    S("step_forward", "step", "A training micro-batch's step method runs the forward pass and the loss.",
+      cost="forward"),
+    S("step_backward", "step", "The step has backpropagated a loss into the accumulated gradients.", cost="backward"),
+    S("step_optimized", "step", "The step has applied the window's update; gradients are zeroed.", cost="optimizer"),
+    S("val_batch", "step", "One validation batch is evaluated without gradients.", cost="validation"),
+    S("test_batch", "step", "One test batch is evaluated without gradients.", cost="validation"),
+    S("optimize_unscaled", "optimize", "Gradients are unscaled (fp16) and normalised by the window's samples.",
+      cost="optimizer"),
+    S("optimize_clipped", "optimize", "Gradients are clipped; optimizers step in turn (the last one stepped).",
+      cost="optimizer"),
+    S("optimize_skipped", "optimize", "The last optimizer skipped its step: its gradients were not finite.",
+      cost="optimizer"),
     S("preempted", "fit", "A listed signal stopped the fit at a commit point, after its snapshot; fit() raises"
       " Preempted."),
     S("rollback", "rollback", "An exception interrupted the loop; the open window is being discarded.",
@@ -151,7 +155,7 @@ GUARDS = [
 A = Action
 ACTIONS = [
     A("resume_checkpoint", "Load the checkpoint resume= asks for (or start fresh), with the run's records and,"
-      " for a finished run, its end."),
+      " for a finished run, its end.", cost="checkpoint"),
     A("start_epoch", "Advance the 1-based epoch counter and set distributed samplers' epoch."),
     A("report_early_stop", "Record and print why the fit stopped before its epoch target."),
     A("open_window", "Reset the window's counters, sample count and update flags (the window's meters open with"
@@ -184,14 +188,14 @@ ACTIONS = [
     A("average_epoch", "Move the epoch-wise weight averages (SWACallback) by the epoch's weights and step their"
       " learning-rate schedule, before the epoch's checkpoints are written (undone if the epoch does not"
       " commit)."),
-    A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end."),
+    A("save_checkpoints", "Write the checkpoints requested by callbacks at this epoch's end.", cost="checkpoint"),
     A("commit_epoch", "Commit the epoch: the completed-epoch count, its records and the epoch-wise schedulers'"
       " steps; rollback returns here at the latest.", commit=True),
     A("open_val_point", "Mark the validation stage as an update point's: it returns to the training task."),
     A("commit_val_point", "Commit the validation point: its row (the update count and the validation metrics)"
       " joins the run's records; rollback never undoes it.", commit=True),
     A("save_snapshot", "Write a snapshot of this commit point: the training state, the data position inside"
-      " the epoch, the task meters and the random states (every rank's, written by rank 0)."),
+      " the epoch, the task meters and the random states (every rank's, written by rank 0).", cost="checkpoint"),
     A("stop_on_signal", "End the fit: raise Preempted (a SystemExit whose code a scheduler can requeue on);"
       " the rollback it passes through has nothing to discard."),
     A("discard_window", "Drop the open window's gradients, loss sums, patches and scaler step state."),

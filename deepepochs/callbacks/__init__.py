@@ -9,6 +9,7 @@ from deepepochs.callbacks.interprete import InterpreteCallback
 from deepepochs.callbacks.log import LogCallback
 from deepepochs.callbacks.lr_find import LRFindCallback
 from deepepochs.callbacks.mlflow_tracker import MLflowCallback
+from deepepochs.callbacks.profile import ProfileCallback
 from deepepochs.callbacks.snapshot import SnapshotCallback
 from deepepochs.callbacks.tracker import TrackerCallback
 from deepepochs.callbacks.wandb_tracker import WandbCallback
@@ -24,6 +25,7 @@ __all__ = [
     "LRFindCallback",
     "LogCallback",
     "MLflowCallback",
+    "ProfileCallback",
     "SWACallback",
     "SnapshotCallback",
     "TrackerCallback",

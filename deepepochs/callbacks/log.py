@@ -45,6 +45,7 @@ from deepepochs.data.batch_rules import to_device
 from deepepochs.errors import ConfigError, DeepEpochsWarning
 from deepepochs.fsm.events import Event
 from deepepochs.fsm.render import render
+from deepepochs.reporting import scalars
 from deepepochs.reporting.scalars import epoch_scalars, stage_scalars, step_source, test_scalars, watch_update_rates
 from deepepochs.reporting.summary_writer import CSV_FILE, DEFAULT_LOG_DIR, CsvRecord, add_hparams_record, add_png
 
@@ -84,6 +85,8 @@ class LogCallback(Callback):
         >>> trainer.test(test_dl)   # loss/test, accuracy/test and the HParams record
         >>> trainer.close()         # flushes and closes the writer
     """
+
+    profile_cost = "logging"  # what a profile counts its hooks as (`ProfileCallback`)
 
     def run_tensorboard(self, interactive: bool | None = None):
         """Start TensorBoard on this callback's log folder, as deepepochs 0.6 did: served in the foreground
@@ -204,12 +207,13 @@ class LogCallback(Callback):
 
     def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx):
         """A validation point of the update clock (`fit(val_every_n_updates=M)`): its metrics at the step of
-        its update count, `<metric>/val` (the epoch's end then logs none)."""
+        its update count, `<metric>/val` (the epoch's end then logs none), and with a `ProfileCallback`
+        where the time since the previous point went (`profile/<category>`)."""
         step = step_source(trainer).val_point_step(trainer)
         if not trainer.is_main_process or step is None:
             return
         writer = self.writer(trainer)
-        for tag, value in stage_scalars("val", metrics).items():
+        for tag, value in {**stage_scalars("val", metrics), **scalars.profile_scalars(trainer, step)}.items():
             writer.add_scalar(tag, value, step)
         writer.flush()
 

@@ -48,6 +48,7 @@ from deepepochs.reporting.redact import redact
 from deepepochs.reporting.scalars import (
     epoch_scalars,
     history_scalars,
+    profile_scalars,
     stage_scalars,
     step_source,
     test_scalars,
@@ -90,6 +91,7 @@ class TrackerCallback(Callback):
 
     #: The worker thread's name.
     thread_name = "deepepochs-tracker"
+    profile_cost = "logging"  # what a profile counts its hooks as (`ProfileCallback`)
     #: Whether a resumed job hands the tracker the run's history again (the tracker must keep one value per
     #: (tag, step): MLflow's run object skips what the run holds).
     resend_history = False
@@ -146,11 +148,13 @@ class TrackerCallback(Callback):
         self._send_committed(trainer)
 
     def on_after_val_epochs(self, trainer, tasks, metrics, epoch_idx) -> None:
-        """A validation point of the update clock: keep its records until its row commits."""
+        """A validation point of the update clock: keep its records (with a `ProfileCallback`, where the time
+        since the previous point went, `profile/<category>`) until its row commits."""
         clock = step_source(trainer)
         step = clock.val_point_step(trainer)
         if trainer.is_main_process and step is not None:
-            self._stage(clock.val_point_committed, step, stage_scalars("val", metrics))
+            self._stage(clock.val_point_committed, step, {**stage_scalars("val", metrics),
+                                                          **profile_scalars(trainer, step)})
 
     def on_after_epoch(self, trainer, train_tasks, val_tasks, train_metrics, val_metrics, epoch_idx) -> None:
         """Keep the epoch's records until its end commits (a rollback may still undo it)."""

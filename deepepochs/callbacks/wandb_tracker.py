@@ -49,8 +49,9 @@ class WandbCallback(TrackerCallback):
     One deepepochs run is one W&B run, whose id is the running id: `Trainer(resume=True)` after a
     preemption, a refit after an error and a second `fit` continue it (`resume='allow'`), with each step
     logged once; records a rollback discarded are never sent. W&B's steps only increase, so records that a
-    killed job (SIGKILL) committed but had not sent are not sent again by the resumed job. A W&B server that is slow or down never
-    makes training wait (a background queue); `trainer.close()` waits at most `close_timeout` seconds.
+    killed job (SIGKILL) committed but had not sent are not sent again by the resumed job. A W&B server that
+    is slow or down never makes training wait (a background queue); `trainer.close()` waits at most
+    `close_timeout` seconds.
     Only the main process talks to W&B. Needs the `wandb` extra: `pip install 'deepepochs[wandb]'`.
 
     Args:

@@ -97,6 +97,8 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
     if clock is not None and clock():  # the budget was reached before this task (or a stop requested)
         return True
     data, guarded = snapshot_trigger.guard(ctx, data, "train")  # no batch is fetched once a signal arrived
+    if ctx.profiler is not None:  # each fetch timed as the DataLoader's wait (`ProfileCallback`)
+        data = ctx.profiler.fetching(data, "train", ctx.task.dataloader)
     if k == 1:  # every batch closes its window
         batches = zip(data, itertools.repeat(True))
     elif total is None:
@@ -163,8 +165,11 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     console, autocast = parts.console, parts.precision.autocast
     parts.dist.sync_eval_buffers(parts.raw_model)  # DDP: every rank evaluates rank 0's (the saved) buffers
     data, guarded = snapshot_trigger.guard(ctx, data, stage)  # a fetch a listed signal made fail stops the fit
+    batches = workers.start(parts.dist.pad_eval(data))
+    if ctx.profiler is not None:  # each fetch timed as the DataLoader's wait (`ProfileCallback`)
+        batches = ctx.profiler.fetching(batches, stage, task.dataloader)
     try:
-        for batch in workers.start(parts.dist.pad_eval(data)):
+        for batch in batches:
             if type(batch) is PaddingBatch:  # FSDP: this rank's shard has ended; its forward meets the others'
                 with autocast():
                     steps.padding_forward(ctx, split(batch.batch)[0])

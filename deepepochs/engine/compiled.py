@@ -38,8 +38,8 @@ from deepepochs.fsm.events import TriggerName
 from deepepochs.fsm.machine import load_spec
 from deepepochs.fsm.schema import Transition
 
-__all__ = ["IN_WINDOW", "ONE_BATCH_WINDOW", "STEP_CODE", "STEP_HELPERS", "bind", "configuration", "describe",
-           "explain", "function_name", "generate", "generate_all"]
+__all__ = ["IN_WINDOW", "ONE_BATCH_WINDOW", "PROFILED_PIECES", "STEP_CODE", "STEP_HELPERS", "bind", "configuration",
+           "describe", "explain", "function_name", "generate", "generate_all"]
 
 #: The default training step's code around the hops, by trigger: (lines before the hop, lines after it).
 #: The same calls the hand-fired path makes (`steps.default_step`, `steps.loss`, `steps.optimize`,
@@ -61,6 +61,9 @@ STEP_CODE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 STEP_OPENS = TriggerName.BACKWARD.value
 #: ... to the code before this one's.
 STEP_CLOSES = TriggerName.END_BATCH.value
+#: The step pieces a profiled micro-batch times apart (the forward and the loss run in one state, `step_forward`);
+#: the time of the others is their state's (`deepepochs.engine.profiling`).
+PROFILED_PIECES = ("forward", "loss_value")
 #: The functions of `deepepochs.engine.steps` that `STEP_CODE` calls (looked up when a trainer binds).
 STEP_HELPERS = ("read_batch", "forward", "loss_value", "backpropagate", "step_patches", "select_update", "count_batch")
 
@@ -117,9 +120,9 @@ def _deciding_guard(a: Transition, b: Transition) -> str:
 class _Writer:
     """Collects the generated lines with their indentation."""
 
-    def __init__(self, folded: dict[str, str], autocast: bool, commits: frozenset[str]):
+    def __init__(self, folded: dict[str, str], autocast: bool, commits: frozenset[str], profiled: bool = False):
         self.lines: list[str] = []
-        self.folded, self.autocast, self.commits = folded, autocast, commits
+        self.folded, self.autocast, self.commits, self.profiled = folded, autocast, commits, profiled
 
     def line(self, depth: int, text: str) -> None:
         self.lines.append("    " * depth + text)
@@ -135,6 +138,8 @@ class _Writer:
                 self.line(depth, f"#   {name} is {str(known[name]).lower()} here (asked above; it holds for"
                                  " the whole micro-batch)")
         self.line(depth, f"model.state = {edge.dest!r}")
+        if self.profiled:
+            self.line(depth, f"enter_state({edge.dest!r})  # profiled: the time from here on is {edge.dest}'s")
         for name in edge.actions:
             if name in self.folded:
                 self.line(depth, f"# {name}(ctx): left out ({self.folded[name]})")
@@ -253,13 +258,15 @@ def _emit_rest(w: _Writer, paths: list, fused: list[Transition], i: int, depth: 
     w.line(depth, "return value, patches")
 
 
-def generate(source: str, folded: dict[str, str], autocast: bool, spec=None) -> str:
+def generate(source: str, folded: dict[str, str], autocast: bool, spec=None, profiled: bool = False) -> str:
     """The Python source of the compiled micro-batch starting in state `source`, for a configuration whose
     `folded` actions do nothing (`{action: why}`) and whose step does (not) run under autocast. `spec`: the
-    loop spec (default: the package's, `load_spec()`; `python -m spec` passes the one it renders)."""
+    loop spec (default: the package's, `load_spec()`; `python -m spec` passes the one it renders).
+    `profiled`: the variant a profiled fit runs, the same code with an `enter_state(state)` line after each
+    state move (`deepepochs.engine.profiling`)."""
     spec = load_spec() if spec is None else spec
     paths = _fused_paths(spec)[source]
-    w = _Writer(folded, autocast, frozenset(a.name for a in spec.actions if a.commit))
+    w = _Writer(folded, autocast, frozenset(a.name for a in spec.actions if a.commit), profiled)
     names = ", ".join(f"`{f.trigger}`" for f, _ in paths)
     w.line(0, f"def {function_name(source)}(ctx, meters, split, batch, is_last):")
     w.line(1, f'"""A micro-batch from `{source}`, one of {names}. Returns (loss value, patches)."""')
@@ -270,18 +277,20 @@ def generate(source: str, folded: dict[str, str], autocast: bool, spec=None) -> 
     return "\n".join(w.lines) + "\n"
 
 
-def generate_all(folded: dict[str, str], autocast: bool, spec=None) -> str:
+def generate_all(folded: dict[str, str], autocast: bool, spec=None, profiled: bool = False) -> str:
     """`generate` for every state fused edges leave, as one module's source."""
     spec = load_spec() if spec is None else spec
-    return "\n\n".join(generate(source, folded, autocast, spec) for source in _fused_paths(spec))
+    return "\n\n".join(generate(source, folded, autocast, spec, profiled) for source in _fused_paths(spec))
 
 
 @functools.cache
-def _compiled(key: tuple) -> tuple[str, object]:
-    """`(source text, code object)` of every compiled micro-batch for configuration `key`."""
+def _compiled(key: tuple, profiled: bool = False) -> tuple[str, object]:
+    """`(source text, code object)` of every compiled micro-batch for configuration `key` (`profiled`: its
+    profiled variant, see `generate`)."""
     folded, autocast = dict(key[0]), key[1]
-    text = generate_all(folded, autocast)
-    what = ", ".join([f"{name} left out" for name in folded] + ["autocast" if autocast else "no autocast"])
+    text = generate_all(folded, autocast, profiled=profiled)
+    what = ", ".join([f"{name} left out" for name in folded] + ["autocast" if autocast else "no autocast"]
+                     + ["profiled"] * profiled)
     filename = f"<deepepochs compiled micro-batch: {what}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
     return text, compile(text, filename, "exec")
@@ -289,11 +298,16 @@ def _compiled(key: tuple) -> tuple[str, object]:
 
 def bind(ctx: Context) -> dict[str, Callable]:
     """The compiled micro-batch functions for `ctx`'s configuration, by the state they start in, calling
-    the registry's guards and actions as they are now."""
-    _, code = _compiled(configuration(ctx))
+    the registry's guards and actions as they are now. In a profiled run (`ctx.profiler`) the profiled
+    variant, calling the same functions, those whose time its state's would not tell apart timed."""
+    timeline = ctx.profiler
+    _, code = _compiled(configuration(ctx), timeline is not None)
     namespace: dict = {**actions.GUARDS, **actions.ACTIONS}
     assert not set(namespace) & set(STEP_HELPERS), "a step helper is named like a spec guard or action"
     namespace.update({name: getattr(steps, name) for name in STEP_HELPERS}, autocast=ctx.parts.precision.autocast)
+    if timeline is not None:  # what a state's row would not tell apart: the forward from the loss, a write
+        timed = [*PROFILED_PIECES, *(name for name in actions.ACTIONS if timeline.costs_apart(name))]
+        namespace.update({name: timeline.timed(name, namespace[name]) for name in timed}, enter_state=timeline.enter)
     exec(code, namespace)  # noqa: S102 (our own generated source, see `generate`)
     return {source: namespace[function_name(source)] for source in _fused_paths(load_spec())}
 

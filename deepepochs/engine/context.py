@@ -198,6 +198,8 @@ class Context:
         update_clock: with the update clock on (`max_updates` or `val_every_n_updates`), what a training
             task calls at its start and after each committed window (`deepepochs.engine.update_clock`):
             True when the task stops there; None otherwise (nothing is called).
+        profiler: the running fit's `profiling.Timeline` when a profiler is attached, else None (the batch
+            loops time their DataLoader's fetches through it; nothing else on the hot path asks).
     """
 
     parts: Parts
@@ -226,6 +228,7 @@ class Context:
     update_clock: Callable[[], bool] | None = None
     host_random_state: tuple | None = None
     host_state_due: bool = False
+    profiler: object = None
 
     @property
     def run(self) -> RunState:

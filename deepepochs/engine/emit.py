@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from deepepochs.engine.context import Context
 
-__all__ = ["emit"]
+__all__ = ["emit", "wrap_handlers"]
 
 
 def emit(ctx: Context, hook: str, *args) -> None:
@@ -23,3 +23,9 @@ def emit(ctx: Context, hook: str, *args) -> None:
         facade = ctx.parts.facade
         for handler in handlers:
             handler(facade, *args)
+
+
+def wrap_handlers(by_event: dict[str, tuple], wrap) -> dict[str, tuple]:
+    """A hook table's `by_event` with each handler replaced by `wrap(event, handler)`, same order (a profiled
+    run times each hook this way, `deepepochs.engine.profiling`)."""
+    return {event: tuple(wrap(event, handler) for handler in handlers) for event, handlers in by_event.items()}

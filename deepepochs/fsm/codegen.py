@@ -37,14 +37,14 @@ def render_tables(spec: Spec) -> str:
         _literal("INITIAL", spec.initial),
         _literal("ROLLBACK", spec.rollback),
         _literal("INTERRUPT", spec.interrupt),
-        "\n# (name, layer, idle, running, doc)\n",
-        _literal("STATES", tuple((s.name, s.layer, s.idle, s.running, s.doc) for s in spec.states)),
+        "\n# (name, layer, idle, running, cost, doc)\n",
+        _literal("STATES", tuple((s.name, s.layer, s.idle, s.running, s.cost, s.doc) for s in spec.states)),
         "\n# (name, hot, doc)\n",
         _literal("TRIGGERS", tuple((t.name, t.hot, t.doc) for t in spec.triggers)),
         "\n# (name, doc)\n",
         _literal("GUARDS", tuple((g.name, g.doc) for g in spec.guards)),
-        "\n# (name, commit, after_commit, doc)\n",
-        _literal("ACTIONS", tuple((a.name, a.commit, a.after_commit, a.doc) for a in spec.actions)),
+        "\n# (name, commit, after_commit, cost, doc)\n",
+        _literal("ACTIONS", tuple((a.name, a.commit, a.after_commit, a.cost, a.doc) for a in spec.actions)),
         "\n# (trigger, source, dest, conditions, unless, actions, error, fuses, assuming, doc)\n",
         _literal("TRANSITIONS", tuple(
             (t.trigger, t.source, t.dest, t.conditions, t.unless, t.actions, t.error, t.fuses, t.assuming, t.doc)

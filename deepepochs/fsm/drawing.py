@@ -16,7 +16,7 @@ are counted but not drawn. `render` turns a `Drawing` into DOT or Mermaid text.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -97,6 +97,7 @@ class Drawing:
     failed: str | None = None                 # node id of the state that failed
     hidden_steps: list[int] = attrs.Factory(list)
     legend: list[str] = attrs.Factory(list)
+    heat: dict[str, float] = attrs.Factory(dict)  # node id -> its states' share of a profiled run's time
 
 
 def _check_level(level: str) -> None:
@@ -106,7 +107,8 @@ def _check_level(level: str) -> None:
 
 
 def auto_level(spec: Spec, state: str | None) -> str:
-    """The coarsest level that shows `state` in detail (`fit` when there is none)."""
+    """The coarsest level that shows `state` in detail (`fit` when there is none): the failed state of a
+    flight record, the hottest state of a profile."""
     if state is None:
         return "fit"
     layer = spec.state(state).layer
@@ -152,7 +154,8 @@ def _guards(conds: Sequence[str], unless: Sequence[str]) -> str:
 
 
 def build_drawing(spec: Spec, edges: Sequence[tuple], level: str = "full", *, current: str | None = None,
-                  path: Sequence[tuple] = (), show_interrupts: bool = False) -> Drawing:
+                  path: Sequence[tuple] = (), show_interrupts: bool = False,
+                  heat: Mapping[str, float] | None = None) -> Drawing:
     """The picture of `level`.
 
     Args:
@@ -164,6 +167,8 @@ def build_drawing(spec: Spec, edges: Sequence[tuple], level: str = "full", *, cu
         path: the last transitions `(epoch, batch, source, trigger, dest)`, oldest first; numbered 1, 2, ...
             on the lines they took. An `interrupt` among them marks its source as the failed state.
         show_interrupts: draw every interrupt edge (else one legend line stands for them).
+        heat: `{state: share of a profiled run's time}` (`ProfileCallback`): each node is shaded and labelled
+            by its states' share (a folded box by the sum of its states').
     """
     _check_level(level)
     layers = set(LEVELS[level]) | set(ALWAYS)
@@ -223,6 +228,10 @@ def build_drawing(spec: Spec, edges: Sequence[tuple], level: str = "full", *, cu
     elif current is not None:
         drawing.current = node_of[current]
     _number(spec, drawing, node_of, steps)
+    for state, share in (heat or {}).items():
+        if state not in node_of:
+            raise ConfigError(f"heat: {state!r} is no state of the loop (states: {', '.join(sorted(node_of))})")
+        drawing.heat[node_of[state]] = drawing.heat.get(node_of[state], 0.0) + share
     drawing.legend = _legend(spec, drawing, show_interrupts)
     return drawing
 
@@ -260,6 +269,8 @@ def _legend(spec: Spec, drawing: Drawing, show_interrupts: bool) -> list[str]:
         lines.append("green: commits; rollback never undoes its work")
     if any(n.summary for n in drawing.nodes):
         lines.append("dashed box: states of other levels, folded")
+    if drawing.heat:
+        lines.append("shaded: the share of the profiled run's time spent in the state (darker: more)")
     if drawing.steps:
         lines.append("blue numbers: the last transitions, 1 = oldest")
         if drawing.failed:

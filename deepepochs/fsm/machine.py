@@ -37,10 +37,12 @@ Record.__doc__ = "One recorded transition: 1-based epoch and batch indices (0 = 
 def load_spec() -> Spec:
     """The loop spec as loaded from the generated tables (no dependency on `spec/`)."""
     return Spec(
-        states=[State(n, layer, doc, idle=idle, running=running) for n, layer, idle, running, doc in tables.STATES],
+        states=[State(n, layer, doc, idle=idle, running=running, cost=cost)
+                for n, layer, idle, running, cost, doc in tables.STATES],
         triggers=[Trigger(n, doc, hot=hot) for n, hot, doc in tables.TRIGGERS],
         guards=[Guard(n, doc) for n, doc in tables.GUARDS],
-        actions=[Action(n, doc, commit=commit, after_commit=after) for n, commit, after, doc in tables.ACTIONS],
+        actions=[Action(n, doc, commit=commit, after_commit=after, cost=cost)
+                 for n, commit, after, cost, doc in tables.ACTIONS],
         transitions=[
             Transition(trig, src, dst, doc, conditions=c, unless=u, actions=a, error=err, fuses=f, assuming=g)
             for trig, src, dst, c, u, a, err, f, g, doc in tables.TRANSITIONS

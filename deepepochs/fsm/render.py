@@ -18,13 +18,13 @@ from __future__ import annotations
 import html
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.drawing import LEVELS, Drawing, Group, Line, auto_level, build_drawing
 from deepepochs.fsm.machine import build_machine, load_spec, machine_edges
 
-__all__ = ["FORMATS", "LEVELS", "auto_level", "drawing", "render", "to_dot", "to_mermaid"]
+__all__ = ["FORMATS", "LEVELS", "auto_level", "drawing", "heat_colour", "render", "to_dot", "to_mermaid"]
 
 FORMATS = ("mermaid", "dot", "png", "svg")
 PATH_COLOUR, COMMIT_COLOUR, FAILED_COLOUR = "blue", "darkgreen", "red"
@@ -38,11 +38,22 @@ def _static_machine_edges():
 
 
 def drawing(level: str = "full", current: str | None = None, path: Iterable[tuple] = (),
-            show_interrupts: bool = False) -> Drawing:
-    """The `Drawing` (nodes, labelled edge groups, numbered path) of `level`; see `render`."""
+            show_interrupts: bool = False, heat: Mapping[str, float] | None = None) -> Drawing:
+    """The `Drawing` (nodes, labelled edge groups, numbered path, heat) of `level`; see `render`."""
     spec, edges = _static_machine_edges()
     return build_drawing(spec, edges, level, current=current, path=[tuple(r) for r in path],
-                         show_interrupts=show_interrupts)
+                         show_interrupts=show_interrupts, heat=heat)
+
+
+def heat_colour(share: float) -> str:
+    """The fill of a node with `share` of the run's time: white at 0, through orange, to red at the whole."""
+    level = min(max(share, 0.0), 1.0) ** 0.5  # a root scale: a few percent already shows
+    green, blue = int(255 - 175 * level), int(255 - 255 * level)
+    return f"#ff{green:02x}{blue:02x}"
+
+
+def _share(share: float) -> str:
+    return f"{100 * share:.1f} %" if share >= 0.001 else "<0.1 %"
 
 
 # ---- DOT ----
@@ -101,6 +112,11 @@ def to_dot(d: Drawing) -> str:
             attrs_.append(f'label="{label}", style="rounded,dashed", color=gray40, fontcolor=gray25')
         if node.id == "error":
             attrs_ = [f'label="{label}", shape=octagon, color=firebrick, fontcolor=firebrick']
+        if node.id in d.heat:
+            share = d.heat[node.id]
+            attrs_ = [a for a in attrs_ if not a.startswith("label=")]
+            style = "rounded,filled,dashed" if node.summary else "rounded,filled"
+            attrs_.append(f'label="{label}\\n{_share(share)}", style="{style}", fillcolor="{heat_colour(share)}"')
         if node.id == d.failed:
             fill = 'style="rounded,filled,bold", fillcolor="#ff8080", color=red, penwidth=2.5'
             attrs_.append(fill + (", peripheries=2" if node.summary else ""))
@@ -139,8 +155,11 @@ def to_mermaid(d: Drawing) -> str:
     if spec.initial in ids:
         lines.append(f"    [*] --> {spec.initial}")
     for node in d.nodes:
-        if node.summary or node.id == "error":
-            lines.append(f'    state "{node.label.replace(chr(10), " ")}" as {node.id}')
+        label = node.label.replace(chr(10), " ")
+        if node.id in d.heat:
+            lines.append(f'    state "{label} ({_share(d.heat[node.id])})" as {node.id}')
+        elif node.summary or node.id == "error":
+            lines.append(f'    state "{label}" as {node.id}')
     for group in d.groups:
         if group.synthetic:
             lines.append(f"    {group.source} --> {group.dest} : {group.note}")
@@ -154,6 +173,8 @@ def to_mermaid(d: Drawing) -> str:
     legend = [row.replace("dashed: a fused", "(fused): a fused").replace("green: commits", "(commit): commits")
               for row in d.legend]
     lines += [f"    note right of {spec.rollback}", *(f"        {row}" for row in legend), "    end note"]
+    for i, (node_id, share) in enumerate(d.heat.items()):
+        lines += [f"    classDef heat{i} fill:{heat_colour(share)}", f"    class {node_id} heat{i}"]
     if d.failed:
         lines += ["    classDef failed fill:#ff8080,stroke:red,stroke-width:3px", f"    class {d.failed} failed"]
     elif d.current:
@@ -162,7 +183,7 @@ def to_mermaid(d: Drawing) -> str:
 
 
 def render(fmt: str = "mermaid", current: str | None = None, path: Iterable[tuple] = (),
-           show_interrupts: bool = False, level: str = "full") -> str | bytes:
+           show_interrupts: bool = False, level: str = "full", heat: Mapping[str, float] | None = None) -> str | bytes:
     """Render the state graph of `level` in `fmt` (one of `FORMATS`); PNG/SVG need the Graphviz `dot` binary.
 
     Args:
@@ -172,10 +193,11 @@ def render(fmt: str = "mermaid", current: str | None = None, path: Iterable[tupl
             numbered 1, 2, ... on the edges they took; an `interrupt` among them marks the failed state.
         show_interrupts: draw each running state's interrupt edge instead of one legend line.
         level: 'fit', 'epoch', 'task', 'batch' (adjacent layers of the loop, the rest folded) or 'full'.
+        heat: `{state: share of a profiled run's time}`: states shaded and labelled by it (a heat map).
     """
     if fmt not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(map(repr, FORMATS))} (got {fmt!r})")
-    d = drawing(level, current, path, show_interrupts)
+    d = drawing(level, current, path, show_interrupts, heat)
     if fmt == "mermaid":
         return to_mermaid(d)
     dot_text = to_dot(d)

@@ -12,6 +12,7 @@ import itertools
 import attrs
 
 __all__ = [
+    "COSTS",
     "LAYERS",
     "Action",
     "Guard",
@@ -25,6 +26,20 @@ __all__ = [
 
 #: Layers of the loop, outermost first; every state belongs to one.
 LAYERS = ("fit", "epoch", "stage", "task", "window", "step", "optimize", "rollback")
+
+#: What the time spent in a state (or running an action) counts as when a fit is profiled
+#: (`deepepochs.ProfileCallback`), with what each cost means to a user.
+COSTS = {
+    "data": "waiting for the training DataLoader and moving its batches to the device",
+    "forward": "the model's forward pass and the loss",
+    "backward": "backpropagation and the batch's metric patches",
+    "optimizer": "unscaling, clipping, optimizer and scheduler steps, zeroing the gradients",
+    "callbacks": "callback hooks (each by its class and hook)",
+    "validation": "validation and test batches, their DataLoaders and metrics",
+    "checkpoint": "writing and loading checkpoints and snapshots",
+    "logging": "the console and the logging callbacks",
+    "other": "the loop's own bookkeeping between the states above",
+}
 
 
 class SpecError(ValueError):
@@ -54,6 +69,7 @@ class State:
         doc: one line saying what is going on while the machine is in this state.
         idle: `fit`/`test` may be called from here (only the initial state and none else).
         running: the loop is running here, so an `interrupt` edge must lead to rollback.
+        cost: what the time spent here counts as in a profile, one of `COSTS`.
     """
 
     name: str = attrs.field(validator=_identifier)
@@ -61,6 +77,7 @@ class State:
     doc: str = attrs.field(validator=_one_line)
     idle: bool = False
     running: bool = True
+    cost: str = attrs.field(default="other", validator=attrs.validators.in_(COSTS))
 
 
 @attrs.frozen
@@ -92,12 +109,15 @@ class Action:
     never undoes it. Only actions marked `after_commit=True` may follow it on an edge, and those only follow
     one (checked by `Spec.validate`), so an edge either commits everything it did or, interrupted before its
     commit, nothing; an after-commit action (e.g. raising a Ctrl-C held during an update) finds it committed.
+    `cost`: what its time counts as in a profile (one of `COSTS`) where that differs from its state's (a
+    checkpoint write), else None.
     """
 
     name: str = attrs.field(validator=_identifier)
     doc: str = attrs.field(validator=_one_line)
     commit: bool = False
     after_commit: bool = False
+    cost: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(COSTS)))
 
 
 @attrs.frozen

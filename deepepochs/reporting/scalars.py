@@ -15,6 +15,8 @@ same numbers at the same steps.
 - `history_scalars(trainer)`: the metric records the run's history holds, each at its step: what a
   resumed job hands its tracker again, since the job it continues may have ended (SIGKILL) after a record
   committed and before it reached the tracker.
+- `profile_scalars`: with a `ProfileCallback` attached, at a validation point of the update clock, the share of
+  each cost category in the time since the previous point (`profile/<category>`).
 - `watch_update_rates`: the learning rate of every applied update of each optimizer with a step-wise
   scheduler (`lr/update`, or `lr/lr_<opt>_<group>_update`), at that scheduler's count of updates.
 """
@@ -25,8 +27,8 @@ from collections.abc import Callable, Mapping
 
 from deepepochs.config import VAL_POINT_KEY
 
-__all__ = ["EpochClock", "UpdateClock", "epoch_scalars", "history_scalars", "lr_tag", "stage_scalars", "step_source",
-           "test_scalars", "watch_update_rates"]
+__all__ = ["EpochClock", "UpdateClock", "epoch_scalars", "history_scalars", "lr_tag", "profile_scalars",
+           "stage_scalars", "step_source", "test_scalars", "watch_update_rates"]
 
 
 def lr_tag(name: str) -> str:
@@ -37,6 +39,16 @@ def lr_tag(name: str) -> str:
 def stage_scalars(stage: str, metrics: Mapping) -> dict[str, float]:
     """`{tag: value}` of a stage's metrics (`<metric>/<stage>`)."""
     return {f"{name}/{stage}": float(value) for name, value in metrics.items()}
+
+
+def profile_scalars(trainer, step: int) -> dict[str, float]:
+    """`{'profile/<category>': share}` of the time since the previous validation point (or the fit's start)
+    up to the one at update `step`, when a profiler (`ProfileCallback`) is attached; else `{}`. Every tracker
+    asking at one point gets the same numbers."""
+    profiler = next((cb for cb in trainer.callbacks if callable(getattr(cb, "interval_shares", None))), None)
+    if profiler is None:
+        return {}
+    return {f"profile/{category}": share for category, share in profiler.interval_shares(step).items()}
 
 
 def epoch_scalars(train_metrics: Mapping, val_metrics: Mapping, lrs: Mapping) -> dict[str, float]:

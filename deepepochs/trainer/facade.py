@@ -18,6 +18,7 @@ from deepepochs.checkpoint.run_lock import hold_run
 from deepepochs.config import TrainerConfig
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
+from deepepochs.engine.profiling import profiles
 from deepepochs.engine.summary import explain
 from deepepochs.engine.trial import trial_fit
 from deepepochs.engine.update_clock import check_clock
@@ -26,6 +27,7 @@ from deepepochs.fsm.render import auto_level, render
 from deepepochs.parallel.strategy import select_policy
 from deepepochs.patches.selection import patch_kind
 from deepepochs.reporting.console import Console
+from deepepochs.reporting.profile_report import profile_rows, state_shares
 from deepepochs.reporting.summary_writer import RunWriters
 from deepepochs.tasks import ahead_of, as_metric_list
 from deepepochs.torch_private import compiled_module
@@ -293,6 +295,7 @@ class TrainerBase(StepMethods):
         self._clippers.extend(self._hooks.attach(callbacks, self))
         self._averagers.extend(cb.average_weights for cb in callbacks if callable(getattr(cb, "average_weights", None)))
 
+    @profiles("fit")
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None,
             val_every_n_updates=None):
@@ -337,6 +340,7 @@ class TrainerBase(StepMethods):
             return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, config.epoch_target,
                                                                 config.max_updates, val_every_n_updates))
 
+    @profiles("test")
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):
         """Evaluate on `test_dl` and/or `tasks`; returns `{name: value}` (global under DDP). Values are plain
         floats (0.6 returned NumPy 0-d arrays; `float(v)` reads both)."""
@@ -377,6 +381,7 @@ class TrainerBase(StepMethods):
         k = self.config.gradient_accumulation_steps
         return -(-batches // k) * epochs  # windows never cross an epoch: a short tail window is one update
 
+    @profiles("predict")
     def predict(self, dataloader, device="cpu", batch_size=None):
         """The model's outputs for every batch of `dataloader`, concatenated in order along dim 0.
 
@@ -485,7 +490,7 @@ class TrainerBase(StepMethods):
         return explain(self._ctx)
 
     def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False, level: str | None = None,
-                    last: int = 12):
+                    last: int = 12, profile=None):
         """The loop's state graph as Mermaid/DOT text or PNG/SVG bytes (these need Graphviz `dot`).
 
         Args:
@@ -494,8 +499,11 @@ class TrainerBase(StepMethods):
             show_interrupts: draw every running state's interrupt edge (else one legend line).
             level: 'fit' (a fit as epochs), 'epoch' (stages and tasks), 'task' (windows of micro-batches),
                 'batch' (one micro-batch: accumulation, precision, the update) or 'full' (every state).
-                None: the coarsest level showing the state that failed (after a crash) or the current one.
+                None: the coarsest level showing the state that failed (after a crash) or the current one
+                (with `profile`: the hottest state).
             last: how many of the last transitions to number along the drawn path (1 = oldest).
+            profile: a `ProfileCallback` that profiled a run (or its `table`): draw the graph as a heat map,
+                each state shaded and labelled by its share of the run's time.
 
         After a crash the state that failed is red, the last transitions are numbered on the edges they
         took (as in the error's flight record) and a green edge leads from rollback to the last commit
@@ -505,9 +513,14 @@ class TrainerBase(StepMethods):
         records = self.machine.records()[-last:] if last else []
         failed = [r.source for r in records if r.trigger == self.machine.spec.interrupt]
         current = self.machine.state
+        heat = None
+        if profile is not None:
+            heat = state_shares(profile_rows(profile))
+            records, failed, current = [], [], None
         if level is None:
-            level = auto_level(self.machine.spec, failed[-1] if failed else current)
-        out = render(fmt, current=current, path=records, show_interrupts=show_interrupts, level=level)
+            hottest = max(heat, key=heat.get) if heat else None
+            level = auto_level(self.machine.spec, failed[-1] if failed else hottest or current)
+        out = render(fmt, current=current, path=records, show_interrupts=show_interrupts, level=level, heat=heat)
         if path is not None:
             mode = "wb" if isinstance(out, bytes) else "w"
             with open(path, mode) as f:

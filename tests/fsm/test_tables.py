@@ -397,7 +397,7 @@ def test_hook_names_keep_the_06_api():
 
 def test_raw_tables_have_the_documented_shapes():
     """The generated literals keep the column order documented in their comments."""
-    assert all(len(row) == 5 for row in tables.STATES)
-    assert all(len(row) == 4 and isinstance(row[1], bool) and isinstance(row[2], bool) for row in tables.ACTIONS)
+    assert all(len(row) == 6 for row in tables.STATES)
+    assert all(len(row) == 5 and isinstance(row[1], bool) and isinstance(row[2], bool) for row in tables.ACTIONS)
     assert all(len(row) == 10 for row in tables.TRANSITIONS)
     assert all(len(row) == 6 for row in tables.HOOKS)
