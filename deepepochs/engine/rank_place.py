@@ -90,6 +90,10 @@ def reader(ctx: Context, driver) -> Callable[[], dict]:
     return read
 
 
-def failure_place(ctx: Context, exc: BaseException) -> dict:
-    """The place where `exc` was raised (its traceback's stack), read before the rollback moves the loop."""
-    return place(ctx, [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)])
+def failure_place(ctx: Context, exc: BaseException) -> dict | None:
+    """The place where `exc` was raised (its traceback's stack), read before the rollback moves the loop; None
+    if it cannot be read (it only words an error: it must never replace the error being handled)."""
+    try:
+        return place(ctx, [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)])
+    except Exception:  # noqa: BLE001 (see the docstring)
+        return None
