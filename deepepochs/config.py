@@ -191,8 +191,8 @@ class TrainerConfig:
         strategy: with several processes, 'ddp' (replicated model) or 'fsdp' (FSDP2, sharded model).
         dist_timeout: seconds a collective may wait for the other ranks before the group fails (passed
             to `init_process_group` when the Trainer creates the group): a hung rank then ends the whole
-            run with `DistributedError` instead of hanging it. Default 600 (torch's default for gloo is
-            30 minutes).
+            run with `DistributedError` instead of hanging it; joining the job waits as long at most.
+            Default 600 (torch's default for gloo is 30 minutes).
         data_order: the training order of a plain DataLoader: 'loader' (one process only: the batches the
             DataLoader itself yields, as in a plain loop after the same seed), 'global' (the
             `DistributedSampler` order of (seed, epoch), the same for any world size), or None (the

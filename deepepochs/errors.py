@@ -25,7 +25,15 @@ class CheckpointError(RuntimeError):
 
 
 class DistributedError(RuntimeError):
-    """A distributed process failed or the process group is in an unusable state."""
+    """A distributed process failed or the process group is in an unusable state.
+
+    Attributes:
+        ranks: when a collective failed under a group deepepochs created, every rank's last place, from the
+            ranks' heartbeats: rank -> {'state', 'stage', 'epoch', 'update', 'batch', 'collective',
+            'seconds_since_heartbeat', 'seconds_in_place', 'callback', 'alive'} (None: not known); else None.
+    """
+
+    ranks: dict | None = None
 
 
 class RunLockedError(RuntimeError):

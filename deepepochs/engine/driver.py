@@ -33,6 +33,7 @@ from deepepochs.engine import (
     continuation,
     generators,
     kept_grads,
+    rank_place,
     runstate,
     snapshot_trigger,
     stage_tasks,
@@ -76,6 +77,7 @@ class Driver:
         self.header_done = False
         self.running: str | None = None  # 'fit' or 'test' while one runs (the facade refuses re-entry)
         self.running_thread: threading.Thread | None = None  # the thread it runs in
+        ctx.parts.dist.publish_places(rank_place.reader(ctx, self))  # under DDP: a heartbeat; else nothing
 
     # ---- setup ----
     def make_tasks(self, stage, dataloader, tasks, metrics, do_loss, batch_size, call=None) -> list[EpochTask]:
@@ -95,13 +97,14 @@ class Driver:
                 return run()
         except BaseException as exc:
             task = ctx.task  # the rollback forgets it
+            place = rank_place.failure_place(ctx, exc)  # before the rollback moves the loop
             self._rollback(exc)
             loop, machine = ctx.loop, ctx.machine
             note = (f"deepepochs: {type(exc).__name__} raised in state {loop.last_error_state!r} (epoch"
                     f" {loop.epoch}, batch {loop.batch_idx}, stage {self._failed_stage!r});"
                     f" {machine.flight_record()}")
             timeout = ctx.parts.dist.timed_out(exc, f"state {loop.last_error_state!r} (epoch {loop.epoch},"
-                                                    f" batch {loop.batch_idx})")
+                                                    f" batch {loop.batch_idx})", place)
             failure = exc if timeout is None else timeout
             if hasattr(failure, "add_note"):
                 failure.add_note(note)

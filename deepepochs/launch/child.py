@@ -14,7 +14,7 @@ from typing import Any
 
 from deepepochs.errors import Preempted
 
-__all__ = ["_MASTER_ADDR", "_RESULT_FILE", "_done_path", "_read_preempted", "_run_rank"]
+__all__ = ["LAUNCH_MARK", "_MASTER_ADDR", "_RESULT_FILE", "_done_path", "_read_preempted", "_run_rank"]
 
 # The variables torchrun exports to each worker; the Trainer reads them to join the group.
 _ENV_RANK = "RANK"
@@ -23,6 +23,8 @@ _ENV_WORLD_SIZE = "WORLD_SIZE"
 _ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 _ENV_MASTER_ADDR = "MASTER_ADDR"
 _ENV_MASTER_PORT = "MASTER_PORT"
+#: Set in every child, so that a start-up error can say that launch set the variables above.
+LAUNCH_MARK = "DEEPEPOCHS_LAUNCHED"
 
 # All processes run on this machine, so rank 0's rendezvous store listens on the loopback interface only.
 _MASTER_ADDR = "127.0.0.1"
@@ -58,6 +60,7 @@ def _run_rank(local_rank: int, main_pickled: bytes, world_size: int, master_port
             _ENV_LOCAL_WORLD_SIZE: str(world_size),
             _ENV_MASTER_ADDR: _MASTER_ADDR,
             _ENV_MASTER_PORT: str(master_port),
+            LAUNCH_MARK: "1",  # a start-up error names launch as the source of these variables
         }
     )
     # No init_process_group here: the Trainer creates the group from these variables (and so owns it and

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import sys
 import threading
 from typing import Any
@@ -78,7 +79,22 @@ def _distributed_error(
         printed_text = f"\n--- the children's stderr (last lines) ---\n{stderr_tail.rstrip()}" if stderr_tail else ""
         return DistributedError(f"{header}\n{exc.msg}{printed_text}")
     sections = [f"\n--- rank {rank} traceback ---\n{text.rstrip()}" for _, rank, text in tracebacks]
+    stall = _stall_sentence(tracebacks)
+    if stall is not None:  # said once, from rank 0's view where it wrote one, before the tracebacks
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            print(f"launch: {stall}", file=sys.stderr, flush=True)
+        header = f"{header}\n{stall}"
     return DistributedError(header + "\n" + "\n".join(sections))
+
+
+#: The first line of a rank's error that names every rank's place (`deepepochs.parallel.stall_report`).
+_STALL_LINE = re.compile(r"DistributedError: (rank \d+ of \d+: a collective .*)$", re.MULTILINE)
+
+
+def _stall_sentence(tracebacks: list) -> str | None:
+    """The line of a rank's stall report that says who waits for whom, rank 0's where it wrote one."""
+    found = {rank: match.group(1) for _, rank, text in tracebacks if (match := _STALL_LINE.search(text))}
+    return found[min(found)] if found else None
 
 
 class _ChildrenStderr:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import time
 import warnings
 from collections.abc import Mapping
 
@@ -51,12 +52,17 @@ from torch.utils.data import (
 
 from deepepochs.data.sampling import ShortestShard, len_or_minus_one, shard, unsplit_warning
 from deepepochs.errors import DeepEpochsWarning, DistributedError
+from deepepochs.parallel.heartbeat import Heartbeat, read_places
 from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.parallel.single import PolicyBase
+from deepepochs.parallel.stall_report import rank_entry, stall_error
 from deepepochs.patches import TensorPatch, _map_tensors
 from deepepochs.patches.selection import merge_on_root
 
 __all__ = ["DDPPolicy", "broadcast_bytes", "is_dtensor"]
+
+# Words in torch's error when a collective failed because a peer's connection ended (the peer died).
+_PEER_GONE = ("connection closed", "connection reset", "closed by peer", "broken pipe", "connection refused")
 
 
 class DDPPolicy(PolicyBase):
@@ -88,6 +94,7 @@ class DDPPolicy(PolicyBase):
         self._nccl = dist.get_backend() == "nccl"
         self.model: DistributedDataParallel | None = None
         self._unsplit_said = False  # the warning about training data used as given: once per trainer
+        self._heartbeat: Heartbeat | None = None  # this rank's place for its peers (`publish_places`)
 
     @staticmethod
     def _local_device(device: torch.device) -> torch.device:
@@ -333,35 +340,64 @@ class DDPPolicy(PolicyBase):
         else:
             dist.barrier()
 
-    def timed_out(self, exc: BaseException, where: str) -> DistributedError | None:
-        """If `exc` is a collective's timeout (gloo/NCCL report it as a RuntimeError saying "timed out"),
-        the `DistributedError` to raise instead, naming this rank, where it waited (`where`) and the
-        timeout; else None. The rank that did not come is usually hung or far slower (a callback that
-        blocks, a deadlock in a DataLoader worker, uneven work); `launch` and torchrun then stop it."""
+    def publish_places(self, read_place) -> None:
+        """Start this rank's heartbeat (`deepepochs.parallel.heartbeat`): `read_place()`, the rank's place in the
+        loop, written to the job's store every `HEARTBEAT_S` seconds for its peers to read when a collective
+        fails. Only for a group deepepochs created (its store's address is known)."""
+        address = self._group.store_address
+        if address is not None and self._heartbeat is None:
+            self._heartbeat = Heartbeat(*address, self.rank, self._group.places_key, read_place)
+
+    def timed_out(self, exc: BaseException, where: str, place: dict | None = None) -> DistributedError | None:
+        """If `exc` is a collective's failure (a timeout, or a peer whose connection ended: gloo and NCCL report
+        them as RuntimeErrors), the `DistributedError` to raise instead, else None. With heartbeats it names
+        every rank's last place and says who waits for whom (`stall_report`; `place`: this rank's when the
+        collective failed); without, this rank, where it waited (`where`) and the timeout."""
         if not isinstance(exc, RuntimeError) or isinstance(exc, DistributedError):
             return None
         text = str(exc)
-        if "timed out" not in text.lower() and "timeout" not in text.lower():
+        lowered = text.lower()
+        timed_out = "timed out" in lowered or "timeout" in lowered
+        if not timed_out and not any(word in lowered for word in _PEER_GONE):
             return None
         after = f"after {self.timeout_s:g} s (Trainer(dist_timeout=...))" if self.timeout_s else "(its group's timeout)"
         first_line = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+        what = (f"a collective timed out {after} in {where}" if timed_out
+                else f"a collective failed in {where}: a peer's connection ended")
+        if self._heartbeat is not None and place is not None:
+            return self._stall_error(what, place, first_line)
         return DistributedError(
-            f"rank {self.rank} of {self.world_size}: a collective timed out {after} in {where}: another rank"
-            f" did not reach it (hung, blocked in a callback or a DataLoader, or far slower). Torch said:"
-            f" {first_line}")
+            f"rank {self.rank} of {self.world_size}: {what}: another rank did not reach it (hung, blocked in a"
+            f" callback or a DataLoader, far slower, or dead). Torch said: {first_line}")
+
+    def _stall_error(self, what: str, place: dict, said: str) -> DistributedError:
+        """The error naming every rank's last place, from the peers' heartbeats and this rank's `place`."""
+        beat = self._heartbeat
+        records, alive = read_places(*self._group.store_address, self._group.places_key, self.world_size, self.rank)
+        last = beat.last or {}
+        same = last and all(last.get(key) == place.get(key) for key in ("state", "batch", "update", "stage"))
+        now = time.time()
+        records[self.rank] = {**place, "time": now, "since": last["since"] if same else now}
+        alive[self.rank] = True
+        ranks = {rank: rank_entry(records[rank], alive[rank], now) for rank in range(self.world_size)}
+        return stall_error(self.rank, self.world_size, what, ranks, said)
 
     def close(self) -> None:
         """Release the process group: destroyed if deepepochs created it and no other trainer still uses it."""
         if self._closed:
             return
         self._closed = True
-        self._group.release()  # drops the reducer first (`_drop_reducer`)
+        self._group.release()  # stops the heartbeat and drops the reducer first (`_drop_reducer`)
 
     def _drop_reducer(self) -> None:
         """Free the DDP wrapper's reducer (and the logger that holds it) now, while the process group is
         still registered: the reducer holds the group, and freed later (by a garbage collection after the
         group was destroyed) it would drop the group's last reference with the GIL held, where gloo's
-        destructor can wait forever for its worker thread (see `process_group.destroy_group`)."""
+        destructor can wait forever for its worker thread (see `process_group.destroy_group`). The heartbeat
+        stops first: nothing of this policy writes to the job's store after its release."""
+        beat, self._heartbeat = self._heartbeat, None
+        if beat is not None:
+            beat.close()
         model, self.model = self.model, None
         if model is not None:
             for name in ("logger", "reducer"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import itertools
 import os
 import weakref
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from deepepochs.errors import DistributedError
 from deepepochs.parallel.exit_watchdog import bounded
+from deepepochs.parallel.rendezvous import join_store
 
 __all__ = ["EXIT_RELEASE_BOUND_S", "GroupUse", "destroy_group", "env_int"]
 
@@ -48,6 +50,9 @@ _env_store = None
 _groups_initialised = 0
 _group_timeout_s = [None]  # the timeout of the group this module initialised last
 
+# Numbers the uses of this process in the order they were made (the key of their heartbeats).
+_use_numbers = itertools.count()
+
 # The uses not yet released, which the exit handler releases (a script that never called close()).
 _live_uses: weakref.WeakSet = weakref.WeakSet()
 
@@ -57,18 +62,11 @@ EXIT_RELEASE_BOUND_S = 60.0
 
 
 def _init_group_from_env(backend: str, timeout: float) -> None:
-    """Initialise the default process group from the torchrun-style environment variables; its collectives
-    fail after `timeout` seconds of waiting for another rank."""
+    """Initialise the default process group from the torchrun-style environment variables; joining it and its
+    collectives fail after `timeout` seconds of waiting for another rank (`rendezvous.join_store`)."""
     global _env_store, _groups_initialised
     if _env_store is None:
-        try:
-            _env_store, _, _ = next(dist.rendezvous("env://"))
-        except ValueError as exc:  # a variable is missing or malformed
-            raise DistributedError(
-                f"cannot join the distributed job described by the environment ({exc}); start the script "
-                "with torchrun or deepepochs.launch, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
-                "MASTER_PORT"
-            ) from exc
+        _env_store = join_store(timeout)  # within `timeout`, or an error naming the ranks that did not arrive
     store = dist.PrefixStore(f"deepepochs/group-{_groups_initialised}", _env_store)
     _groups_initialised += 1
     dist.init_process_group(backend, store=store, rank=env_int("RANK"), world_size=env_int("WORLD_SIZE"),
@@ -131,6 +129,10 @@ class GroupUse:
             still alive); False once released.
         timeout_s: the group's timeout when deepepochs created it; None for a group the caller made (its
             creator chose).
+        store_address: `(MASTER_ADDR, MASTER_PORT)` of the job's store when deepepochs created the group (the
+            ranks' heartbeats are written there), else None.
+        places_key: the store prefix this use's heartbeats go under: every rank makes its uses in the same
+            order, so the n-th use of each rank shares one.
     """
 
     def __init__(self, backend: str, timeout: float, before_release: Callable[[], None] | None = None):
@@ -144,6 +146,8 @@ class GroupUse:
         else:
             self.owned = _owned_group_users > 0
         self.timeout_s = _group_timeout_s[0] if self.owned else None
+        self.store_address = (os.environ["MASTER_ADDR"], env_int("MASTER_PORT")) if self.owned else None
+        self.places_key = f"deepepochs/places/{next(_use_numbers)}"
         if self.owned:
             _owned_group_users += 1
             _live_uses.add(self)

@@ -208,6 +208,9 @@ class SingleProcess(PolicyBase):
     def close(self) -> None:
         """Release what this policy created (process groups it initialised)."""
 
-    def timed_out(self, exc: BaseException, where: str) -> DistributedError | None:
-        """The `DistributedError` a collective timeout `exc` stands for; never one in one process."""
+    def publish_places(self, read_place) -> None:
+        """Publish this rank's place (`read_place()`) for its peers to read; one process has no peers."""
+
+    def timed_out(self, exc: BaseException, where: str, place: dict | None = None) -> DistributedError | None:
+        """The `DistributedError` a collective's failure `exc` stands for; never one in one process."""
         return None

@@ -94,8 +94,9 @@ class TrainerBase(StepMethods):
             batch). None (default): 'loader' in one process, 'global' under several. Exact resume holds
             for both; see the exact-resume guide.
         dist_timeout: under DDP, seconds a collective waits for the other ranks before the run fails with
-            `DistributedError` (a hung or far slower rank); default 600. Applies when the Trainer creates
-            the process group (launch/torchrun); a group you created keeps its own timeout.
+            `DistributedError` naming every rank's place (a hung, far slower or dead rank), and seconds joining
+            the job waits for every rank to arrive; default 600. Applies when the Trainer creates the process
+            group (launch/torchrun/srun); a group you created keeps its own timeout.
         resume: False; True resumes the run named by `running_id` when it has checkpoints and starts it
             fresh when it has none (without `running_id`: the newest checkpoint of any run under the
             monitors' `ckpt_dir`s); '<run id>' resumes that run, which must exist. Honoured at the first

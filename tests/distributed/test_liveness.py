@@ -44,15 +44,19 @@ def test_dist_timeout_must_be_a_positive_number_of_seconds(value):
 
 
 @pytest.mark.distributed
-def test_a_hung_rank_ends_a_launched_run_with_a_distributed_error_naming_the_timeout(clean_env):
+def test_a_hung_rank_ends_a_launched_run_with_a_distributed_error_naming_the_timeout(clean_env, capsys):
     """Rank 1 sleeps in a callback; rank 0's gradient all-reduce times out after dist_timeout=3 s and the
-    caller gets DistributedError naming rank 0, the timeout and where it waited; nothing is left running."""
+    caller gets DistributedError naming rank 0, the timeout, where it waited and who waits for whom (launch
+    prints that sentence once); nothing is left running."""
     start = time.monotonic()
     with pytest.raises(DistributedError) as info:
         launch_with_deadline(T.hang_on_rank_1, seconds=90)
     message = str(info.value)
     assert "rank 0 of 2: a collective timed out after 3 s (Trainer(dist_timeout=...))" in message
     assert "in state" in message and "batch 2" in message
+    assert "rank 1 is in training (stage 'train', epoch 1, batch 2, in callback _SleepOnRank1" in message
+    assert "rank 0 waits in the DDP forward sync of update 2" in message  # DDP rebuilds its buckets there
+    assert capsys.readouterr().err.count("launch: rank 0 of 2: a collective timed out after 3 s") == 1
     assert time.monotonic() - start < 60
     assert not multiprocessing.active_children()
 
