@@ -48,7 +48,7 @@ from deepepochs.fsm.render import render
 from deepepochs.metrics import accuracy
 
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
-                                  reason="mlflow is not installed: pip install 'deepepochs[mlflow]'")
+                                  reason="mlflow is not installed: pip install -e '.[mlflow]'")
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "logging.md"
 # Experiment names of this session (a server named by DEEPEPOCHS_TEST_MLFLOW_URI keeps earlier sessions' runs)
 SESSION = uuid.uuid4().hex[:8]
@@ -402,11 +402,13 @@ def test_a_log_checkpoints_name_that_matches_no_checkpoint_fails_before_training
 
 
 def test_without_mlflow_the_callback_names_the_extra_to_install(monkeypatch):
-    """When mlflow cannot be imported, building the callback says `pip install 'deepepochs[mlflow]'`."""
+    """When mlflow cannot be imported, building the callback names the package to install, and the clone's
+    extra (never the package index's deepepochs, an older release)."""
     find_spec = mlflow_tracker.importlib.util.find_spec
     monkeypatch.setattr(mlflow_tracker.importlib.util, "find_spec",
                         lambda name, *args: None if name == "mlflow" else find_spec(name, *args))
-    with pytest.raises(ImportError, match=r"pip install 'deepepochs\[mlflow\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'mlflow>=3,<3.18' \(in a clone of deepepochs:"
+                                          r" pip install -e '\.\[mlflow\]'\)"):
         MLflowCallback()
 
 
