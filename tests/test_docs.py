@@ -239,3 +239,13 @@ def test_the_logging_pages_mlflow_run_is_read_back_through_mlflows_client(reques
     expected = list(enumerate(trainer.history["val"]["loss"], 1))
     assert [step for step, _ in logged] == [step for step, _ in expected]
     assert [value for _, value in logged] == pytest.approx([value for _, value in expected], rel=1e-6)
+
+
+def test_the_debugging_pages_graph_opens_at_full_size():
+    """The fit level's graph is wider than the page: it is drawn at the page's width with Sphinx's link to the
+    full-size file (an `{image}` with a width), and the page says so; every other level is linked."""
+    text = (DOCS / "debugging.md").read_text()
+    assert re.search(r"^```\{image\} img/state-graph-fit\.svg\n:alt: .+\n:width: 100%\n```$", text, re.M)
+    assert "click the picture to open it at full size" in " ".join(text.split())
+    for level in ("epoch", "task", "batch", "full"):
+        assert f"(img/state-graph-{level}.svg)" in text, level
