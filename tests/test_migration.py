@@ -464,9 +464,12 @@ def test_a_second_fit_with_epochs_trains_to_that_total_and_says_how_0618_differe
         records = trainer.fit(data(), epochs=2)
     assert w[0].filename == __file__
     assert len(records["train"]["loss"]) == 3
+    other = Trainer(model(), F.cross_entropy, epochs=1, **QUIET)
+    other.fit(data())
     with warnings.catch_warnings():
         warnings.simplefilter("error", MigrationWarning)
-        trainer.fit(data(), epochs=1)  # once per process
+        trainer.fit(data(), epochs=1)  # once per process: neither this trainer nor another says it again
+        other.fit(data(), epochs=1)
 
 
 def test_test_gives_the_model_its_pre_test_weights_back_and_says_so_once(tmp_path):
