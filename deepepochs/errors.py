@@ -46,8 +46,9 @@ class DeepEpochsWarning(UserWarning):
 
 
 class MigrationWarning(DeepEpochsWarning):
-    """deepepochs 0.6.18 code met a behaviour that differs on purpose (e.g. `fit(epochs=k)` is a total):
-    said once per trainer, naming 0.6.18's behaviour and how to get it (docs/MIGRATION.md lists them).
+    """Code whose meaning differs from deepepochs 0.6.18's met that difference (e.g. `fit(epochs=k)` below
+    the epochs done, which 0.6.18 read as k more): said at most once per process, naming 0.6.18's behaviour
+    and how to get it (docs/MIGRATION.md lists them); code that means the same in both gets none.
     Silence it with `warnings.filterwarnings('ignore', category=deepepochs.MigrationWarning)`."""
 
 

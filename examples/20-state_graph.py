@@ -55,7 +55,7 @@ def main():
     model = nn.Linear(4, 2)
     with Trainer(model, F.cross_entropy, epochs=1, callbacks=[DrawMidStep(out)], log_batch=False,
                  show_info=False) as trainer:
-        mermaid = trainer.state_graph("mermaid", path=out / "loop.mmd")
+        mermaid = trainer.state_graph("mermaid", path=out / "loop.mmd").read_text()  # with a path: the path
         trainer.state_graph("dot", path=out / "loop.dot")
         print("Mermaid, first lines:\n  " + "\n  ".join(mermaid.splitlines()[:6]))
         trainer.fit(data)

@@ -13,3 +13,16 @@ from pathlib import Path
 _ENV_BIN = str(Path(sys.executable).parent)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _ENV_BIN:
     os.environ["PATH"] = os.pathsep.join([_ENV_BIN, os.environ.get("PATH", "")])
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_migration_announcements():
+    """Each test starts as a fresh process would: no difference from deepepochs 0.6.18 announced yet (the
+    library says each at most once per process)."""
+    from deepepochs.compat import ANNOUNCED
+
+    ANNOUNCED.clear()
+    yield

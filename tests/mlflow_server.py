@@ -33,7 +33,7 @@ def tracking_server(tmp_path_factory):
     """The URI of an `mlflow server` on a free loopback port (its own process group, ended afterwards); or of
     the server `DEEPEPOCHS_TEST_MLFLOW_URI` names, already running (to rerun these tests without its start)."""
     if importlib.util.find_spec("mlflow") is None:
-        pytest.skip("mlflow is not installed: pip install 'deepepochs[mlflow]'")
+        pytest.skip("mlflow is not installed: pip install -e '.[mlflow]'")
     if os.environ.get("DEEPEPOCHS_TEST_MLFLOW_URI"):
         yield os.environ["DEEPEPOCHS_TEST_MLFLOW_URI"]
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -341,6 +342,48 @@ def test_a_0_6_checkpoint_loads_weights_optimizer_scheduler_and_epoch(tmp_path):
     records = trainer.fit(data())
     trainer.close()
     assert len(records["train"]["loss"]) == 1  # epochs=4: one epoch was left
+
+
+def _save_0618_checkpoint_after_a_resume(path, model, epoch_idx):
+    """What deepepochs 0.6.18 wrote after it had resumed a run: its `Optimizer.load_state_dict` loaded the
+    optimizer's state into the scheduler (`scheduler.load_state_dict(opt_state)`), so the scheduler's state,
+    saved again, holds the optimizer's `state` and `param_groups` beside its own counters, which restarted at
+    the resume. Made here with torch's own calls, as 0.6.18 made it. Returns (opt, the scheduler's own state)."""
+    opt, sched = _save_06_checkpoint(path, model, epoch_idx)
+    resumed = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    resumed.load_state_dict(opt.state_dict())  # 0.6.18's slip, at its resume
+    own = {k: v for k, v in resumed.state_dict().items() if k not in ("state", "param_groups")}
+    assert {"state", "param_groups"} <= set(resumed.state_dict())
+    torch.save({"model_state": model.state_dict(),
+                "opt_state": [{"opt_state": opt.state_dict(), "sched_state": resumed.state_dict()}],
+                "best_value": torch.tensor(0.25), "epoch": epoch_idx}, path)
+    return opt, own
+
+
+def test_resume_true_loads_a_0618_checkpoint_written_after_a_0618_resume(tmp_path):
+    """A 0.6.18 file written after a 0.6.18 resume (its scheduler state holding the optimizer's too) is
+    loaded by resume=True, not skipped for another run's older file: the weights, Adam's moments, the
+    scheduler's own state as 0.6.18 kept it and the completed epochs come back, and the run continues."""
+    older = tmp_path / "ckpt" / "first-run" / "checkpoint.ckpt"
+    _save_06_checkpoint(older, nn.Linear(4, 2), epoch_idx=0)
+    newer = tmp_path / "ckpt" / "resumed-run" / "checkpoint.ckpt"
+    source = nn.Linear(4, 2)
+    opt, sched_state = _save_0618_checkpoint_after_a_resume(newer, source, epoch_idx=2)
+    os.utime(newer, (older.stat().st_mtime + 10,) * 2)
+    trainer = _06_trainer(tmp_path, resume=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(data(), epochs=3)  # the file's 3 epochs are the target: nothing is trained
+    assert not [w for w in caught if "skipped" in str(w.message)], [str(w.message) for w in caught]
+    assert trainer.running_id == "resumed-run" and trainer.loop.completed_epochs == 3
+    for mine, theirs in zip(trainer.raw_model.parameters(), source.parameters()):
+        assert torch.equal(mine, theirs)
+    loaded = trainer.opt[0].opt.state_dict()
+    for pid, state in opt.state_dict()["state"].items():
+        assert torch.equal(loaded["state"][pid]["exp_avg_sq"], state["exp_avg_sq"])
+    assert trainer.opt[0].scheduler.state_dict() == sched_state
+    assert len(trainer.fit(data(), epochs=4)["train"]["loss"]) == 1
+    trainer.close()
 
 
 def test_resume_true_continues_a_0_6_run_and_skips_a_foreign_file_without_aborting(tmp_path):

@@ -161,3 +161,48 @@ def test_find_lr_before_a_resumed_fit_says_what_that_fit_will_do(tmp_path, capsy
     assert "without training" not in said
     assert "Run run had completed 2 of 2 epoch(s); training on to epoch 4" in said
     assert t.loop.completed_epochs == 4 and len(records["train"]["loss"]) == 4
+
+
+def failing_at_batch_4(hook):
+    """A callback raising from hook `hook` at training batch 4 (the second batch of the second window, k=2)."""
+    def fail(self, trainer, *args, **kwargs):
+        if trainer.loop.batch_idx == 4:
+            raise RuntimeError("failed on purpose")
+    return type("FailAtBatch4", (Callback,), {hook: fail})()
+
+
+@pytest.mark.parametrize("hook, said, kept", [
+    ("on_before_backward", "the failing batch's update was not made: its window's 2 batch(es) are dropped", 1),
+    ("on_before_optimize", "the failing batch's update was not made: its window's 2 batch(es) are dropped", 1),
+    ("on_after_optimize", "the failing batch's update was kept (applied before the error)", 2),
+    ("on_after_train_batch", "the failing batch's update was kept (committed before the error)", 2),
+])
+def test_the_crash_note_says_whether_the_failing_batchs_update_was_kept(hook, said, kept):
+    """A fault at batch 4 (accumulation 2): the note says whether that batch's update was kept and how many
+    updates of the run are committed, and the model holds exactly that many updates of a plain SGD loop."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    reference = nn.Linear(4, 2)
+    reference.load_state_dict(model.state_dict())
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.5), epochs=1,
+                      gradient_accumulation_steps=2, callbacks=[failing_at_batch_4(hook)], **_quiet())
+    with pytest.raises(RuntimeError, match="failed on purpose") as info:
+        trainer.fit(data)
+    note = info.value.__notes__[0]
+    assert f"; {said}" in note and f"{kept} update(s) of the run committed" in note, note
+    assert note.index(said) < note.index("last transitions")  # the flight record stays the note's end
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    batches = list(data)
+    for update in range(kept):
+        (xa, ya), (xb, yb) = batches[2 * update], batches[2 * update + 1]
+        loss = (F.cross_entropy(reference(xa), ya, reduction="sum") + F.cross_entropy(reference(xb), yb,
+                                                                                        reduction="sum")) / 8
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.state_dict().values(),
+                                                             reference.state_dict().values()))
+    trainer.close()

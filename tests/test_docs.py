@@ -13,9 +13,11 @@ import ast
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+from mlflow_server import tracking_server  # noqa: F401  (tests/, on sys.path under pytest; a fixture)
 
 import deepepochs
 
@@ -69,13 +71,16 @@ PAGES_WITH_CODE = [p for p in USER_PAGES if p != DOCS / "MIGRATION.md"
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_rel)
 def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch, capsys):
-    """The page's ```python blocks run in order in one namespace, in a scratch folder, without error."""
+    """The page's ```python blocks run in order in one namespace, in a scratch folder, without error and
+    without a `MigrationWarning` (an error here: the pages show 0.7 programs, which it does not concern)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     namespace = {"__name__": "docs_page"}  # not __main__: a `launch(main)` guard shows code, runs none
-    for line, _, code, runs in code_blocks(page.read_text()):
-        if runs:
-            exec(compile(code, f"{_rel(page)}:{line}", "exec"), namespace)  # noqa: S102
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", deepepochs.MigrationWarning)
+        for line, _, code, runs in code_blocks(page.read_text()):
+            if runs:
+                exec(compile(code, f"{_rel(page)}:{line}", "exec"), namespace)  # noqa: S102
     capsys.readouterr()
 
 
@@ -165,3 +170,82 @@ def test_the_readme_says_what_optional_parts_need_and_that_the_first_set_up_take
     assert "pip install torchvision" in text and "pip install dgl" in text
     setup = text[text.index("## Set up a clone"):text.index("## Documentation")]
     assert re.search(r"first run of either takes minutes", setup)
+
+
+# `pip install` followed by what it installs, up to the end of the code span or line it stands in.
+PIP_INSTALL = re.compile(r"pip install\s+(?P<args>[^`\n)]*)")
+INDEX_DEEPEPOCHS = re.compile(r"""^(?:-e\s+)?['"]?deepepochs(?:\[[\w,]*\])?['"]?(?:\s|$)""")
+
+
+def _install_lines():
+    """(where, what `pip install` installs) for every `pip install` in the user pages and the library's
+    own messages and docstrings (a newcomer copies both)."""
+    sources = [*USER_PAGES, *sorted((ROOT / "deepepochs").rglob("*.py"))]
+    for path in sources:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for m in PIP_INSTALL.finditer(line):
+                yield f"{_rel(path)}:{number}", m["args"].strip(), line
+
+
+def test_every_install_line_installs_this_version_not_the_index_release():
+    """No page or message tells a user to `pip install deepepochs` (or `'deepepochs[extra]'`) from the package
+    index, which holds the older 0.6.18: installs come from a clone (`pip install ./deepepochs`,
+    `pip install -e '.[mlflow]'`); the one exception is the sentence warning of exactly that."""
+    wrong = [(where, args) for where, args, line in _install_lines()
+             if INDEX_DEEPEPOCHS.match(args) and "older release" not in line]
+    assert not wrong, wrong
+    assert any(where.startswith("docs/guide/logging.md") and "-e '.[mlflow]'" in args
+               for where, args, _ in _install_lines())
+
+
+def test_the_readme_lists_every_extra_and_the_number_of_examples():
+    """Each optional extra of pyproject.toml is named in the README's install section, and the README's count
+    of numbered examples is the number of examples/NN-*.py files."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = (ROOT / "README.md").read_text()
+    install = text[text.index("## Install"):text.index("## Quick start")]
+    assert not [name for name in extras if f"`.[{name}]`" not in install], sorted(extras)
+    count = len(list((ROOT / "examples").glob("[0-9][0-9]-*.py")))
+    assert re.findall(r"\[(\d+) numbered examples\]", text) == [str(count)]
+
+
+def test_the_schedules_page_does_not_offer_calling_the_optimizers_step_in_a_custom_step():
+    """The library refuses a custom step's own `opt.step()` (naming `self.optimize(i)`): the learning-rate
+    page says so rather than suggesting it."""
+    text = " ".join((DOCS / "guide" / "lr-schedules.md").read_text().split())
+    assert "itself bypasses the trainer's update" not in text
+    assert "is refused with an error naming `self.optimize(i)`" in text
+
+
+@pytest.mark.slow  # starts an `mlflow server` (60-140 s on a busy 2-core machine; skipped without mlflow)
+def test_the_logging_pages_mlflow_run_is_read_back_through_mlflows_client(request, tmp_path, monkeypatch):
+    """A newcomer's task, as the logging page shows it: its MLflow block (written for a server on port 5000,
+    so not run with the page) runs against a real local server and reads the run back through MLflow's own
+    client: every validation loss at its epoch, equal to the trainer's history, with no MigrationWarning."""
+    uri = request.getfixturevalue("tracking_server")  # the session's server (tests/mlflow_server.py)
+    text = (DOCS / "guide" / "logging.md").read_text()
+    block = next(code for _, info, code, _ in code_blocks(text) if info == "python" and "MLflowCallback(" in code)
+    code = block.replace("'http://127.0.0.1:5000'", repr(uri))
+    assert code.count(repr(uri)) == 2, "the block names its server twice: the callback's and the client's"
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "docs_page"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", deepepochs.MigrationWarning)
+        exec(compile(code, "docs/guide/logging.md:MLflow", "exec"), namespace)  # noqa: S102
+    client, run, trainer = namespace["client"], namespace["run"], namespace["trainer"]
+    logged = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss/val")]
+    expected = list(enumerate(trainer.history["val"]["loss"], 1))
+    assert [step for step, _ in logged] == [step for step, _ in expected]
+    assert [value for _, value in logged] == pytest.approx([value for _, value in expected], rel=1e-6)
+
+
+def test_the_debugging_pages_graph_opens_at_full_size():
+    """The fit level's graph is wider than the page: it is drawn at the page's width with Sphinx's link to the
+    full-size file (an `{image}` with a width), and the page says so; every other level is linked."""
+    text = (DOCS / "debugging.md").read_text()
+    assert re.search(r"^```\{image\} img/state-graph-fit\.svg\n:alt: .+\n:width: 100%\n```$", text, re.M)
+    assert "click the picture to open it at full size" in " ".join(text.split())
+    for level in ("epoch", "task", "batch", "full"):
+        assert f"(img/state-graph-{level}.svg)" in text, level

@@ -20,6 +20,14 @@ EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]-*.py"))
 SLOW = {"19-compile.py", "21-distributed.py"}
 
 
+def example_env(**extra) -> dict:
+    """The environment an example runs in: this tree first on the path, and `MigrationWarning` an error in
+    every process it starts (tests/migration_as_error/sitecustomize.py): an example is a 0.7 program, and
+    what tells a 0.6.18 user of a difference must not reach it."""
+    path = os.pathsep.join([str(ROOT / "tests" / "migration_as_error"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def _params():
     for path in EXAMPLES:
         marks = [pytest.mark.slow] if path.name in SLOW else []
@@ -34,9 +42,9 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("path", list(_params()))
 def test_example_runs_with_small_flag(path, tmp_path):
-    """`python examples/NN-name.py --small` exits 0 (run in a scratch folder so files land there)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "MPLBACKEND": "Agg"}
+    """`python examples/NN-name.py --small` exits 0 (run in a scratch folder so files land there), with no
+    `MigrationWarning` (an error there)."""
+    env = example_env(MPLBACKEND="Agg")
     proc = subprocess.run([sys.executable, str(path), "--small"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=150)
     assert proc.returncode == 0, f"{path.name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -159,11 +167,13 @@ def test_gpu_checks_script_runs_and_summarises_without_cuda(tmp_path):
 
 def test_the_demo_learns_within_its_first_epochs(tmp_path):
     """`make demo`'s script (examples/01-basic.py, as make runs it): the training loss falls every epoch of
-    the first fit, ending well below where it started, and the model beats chance clearly by then."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    the first fit, ending well below where it started, and the model beats chance clearly by then; it shows
+    no `MigrationWarning` (an error there), its second `fit(epochs=...)` included."""
+    env = example_env()
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "01-basic.py")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MigrationWarning" not in proc.stderr, proc.stderr
     line = next(line for line in proc.stdout.splitlines() if line.startswith("per-epoch train loss:"))
     losses = json.loads(line.split(":", 1)[1])
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.5 * losses[0], losses

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -325,20 +326,19 @@ def test_a_loss_call_without_do_metric_computes_the_metrics_as_0618():
 
 
 # ---- intentional differences: said once, loudly ----
-def test_grad_clip_callback_clips_like_torch_and_says_once_that_0618s_did_not():
-    """The weights after one epoch equal a plain loop clipping with `clip_grad_value_`; attaching the
-    callback says once (a second trainer with it says nothing more) that 0.6.18's did not clip."""
+def test_grad_clip_callback_clips_like_torch_and_warns_no_one():
+    """The weights after one epoch equal a plain loop clipping with `clip_grad_value_`. Clipping is what the
+    callback always meant (0.6.18's failed to do it, a fixed bug listed on the migration page), so neither
+    attaching it nor training with it gives a `MigrationWarning`."""
     from deepepochs import GradClipCallback, MigrationWarning
 
     clip = GradClipCallback(0.01)
-    with pytest.warns(MigrationWarning, match=r"GradClipCallback\(max_value=0.01, norm_type=None\) clips the"
-                      r" gradients before every update; deepepochs 0.6.18's GradClipCallback did not clip them"
-                      r" .*leave the callback out") as said:
-        net = model()
+    net = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MigrationWarning)
         trainer = Trainer(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=1e-3), epochs=1,
                           callbacks=[clip], **QUIET)
-    assert said[0].filename == __file__
-    trainer.fit(data())
+        trainer.fit(data())
     reference = model()
     opt = torch.optim.SGD(reference.parameters(), lr=1e-3)
     for x, y in data():
@@ -370,7 +370,7 @@ class TwoLossCalls(TrainerBase):
 def test_two_loss_calls_of_a_step_add_up_and_say_once_how_to_get_0618s_last_call():
     """With lr=0 (fixed weights): the epoch loss is the sample-weighted mean of the two calls' summed losses
     and the accuracy pools both calls' outputs, computed here directly, with a MigrationWarning once per
-    trainer; the replacement it names gives 0.6.18's values, the last call's loss and accuracy."""
+    process; the replacement it names gives 0.6.18's values, the last call's loss and accuracy."""
     from deepepochs import MigrationWarning
     from deepepochs.metrics import accuracy
 
@@ -413,17 +413,23 @@ class DictLoss(nn.Module):
 
 def test_dict_batches_weigh_their_samples_and_say_once_that_0618_counted_keys():
     """Dict batches of 16, 16 and 8 samples (lr=0): the epoch loss is the sample-weighted mean of the batch
-    losses, with a MigrationWarning once per trainer naming 0.6.18's count (2 keys) and batch_size=2, which
-    gives 0.6.18's equal weights (the plain mean of the batch losses)."""
+    losses, with a MigrationWarning once per process, at the batch of another size, naming 0.6.18's count
+    (2 keys) and batch_size=2, which gives 0.6.18's equal weights (the plain mean of the batch losses).
+    Batches all of one size weigh alike in both versions: they warn no one."""
     from deepepochs import MigrationWarning
 
-    x, y = data(n=40).dataset.tensors
+    x, y = data(n=48).dataset.tensors
+    even = [{"x": x[i:i + 16], "y": y[i:i + 16]} for i in range(0, 48, 16)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MigrationWarning)
+        Trainer(DictLoss(), None, epochs=1, **QUIET).fit(even, even)
+    x, y = x[:40], y[:40]
     batches = [{"x": x[i:i + 16], "y": y[i:i + 16]} for i in range(0, 40, 16)]
     net = DictLoss()
     with torch.no_grad():
         losses = [net(**batch).item() for batch in batches]
     trainer = Trainer(net, None, torch.optim.SGD(net.parameters(), lr=0.0), epochs=2, **QUIET)
-    with pytest.warns(MigrationWarning, match=r"a dict batch weighs its 16 samples .* deepepochs 0.6.18 took its"
+    with pytest.warns(MigrationWarning, match=r"a dict batch weighs its 8 samples .* deepepochs 0.6.18 took its"
                       r" number of keys \(2\) as its size.* pass batch_size=2 to fit\(\)/test\(\)") as said:
         records = trainer.fit(batches, batches)
         tested = trainer.test(batches)
@@ -435,34 +441,52 @@ def test_dict_batches_weigh_their_samples_and_say_once_that_0618_counted_keys():
     assert trainer.test(batches, batch_size=2)["loss"] == pytest.approx(sum(losses) / 3, abs=1e-6)
 
 
-def test_a_second_fit_with_epochs_trains_to_that_total_and_says_so_once():
-    """`fit(epochs=3)` after 2 epochs trains 1 more (0.6.18: 3 more), with a MigrationWarning naming both and
-    the replacement, once per trainer; a first fit says nothing."""
+def test_a_second_fit_with_epochs_trains_to_that_total_and_says_how_0618_differed():
+    """`fit(epochs=3)` after 2 epochs trains 1 more (0.6.18: 3 more): read as 0.7 code means it, with one
+    run-information line naming what remains and 0.6.18's replacement, and no `MigrationWarning` (a first fit
+    says nothing either). A target the run has reached trains nothing, which only 0.6.18 code means: a
+    MigrationWarning naming both and the replacement, once per process."""
+    import io
+
     from deepepochs import MigrationWarning
 
-    trainer = Trainer(model(), F.cross_entropy, epochs=2, **QUIET)
+    trainer = Trainer(model(), F.cross_entropy, epochs=2, log_batch=False)
+    trainer.console.stream = out = io.StringIO()
     with warnings.catch_warnings():
         warnings.simplefilter("error", MigrationWarning)
         trainer.fit(data(), epochs=2)
-    with pytest.warns(MigrationWarning, match=r"fit\(epochs=3\) trains up to 3 epochs in total: 2 are done, so"
-                      r" this fit trains 1 more; deepepochs 0.6.18 trained 3 more.*completed_epochs \+ 3") as w:
         records = trainer.fit(data(), epochs=3)
+    assert len(records["train"]["loss"]) == 3
+    assert out.getvalue().count("fit(epochs=3): 3 epochs in total, 2 done, 1 to train (deepepochs 0.6.18 trained"
+                                " 3 more: for that, pass fit(epochs=trainer.loop.completed_epochs + 3))") == 1
+    with pytest.warns(MigrationWarning, match=r"fit\(epochs=2\) trains nothing: 2 is the run's total epoch target"
+                      r" and 3 are done; deepepochs 0.6.18 trained 2 more.*completed_epochs \+ 2\)") as w:
+        records = trainer.fit(data(), epochs=2)
     assert w[0].filename == __file__
     assert len(records["train"]["loss"]) == 3
+    other = Trainer(model(), F.cross_entropy, epochs=1, **QUIET)
+    other.fit(data())
     with warnings.catch_warnings():
         warnings.simplefilter("error", MigrationWarning)
-        records = trainer.fit(data(), epochs=trainer.loop.completed_epochs + 1)  # once per trainer
-    assert len(records["train"]["loss"]) == 4
+        trainer.fit(data(), epochs=1)  # once per process: neither this trainer nor another says it again
+        other.fit(data(), epochs=1)
 
 
 def test_test_gives_the_model_its_pre_test_weights_back_and_says_so_once(tmp_path):
-    """With a best checkpoint, test() evaluates its weights (equal to a fresh model loaded from the file),
-    then the model holds the last epoch's weights again; a MigrationWarning says 0.6.18 kept the tested ones
-    and how to keep them, the first time only."""
+    """With a best checkpoint of another epoch than the last (the highest loss here), test() evaluates its
+    weights (equal to a fresh model loaded from the file), then the model holds the last epoch's weights again;
+    a MigrationWarning says 0.6.18 kept the tested ones and how to keep them, the first time only. Where the
+    best file holds the last epoch's weights both versions leave the same model: no warning."""
     from deepepochs import CheckCallback, MigrationWarning
 
     dl = data()
-    check = CheckCallback("loss", ckpt_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MigrationWarning)
+        latest = CheckCallback("loss", save_best=False, ckpt_dir=tmp_path / "latest")
+        with Trainer(model(), F.cross_entropy, epochs=2, callbacks=[latest], **QUIET) as same:
+            same.fit(dl, dl)
+            same.test(dl)
+    check = CheckCallback("loss", mode="max", ckpt_dir=tmp_path)
     trainer = Trainer(model(), F.cross_entropy, epochs=3, callbacks=[check], running_id="r", **QUIET)
     trainer.fit(dl, dl)
     last = [p.detach().clone() for p in trainer.raw_model.parameters()]
@@ -631,11 +655,81 @@ def test_request_stop_ends_the_fit_after_the_epoch_and_errors_come_as_raised():
     assert len(trainer.fit(data())["train"]["loss"]) == 2
 
 
+# ---- small differences no warning announces ----
+class CtrlCAt(Callback):
+    """Raises KeyboardInterrupt (what Ctrl-C raises) after the given (1-based epoch, batch), once."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        if self.at == (trainer.loop.epoch, batch_idx):
+            self.at = None
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_reaches_the_caller_and_a_later_fit_ends_as_the_uninterrupted_run():
+    """0.6.18 caught Ctrl-C inside fit() and returned; 0.7 lets the KeyboardInterrupt reach the caller, and a
+    second fit() ends with the weights of a plain loop that was never interrupted (SGD, 2 epochs)."""
+    net = model()
+    trainer = Trainer(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=0.1), epochs=2,
+                      callbacks=[CtrlCAt((1, 2))], **QUIET)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(data())
+    assert trainer.loop.completed_epochs == 0
+    records = trainer.fit(data())
+    assert len(records["train"]["loss"]) == 2
+    reference = model()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        for x, y in data():
+            F.cross_entropy(reference(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), reference.state_dict().values()))
+
+
+def test_a_second_fit_returns_the_whole_runs_records():
+    """0.6.18's second fit() returned its own epochs; 0.7's returns every epoch of the run, the first fit's
+    values unchanged, as `trainer.history` holds them."""
+    trainer = Trainer(model(), F.cross_entropy, epochs=2, **QUIET)
+    first = trainer.fit(data())
+    second = trainer.fit(data(), epochs=3)
+    assert len(second["train"]["loss"]) == 3 and second["train"]["loss"][:2] == first["train"]["loss"]
+    assert second == trainer.history
+
+
+def test_to_numpy_keeps_lists_tuples_and_plain_values():
+    """0.6.18 made a list of a tuple and a float array of any non-tensor value; 0.7 keeps the containers and
+    the plain values, and turns each tensor into its NumPy array."""
+    from deepepochs.compat import to_numpy
+
+    t = torch.tensor([1.0, 2.0])
+    out = to_numpy({"list": [t, 3], "tuple": (t, "x"), "value": 5})
+    assert type(out["list"]) is list and np.array_equal(out["list"][0], t.numpy()) and out["list"][1] == 3
+    assert type(out["tuple"]) is tuple and out["tuple"][1] == "x" and out["value"] == 5
+    assert type(to_numpy([t])) is list and type(to_numpy((t,))) is tuple
+
+
+def test_confusion_matrices_are_int64_counts():
+    """`confusion_matrix` (0.6.18: int32) is int64, with scikit-learn's counts (rows: true class)."""
+    from sklearn.metrics import confusion_matrix as sk_confusion
+
+    from deepepochs.metrics import confusion_matrix
+
+    g = torch.Generator().manual_seed(0)
+    preds, targets = torch.randn(50, 3, generator=g), torch.randint(0, 3, (50,), generator=g)
+    cm = confusion_matrix(preds, targets, 3)
+    assert cm.dtype == torch.int64
+    assert cm.tolist() == sk_confusion(targets.numpy(), preds.argmax(1).numpy(), labels=range(3)).tolist()
+
+
 # ---- every row and section of docs/MIGRATION.md names the tests that check it ----
 C6, C06, C18 = "tests/test_compat.py", "tests/test_compat_06.py", "tests/test_compat_0618.py"
 HERE, DOC = "tests/test_migration.py", "tests/test_migration_doc.py::test_each_python_block_of_the_migration_page_runs"
 ROWS = {  # the first cell of a table row (its start) -> the tests that check the row
-    "a second `fit(epochs=k)`": [f"{HERE}::test_a_second_fit_with_epochs_trains_to_that_total_and_says_so_once"],
+    "a second `fit(epochs=k)`": [
+        f"{HERE}::test_a_second_fit_with_epochs_trains_to_that_total_and_says_how_0618_differed"],
     "after `test()` with a `CheckCallback` file": [
         f"{HERE}::test_test_gives_the_model_its_pre_test_weights_back_and_says_so_once"],
     "`resume=...` always said": [f"{HERE}::test_resume_decisions_are_reported_also_with_show_info_false"],
@@ -647,8 +741,13 @@ ROWS = {  # the first cell of a table row (its start) -> the tests that check th
     "`run_tensorboard()` started": [f"{C6}::test_run_tensorboard_outside_a_terminal_warns_with_the_command_and_returns",
                                     f"{C6}::test_run_tensorboard_in_a_terminal_starts_tensorboard_on_the_folder"],
     "`device=Accelerator(...)`": [f"{C18}::test_accelerate_arguments_are_refused_up_front_naming_their_replacements"],
-    "`GradClipCallback` did not clip": [
-        f"{HERE}::test_grad_clip_callback_clips_like_torch_and_says_once_that_0618s_did_not"],
+    "`GradClipCallback` did not clip": [f"{HERE}::test_grad_clip_callback_clips_like_torch_and_warns_no_one"],
+    "Ctrl-C (`KeyboardInterrupt`) inside `fit()`": [
+        f"{HERE}::test_ctrl_c_reaches_the_caller_and_a_later_fit_ends_as_the_uninterrupted_run"],
+    "a second `fit()` returned the records": [f"{HERE}::test_a_second_fit_returns_the_whole_runs_records"],
+    "`to_numpy(x)` made a list of a tuple": [f"{HERE}::test_to_numpy_keeps_lists_tuples_and_plain_values"],
+    "`confusion_matrix(preds, targets, num_classes)` was an `int32`": [
+        f"{HERE}::test_confusion_matrices_are_int64_counts"],
     "a step calling `self.loss(...)` twice with metrics": [
         f"{HERE}::test_two_loss_calls_of_a_step_add_up_and_say_once_how_to_get_0618s_last_call"],
     "a dict batch's size was its **number of keys**": [
@@ -757,6 +856,11 @@ ROWS = {  # the first cell of a table row (its start) -> the tests that check th
     "`make_runningid`, `batch_size`, `listify`": [f"{C18}::test_helpers_of_0_6s_star_import_name_what_to_use"],
 }
 SECTIONS = {  # the page's "### " headings -> the tests that check what the section says
+    "Small differences no warning announces": [
+        f"{HERE}::test_ctrl_c_reaches_the_caller_and_a_later_fit_ends_as_the_uninterrupted_run",
+        f"{HERE}::test_a_second_fit_returns_the_whole_runs_records",
+        f"{HERE}::test_to_numpy_keeps_lists_tuples_and_plain_values",
+        f"{HERE}::test_confusion_matrices_are_int64_counts"],
     "Two metrics may no longer report the same name": [
         f"{C06}::test_two_dict_metrics_with_the_same_keys_are_an_error_not_a_silent_overwrite",
         f"{C06}::test_two_different_metrics_with_one_name_are_refused_before_training",
@@ -782,6 +886,7 @@ SECTIONS = {  # the page's "### " headings -> the tests that check what the sect
                        f"{C6}::test_a_0_6_callback_priority_is_refused_with_how_to_order_callbacks"],
     "Records of a fit without validation": [f"{HERE}::test_records_always_hold_a_val_entry_empty_without_validation"],
     "Checkpoints": [f"{C06}::test_a_0_6_checkpoint_loads_weights_optimizer_scheduler_and_epoch",
+                    f"{C06}::test_resume_true_loads_a_0618_checkpoint_written_after_a_0618_resume",
                     f"{C06}::test_a_0_6_file_of_an_unknown_layout_is_refused_with_how_to_convert_it",
                     f"{C18}::test_resume_with_0_6_checkpoints_in_logs_says_how_to_resume_them", DOC],
     "Logging and interpretation": [f"{C6}::test_run_tensorboard_outside_a_terminal_warns_with_the_command_and_returns",

@@ -47,3 +47,17 @@ def test_an_optimizer_class_instead_of_an_instance_says_how_to_make_one(make):
     with pytest.raises(ConfigError, match=r"got the class AdamW, not an instance: pass an instance, e\.g\."
                                           r" AdamW\(model\.parameters\(\)\)"):
         make()
+
+
+@pytest.mark.parametrize("pack", [lambda opt, sched: (opt, sched), lambda opt, sched: [opt, sched],
+                                  lambda opt, sched: sched], ids=["tuple", "list", "scheduler alone"])
+def test_a_scheduler_beside_its_optimizer_is_refused_naming_optimizer_with_both(pack):
+    """`Trainer(model, loss, (opt, sched))`, the pair other libraries take, is refused before training with
+    an error naming `Optimizer(opt, sched)`, the way a scheduler goes with its optimizer here."""
+    net = nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(ConfigError, match=r"got the learning-rate scheduler StepLR: give a scheduler with its"
+                                          r" optimizer as Optimizer\(opt, sched\) \(from deepepochs import"
+                                          r" Optimizer\), e\.g\. Trainer\(model, loss, Optimizer\(opt, sched\)\)"):
+        Trainer(net, F.cross_entropy, pack(opt, sched))

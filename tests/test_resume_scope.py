@@ -224,7 +224,8 @@ def test_a_mid_epoch_resume_says_where_inside_the_epoch_it_continues_and_is_exac
         got = resumed.raw_model.state_dict()
     out = capsys.readouterr().out
     # the failing window (batches 5-6) was discarded: the snapshot is of update 2 of epoch 2
-    assert "snapshot-u000000008.ckpt: 1 epoch(s) completed, continuing epoch 2 at update 3 (after 4 batch(es))" in out
+    assert ("snapshot-u000000008.ckpt: 1 epoch(s) completed, continuing epoch 2 at its update 3 (after 4 batch(es);"
+            " update 9 of the run)") in out
     assert records == reference
     for name, value in got.items():
         assert torch.equal(value, weights[name]), name

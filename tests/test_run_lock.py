@@ -90,7 +90,7 @@ def test_a_sigkilled_holders_lock_is_taken_over_and_the_run_resumes(tmp_path):
     assert nxt.returncode == 0, nxt.stderr[-3000:]
     assert (f"deepepochs: took over the run lock {ckpt / 'run' / LOCK_FILE} of run 'run', left by pid {holder.pid}"
             f" on host {socket.gethostname()}") in nxt.stdout
-    assert "Resumed run run" in nxt.stdout and "continuing epoch 1 at update" in nxt.stdout
+    assert "Resumed run run" in nxt.stdout and "continuing epoch 1 at its update" in nxt.stdout
     assert not (ckpt / "run" / LOCK_FILE).exists()
 
 

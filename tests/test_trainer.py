@@ -365,11 +365,16 @@ def test_state_graph_marks_the_failed_state_of_a_crashed_trainer():
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' binary not installed")
 def test_state_graph_renders_png_and_svg(tmp_path):
-    """With Graphviz installed, PNG and SVG files are produced."""
+    """With Graphviz installed, PNG and SVG files are produced; with a path, the path comes back (not the
+    drawing's bytes, which a notebook would print), and the file holds what the call without a path returns."""
     t = quiet(nn.Linear(4, 2), epochs=1)
-    png = t.state_graph("png", path=tmp_path / "g.png")
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "g.png").stat().st_size == len(png)
-    assert b"<svg" in t.state_graph("svg")
+    assert t.state_graph("png", path=tmp_path / "g.png") == tmp_path / "g.png"
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = t.state_graph("svg")
+    assert b"<svg" in svg
+    written = t.state_graph("svg", path=str(tmp_path / "g.svg"))
+    assert written == tmp_path / "g.svg" and written.read_bytes() == svg
+    assert t.state_graph("mermaid", path=tmp_path / "g.mmd").read_text() == t.state_graph("mermaid")
 
 
 def test_graph_command_line_writes_mermaid_and_dot(tmp_path):

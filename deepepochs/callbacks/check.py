@@ -21,9 +21,10 @@ import torch
 from deepepochs import checkpoint
 from deepepochs.callbacks.base import Callback
 from deepepochs.checkpoint import background, finished
-from deepepochs.compat import warn_at_user_code
+from deepepochs.compat import tell_once, told
 from deepepochs.config import check_choice
-from deepepochs.errors import ConfigError, MigrationWarning
+from deepepochs.engine.update_clock import counts_updates
+from deepepochs.errors import ConfigError
 
 __all__ = ["CheckCallback"]
 
@@ -97,7 +98,6 @@ class CheckCallback(Callback):
         self._reset()
         self._test_backup = None
         self._averages_backup = None  # the weight averages before test() loaded a file's
-        self._told_restore = False  # the one-time note that test() puts the pre-test weights back
 
     def _reset(self) -> None:
         self.best: float | None = None
@@ -251,16 +251,19 @@ class CheckCallback(Callback):
         if ckpt.averages and averages:  # the file's weight averages too: evaluate=True tests the file's average
             self._averages_backup = copy.deepcopy(averages)
             checkpoint.load_averages(trainer, ckpt.averages)
-        trainer.console.info(f"Testing the weights of {source} (epoch {ckpt.epoch})")
+        # named in the run's clock: under the update clock a best file is often of epoch 0, after n updates
+        when = f"update {ckpt.updates}" if counts_updates(trainer.config, trainer.loop) else f"epoch {ckpt.epoch}"
+        trainer.console.info(f"Testing the weights of {source} ({when})")
 
     def on_after_test_epochs(self, trainer, tasks, metrics):
-        """Give the model its pre-test weights back (0.6.18 kept the tested ones: said once)."""
-        if self._test_backup is not None and not self._told_restore:
-            self._told_restore = True
-            warn_at_user_code(
-                "test() evaluated the checkpoint's weights and gives the model its pre-test weights back;"
-                " deepepochs 0.6.18 left the checkpoint's weights in the model. To keep them, load them:"
-                f" trainer.load_checkpoint({str(self._tested)!r})", MigrationWarning)
+        """Give the model its pre-test weights back. deepepochs 0.6.18 kept the tested ones: where they differ
+        from the pre-test weights (the best file is not the last epoch's), said once per process."""
+        key = "test-restores-weights"
+        if self._test_backup is not None and not told(key) and not _equal_states(
+                trainer.raw_model.state_dict(), self._test_backup):
+            tell_once(key, "test() evaluated the checkpoint's weights and gives the model its pre-test weights"
+                      " back; deepepochs 0.6.18 left the checkpoint's weights in the model. To keep them, load"
+                      f" them: trainer.load_checkpoint({str(self._tested)!r})")
         self._restore(trainer)
 
     def on_interrupted(self, trainer, exception):
@@ -278,3 +281,18 @@ class CheckCallback(Callback):
         backup, self._test_backup = self._test_backup, None
         if backup is not None:
             checkpoint.load_model_state(trainer, backup, "<the weights before testing>")
+
+
+def _equal_states(live, backup) -> bool:
+    """Whether the live state dict holds exactly the backed-up values (the backup's tensors are CPU copies,
+    DTensor shards where they were: each is compared where it lives)."""
+    if live.keys() != backup.keys():
+        return False
+    for key, value in live.items():
+        kept = backup[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(kept, torch.Tensor) or not torch.equal(value.detach().to(kept.device), kept):
+                return False
+        elif value != kept:
+            return False
+    return True

@@ -8,8 +8,7 @@ from numbers import Real
 import torch
 
 from deepepochs.callbacks.base import Callback
-from deepepochs.compat import warn_at_user_code
-from deepepochs.errors import ConfigError, MigrationWarning
+from deepepochs.errors import ConfigError
 
 __all__ = ["GradClipCallback"]
 
@@ -64,15 +63,6 @@ class GradClipCallback(Callback):
 
     def __repr__(self):
         return f"{type(self).__name__}(max_value={self.max_value}, norm_type={self.norm_type})"
-
-    def on_attach(self, trainer) -> None:
-        """Say once that this callback clips, which deepepochs 0.6.18's did not (a bug fixed in 0.7)."""
-        if not getattr(self, "_told_clips", False):
-            self._told_clips = True
-            warn_at_user_code(
-                f"{self!r} clips the gradients before every update; deepepochs 0.6.18's GradClipCallback did"
-                " not clip them (a bug, fixed), so a 0.6.18 run with it trained on unclipped gradients. To"
-                " train as that run did, leave the callback out", MigrationWarning)
 
     def clip(self, trainer, indices, finite) -> None:
         """Clip the gradients of optimizers `indices` whose entry in `finite` (index -> bool) is True."""

@@ -32,7 +32,7 @@ class LRFindCallback(Callback):
         stop_factor: stop when the smoothed loss exceeds this multiple of its best value (None: never).
         smooth: the loss's moving-average factor, in [0, 1).
         plot: True shows the curve when matplotlib is installed, a path saves it (matplotlib required:
-            `pip install 'deepepochs[plot]'`), False skips it.
+            `pip install -e '.[plot]'` in a clone), False skips it.
 
     Example:
         >>> finder = LRFindCallback(max_batch=100, min_lr=1e-5, max_lr=1.0)

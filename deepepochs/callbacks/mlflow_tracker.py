@@ -45,7 +45,7 @@ def _require_mlflow() -> None:
     """Fail now, naming the extra, when mlflow is not installed (it is imported later, on the worker)."""
     if importlib.util.find_spec("mlflow") is None:
         raise ImportError("MLflowCallback needs the mlflow package, which is not installed: pip install"
-                          " 'deepepochs[mlflow]' (or pip install 'mlflow>=3,<3.18')")
+                          " 'mlflow>=3,<3.18' (in a clone of deepepochs: pip install -e '.[mlflow]')")
 
 
 def _file_store_allowed() -> bool:
@@ -127,7 +127,7 @@ class MLflowCallback(TrackerCallback):
     `close_timeout` seconds. How long one request to a server that does not answer may take is MLflow's
     `MLFLOW_HTTP_REQUEST_TIMEOUT` and `MLFLOW_HTTP_REQUEST_MAX_RETRIES` (environment variables).
 
-    Needs the `mlflow` extra: `pip install 'deepepochs[mlflow]'`.
+    Needs the `mlflow` extra: `pip install -e '.[mlflow]'` in a clone of this version.
 
     Args:
         tracking_uri: the tracking server or store: 'http://host:port' (credentials in it,

@@ -39,7 +39,7 @@ def _require_wandb() -> None:
     """Fail now, naming the extra, when wandb is not installed (it is imported later, on the worker)."""
     if importlib.util.find_spec("wandb") is None:
         raise ImportError("WandbCallback needs the wandb package, which is not installed: pip install"
-                          " 'deepepochs[wandb]' (or pip install wandb)")
+                          " 'wandb>=0.19' (in a clone of deepepochs: pip install -e '.[wandb]')")
 
 
 class WandbCallback(TrackerCallback):
@@ -52,7 +52,7 @@ class WandbCallback(TrackerCallback):
     killed job (SIGKILL) committed but had not sent are not sent again by the resumed job. A W&B server that
     is slow or down never makes training wait (a background queue); `trainer.close()` waits at most
     `close_timeout` seconds.
-    Only the main process talks to W&B. Needs the `wandb` extra: `pip install 'deepepochs[wandb]'`.
+    Only the main process talks to W&B. Needs the `wandb` extra: `pip install -e '.[wandb]'` in a clone.
 
     Args:
         project: the W&B project.

@@ -23,6 +23,7 @@ from deepepochs.checkpoint.load import check_fits, load_into
 from deepepochs.checkpoint.read import exists, modified_ns, read_checkpoint
 from deepepochs.checkpoint.write import remove_stale_temps
 from deepepochs.engine import position
+from deepepochs.engine.update_clock import counts_updates
 from deepepochs.errors import CheckpointError, DeepEpochsWarning
 
 __all__ = [
@@ -166,9 +167,15 @@ def resume_scope(trainer) -> tuple[str | None, bool, str]:
 
 
 def _position_text(ckpt: Checkpoint, trainer) -> str:
-    """Where the loaded file continues: after a completed epoch, or inside an epoch (a mid-epoch snapshot)."""
+    """Where the loaded file continues: after a completed epoch, or inside an epoch (a mid-epoch snapshot);
+    in updates of the run when the run counts them (`counts_updates`)."""
     pos = ckpt.position
-    if not isinstance(pos, Mapping) or not {"epoch", "batches_done", "task_index"} <= set(pos):
+    inside = isinstance(pos, Mapping) and {"epoch", "batches_done", "task_index"} <= set(pos)
+    if counts_updates(trainer.config, trainer.loop):
+        where = (f" (inside epoch {int(pos['epoch'])}, after {int(pos['batches_done'])} of its batch(es))" if inside
+                 else f" ({ckpt.epoch} epoch(s) completed)")
+        return f"{ckpt.updates} update(s) committed, continuing with update {ckpt.updates + 1}{where}"
+    if not inside:
         target = trainer.loop.target_epochs
         if _fit_train_tasks(trainer) is not None and 0 < target <= ckpt.epoch:  # a fit with nothing left
             return f"{ckpt.epoch} epoch(s) completed, the fit's target of {target} epoch(s) is reached"
@@ -176,8 +183,8 @@ def _position_text(ckpt: Checkpoint, trainer) -> str:
     k = trainer.config.gradient_accumulation_steps
     done = int(pos["batches_done"])
     task = f" of training task {int(pos['task_index']) + 1}" if int(pos["task_index"]) > 0 else ""
-    return (f"{ckpt.epoch} epoch(s) completed, continuing epoch {int(pos['epoch'])}{task} at update"
-            f" {-(-done // k) + 1} (after {done} batch(es))")
+    return (f"{ckpt.epoch} epoch(s) completed, continuing epoch {int(pos['epoch'])}{task} at its update"
+            f" {-(-done // k) + 1} (after {done} batch(es); update {ckpt.updates + 1} of the run)")
 
 
 def resume_once(trainer, lock_run=None) -> tuple[Path, int] | None:

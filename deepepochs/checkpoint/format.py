@@ -204,6 +204,11 @@ class Checkpoint:
         with one `{'opt_state': optimizer state, 'sched_state': scheduler state or None}` per optimizer
         and `i` the 0-based index of the epoch saved, so `i + 1` epochs were complete. A plain optimizer
         `state_dict()` under `opt_state` is accepted too. `best_value` is dropped: monitors start afresh.
+
+        A file 0.6.18 wrote after resuming a run holds, in each `sched_state`, the optimizer's `state` and
+        `param_groups` too: its resume loaded the optimizer's state into the scheduler (so the scheduler's own
+        counters restarted there). Those two keys are the optimizer's, which `opt_state` holds: they are
+        dropped, and the scheduler continues from the counters 0.6.18 kept.
         """
         hint = CONVERT_HINT
         epoch, opt_state = data["epoch"], data["opt_state"]
@@ -221,7 +226,7 @@ class Checkpoint:
                 schedulers.append(None)
             elif isinstance(item, Mapping) and "opt_state" in item:
                 optimizers.append(item["opt_state"])
-                schedulers.append(item.get("sched_state"))
+                schedulers.append(_scheduler_06(item.get("sched_state")))
             else:
                 raise CheckpointError(f"{path}: an opt_state entry of the 0.6 checkpoint is neither an optimizer"
                                       f" state nor {{'opt_state', 'sched_state'}} (got {type(item).__name__}){hint}")
@@ -230,6 +235,14 @@ class Checkpoint:
             raise CheckpointError(f"{path}: the 0.6 checkpoint's model_state must be a state dict (got"
                                   f" {type(model).__name__}){hint}")
         return cls(epoch=epoch + 1, model=model, optimizers=optimizers, schedulers=schedulers)
+
+
+def _scheduler_06(state):
+    """A 0.6 file's scheduler state without the optimizer's `state` and `param_groups`, which 0.6.18 put
+    there at a resume (`Checkpoint.from_06`); any other state as it is."""
+    if isinstance(state, Mapping) and {"state", "param_groups"} <= set(state):
+        return {k: v for k, v in state.items() if k not in ("state", "param_groups")}
+    return state
 
 
 def monitors_of(trainer) -> list:

@@ -30,6 +30,7 @@ from deepepochs.compat.helpers import (
 from deepepochs.errors import ConfigError, DeepEpochsWarning, MigrationWarning
 
 __all__ = [
+    "ANNOUNCED",
     "REMOVED",
     "MetricValue",
     "item_values",
@@ -46,6 +47,7 @@ __all__ = [
     "sum_dicts",
     "tell_once",
     "to_numpy",
+    "told",
     "warn_at_user_code",
 ]
 
@@ -163,11 +165,23 @@ def warn_at_user_code(text: str, category: type[Warning]) -> None:
     warnings.warn(text, category, stacklevel=level + 1)
 
 
-def tell_once(told: set, key: str, text: str) -> None:
-    """A `MigrationWarning` (`warn_at_user_code`) the first time `key` is met in `told`, the set of what one
-    trainer has said: a difference from deepepochs 0.6.18 is announced once per trainer."""
-    if key not in told:
-        told.add(key)
+# The differences from deepepochs 0.6.18 this process has announced (`tell_once`): each is said at most once
+# per process, however many trainers meet it (a test that needs one said again clears it).
+ANNOUNCED: set[str] = set()
+
+
+def told(key: str) -> bool:
+    """Whether this process has announced the difference `key` (so its check can be skipped)."""
+    return key in ANNOUNCED
+
+
+def tell_once(key: str, text: str) -> None:
+    """A `MigrationWarning` (`warn_at_user_code`) the first time this process meets the difference `key` from
+    deepepochs 0.6.18; said at most once per process. The warning is for code whose meaning differs: code
+    that means the same in 0.6.18 and 0.7 never reaches here. `warnings.filterwarnings('ignore',
+    category=deepepochs.MigrationWarning)` silences all of them."""
+    if key not in ANNOUNCED:
+        ANNOUNCED.add(key)
         warn_at_user_code(text, MigrationWarning)
 
 

@@ -189,7 +189,6 @@ class Context:
             whose position `remember_position` keeps; None for other data.
         buffer_copies: which model buffers the running fit's commit points copy where
             (`buffers.BufferCopies`), or None.
-        told: the differences from deepepochs 0.6.18 this trainer has announced (`compat.tell_once`).
         carried: `trainer.carried`, what steps carry from batch to batch (live; the run state keeps its
             copy at commit points, `deepepochs.engine.carried`).
         host_random_state: Python's and NumPy's generator states when the open window's first batch was
@@ -223,7 +222,6 @@ class Context:
     snapshot_path: object = None
     data_source: object = None
     buffer_copies: object = None
-    told: set = attrs.Factory(set)
     carried: dict = attrs.Factory(dict)
     update_clock: Callable[[], bool] | None = None
     host_random_state: tuple | None = None

@@ -61,6 +61,31 @@ STAGE_HOOKS = {
 }
 
 
+def _failing_window(loop) -> tuple[str, int] | None:
+    """At a fault, before the rollback empties it: what became of the failing batch's training window, as
+    `(what, micro-batches)`: 'committed' (it closed before the error), 'applied' (its update ran: the
+    rollback commits it, `discard_window`) or 'open' (no update yet: dropped); None outside one."""
+    if loop.stage != "train":
+        return None
+    if loop.window_pos:
+        return ("applied" if loop.window_updated else "open"), loop.window_pos
+    return ("committed", 0) if loop.window_committed else None
+
+
+def _kept_text(window: tuple[str, int] | None, updates: int) -> str:
+    """What the crash note says the rollback kept of the failing batch: its update, or not."""
+    committed = f"{updates} update(s) of the run committed"
+    if window is None:
+        return f"no update was in progress: {committed}, every one kept"
+    what, batches = window
+    if what == "committed":
+        return f"the failing batch's update was kept (committed before the error): {committed}"
+    if what == "applied":
+        return f"the failing batch's update was kept (applied before the error): {committed}"
+    return (f"the failing batch's update was not made: its window's {batches} batch(es) are dropped and a"
+            f" refit trains them again; {committed}, every one kept")
+
+
 class Driver:
     """Runs `fit` and `test` for one trainer's `Context`, and builds its machine."""
 
@@ -98,11 +123,12 @@ class Driver:
         except BaseException as exc:
             task = ctx.task  # the rollback forgets it
             place = rank_place.failure_place(ctx, exc)  # before the rollback moves the loop
+            window = _failing_window(ctx.loop)  # before the rollback empties it
             self._rollback(exc)
             loop, machine = ctx.loop, ctx.machine
             note = (f"deepepochs: {type(exc).__name__} raised in state {loop.last_error_state!r} (epoch"
                     f" {loop.epoch}, batch {loop.batch_idx}, stage {self._failed_stage!r});"
-                    f" {machine.flight_record()}")
+                    f" {_kept_text(window, loop.run.updates)}; {machine.flight_record()}")
             timeout = ctx.parts.dist.timed_out(exc, f"state {loop.last_error_state!r} (epoch {loop.epoch},"
                                                     f" batch {loop.batch_idx})", place)
             failure = exc if timeout is None else timeout
@@ -298,7 +324,8 @@ class Driver:
         metrics = self.eval_stage("test", tasks, 1)
         ctx.loop.stage = None
         ctx.machine.fire_cold(TriggerName.END_STAGE)
-        ctx.parts.console.test(metrics)
+        clock = update_clock.counts_updates(ctx.parts.config, ctx.loop)
+        ctx.parts.console.test(metrics, ctx.loop.run.updates if clock else None)
         return metrics
 
     # ---- predict ----

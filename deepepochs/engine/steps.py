@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from deepepochs import torch_private
-from deepepochs.compat import tell_once
+from deepepochs.compat import tell_once, told
 from deepepochs.data.batch_rules import call_model
 from deepepochs.data.outputs import detached, label_split, metric_preds, unpicked_preds
 from deepepochs.engine import actions, finite
@@ -103,13 +103,19 @@ def step_patches(ctx: Context, stage: str, batch_x, model_out, batch_y, value):
 
 def dict_batch_counted(ctx: Context):
     """What a task's batch splitter calls for a dict batch whose samples it counted (`batch_splitter`'s
-    `counted_dict`): say once per trainer that deepepochs 0.6.18 took the number of keys as the batch size.
-    None once said, so later tasks pay nothing."""
-    if "dict-batch-size" in ctx.told:
+    `counted_dict`): deepepochs 0.6.18 took the number of keys as the batch size, so it weighed every batch
+    alike. That means the same as 0.7's weights while every batch has as many samples as the first; the
+    first dict batch of another size says once per process how 0.6.18 differed. None once said, so later
+    tasks pay nothing."""
+    if told("dict-batch-size"):
         return None
+    sizes = set()
 
     def counted(batch, n: int) -> None:
-        tell_once(ctx.told, "dict-batch-size",
+        sizes.add(n)
+        if len(sizes) == 1:
+            return  # every batch so far weighs the same in both versions
+        tell_once("dict-batch-size",
                   f"a dict batch weighs its {n} samples (the first dimension of its tensors) in the epoch's loss"
                   f" and mean metrics; deepepochs 0.6.18 took its number of keys ({len(batch)}) as its size, so"
                   " every batch weighed the same, a short last batch too. For 0.6.18's weights pass"

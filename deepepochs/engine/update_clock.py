@@ -26,7 +26,7 @@ from deepepochs.engine.stage_tasks import data_length
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import StateName, TriggerName
 
-__all__ = ["check_clock", "clock_point", "endless", "make_clock", "progress"]
+__all__ = ["check_clock", "clock_point", "counts_updates", "endless", "make_clock", "progress"]
 
 #: Iterables that are endless by construction (`itertools.repeat` only without `times`: then it has no
 #: length hint).
@@ -80,6 +80,13 @@ def check_clock(train_tasks, val_tasks, max_updates: int | None, val_every: int 
                 raise ConfigError(
                     f"the train data of task {index} is an endless stream ({why}), and nothing ends the fit:"
                     " pass Trainer(max_updates=N), a positive int, to train N updates (got max_updates=None)")
+
+
+def counts_updates(config, loop) -> bool:
+    """Whether the run is told in updates, the clock its user chose: an update budget
+    (`Trainer(max_updates=N)`) or the last fit's validation every M updates. Its messages (the tested file,
+    a resume, the test line) then name updates, which an epoch count (often 0 then) would not."""
+    return config.max_updates is not None or loop.target_updates is not None or loop.val_every is not None
 
 
 def make_clock(driver, val_tasks, max_updates: int | None, val_every: int | None):

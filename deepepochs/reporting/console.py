@@ -161,10 +161,12 @@ class Console:
         if self.enabled:
             self._print(f"U {_of(updates, target)}  VAL> {_fmt(metrics, self.digits)}")
 
-    def test(self, metrics: Mapping[str, float]) -> None:
-        """`E 1/1  TEST>  loss: ...`."""
+    def test(self, metrics: Mapping[str, float], updates: int | None = None) -> None:
+        """`E 1/1  TEST>  loss: ...`; under the update clock the run's committed updates instead, the
+        count the run's other lines use (`U 1001  TEST>  loss: ...`)."""
         if self.enabled:
-            self._print(f"E 1/1  TEST>  {_fmt(metrics, self.digits)}")
+            head = "E 1/1" if updates is None else f"U {updates}"
+            self._print(f"{head}  TEST>  {_fmt(metrics, self.digits)}")
 
     def close(self) -> None:
         """Close any open bar."""

@@ -7,6 +7,7 @@ the machine generated from `spec/loop.py`; the engine never calls back into this
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 import attrs
 import torch
@@ -492,11 +493,13 @@ class TrainerBase(StepMethods):
 
     def state_graph(self, fmt: str = "mermaid", path=None, show_interrupts: bool = False, level: str | None = None,
                     last: int = 12, profile=None):
-        """The loop's state graph as Mermaid/DOT text or PNG/SVG bytes (these need Graphviz `dot`).
+        """The loop's state graph as Mermaid/DOT text or PNG/SVG bytes (these need Graphviz `dot`), or, with
+        `path`, the path of the file it was written to (so a notebook cell shows the path, not the drawing's
+        text).
 
         Args:
             fmt: 'mermaid', 'dot', 'png' or 'svg'.
-            path: also write the result to this file.
+            path: write the graph to this file and return its path (a `pathlib.Path`).
             show_interrupts: draw every running state's interrupt edge (else one legend line).
             level: 'fit' (a fit as epochs), 'epoch' (stages and tasks), 'task' (windows of micro-batches),
                 'batch' (one micro-batch: accumulation, precision, the update) or 'full' (every state).
@@ -522,11 +525,11 @@ class TrainerBase(StepMethods):
             hottest = max(heat, key=heat.get) if heat else None
             level = auto_level(self.machine.spec, failed[-1] if failed else hottest or current)
         out = render(fmt, current=current, path=records, show_interrupts=show_interrupts, level=level, heat=heat)
-        if path is not None:
-            mode = "wb" if isinstance(out, bytes) else "w"
-            with open(path, mode) as f:
-                f.write(out)
-        return out
+        if path is None:
+            return out
+        with open(path, "wb" if isinstance(out, bytes) else "w") as f:
+            f.write(out)
+        return Path(path)
 
     def writer(self, log_dir=None):
         """The run's shared TensorBoard `SummaryWriter` for `log_dir`, writing `<log_dir>/<running_id>`.

@@ -11,25 +11,31 @@ from __future__ import annotations
 
 import torch
 
-from deepepochs.compat import tell_once, warn_at_user_code
+from deepepochs.compat import tell_once
 from deepepochs.engine import steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.stage_tasks import default_step
-from deepepochs.errors import ConfigError, MigrationWarning
+from deepepochs.errors import ConfigError
 
 __all__ = ["LOSS_CALLS_ADD_UP", "LossCall", "StepMethods", "epochs_are_a_total", "expose_module_as_model"]
 
 
 def epochs_are_a_total(trainer, epochs: int) -> None:
-    """`fit(epochs=k)` on a trainer with epochs done: k is the total target (0.6.18 trained k more), said
-    once per trainer with a `MigrationWarning`."""
+    """`fit(epochs=k)` on a trainer with epochs done: k is the total target (0.6.18 trained k more). A target
+    the run has reached trains nothing, which only 0.6.18's reading can have meant: a `MigrationWarning`,
+    once per process. A target ahead of the run reads as 0.7 code means it (the console's `E 6/15` says the
+    total): one run-information line says what remains and what 0.6.18 did."""
     done = trainer.loop.completed_epochs
-    if done and not getattr(trainer, "_told_epochs_total", False):
-        trainer._told_epochs_total = True
-        warn_at_user_code(
-            f"fit(epochs={epochs}) trains up to {epochs} epochs in total: {done} are done, so this fit trains"
-            f" {max(epochs - done, 0)} more; deepepochs 0.6.18 trained {epochs} more. For that, pass"
-            f" fit(epochs=trainer.loop.completed_epochs + {epochs})", MigrationWarning)
+    if not done:
+        return
+    as_0618 = (f"deepepochs 0.6.18 trained {epochs} more: for that, pass"
+               f" fit(epochs=trainer.loop.completed_epochs + {epochs})")
+    if epochs <= done:
+        tell_once("epochs-total", f"fit(epochs={epochs}) trains nothing: {epochs} is the run's total epoch"
+                                  f" target and {done} are done; {as_0618}")
+    else:
+        trainer.console.note_once("epochs-total", f"fit(epochs={epochs}): {epochs} epochs in total, {done} done,"
+                                                  f" {epochs - done} to train ({as_0618})")
 
 
 LOSS_CALLS_ADD_UP = (
@@ -83,7 +89,7 @@ class LossCall:
         ctx = self._ctx
         if do_metric is not False and ctx.task is not None and ctx.step_patches:
             # an earlier call of this step made the trainer's metrics too: both calls' losses and metrics add up
-            tell_once(ctx.told, "loss-calls-add-up", LOSS_CALLS_ADD_UP)
+            tell_once("loss-calls-add-up", LOSS_CALLS_ADD_UP)
         return steps.user_loss(ctx, model_out, batch_y, loss_adjust, do_optimize, do_metric)
 
     def optimize(self, optimize_index=None) -> None:

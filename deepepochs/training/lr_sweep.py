@@ -158,8 +158,8 @@ def check_plot(plot) -> None:
         import matplotlib  # noqa: F401  (optional dependency: only checked here)
     except ImportError:
         raise ConfigError(f"plot={os.fspath(plot)!r} saves the curve with matplotlib, which is not installed:"
-                          " pip install 'deepepochs[plot]' (or matplotlib), or pass plot=False and read"
-                          " result.lrs and result.losses") from None
+                          " pip install matplotlib (the clone's extra: pip install -e '.[plot]'), or pass plot=False"
+                          " and read result.lrs and result.losses") from None
 
 
 class _SweepDone(Exception):

@@ -22,10 +22,16 @@ def _is_optimizer(_instance, attribute, value):
 
 
 def _what(value) -> str:
-    """What was passed instead of an optimizer; an optimizer class gets the fix (make an instance)."""
+    """What was passed instead of an optimizer; an optimizer class gets the fix (make an instance), a
+    learning-rate scheduler (as in `(opt, sched)`, a pair other libraries take) how to give it with its
+    optimizer."""
     if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
         return (f"the class {value.__name__}, not an instance: pass an instance, e.g."
                 f" {value.__name__}(model.parameters())")
+    if isinstance(value, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        return (f"the learning-rate scheduler {type(value).__name__}: give a scheduler with its optimizer as"
+                " Optimizer(opt, sched) (from deepepochs import Optimizer), e.g. Trainer(model, loss,"
+                " Optimizer(opt, sched)); a list or tuple of optimizers is several optimizers")
     return type(value).__name__
 
 

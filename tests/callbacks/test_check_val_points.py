@@ -92,3 +92,29 @@ def test_a_fault_at_a_validation_point_after_the_check_is_refitted_with_the_unin
     assert faulted_check.state_dict() == check.state_dict()
     assert faulted.history == trainer.history
     assert all(torch.equal(faulted_weights[k], v) for k, v in weights.items())
+
+
+def test_under_the_update_clock_the_tested_file_the_resume_and_the_test_line_name_updates(tmp_path):
+    """A run by updates whose files are written inside epoch 1: test() names the best file by its update
+    count (read back from the file), not "(epoch 0)"; the test line reads `U <updates>  TEST>`; a resume says
+    how many updates are committed and which one comes next, not "0 epoch(s) completed"."""
+    import io
+
+    trainer, check, _ = fit(tmp_path, patience=0)
+    best = check.path(trainer)
+    updates = read_checkpoint(best).updates
+    assert read_checkpoint(best).epoch == 0 and 0 < updates <= UPDATES
+    train, val = data()
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 2))
+    again = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), 0.5), max_updates=UPDATES + 4,
+                    callbacks=[CheckCallback("loss", ckpt_dir=tmp_path)], log_batch=False, running_id="run",
+                    resume=True)
+    again.console.stream = out = io.StringIO()
+    again.test(val)
+    text = out.getvalue()
+    assert f"Testing the weights of {best} (update {updates})" in text and "(epoch 0)" not in text, text
+    assert f"\nU {updates}  TEST>  loss: " in text, text
+    assert (f"{updates} update(s) committed, continuing with update {updates + 1} (inside epoch 1, after"
+            f" {updates} of its batch(es))" in text), text  # one batch per update
+    assert "E 1/1  TEST>" not in text and "0 epoch(s) completed, continuing" not in text, text
+    again.close()

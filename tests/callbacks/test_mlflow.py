@@ -50,7 +50,7 @@ from deepepochs.fsm.render import render
 from deepepochs.metrics import accuracy
 
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
-                                  reason="mlflow is not installed: pip install 'deepepochs[mlflow]'")
+                                  reason="mlflow is not installed: pip install -e '.[mlflow]'")
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "logging.md"
 # Experiment names of this session (a server named by DEEPEPOCHS_TEST_MLFLOW_URI keeps earlier sessions' runs)
 SESSION = uuid.uuid4().hex[:8]
@@ -482,15 +482,18 @@ def test_a_log_checkpoints_name_that_matches_no_checkpoint_fails_before_training
     trainer.close()
 
 
-@pytest.mark.parametrize("module, package, callback", [(mlflow_tracker, "mlflow", MLflowCallback),
-                                                      (wandb_tracker, "wandb", WandbCallback)], ids=["mlflow", "wandb"])
-def test_without_its_package_a_tracker_callback_names_the_extra_to_install(monkeypatch, module, package, callback):
-    """When mlflow (wandb) cannot be imported, building the callback says `pip install 'deepepochs[mlflow]'`
-    (`[wandb]`)."""
+@pytest.mark.parametrize("module, package, pin, callback", [
+    (mlflow_tracker, "mlflow", "mlflow>=3,<3.18", MLflowCallback),
+    (wandb_tracker, "wandb", "wandb>=0.19", WandbCallback)], ids=["mlflow", "wandb"])
+def test_without_its_package_a_tracker_callback_names_the_extra_to_install(monkeypatch, module, package, pin,
+                                                                           callback):
+    """When mlflow (wandb) cannot be imported, building the callback names the package to install, and the
+    clone's extra (never the package index's deepepochs, an older release)."""
     find_spec = module.importlib.util.find_spec
     monkeypatch.setattr(module.importlib.util, "find_spec",
                         lambda name, *args: None if name == package else find_spec(name, *args))
-    with pytest.raises(ImportError, match=rf"pip install 'deepepochs\[{package}\]'"):
+    with pytest.raises(ImportError, match=rf"pip install '{re.escape(pin)}' \(in a clone of deepepochs:"
+                                          rf" pip install -e '\.\[{package}\]'\)"):
         callback()
 
 
