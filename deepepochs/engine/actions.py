@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepepochs.engine import buffers, carried, kept_grads, position
+from deepepochs.engine import buffers, callback_states, carried, kept_grads, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
@@ -208,10 +208,11 @@ def save_checkpoints(ctx: Context) -> None:
 @action
 def commit_epoch(ctx: Context) -> None:
     """The epoch is done for good: its count, its records, its epoch-wise scheduler steps, the model's
-    buffers, the carried state and torch's generators as of now."""
+    buffers, the carried state, the callbacks' states and torch's generators as of now."""
     remember_random_state(ctx)
     buffers.keep(ctx)
     carried.keep(ctx)
+    callback_states.keep(ctx)
     loop = ctx.loop
     loop.completed_epochs = loop.epoch
     loop.resume = None
@@ -247,7 +248,8 @@ def average_epoch(ctx: Context) -> None:
 @action
 def open_window(ctx: Context) -> None:
     """A new window: no micro-batch, sample or update in it yet. The one function that empties a window's
-    counters and flags: the rollback's `reset_loop` calls it too."""
+    counters and flags: the rollback's `reset_loop` calls it too. The callbacks' states are kept here, as
+    the hooks after the last update (`on_after_optimize`, `on_after_train_batch`) left them."""
     loop = ctx.loop
     loop.window_pos = 0
     loop.window_samples = 0
@@ -257,6 +259,7 @@ def open_window(ctx: Context) -> None:
     loop.update_open = False
     loop.own_gradients = False
     loop.finite.clear()
+    callback_states.keep(ctx)  # what the hooks after the last update's commit left is that commit point's
 
 
 @action
@@ -527,6 +530,7 @@ def discard_window(ctx: Context) -> None:
     loop.save_requests.clear()
     buffers.put_back(ctx)  # last: the epoch-end undo above may have put back an earlier commit point's
     carried.put_back(ctx)  # likewise
+    callback_states.put_back(ctx)  # likewise
     put_back_host_state(ctx)  # what the dropped window drew from Python and NumPy, where kept
     kept_grads.put_back(ctx)  # the gradients the optimizers that did not step kept, without this window's
 

@@ -29,6 +29,7 @@ from deepepochs.engine import (
     actions,
     batches,
     buffers,
+    callback_states,
     carried,
     continuation,
     generators,
@@ -175,6 +176,7 @@ class Driver:
             loop.resume_tasks = None
         buffers.keep(ctx, fresh=True)  # after a resume loaded them: where a fault before any commit returns
         carried.keep(ctx, fresh=True)
+        callback_states.keep(ctx, fresh=True)
         self._header()
         emit(self.ctx, Event.BEFORE_FIT, epochs)
         if not self._started:
@@ -189,6 +191,7 @@ class Driver:
             emit(self.ctx, Event.BEFORE_EPOCH, train, val, epoch_idx)
             fire(TriggerName.BEGIN_TRAIN)
             train_metrics = self._train_stage(train, epoch)
+            callback_states.keep(ctx)  # as the last update's hooks left them, before validation and the end
             fire(TriggerName.END_STAGE)
             loop.val_due = bool(val) and epoch % val_freq == 0 and loop.val_every is None
             val_metrics = {}
@@ -209,6 +212,7 @@ class Driver:
         fire(TriggerName.FINISH)
         buffers.forget(ctx)
         carried.forget(ctx)
+        callback_states.forget(ctx)
         return copy.deepcopy(ctx.history)  # the whole run's records, resumed epochs included
 
     def _count_epoch(self, epoch):

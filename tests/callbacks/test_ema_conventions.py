@@ -317,3 +317,38 @@ def test_bad_convention_arguments_are_refused_naming_them(make, message):
     """Each new option's bad value is refused, naming the option and what it accepts."""
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+class ProgramEMA(Callback):
+    """The program's own EMA object (`PlainEMA`, ema_pytorch's rule) kept in a callback, updated as the
+    program updates it (after the optimizer's step); its state is the object's, nothing else is written."""
+
+    def __init__(self):
+        self.ema = None
+
+    def on_attach(self, trainer):
+        self.ema = PlainEMA(trainer.raw_model, 0.995, every=10, after=100, power=2 / 3, float32=True)
+
+    def on_after_optimize(self, trainer, optimize_index):
+        self.ema.update()
+
+    def state_dict(self):
+        return self.ema.state_dict()
+
+    def load_state_dict(self, state):
+        self.ema.load_state_dict(state)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name == "nt", reason="POSIX signals")
+def test_the_programs_own_ema_object_in_a_callback_resumes_exactly_after_sigterm(tmp_path):
+    """The diffusion program keeping its own EMA object in a callback: stopped by SIGTERM after update 117
+    and resumed by a new trainer, its EMA (the object's tensors and step count) equals the plain loop's."""
+    model, _, plain = diffusion_reference(130)
+    with pytest.raises(Preempted):
+        fit(130, [SnapshotCallback(tmp_path), ProgramEMA(), TermAt(117)], running_id="run")
+    again = ProgramEMA()
+    torch.manual_seed(1234)
+    resumed = fit(130, [SnapshotCallback(tmp_path), again], seeded=False, running_id="run", resume=True)
+    assert same(resumed.raw_model.state_dict(), model.state_dict())
+    assert again.ema.n == plain.n == 130
+    assert same(again.ema.ema, plain.ema)
