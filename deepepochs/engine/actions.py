@@ -451,14 +451,13 @@ def average_update(ctx: Context) -> None:
 def commit_update(ctx: Context) -> None:
     """The window's update is committed: the task's position moves past the window (the driver set the
     point to (epoch, task) when the task began) and the update is counted, once per window (an update skipped
-    for inf/NaN counts too): the run state's `updates`, the update clock's and the snapshots' count."""
+    for inf/NaN counts too): the run state's `updates`, the update clock's and the snapshots' count (their
+    `every_n_updates` are multiples of it)."""
     loop = ctx.loop
     if not loop.window_committed:
         # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
         # after this (release_interrupts), before it, and the window is committed all the same
         loop.run.updates += 1
-        if ctx.snapshots is not None:
-            ctx.snapshots.count_update()
     loop.window_committed = True
     loop.resume.batches_done = loop.batch_idx
 
