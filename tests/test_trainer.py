@@ -49,7 +49,16 @@ def test_seed_readme_first_example_runs_unchanged(capsys):
     assert set(results) == {"loss"}
     assert re.search(r"^E 5/5  TRAIN> loss: \d+\.\d{4}   VAL> loss: \d+\.\d{4}$", out, re.M)
     assert re.search(r"^E 1/1  TEST>  loss: \d+\.\d{4}$", out, re.M)
-    assert "parameters: 34" in out and "device: cpu" in out
+    assert "parameters: 34 (float32) | precision: fp32" in out and "device: cpu" in out
+
+
+def test_the_header_names_the_parameters_dtype_a_float64_model_trains_in(capsys):
+    """A float64 model trains in float64 under precision 'fp32': the header says both."""
+    model = nn.Linear(4, 2).double()
+    data = DataLoader(TensorDataset(torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 2, (8,))), batch_size=4)
+    with Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), 0.1), epochs=1, device="cpu") as trainer:
+        trainer.fit(data)
+    assert "parameters: 10 (float64) | precision: fp32" in capsys.readouterr().out
 
 
 def test_a_linear_model_learns_well_above_chance():

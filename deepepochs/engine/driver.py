@@ -450,18 +450,20 @@ class Driver:
 
     # ---- misc ----
     def _header(self):
-        """Print the run's header once per trainer (time, device, running id, parameters, precision)."""
+        """Print the run's header once per trainer (time, device, running id, parameters, precision and the
+        parameters' dtypes: `precision` names autocast's, a float64 model trains in float64 under 'fp32')."""
         if self.header_done:
             return
         self.header_done = True
         ctx = self.ctx
         parts = ctx.parts
         n = sum(p.numel() for p in parts.raw_model.parameters())
+        dtypes = ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in parts.raw_model.parameters()}))
         now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         world = parts.dist.world_size
         extra = f" | world size: {world}" if world > 1 else ""
         parts.console.info(f"{now} | device: {parts.device} | running id: {ctx.run.running_id} | parameters:"
-                           f" {n:,} | precision: {parts.config.precision}{extra}")
+                           f" {n:,} ({dtypes}) | precision: {parts.config.precision}{extra}")
 
 
 def _uncounted(batch_x, batch_y) -> int:
