@@ -542,6 +542,7 @@ def reset_loop(ctx: Context) -> None:
     loop.meters = None
     loop.val_point_open = False
     open_window(ctx)
+    callback_states.forget(ctx)  # what open_window kept: outside a fit nothing is (the next fit keeps afresh)
     ctx.task = None
     ctx.model = ctx.parts.train_model
 
