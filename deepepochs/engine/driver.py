@@ -254,7 +254,7 @@ class Driver:
             self._run_task(task, "train", epoch, meters, skip, samples)
             trained = (index, loop.resume.batches_done, getattr(task.data, "batch_size", None))
         loop.resume = ResumePoint(epoch, -1, 0, trained=trained)
-        metrics = self._stage_metrics(meters_list)
+        metrics = self._stage_metrics(meters_list, tasks)
         ctx.last_metrics["train"] = metrics
         emit(self.ctx, Event.AFTER_TRAIN_EPOCHS, tasks, metrics, epoch - 1)
         return metrics
@@ -281,7 +281,7 @@ class Driver:
         finally:
             ctx.model = parts.train_model
             parts.raw_model.train()
-        metrics = self._stage_metrics(meters_list)
+        metrics = self._stage_metrics(meters_list, tasks)
         ctx.last_metrics[stage] = metrics
         if stage == "val":
             emit(self.ctx, after_stage, tasks, metrics, epoch - 1)
@@ -427,13 +427,15 @@ class Driver:
         meters.final = out
         return out
 
-    def _stage_metrics(self, meters_list) -> dict:
+    def _stage_metrics(self, meters_list, tasks) -> dict:
         """A stage's metrics from its tasks' (`tasks.merge_stage_metrics`), noting once how names of several
-        tasks are told apart when they clash."""
+        unnamed tasks are told apart when they clash."""
         per_task = [self._task_metrics(meters) for meters in meters_list]
-        if len(per_task) > 1 and len({name for m in per_task for name in m}) < sum(len(m) for m in per_task):
+        names = [task.name for task in tasks]
+        if len(per_task) > 1 and len({name for m in per_task for name in m}) < sum(len(m) for m in per_task) \
+                and any(name is None for name in names[1:]):
             self.ctx.parts.console.note_once("task-suffix", TASK_SUFFIX_NOTE)
-        return merge_stage_metrics(per_task)
+        return merge_stage_metrics(per_task, names)
 
     def _raise_pending_nonfinite(self, meters):
         """nonfinite='raise' on an accelerator: the per-update finite checks were kept on the device;
