@@ -23,6 +23,7 @@ written (`warn_unsaved`): a resume cannot give it back what it held.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -127,6 +128,13 @@ def _held(value) -> bool:
 _WARNED: weakref.WeakSet = weakref.WeakSet()  # the callbacks `warn_unsaved` named
 
 
+def _warned(callback) -> bool:
+    try:
+        return callback in _WARNED
+    except TypeError:  # unhashable, or not weakly referable
+        return False
+
+
 def warn_unsaved(callbacks, model: torch.nn.Module, optimizers) -> None:
     """Warn once per callback that holds tensors, modules or optimizers of its
     own (not the trainer's model, its parts or parameters, nor its optimizers) as attributes without
@@ -135,14 +143,15 @@ def warn_unsaved(callbacks, model: torch.nn.Module, optimizers) -> None:
     deepepochs' own callbacks keep their state elsewhere (the weight averages in the run state)."""
     trainers = {id(m) for m in model.modules()} | {id(p) for p in model.parameters()} | {id(o) for o in optimizers}
     for callback in callbacks:
-        if callback in _WARNED or _keeps_state(callback) or type(callback).__module__.startswith("deepepochs."):
+        if _warned(callback) or _keeps_state(callback) or type(callback).__module__.startswith("deepepochs."):
             continue
         names = []
         for attr, value in getattr(callback, "__dict__", {}).items():
             if _held(value) and id(value) not in trainers:
                 names.append(attr)
         if names:
-            _WARNED.add(callback)
+            with contextlib.suppress(TypeError):  # an unhashable callback (a dataclass with eq) is named again
+                _WARNED.add(callback)
             warnings.warn(f"callback {key(callback)} holds {', '.join(names)} (tensors, modules or optimizers),"
                           " which no checkpoint holds: a resume or a rollback leaves them as they are. Give it"
                           " state_dict() and load_state_dict(state) methods to have them saved and restored",
