@@ -82,6 +82,9 @@ class EpochTask:
         do_loss: whether evaluation computes the loss.
         batch_size: the sample count of a batch when it cannot be inferred from tensor shapes: an int
             (every batch counts that many samples) or a function `(batch_x, batch_y) -> int`.
+        name: the suffix of the task's metric names in its stage's records (`name='ood'` reports
+            `loss_ood`, `accuracy_ood`); None: a stage's first task reports plain names and a later task's
+            clashing names get its index (`loss_1`).
         **step_args: extra keyword arguments passed to the step methods. `step_args={...}` is passed as
             one keyword argument `step_args` as deepepochs 0.6.18 did, or unpacked (as older 0.6 releases
             did) to a step method that takes no argument of that name.
@@ -91,9 +94,15 @@ class EpochTask:
     """
 
     def __init__(self, dataloader, metrics=None, do_loss: bool = True, batch_size: int | Callable | None = None,
-                 **step_args):
+                 *, name: str | None = None, **step_args):
         if dataloader is None or not hasattr(dataloader, "__iter__"):
             raise ConfigError(f"dataloader must be an iterable of batches (got {type(dataloader).__name__})")
+        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+            raise ConfigError(f"EpochTask name must be None or a word of letters, digits and '_', the suffix of the"
+                              f" task's metric names, e.g. name='ood' reports loss_ood (got {name!r})")
+        #: The suffix of the task's metric names (`loss_<name>`), or None: a stage's first task reports plain
+        #: names, later ones their index (`loss_1`) where a name clashes.
+        self.name = name
         self.dataloader = dataloader
         self.own_metrics = as_metric_list(metrics, "metrics")  # the task's own; `metrics` adds the stage's
         self.do_loss = do_loss
@@ -313,17 +322,24 @@ class BatchMetrics(Mapping):
 TASK_SUFFIX_NOTE = (
     "Note: several tasks of a stage report the same names: the first task's keep them (`loss`), later"
     " tasks' get their index (`loss_1`, `loss_2`, ...); deepepochs 0.6 showed only the last task's values."
-    " Monitor e.g. CheckCallback('loss_1') for a later task."
+    " Monitor e.g. CheckCallback('loss_1') for a later task, or name the tasks: EpochTask(dl, name='ood')"
+    " reports `loss_ood`."
 )
 
 
-def merge_stage_metrics(per_task: list[Mapping]) -> dict:
-    """A stage's metrics from its tasks' in order: a name a previous task reported gets the task's index
-    as a suffix (`loss`, `loss_1`)."""
+def merge_stage_metrics(per_task: list[Mapping], task_names: list | None = None) -> dict:
+    """A stage's metrics from its tasks' in order: a task named by the user (`task_names[i]`, the tasks'
+    `EpochTask(name=...)`) suffixes all of its names with it (`loss_ood`); an unnamed task's name that a
+    previous task reported gets the task's index as a suffix (`loss`, `loss_1`)."""
     metrics = {}
     for i, task_metrics in enumerate(per_task):
+        suffix = task_names[i] if task_names else None
         for name, value in task_metrics.items():
-            metrics[name if name not in metrics else f"{name}_{i}"] = value
+            if suffix is not None:
+                name = f"{name}_{suffix}"
+            elif name in metrics:
+                name = f"{name}_{i}"
+            metrics[name] = value
     return metrics
 
 

@@ -23,7 +23,7 @@ from deepepochs.errors import DeepEpochsWarning
 
 KEYS = {"format_version", "running_id", "epoch", "world_size", "model", "optimizers", "schedulers", "scaler",
         "history", "monitors", "rng", "order_seed", "position", "shards", "param_names", "averages",
-        "updates", "carried"}
+        "updates", "carried", "callbacks"}
 
 
 def _loader(n=64, batch_size=16, seed=0):

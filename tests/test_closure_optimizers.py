@@ -68,7 +68,7 @@ class ClosureStep(TrainerBase):
 
     def train_step(self, batch_x, batch_y, **step_args):
         def closure():
-            self.opt[0].opt.zero_grad()
+            self.zero_grad()
             loss = F.mse_loss(self.model(batch_x), batch_y)
             self.losses.append(loss.item())
             loss.backward()

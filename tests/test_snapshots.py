@@ -883,3 +883,19 @@ def test_a_snapshot_naming_confusion_patches_by_their_module_before_the_layout_m
         results.append((resumed.fit(_data()[0], metrics=[accuracy]), _state(resumed, model)))
     assert results[1][0] == results[0][0]
     assert _equal(results[1][1], results[0][1])
+
+
+def test_every_n_updates_writes_at_multiples_of_the_runs_count_across_epoch_ends_and_resumes(tmp_path):
+    """Epochs of 6 windows and every_n_updates=8: snapshots at updates 8 and 16 besides the epoch ends
+    (6, 12, 18), also when the run stops after epoch 2 and a new trainer resumes it (its count goes on from
+    12: 16 is written, not 20)."""
+    trainer, _ = _trainer(tmp_path / "whole", every_n_updates=8, keep=100)
+    _fit(trainer)
+    expected = ["snapshot-u000000006-epoch1.ckpt", "snapshot-u000000008.ckpt", "snapshot-u000000012-epoch2.ckpt",
+                "snapshot-u000000016.ckpt", "snapshot-u000000018-epoch3.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "whole" / "run").iterdir()) == expected
+    first, _ = _trainer(tmp_path / "parts", epochs=2, every_n_updates=8, keep=100)
+    _fit(first)
+    resumed, _ = _trainer(tmp_path / "parts", resume=True, every_n_updates=8, keep=100)
+    _fit(resumed)
+    assert sorted(p.name for p in (tmp_path / "parts" / "run").iterdir()) == expected

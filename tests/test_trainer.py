@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import deepepochs
-from deepepochs import Callback, EpochTask, Trainer, TrainerBase, ValuePatch, rename
+from deepepochs import Callback, CheckCallback, ConfigError, EpochTask, Trainer, TrainerBase, ValuePatch, rename
 from deepepochs.metrics import accuracy, f1, precision, recall
 
 
@@ -49,7 +49,16 @@ def test_seed_readme_first_example_runs_unchanged(capsys):
     assert set(results) == {"loss"}
     assert re.search(r"^E 5/5  TRAIN> loss: \d+\.\d{4}   VAL> loss: \d+\.\d{4}$", out, re.M)
     assert re.search(r"^E 1/1  TEST>  loss: \d+\.\d{4}$", out, re.M)
-    assert "parameters: 34" in out and "device: cpu" in out
+    assert "parameters: 34 (float32) | precision: fp32" in out and "device: cpu" in out
+
+
+def test_the_header_names_the_parameters_dtype_a_float64_model_trains_in(capsys):
+    """A float64 model trains in float64 under precision 'fp32': the header says both."""
+    model = nn.Linear(4, 2).double()
+    data = DataLoader(TensorDataset(torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 2, (8,))), batch_size=4)
+    with Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), 0.1), epochs=1, device="cpu") as trainer:
+        trainer.fit(data)
+    assert "parameters: 10 (float64) | precision: fp32" in capsys.readouterr().out
 
 
 def test_a_linear_model_learns_well_above_chance():
@@ -415,3 +424,26 @@ def test_a_deepcopy_of_a_trainer_trains_like_the_original_and_leaves_the_origina
     original.fit(data)
     for key, value in original.raw_model.state_dict().items():
         assert torch.equal(twin.raw_model.state_dict()[key], value), key
+
+
+def test_validation_tasks_named_by_the_user_report_their_metrics_under_their_names(tmp_path, capsys):
+    """`EpochTask(dl, name='clean')` and `name='ood'`: the records hold `loss_clean` and `loss_ood`, each the
+    mean loss over its own data; a monitor may name `loss_ood` from the start; no note about indices."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    ox, oy = torch.randn(24, 4, generator=g) * 3, torch.randint(0, 2, (24,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    check = CheckCallback("loss_ood", on_stage="val", ckpt_dir=tmp_path)
+    with Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), 0.1), epochs=2, device="cpu",
+                 callbacks=[check], log_batch=False) as trainer:
+        records = trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8),
+                              val_tasks=[EpochTask(DataLoader(TensorDataset(x, y), batch_size=8), name="clean"),
+                                         EpochTask(DataLoader(TensorDataset(ox, oy), batch_size=8), name="ood")])
+    with torch.no_grad():
+        assert records["val"]["loss_clean"][-1] == pytest.approx(float(F.cross_entropy(model(x), y)), abs=1e-6)
+        assert records["val"]["loss_ood"][-1] == pytest.approx(float(F.cross_entropy(model(ox), oy)), abs=1e-6)
+    assert "loss" not in records["val"] and "loss_1" not in records["val"]
+    assert "later tasks' get their index" not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"EpochTask name must be None or a word .* \(got 'o o d'\)"):
+        EpochTask(DataLoader(TensorDataset(x, y)), name="o o d")

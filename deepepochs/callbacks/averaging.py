@@ -189,16 +189,33 @@ class _WeightAverage(Callback):
         self._swap_out(trainer)
 
 
+def _copy(averaged: list, current: list, _n_averaged) -> None:
+    """A `multi_avg_fn` that makes the average a plain copy of the weights (ema_pytorch's and timm's updates
+    before their `update_after_step`)."""
+    torch._foreach_copy_(averaged, current)  # noqa: SLF001 (torch's public-in-practice foreach copy)
+
+
 class EMACallback(_WeightAverage):
-    """An exponential moving average of the model's weights, moved once per committed update.
+    """An exponential moving average of the model's weights, moved by committed updates.
 
     Args:
         decay: the weight of the old average at each update, in (0, 1); 0.999 when neither `decay` nor
-            `half_life` is given.
+            `half_life` is given. With `power` it is the decay's ceiling (ema_pytorch's `beta`).
         half_life: instead of `decay`, the number of updates after which an update's weight in the average
             has halved (`decay = 0.5 ** (1 / half_life)`).
         warmup: ramp the decay up over the first updates as `min(decay, (1 + n) / (10 + n))` after `n`
-            updates (the warm-up of TensorFlow's and timm's EMAs), so early weights fade fast.
+            updates (the warm-up of TensorFlow's EMA), so early weights fade fast.
+        update_every: move the average at every `update_every`-th committed update only (after 0,
+            `update_every`, `2 * update_every`, ... earlier ones), as ema_pytorch's `update_every`.
+        start_update: while at most `start_update` committed updates came before, the average is a plain
+            copy of the weights (ema_pytorch's and timm's `update_after_step`); 0 copies the first update only.
+        power: the power warm-up of ema_pytorch and timm's `ModelEmaV3(use_warmup=True)`: after `n` earlier
+            updates the decay is `1 - (1 + (n - start_update) / inv_gamma) ** -power`, clamped to
+            `[min_decay, decay]`.
+        inv_gamma: the warm-up's `inv_gamma` (timm's `warmup_gamma`), > 0.
+        min_decay: the warm-up's floor (ema_pytorch's `min_value`), in [0, decay].
+        decay_dtype: the dtype the warm-up's decay is computed in: torch.float64 (Python's floats, as timm
+            computes it) or torch.float32 (as ema_pytorch computes it, on its step tensor).
         buffers: 'average' (BatchNorm statistics and other buffers averaged like the weights, torch's
             `use_buffers=True`) or 'copy' (the model's buffers copied after each update).
         evaluate: validation and `test()` evaluate the average; the model gets its training weights back
@@ -208,6 +225,13 @@ class EMACallback(_WeightAverage):
     of the model); torch's `update_parameters` with `get_ema_multi_avg_fn(decay)` moves it, so the first
     update copies the weights and each later one takes `decay * average + (1 - decay) * weights`. An update
     skipped for inf/NaN, or discarded by a rollback, never moves it; checkpoints and snapshots hold it.
+
+    ema_pytorch's `EMA(model, beta=B, update_after_step=A, update_every=E, inv_gamma=G, power=P,
+    min_value=M)`, its `update()` called after each optimizer step, is `EMACallback(B, update_every=E,
+    start_update=A, power=P, inv_gamma=G, min_decay=M, decay_dtype=torch.float32)`; timm's
+    `ModelEmaV3(model, decay=D, min_decay=M, update_after_step=A, use_warmup=True, warmup_gamma=G,
+    warmup_power=P)` updated with `step=num_updates` is `EMACallback(D, start_update=A, power=P,
+    inv_gamma=G, min_decay=M)`.
 
     Example:
         >>> ema = EMACallback(decay=0.999, evaluate=True)
@@ -219,6 +243,8 @@ class EMACallback(_WeightAverage):
     average_id = "ema"
 
     def __init__(self, decay: float | None = None, *, half_life: float | None = None, warmup: bool = False,
+                 update_every: int = 1, start_update: int = 0, power: float | None = None,
+                 inv_gamma: float = 1.0, min_decay: float = 0.0, decay_dtype: torch.dtype = torch.float64,
                  buffers: str = "average", evaluate: bool = False):
         if decay is not None and half_life is not None:
             raise ConfigError(f"EMACallback takes decay or half_life, not both (got decay={decay!r},"
@@ -229,25 +255,64 @@ class EMACallback(_WeightAverage):
         self.decay = _number("EMACallback decay", 0.999 if decay is None else decay, 0, 1,
                              ", e.g. 0.999")
         self.warmup = _flag("EMACallback warmup", warmup)
+        self.update_every = _count("EMACallback update_every", update_every, 1, ", the updates between moves")
+        self.start_update = _count("EMACallback start_update", start_update, 0,
+                                   ", the updates the average copies the weights for")
+        if power is not None:
+            _number("EMACallback power", power, 0, math.inf, ", e.g. 2/3")
+            if warmup:
+                raise ConfigError("EMACallback takes warmup=True or power, not both (got power="
+                                  f"{power!r}); power is ema_pytorch's and timm's warm-up, warmup TensorFlow's")
+        self.power = power
+        self.inv_gamma = _number("EMACallback inv_gamma", inv_gamma, 0, math.inf, ", e.g. 1.0")
+        if isinstance(min_decay, bool) or not isinstance(min_decay, (int, float)) or not 0 <= min_decay <= self.decay:
+            raise ConfigError(f"EMACallback min_decay must be a number in [0, decay={self.decay:g}] (got"
+                              f" {min_decay!r})")
+        self.min_decay = float(min_decay)
+        if decay_dtype not in (torch.float32, torch.float64):
+            raise ConfigError("EMACallback decay_dtype must be torch.float32 (ema_pytorch's) or torch.float64"
+                              f" (timm's) (got {decay_dtype!r})")
+        self.decay_dtype = decay_dtype
         super().__init__(buffers, evaluate)
 
     def __repr__(self) -> str:
-        return f"EMACallback(decay={self.decay!r}, warmup={self.warmup}, buffers={self.buffers!r})"
+        schedule = "" if self.update_every == 1 else f", update_every={self.update_every}"
+        schedule += "" if self.start_update == 0 else f", start_update={self.start_update}"
+        if self.power is not None:
+            schedule += (f", power={self.power!r}, inv_gamma={self.inv_gamma!r}, min_decay={self.min_decay!r},"
+                         f" decay_dtype={self.decay_dtype}")
+        return f"EMACallback(decay={self.decay!r}, warmup={self.warmup}{schedule}, buffers={self.buffers!r})"
 
     def _make(self, model):
         return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
                              use_buffers=self.buffers == "average")
 
+    def decay_at(self, updates: int) -> float:
+        """The decay of the update that follows `updates` committed ones, past `start_update`: `decay`, or
+        the power warm-up's clamped to `[min_decay, decay]` (op for op as ema_pytorch computes it in
+        float32 and timm in float64), then TensorFlow's `(1 + n) / (10 + n)` ceiling with `warmup`."""
+        decay = self.decay
+        if self.power is not None:
+            steps = updates - self.start_update
+            if self.decay_dtype == torch.float32:  # ema_pytorch's arithmetic: on its step tensor, in float32
+                steps = torch.tensor(steps, dtype=torch.float32)
+            # timm's in Python floats (torch's float64 division by a number multiplies by its reciprocal)
+            decay = 1 - (1 + steps / self.inv_gamma) ** -self.power
+            decay = torch.as_tensor(decay, dtype=self.decay_dtype).clamp(self.min_decay, self.decay).item()
+        if self.warmup:
+            decay = min(decay, (1 + updates) / (10 + updates))
+        return decay
+
     def average_weights(self, trainer, at: str) -> None:
-        """Called by the engine as an update commits (`at='update'`): the average takes the model's
-        weights."""
+        """Called by the engine as an update commits (`at='update'`): at every `update_every`-th one the
+        average takes the model's weights, copied up to `start_update`, at `decay_at` after."""
         if at != "update":
             return
         state = self._registered(trainer)
         n = state["updates"]
-        if self.warmup:
-            self.averaged.multi_avg_fn = get_ema_multi_avg_fn(min(self.decay, (1 + n) / (10 + n)))
-        self.averaged.update_parameters(trainer.raw_model)
+        if n % self.update_every == 0:
+            self.averaged.multi_avg_fn = _copy if n <= self.start_update else get_ema_multi_avg_fn(self.decay_at(n))
+            self.averaged.update_parameters(trainer.raw_model)
         state["updates"] = n + 1
 
 

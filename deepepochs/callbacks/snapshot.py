@@ -49,10 +49,10 @@ class SnapshotCallback(Callback):
 
     Args:
         ckpt_dir: root folder (shared with `CheckCallback`: `resume=True` searches both).
-        every_n_updates: write after every n-th update window since the last snapshot (skipped windows
-            count: each is a commit point; an epoch's end writes one too); a refit after an interruption
-            or a resumed run keeps the count, so it writes the files the uninterrupted run writes; None:
-            not by count.
+        every_n_updates: write when the run's committed update windows reach a multiple of n (skipped
+            windows count: each is a commit point), counted over the run across epoch ends (each writes one
+            too) and resumes, so a refit after an interruption or a resumed run writes the files the
+            uninterrupted run writes; None: not by count.
         every_n_minutes: write at the first commit point once this many minutes passed since the last
             snapshot (agreed over the ranks under DDP); None: not by time.
         on_signals: signal names (or numbers) that stop the fit: the update in progress completes, a snapshot
@@ -128,7 +128,7 @@ class SnapshotCallback(Callback):
         # when the run's first fit started (time.time_ns()), kept through resumes: a fresh run named like an
         # older one in the same folder starts a new count, and resume ranks its files above the older run's
         self.started_ns = 0
-        self._since = 0  # windows committed since the last snapshot (0 in every snapshot written)
+        self._written_at = -1  # the run's update count at the last snapshot written (-1: none yet)
         self._last = time.monotonic()
         self._signal: str | None = None
         self._previous: dict = {}
@@ -180,17 +180,14 @@ class SnapshotCallback(Callback):
         return bool(self.signals) or self.every_n_minutes is not None
 
     # ---- the engine's side (deepepochs.engine.snapshot_trigger) ----
-    def count_update(self) -> None:
-        """A window committed (its update applied, or skipped; the run state counted it): count it toward the
-        next snapshot, before anything can interrupt."""
-        self._since += 1
-
     def poll_snapshot(self, epoch_end: bool) -> tuple[bool, str | None]:
-        """At a commit point (its window already counted by `count_update`): (whether a snapshot is due
-        here, the signal that arrived or None)."""
+        """At a commit point (its window already counted in the run's `updates`): (whether a snapshot is due
+        here, the signal that arrived or None). By count, one is due at each multiple of `every_n_updates`
+        committed updates of the run (across epoch ends and resumes), once."""
         if epoch_end:
             return True, self._signal
-        due = ((self.every_n_updates is not None and self._since >= self.every_n_updates)
+        due = ((self.every_n_updates is not None and self.updates % self.every_n_updates == 0
+                and self.updates != self._written_at)
                or (self.every_n_minutes is not None and time.monotonic() - self._last >= 60 * self.every_n_minutes))
         return due, self._signal
 
@@ -204,7 +201,7 @@ class SnapshotCallback(Callback):
     def write_snapshot(self, trainer, position) -> Path | None:
         """Write the snapshot (every rank calls it: rank 0 writes the file, or under FSDP every rank its
         shards; `position` None at an epoch's end) and prune old ones; its path (None on other ranks)."""
-        self._since, self._last = 0, time.monotonic()
+        self._written_at, self._last = self.updates, time.monotonic()
         folder = self.ckpt_dir / str(trainer.running_id)
         end = "" if position is not None else f"-epoch{trainer.loop.completed_epochs}"
         target = folder / f"snapshot-u{self.updates:09d}{end}{checkpoint.SUFFIX}"
@@ -250,7 +247,7 @@ class SnapshotCallback(Callback):
     def load_state_dict(self, state: dict) -> None:
         # the update count comes back with the run state (the file's `updates`), not from here
         self.started_ns = int(state.get("started_ns", 0))
-        self._since = 0  # a snapshot is written with none since it; so is an epoch's end
+        self._written_at = -1  # the count's multiples are due as they are reached
 
     # ---- hooks ----
     def on_attach(self, trainer) -> None:

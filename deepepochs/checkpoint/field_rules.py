@@ -42,6 +42,38 @@ def _carried(value, world_size, out: list) -> None:
             carried_state(entry, f"carried[{rank}]", out)
 
 
+def _callbacks(value, out: list) -> None:
+    """`callbacks`: None (an older file, or no callback keeping a state) or the callbacks' states by name,
+    each as `position.encode` stores it. The states are the callbacks' own, so only their encoding has a rule."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or not all(isinstance(name, str) for name in value):
+        out.append(f"callbacks must be None or a dict of callback states by name (got {got(value)})")
+        return
+    for name, state in value.items():
+        _encoded_value(state, f"callbacks[{name!r}]", out)
+
+
+def _encoded_value(value, field: str, out: list) -> None:
+    """What `position.encode` writes: None, a bool, number, string or tensor, a list of those, or a dict
+    tagged `__dict__` (str keys) or `__tuple__` (a list), recursively."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _encoded_value(item, f"{field}[{i}]", out)
+        return
+    if isinstance(value, Mapping) and len(value) == 1 and "__tuple__" in value and isinstance(value["__tuple__"], list):
+        _encoded_value(value["__tuple__"], field, out)
+        return
+    if isinstance(value, Mapping) and len(value) == 1 and isinstance(value.get("__dict__"), Mapping) \
+            and all(isinstance(k, str) for k in value["__dict__"]):
+        for k, item in value["__dict__"].items():
+            _encoded_value(item, f"{field}[{k!r}]", out)
+        return
+    out.append(f"{field} must be a stored callback state (tensors, numbers, strings, and lists, tuples or"
+               f" str-keyed dicts of them, as deepepochs writes them; got {got(value)})")
+
 
 def problems(trainer, ckpt: Checkpoint) -> list[str]:
     """Every way `ckpt` (its optimizer states already in the trainer's parameter order,
@@ -95,6 +127,7 @@ def problems(trainer, ckpt: Checkpoint) -> list[str]:
     _history(ckpt.history, ckpt.epoch, "history", out, ckpt.updates)
     _averages(trainer, ckpt.averages, out)
     _carried(ckpt.carried, ckpt.world_size, out)
+    _callbacks(ckpt.callbacks, out)
     if ckpt.position is not None:
         _position(trainer, ckpt.position, ckpt.epoch, out)
     return out

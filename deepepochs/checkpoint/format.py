@@ -66,6 +66,11 @@ yours keeps other objects in its state). Keys:
                     (`{'__dict__': {...}}`, tensors on the CPU). Loading gives each rank its own at the
                     same world size, rank 0's on another. None in files of older versions
                     (`trainer.carried` is then left as it is).
+`callbacks`         dict or None: the states of the callbacks with `state_dict()` and `load_state_dict()`
+                    (not the monitors) by name (class name, `[state_key]` appended when given), as of the
+                    file's commit point, each stored as a snapshot stores run state (tensors on the CPU).
+                    Loading gives each attached callback its own. None without such callbacks, and in files
+                    of older versions (the callbacks are then left as they are).
 ==================  ==========================================================================
 
 Under `strategy='fsdp'` a checkpoint is a folder of that name instead of a file, written by every rank
@@ -168,6 +173,7 @@ class Checkpoint:
     updates: int = attrs.field(default=0, validator=_non_negative_int)
     averages: Mapping | None = None
     carried: list | None = None
+    callbacks: Mapping | None = None
 
     def to_dict(self) -> dict:
         """The plain dict stored in the file."""

@@ -17,7 +17,7 @@ from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_o
 from deepepochs.checkpoint.optimizer_rules import whole_state
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header, generator_states
-from deepepochs.engine import buffers, carried, position, runstate
+from deepepochs.engine import buffers, callback_states, carried, position, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.parallel.ddp import is_dtensor
 from deepepochs.utils import set_rng_state
@@ -237,7 +237,8 @@ def _backup(trainer) -> Checkpoint:
     FSDP each rank's shards, copied where they are)."""
     backup = _header(trainer, None, copied_to_cpu(trainer.raw_model.state_dict()),
                      copy.deepcopy(trainer.opt.state_dict()), generator_states(trainer, gather=False), None)
-    return attrs.evolve(backup, scaler=copy.deepcopy(backup.scaler), monitors=copy.deepcopy(backup.monitors))
+    return attrs.evolve(backup, scaler=copy.deepcopy(backup.scaler), monitors=copy.deepcopy(backup.monitors),
+                        callbacks=copy.deepcopy(backup.callbacks))
 
 
 def load_averages(trainer, saved) -> None:
@@ -268,7 +269,8 @@ def _as_shards(live: Mapping, saved: Mapping) -> Mapping:
 
 
 def _apply(trainer, ckpt: Checkpoint, path) -> None:
-    """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors, weight averages, carried state and (same
+    """Load `ckpt`'s model, optimizers, schedulers, scaler, monitors, weight averages, carried state, callbacks'
+    states and (same
     world size) generator states."""
     load_model_state(trainer, ckpt.model, path)
     dist, model = trainer.dist, trainer.raw_model
@@ -289,6 +291,7 @@ def _apply(trainer, ckpt: Checkpoint, path) -> None:
     load_averages(trainer, ckpt.averages)
     # what the steps carry across batches, as of the file's commit point (every kind of file: one path)
     carried.load(trainer.carried, ckpt.carried, trainer.dist.rank, trainer.world_size, trainer.device)
+    callback_states.load(callback_states.stateful(trainer.callbacks), ckpt.callbacks, trainer.device)
     if ckpt.order_seed is not None:  # the training order continues as it was (`sampling.DataOrder`)
         trainer.dist.order_seed = ckpt.order_seed
     rng = _own_generator_states(trainer, ckpt.rng)

@@ -29,7 +29,7 @@ import torch
 from deepepochs.checkpoint import background, names, shard_storage
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
-from deepepochs.engine import carried, runstate
+from deepepochs.engine import callback_states, carried, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.utils import rng_state
 
@@ -55,8 +55,15 @@ def snapshot(trainer, position: Mapping | None = None) -> Checkpoint:
         raise CheckpointError("under strategy='fsdp' every rank holds shards of the states, so there is no one-file"
                               " snapshot; call deepepochs.checkpoint.save(trainer, path) on every rank (a sharded"
                               " checkpoint folder) and consolidate(path, file) for one file")
+    _warn_unsaved(trainer)
     return _header(trainer, position, trainer.raw_model.state_dict(), trainer.opt.state_dict(),
                    generator_states(trainer), carried_states(trainer, position))
+
+
+def _warn_unsaved(trainer) -> None:
+    """Name, once, each callback holding tensors, modules or optimizers that no file holds
+    (`callback_states.warn_unsaved`)."""
+    callback_states.warn_unsaved(trainer.callbacks, trainer.raw_model, [item.opt for item in trainer.opt.items])
 
 
 def generator_states(trainer, gather: bool = True):
@@ -108,6 +115,7 @@ def _header(trainer, position: Mapping | None, model: Mapping, opts: Mapping, rn
         updates=trainer.loop.run.updates,
         averages=trainer.loop.run.averages or None,
         carried=carried_now,
+        callbacks=callback_states.stored(callback_states.now(callback_states.stateful(trainer.callbacks))),
     )
 
 
@@ -160,6 +168,7 @@ def save(trainer, path, position: Mapping | None = None, writer=None, after=None
     if writer is not None:
         raise CheckpointError("a background write takes one checkpoint file; under strategy='fsdp' every rank"
                               " writes its shards: save without a writer")
+    _warn_unsaved(trainer)
     flat, params = shard_storage.flat_tensors(trainer.raw_model, [item.opt for item in trainer.opt.items])
     averages, counters = shard_storage.flat_averages(trainer.loop.run.averages)
     flat.update(averages)  # each rank writes its shards of the averages, as of the parameters

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepepochs.engine import buffers, carried, kept_grads, position
+from deepepochs.engine import buffers, callback_states, carried, kept_grads, position
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.engine.finite import window_finite
@@ -208,10 +208,11 @@ def save_checkpoints(ctx: Context) -> None:
 @action
 def commit_epoch(ctx: Context) -> None:
     """The epoch is done for good: its count, its records, its epoch-wise scheduler steps, the model's
-    buffers, the carried state and torch's generators as of now."""
+    buffers, the carried state, the callbacks' states and torch's generators as of now."""
     remember_random_state(ctx)
     buffers.keep(ctx)
     carried.keep(ctx)
+    callback_states.keep(ctx)
     loop = ctx.loop
     loop.completed_epochs = loop.epoch
     loop.resume = None
@@ -247,7 +248,8 @@ def average_epoch(ctx: Context) -> None:
 @action
 def open_window(ctx: Context) -> None:
     """A new window: no micro-batch, sample or update in it yet. The one function that empties a window's
-    counters and flags: the rollback's `reset_loop` calls it too."""
+    counters and flags: the rollback's `reset_loop` calls it too. The callbacks' states are kept here, as
+    the hooks after the last update (`on_after_optimize`, `on_after_train_batch`) left them."""
     loop = ctx.loop
     loop.window_pos = 0
     loop.window_samples = 0
@@ -257,6 +259,7 @@ def open_window(ctx: Context) -> None:
     loop.update_open = False
     loop.own_gradients = False
     loop.finite.clear()
+    callback_states.keep(ctx)  # what the hooks after the last update's commit left is that commit point's
 
 
 @action
@@ -448,14 +451,13 @@ def average_update(ctx: Context) -> None:
 def commit_update(ctx: Context) -> None:
     """The window's update is committed: the task's position moves past the window (the driver set the
     point to (epoch, task) when the task began) and the update is counted, once per window (an update skipped
-    for inf/NaN counts too): the run state's `updates`, the update clock's and the snapshots' count."""
+    for inf/NaN counts too): the run state's `updates`, the update clock's and the snapshots' count (their
+    `every_n_updates` are multiples of it)."""
     loop = ctx.loop
     if not loop.window_committed:
         # counted here, not at the commit point that follows: a Ctrl-C held during the update is raised
         # after this (release_interrupts), before it, and the window is committed all the same
         loop.run.updates += 1
-        if ctx.snapshots is not None:
-            ctx.snapshots.count_update()
     loop.window_committed = True
     loop.resume.batches_done = loop.batch_idx
 
@@ -527,6 +529,7 @@ def discard_window(ctx: Context) -> None:
     loop.save_requests.clear()
     buffers.put_back(ctx)  # last: the epoch-end undo above may have put back an earlier commit point's
     carried.put_back(ctx)  # likewise
+    callback_states.put_back(ctx)  # likewise
     put_back_host_state(ctx)  # what the dropped window drew from Python and NumPy, where kept
     kept_grads.put_back(ctx)  # the gradients the optimizers that did not step kept, without this window's
 
@@ -539,6 +542,7 @@ def reset_loop(ctx: Context) -> None:
     loop.meters = None
     loop.val_point_open = False
     open_window(ctx)
+    callback_states.forget(ctx)  # what open_window kept: outside a fit nothing is (the next fit keeps afresh)
     ctx.task = None
     ctx.model = ctx.parts.train_model
 

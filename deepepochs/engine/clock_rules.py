@@ -6,6 +6,7 @@ in the spec's registry (`deepepochs.engine.registry`) like every other; what the
 
 from __future__ import annotations
 
+from deepepochs.engine import callback_states
 from deepepochs.engine.context import Context
 from deepepochs.engine.generators import remember_random_state
 from deepepochs.engine.registry import action, guard
@@ -53,9 +54,11 @@ def val_point_open(ctx: Context) -> bool:
 @action
 def open_val_point(ctx: Context) -> None:
     """The validation stage runs as an update point's. The monitors' checks at it (`CheckCallback`: best
-    value, patience) count only once it commits: a rollback before `commit_val_point` puts them back."""
+    value, patience) count only once it commits: a rollback before `commit_val_point` puts them back, and the
+    callbacks' states as the point began."""
     ctx.loop.val_point_open = True
     ctx.epoch_undo.append(monitors_undo(ctx.parts.hooks.callbacks))
+    callback_states.keep(ctx)  # as the update's hooks left them: a rollback of the point puts them back
 
 
 @action

@@ -131,6 +131,8 @@ class Parts:
         averagers: the weight averages' `average_weights(trainer, at)` methods (`EMACallback`,
             `SWACallback`), called by the `average_update` (`at='update'`) and `average_epoch`
             (`at='epoch'`) actions.
+        stateful: the callbacks that keep a state (`state_dict()`, `load_state_dict()`) by name
+            (`deepepochs.engine.callback_states`), kept at commit points and loaded back by a rollback.
     """
 
     config: TrainerConfig
@@ -149,6 +151,7 @@ class Parts:
     target_key: str | None = None
     pick_targets: Callable | None = None
     averagers: list[Callable[[object, str], None]] = attrs.Factory(list)
+    stateful: dict = attrs.Factory(dict)
 
 
 @attrs.define(slots=True, eq=False)

@@ -29,6 +29,7 @@ from deepepochs.engine import (
     actions,
     batches,
     buffers,
+    callback_states,
     carried,
     continuation,
     generators,
@@ -204,6 +205,7 @@ class Driver:
             loop.resume_tasks = None
         buffers.keep(ctx, fresh=True)  # after a resume loaded them: where a fault before any commit returns
         carried.keep(ctx, fresh=True)
+        callback_states.keep(ctx, fresh=True)
         self._header()
         emit(self.ctx, Event.BEFORE_FIT, epochs)
         if not self._started:
@@ -218,6 +220,7 @@ class Driver:
             emit(self.ctx, Event.BEFORE_EPOCH, train, val, epoch_idx)
             fire(TriggerName.BEGIN_TRAIN)
             train_metrics = self._train_stage(train, epoch)
+            callback_states.keep(ctx)  # as the last update's hooks left them, before validation and the end
             fire(TriggerName.END_STAGE)
             loop.val_due = bool(val) and epoch % val_freq == 0 and loop.val_every is None
             val_metrics = {}
@@ -239,6 +242,7 @@ class Driver:
         fire(TriggerName.FINISH)
         buffers.forget(ctx)
         carried.forget(ctx)
+        callback_states.forget(ctx)
         return copy.deepcopy(ctx.history)  # the whole run's records, resumed epochs included
 
     def _count_epoch(self, epoch):
@@ -280,7 +284,7 @@ class Driver:
             self._run_task(task, "train", epoch, meters, skip, samples)
             trained = (index, loop.resume.batches_done, getattr(task.data, "batch_size", None))
         loop.resume = ResumePoint(epoch, -1, 0, trained=trained)
-        metrics = self._stage_metrics(meters_list)
+        metrics = self._stage_metrics(meters_list, tasks)
         ctx.last_metrics["train"] = metrics
         emit(self.ctx, Event.AFTER_TRAIN_EPOCHS, tasks, metrics, epoch - 1)
         return metrics
@@ -307,7 +311,7 @@ class Driver:
         finally:
             ctx.model = parts.train_model
             parts.raw_model.train()
-        metrics = self._stage_metrics(meters_list)
+        metrics = self._stage_metrics(meters_list, tasks)
         ctx.last_metrics[stage] = metrics
         if stage == "val":
             emit(self.ctx, after_stage, tasks, metrics, epoch - 1)
@@ -454,13 +458,15 @@ class Driver:
         meters.final = out
         return out
 
-    def _stage_metrics(self, meters_list) -> dict:
+    def _stage_metrics(self, meters_list, tasks) -> dict:
         """A stage's metrics from its tasks' (`tasks.merge_stage_metrics`), noting once how names of several
-        tasks are told apart when they clash."""
+        unnamed tasks are told apart when they clash."""
         per_task = [self._task_metrics(meters) for meters in meters_list]
-        if len(per_task) > 1 and len({name for m in per_task for name in m}) < sum(len(m) for m in per_task):
+        names = [task.name for task in tasks]
+        if len(per_task) > 1 and len({name for m in per_task for name in m}) < sum(len(m) for m in per_task) \
+                and any(name is None for name in names[1:]):
             self.ctx.parts.console.note_once("task-suffix", TASK_SUFFIX_NOTE)
-        return merge_stage_metrics(per_task)
+        return merge_stage_metrics(per_task, names)
 
     def _raise_pending_nonfinite(self, meters):
         """nonfinite='raise' on an accelerator: the per-update finite checks were kept on the device;
@@ -477,18 +483,20 @@ class Driver:
 
     # ---- misc ----
     def _header(self):
-        """Print the run's header once per trainer (time, device, running id, parameters, precision)."""
+        """Print the run's header once per trainer (time, device, running id, parameters, precision and the
+        parameters' dtypes: `precision` names autocast's, a float64 model trains in float64 under 'fp32')."""
         if self.header_done:
             return
         self.header_done = True
         ctx = self.ctx
         parts = ctx.parts
         n = sum(p.numel() for p in parts.raw_model.parameters())
+        dtypes = ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in parts.raw_model.parameters()}))
         now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         world = parts.dist.world_size
         extra = f" | world size: {world}" if world > 1 else ""
         parts.console.info(f"{now} | device: {parts.device} | running id: {ctx.run.running_id} | parameters:"
-                           f" {n:,} | precision: {parts.config.precision}{extra}")
+                           f" {n:,} ({dtypes}) | precision: {parts.config.precision}{extra}")
 
 
 def _uncounted(batch_x, batch_y) -> int:

@@ -140,6 +140,10 @@ class RunState:
         carried: what steps carry from batch to batch (`trainer.carried`: an RNN's hidden state, a queue)
             as the last commit point of the running fit saw it, which a rollback writes back
             (`deepepochs.engine.carried`); None outside a fit. Every checkpoint file holds it (`carried`).
+        callbacks: the states of the callbacks that keep one (`state_dict()`, `load_state_dict()`), by name,
+            as the last commit point of the running fit saw them, which a rollback loads back
+            (`deepepochs.engine.callback_states`); None outside a fit. Every checkpoint file holds them
+            (`callbacks`).
         updates: the update windows the run committed (`commit_update`: applied, or skipped for inf/NaN),
             resumed runs included: the update clock (`max_updates`, `val_every_n_updates`) and the snapshots'
             count (`snapshot-u<updates>`).
@@ -178,6 +182,8 @@ class RunState:
     grads: dict | None = _field(None, copy=SHARED)
     # Replaced whole, by a copy, at commit points (`carried.keep`); a capture copies it (small: hidden states).
     carried: dict | None = _field(None, snapshot="the checkpoint's carried, per rank (every file holds it)")
+    # Replaced whole, by copies, at commit points (`callback_states.keep`); a capture copies them.
+    callbacks: dict | None = _field(None, snapshot="the checkpoint's callbacks (every file holds them)")
     updates: int = _field(0, copy=SHARED, snapshot="the checkpoint's updates")
     # The averaged modules' own tensors: a capture copies them, a restore writes them back into the module.
     averages: dict | None = _field(None, snapshot="the checkpoint's averages", in_place=True)

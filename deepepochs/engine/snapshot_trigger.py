@@ -1,6 +1,6 @@
 """Snapshots at commit points: when the `snapshot` trigger fires, and how ranks agree.
 
-With a snapshot writer attached (a callback with `count_update`, `poll_snapshot`, `write_snapshot`,
+With a snapshot writer attached (a callback with `poll_snapshot`, `write_snapshot`,
 `late_signal` and `signals`: see `deepepochs.callbacks.SnapshotCallback`), every commit point fires the
 spec's `snapshot` trigger: after each committed window of a training task (`task_train`) and after each
 epoch's commit (`fit_running`).

@@ -176,7 +176,7 @@ def first_batch_checks(ctx: Context, stage: str, value, preds, targets, patches)
                     break
                 per_task.append(dict.fromkeys((["loss"] if task.do_loss else []) + task_names))
             else:
-                stages["val"] = list(merge_stage_metrics(per_task))
+                stages["val"] = list(merge_stage_metrics(per_task, [task.name for task in val_tasks]))
     for monitor in monitors:
         monitor.check_names(stages)
 

@@ -17,6 +17,7 @@ from deepepochs.callbacks.lr_find import LRFindCallback, run_finder
 from deepepochs.checkpoint import load_into
 from deepepochs.checkpoint.run_lock import hold_run
 from deepepochs.config import TrainerConfig
+from deepepochs.engine import callback_states
 from deepepochs.engine.context import Context, LoopState, Parts, RunState, StopRequest
 from deepepochs.engine.driver import Driver
 from deepepochs.engine.profiling import profiles
@@ -291,11 +292,16 @@ class TrainerBase(StepMethods):
 
     def add_callbacks(self, callbacks) -> None:
         """Attach callbacks; their hook signatures are checked now. Callbacks with a `clip` method are
-        also registered as gradient clippers (the spec's clip_gradients action), and those with an
-        `average_weights` method as weight averages (the spec's average_update and average_epoch actions)."""
+        also registered as gradient clippers (the spec's clip_gradients action), those with an
+        `average_weights` method as weight averages (the spec's average_update and average_epoch actions),
+        and those with `state_dict()` and `load_state_dict()` as callbacks whose state every checkpoint holds
+        (by class name, and `state_key` if they have one: two of one name are refused)."""
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        stateful = callback_states.stateful(self._hooks.callbacks + callbacks)  # refused before any is attached
         self._clippers.extend(self._hooks.attach(callbacks, self))
         self._averagers.extend(cb.average_weights for cb in callbacks if callable(getattr(cb, "average_weights", None)))
+        self._ctx.parts.stateful.clear()
+        self._ctx.parts.stateful.update(stateful)
 
     @profiles("fit")
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,

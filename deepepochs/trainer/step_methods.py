@@ -132,11 +132,18 @@ class StepMethods:
         own `loss.backward()` (then the update takes them as they are: under accumulation divide the loss
         yourself, or use `self.backward(loss)`, which weighs each micro-batch as `self.loss` does).
         `closure`: for LBFGS and other optimizers whose `step` takes a closure, the function that zeroes the
-        gradients, re-evaluates the model, backpropagates and returns the loss; each optimizer then steps as
-        `opt.step(closure)`, and the loss it returns (the closure's first) is returned and reported as the
-        batch's loss. Returns None without a closure.
+        gradients (`self.zero_grad()`), re-evaluates the model, backpropagates and returns the loss; each
+        optimizer then steps as `opt.step(closure)`, and the loss it returns (the closure's first) is returned
+        and reported as the batch's loss. Returns None without a closure.
         """
         return steps.optimize(self._ctx, optimize_index, closure)
+
+    def zero_grad(self, optimize_index=None) -> None:
+        """Zero the gradients of optimizers `optimize_index` (None = all; set to None, as torch's
+        `opt.zero_grad()`): what an LBFGS closure does first, `def closure(): self.zero_grad(); ...`. Outside a
+        closure it drops the gradients the window accumulated so far."""
+        opts = self._ctx.parts.opts
+        opts.zero_grad(opts.indices(optimize_index))
 
     def backward(self, loss) -> None:
         """Backpropagate `loss` in a custom training step as `self.loss(...)` does, without computing or
