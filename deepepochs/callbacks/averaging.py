@@ -284,8 +284,8 @@ class EMACallback(_WeightAverage):
         return f"EMACallback(decay={self.decay!r}, warmup={self.warmup}{schedule}, buffers={self.buffers!r})"
 
     def _make(self, model):
-        return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
-                             use_buffers=self.buffers == "average")
+        self._steady = get_ema_multi_avg_fn(self.decay)  # the constant decay's update, made once
+        return AveragedModel(model, multi_avg_fn=self._steady, use_buffers=self.buffers == "average")
 
     def decay_at(self, updates: int) -> float:
         """The decay of the update that follows `updates` committed ones, past `start_update`: `decay`, or
@@ -303,6 +303,15 @@ class EMACallback(_WeightAverage):
             decay = min(decay, (1 + updates) / (10 + updates))
         return decay
 
+    def _update_fn(self, n: int):
+        """The `multi_avg_fn` of the update after `n` committed ones: a copy up to `start_update`, then the
+        constant decay's (made once) or, with a warm-up, one made for `decay_at(n)`."""
+        if n <= self.start_update:
+            return _copy
+        if self.power is None and not self.warmup:
+            return self._steady
+        return get_ema_multi_avg_fn(self.decay_at(n))
+
     def average_weights(self, trainer, at: str) -> None:
         """Called by the engine as an update commits (`at='update'`): at every `update_every`-th one the
         average takes the model's weights, copied up to `start_update`, at `decay_at` after."""
@@ -311,8 +320,11 @@ class EMACallback(_WeightAverage):
         state = self._registered(trainer)
         n = state["updates"]
         if n % self.update_every == 0:
-            self.averaged.multi_avg_fn = _copy if n <= self.start_update else get_ema_multi_avg_fn(self.decay_at(n))
-            self.averaged.update_parameters(trainer.raw_model)
+            averaged = self.averaged
+            fn = self._update_fn(n)
+            if fn is not averaged.multi_avg_fn:  # nn.Module's setattr is not free: only when the rule changes
+                averaged.multi_avg_fn = fn
+            averaged.update_parameters(trainer.raw_model)
         state["updates"] = n + 1
 
 
