@@ -64,7 +64,7 @@ def fuses(ctx: Context) -> bool:
 
 
 def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
-    """Run a training task's micro-batches (the window and step layers of the machine). `total`: the
+    """Run a training task's micro-batches from `data` (an iterable, iterated once here) (the window and step layers of the machine). `total`: the
     task's batch count when it is exact (`batch_rules.exact_length`): the last batch is then known by counting;
     else, with accumulation, one batch is read ahead to know it, except at a window's end
     (`batch_rules.lookahead`). With the update clock on (`Context.update_clock`), it is asked at the task's
@@ -94,7 +94,15 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
     log_batch = console.log_batch or console.log_tqdm
     snapshot_writer = ctx.snapshots
     clock = ctx.update_clock
-    if clock is not None and clock():  # the budget was reached before this task (or a stop requested)
+    # The clock at the task's start: the budget was reached before this task, a stop was requested, or a
+    # validation point is due. The point before the first update (`val_at_start`) runs before the data's
+    # iterator is made (a DataLoader's draws its base seed from torch's generator), as a plain loop
+    # evaluates before its `for batch in data`; later ones after it, where a resumed task's random streams
+    # were put back (`continuation.TrainingBatches`).
+    if clock is not None and loop.run.updates == 0 and clock():
+        return True
+    data = iter(data)
+    if clock is not None and loop.run.updates and clock():
         return True
     data, guarded = snapshot_trigger.guard(ctx, data, "train")  # no batch is fetched once a signal arrived
     if k == 1:  # every batch closes its window

@@ -128,8 +128,9 @@ GUARDS = (('epochs_remaining', 'Completed epochs are fewer than the epoch target
   'The update clock stops the training task here: the update budget is reached or a callback requested a '
   'stop.'),
  ('val_point_due',
-  'fit(val_every_n_updates=M) with validation data: the committed update count is a multiple of M or reaches '
-  'the budget, and the records hold no validation at this count yet.'),
+  'fit(val_every_n_updates=M) with validation data: the committed update count is a multiple of M, reaches '
+  'the budget (unless val_at_end=False) or is 0 with val_at_start=True, and the records hold no validation '
+  'at this count yet.'),
  ('val_point_open',
   "The validation stage runs at an update point inside a training task, not at an epoch's end."),
  ('resume_pending', 'Trainer(resume=...) asked for a resume that has not happened yet.'),
@@ -209,7 +210,8 @@ ACTIONS = (('resume_checkpoint',
   False,
   False,
   'Step epoch-wise LR schedulers (with the monitored loss if so configured); with validation points '
-  "(val_every_n_updates) at each point, with its validation loss, not at epochs' ends."),
+  "(val_every_n_updates) at each point, with its validation loss, not at epochs' ends nor at the point "
+  'before the first update (val_at_start).'),
  ('average_epoch',
   False,
   False,
