@@ -57,8 +57,9 @@ class GradClipCallback(Callback):
     them whatever the optimizers' parameter groups, then any parameter of an optimizer that is not the
     model's, in the optimizers' order. The order is the norm's summation order: it keeps a clipped update
     bit-identical to the plain loop's. With several optimizers, norm clipping uses the joint norm of the
-    parameters of the optimizers being updated whose gradients are finite. Groups with inf/NaN gradients are left alone: they skip this update,
-    and counting them would turn every other group's clip coefficient into 0 or NaN.
+    parameters of the optimizers being updated whose gradients are finite. Groups with inf/NaN gradients
+    are left alone: they skip this update, and counting them would turn every other group's clip
+    coefficient into 0 or NaN.
 
     Args:
         max_value: the largest allowed absolute gradient element (by value) or total norm (by norm).

@@ -64,7 +64,8 @@ def fuses(ctx: Context) -> bool:
 
 
 def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
-    """Run a training task's micro-batches from `data` (an iterable, iterated once here) (the window and step layers of the machine). `total`: the
+    """Run a training task's micro-batches from `data` (an iterable, iterated once here): the window and step
+    layers of the machine. `total`: the
     task's batch count when it is exact (`batch_rules.exact_length`): the last batch is then known by counting;
     else, with accumulation, one batch is read ahead to know it, except at a window's end
     (`batch_rules.lookahead`). With the update clock on (`Context.update_clock`), it is asked at the task's
