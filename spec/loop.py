@@ -261,6 +261,13 @@ TRANSITIONS = [
       conditions=["window_boundary"], actions=["unscale_gradients"]),
     E("optimize", "step_backward", "step_backward", "The window is not complete: keep accumulating.",
       unless=["window_boundary"]),
+    # The data ended inside a window that was not known to be its last (data without a length, one process):
+    # the window updates after its last micro-batch, through the same update edges.
+    E("optimize", "window_open", "optimize_unscaled", "The data ended inside the window: its micro-batches'"
+      " gradients update, as the window's last micro-batch would have.", conditions=["grads_present"],
+      actions=["unscale_gradients"]),
+    E("optimize", "window_open", "task_train", "The data ended inside a window that backpropagated nothing: it"
+      " closes without an update.", unless=["grads_present"], actions=["close_window"]),
     E("clip", "optimize_unscaled", "optimize_clipped", "Gradients are clipped.", actions=["clip_gradients"]),
     *(E("apply_update", source, "optimize_clipped", "Finite gradients: the optimizer steps.",
         conditions=["grads_finite"], actions=["step_optimizer", "commit_update"]) for source in OPTIMIZING),
