@@ -15,6 +15,7 @@ import math
 import os
 import signal
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -201,6 +202,7 @@ def assert_same(model, opt, want_model, want_opt):
             assert torch.equal(got["state"][i][key], value), (i, key)
 
 
+@pytest.mark.slow
 def test_a_nanogpt_shaped_port_trains_bit_identically_to_its_plain_loop():
     """Weights, AdamW states (both groups) and the evaluations at updates 0, 4 and 8 equal the plain loop's
     bit for bit: clipping in model.parameters() order, micro-batches fetched just before their forwards."""
@@ -212,6 +214,7 @@ def test_a_nanogpt_shaped_port_trains_bit_identically_to_its_plain_loop():
     assert_same(model, opt, want_model, want_opt)
 
 
+@pytest.mark.slow
 def test_a_nanogpt_shaped_port_stopped_by_sigterm_resumes_to_the_plain_loops_weights(tmp_path):
     """A SIGTERM after update 6 (inside the stream, between evaluations) stops the fit with a snapshot; a
     fresh trainer resuming it ends with the plain loop's weights, optimizer state and evaluations."""
