@@ -30,10 +30,9 @@ from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 
 __all__ = [
     "backpropagate", "batch_patches", "check_metrics_without_targets", "check_step_result", "close_cut_window",
-    "compute_loss",
-    "count_batch", "custom_step", "default_step", "dict_batch_counted", "first_batch_checks", "forward", "loss",
-    "loss_value", "name_by_key", "no_sync", "optimize", "padding_forward", "predict_step", "read_batch",
-    "report_loss", "select_update", "step_metrics", "step_patches", "user_backward", "user_loss",
+    "compute_loss", "count_batch", "custom_step", "default_step", "dict_batch_counted", "first_batch_checks",
+    "forward", "loss", "loss_value", "name_by_key", "no_sync", "optimize", "padding_forward", "predict_step",
+    "read_batch", "report_loss", "select_update", "step_metrics", "step_patches", "user_backward", "user_loss",
 ]
 
 #: Per stage, the hooks a step fires: before and after the forward pass, before the metrics.
