@@ -45,8 +45,9 @@ the callback the trigger is never fired.
 The update clock: with `Trainer(max_updates=N)` or `fit(val_every_n_updates=M)`, every committed window (after
 its snapshot, if any) and every training task's start fire the trigger `validate` in `task_train` (hot:
 once per update).
-`val_point_due` (every M-th committed update, and the one that reaches the budget, unless the records already
-hold that count's validation) leads into `stage_val`, whose `end_stage` returns to the training task
+`val_point_due` (every M-th committed update, the one that reaches the budget unless `val_at_end=False`, and
+with `val_at_start=True` update 0 at the first task's start, unless the records already hold that count's
+validation) leads into `stage_val`, whose `end_stage` returns to the training task
 (`val_point_open`), committing the validation point's row; `task_stops` (the budget is reached, or a callback
 requested a stop) leads to `task_spent`: the task reads no further batch, and `next_epoch` ends the fit on
 `update_budget_reached`. Without the clock the trigger is never fired.
@@ -140,7 +141,8 @@ GUARDS = [
     G("task_stops", "The update clock stops the training task here: the update budget is reached or a callback"
       " requested a stop."),
     G("val_point_due", "fit(val_every_n_updates=M) with validation data: the committed update count is a multiple"
-      " of M or reaches the budget, and the records hold no validation at this count yet."),
+      " of M, reaches the budget (unless val_at_end=False) or is 0 with val_at_start=True, and the records hold"
+      " no validation at this count yet."),
     G("val_point_open", "The validation stage runs at an update point inside a training task, not at an epoch's"
       " end."),
     G("resume_pending", "Trainer(resume=...) asked for a resume that has not happened yet."),
@@ -184,7 +186,8 @@ ACTIONS = [
       " now, after the commit.", after_commit=True),
     A("close_window", "Fold the window's loss sums and metric patches into the task's."),
     A("step_epoch_schedulers", "Step epoch-wise LR schedulers (with the monitored loss if so configured); with"
-      " validation points (val_every_n_updates) at each point, with its validation loss, not at epochs' ends."),
+      " validation points (val_every_n_updates) at each point, with its validation loss, not at epochs' ends nor"
+      " at the point before the first update (val_at_start)."),
     A("average_epoch", "Move the epoch-wise weight averages (SWACallback) by the epoch's weights and step their"
       " learning-rate schedule, before the epoch's checkpoints are written (undone if the epoch does not"
       " commit)."),
@@ -263,6 +266,13 @@ TRANSITIONS = [
       conditions=["window_boundary"], actions=["unscale_gradients"]),
     E("optimize", "step_backward", "step_backward", "The window is not complete: keep accumulating.",
       unless=["window_boundary"]),
+    # The data ended inside a window that was not known to be its last (data without a length, one process):
+    # the window updates after its last micro-batch, through the same update edges.
+    E("optimize", "window_open", "optimize_unscaled", "The data ended inside the window: its micro-batches'"
+      " gradients update, as the window's last micro-batch would have.", conditions=["grads_present"],
+      actions=["unscale_gradients"]),
+    E("optimize", "window_open", "task_train", "The data ended inside a window that backpropagated nothing: it"
+      " closes without an update.", unless=["grads_present"], actions=["close_window"]),
     E("clip", "optimize_unscaled", "optimize_clipped", "Gradients are clipped.", actions=["clip_gradients"]),
     *(E("apply_update", source, "optimize_clipped", "Finite gradients: the optimizer steps.",
         conditions=["grads_finite"], actions=["step_optimizer", "commit_update"]) for source in OPTIMIZING),

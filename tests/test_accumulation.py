@@ -294,3 +294,43 @@ def test_the_backward_seed_cache_stays_small_when_batch_sizes_vary():
         expected += 2 * w.detach() * (i + 2) * share
         assert len(ctx.seeds) <= 16
     torch.testing.assert_close(w.grad, expected)
+
+
+class Unsized:
+    """The batches of `dl` as data without a length (re-iterable); `events` notes each fetch."""
+
+    def __init__(self, dl, events=None):
+        self.batches, self.events = batches_of(dl), events
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            if self.events is not None:
+                self.events.append(("fetch", i))
+            yield batch
+
+
+@pytest.mark.parametrize("fuse_steps", [True, False])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_data_without_a_length_is_fetched_just_before_each_forward_and_its_cut_window_updates(fuse_steps, k):
+    """In one process, a micro-batch of data without a length is fetched right before its forward, as in
+    `for batch in data: forward, backward; every k: step` (nothing is read ahead); the window the data's
+    end cuts short (7 batches: a tail of 7 mod k) updates after its last micro-batch, so the weights equal
+    one SGD step per window on its concatenated batches, tail included."""
+    x, y = make_data()
+    dl = DataLoader(TensorDataset(x, y), batch_size=8)  # 7 batches
+    events = []
+    model, ref = make_model(), make_model()
+    model.register_forward_pre_hook(lambda module, args: events.append(("forward", None)))
+    counter = CountUpdates()
+    trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2,
+                      gradient_accumulation_steps=k, fuse_steps=fuse_steps, callbacks=[counter], **QUIET)
+    trainer.machine.history = collections.deque()  # keep every transition
+    records = trainer.fit(Unsized(dl, events))
+    assert events == [e for _ in range(2) for i in range(7) for e in (("fetch", i), ("forward", None))]
+    cut = [r for r in trainer.machine.records() if r.trigger == "optimize" and r.source == "window_open"]
+    assert len(cut) == 2 * (7 % k != 0)  # the tail window of each epoch, once its data said it ended
+    assert dict(counter.updates) == {1: -(-7 // k), 2: -(-7 // k)}
+    ref_losses = reference_windows(ref, batches_of(dl), k, epochs=2)
+    assert max_diff(model, ref) < 1e-5
+    assert records["train"]["loss"] == pytest.approx(ref_losses, abs=1e-5)
+    assert all(p.grad is None for p in model.parameters())

@@ -596,3 +596,37 @@ def test_a_post_hook_failing_after_the_update_still_steps_the_scheduler_once_and
     t.fit(make_dl(48))
     assert sched.last_epoch == 6
     assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 6)
+
+
+def _decay_groups(model, lr=0.01):
+    """AdamW as nanoGPT builds it: matrices decay, biases do not, so the groups list the parameters in
+    another order than model.parameters()."""
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr)
+
+
+def test_norm_clipping_takes_the_models_parameter_order_whatever_the_optimizers_groups():
+    """With AdamW's decay/no-decay groups, GradClipCallback's update equals a plain loop's
+    clip_grad_norm_(model.parameters()) bit for bit: the norm is summed in model.parameters() order."""
+    def model_of():
+        torch.manual_seed(5)
+        return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())], nn.Linear(16, 1))
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(160, 16, generator=g), torch.randn(160, 1, generator=g)
+    dl = DataLoader(TensorDataset(x, y), batch_size=8)
+    model, ref = model_of(), model_of()
+    Trainer(model, F.mse_loss, _decay_groups(model), epochs=2, callbacks=[GradClipCallback(0.05, norm_type=2)],
+            **QUIET).fit(dl)
+    opt = _decay_groups(ref)
+    for _ in range(2):
+        for xb, yb in dl:
+            opt.zero_grad()
+            F.mse_loss(ref(xb), yb).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

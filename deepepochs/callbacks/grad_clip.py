@@ -13,6 +13,19 @@ from deepepochs.errors import ConfigError
 __all__ = ["GradClipCallback"]
 
 
+def _clipped_params(model: torch.nn.Module, optimizers) -> list[torch.Tensor]:
+    """The parameters with a gradient that `optimizers` update, in the order a plain loop's
+    `clip_grad_norm_(model.parameters(), ...)` takes them: `model.parameters()` order first, then any that
+    are not the model's, in the optimizers' order. The order is the norm's summation order, so it is what
+    makes a clipped update bit-identical to the plain loop's whatever the optimizers' parameter groups (AdamW
+    with decay and no-decay groups lists them in another order than the model). A parameter in two
+    optimizers counts once."""
+    chosen = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]
+              if p.grad is not None}
+    ordered = [p for p in model.parameters() if chosen.pop(id(p), None) is not None]
+    return ordered + list(chosen.values())
+
+
 def _check_max_value(value) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not (0 < value < math.inf):
         raise ConfigError(f"max_value must be a positive finite number (got {value!r}); e.g."
@@ -38,9 +51,14 @@ class GradClipCallback(Callback):
     accumulated gradients are normalised by the window's sample count, before any optimizer steps, so
     `max_value` is in the units of the true gradient whatever the precision or accumulation.
 
-    With several optimizers, norm clipping uses the joint norm of the parameters of the optimizers being
-    updated whose gradients are finite. Groups with inf/NaN gradients are left alone: they skip this update,
-    and counting them would turn every other group's clip coefficient into 0 or NaN.
+    What is clipped, in which order: the parameters (with a gradient) of the optimizers being updated, in
+    `model.parameters()` order, as `clip_grad_norm_(model.parameters(), max_value)` in a plain loop takes
+    them whatever the optimizers' parameter groups, then any parameter of an optimizer that is not the
+    model's, in the optimizers' order. The order is the norm's summation order: it keeps a clipped update
+    bit-identical to the plain loop's. With several optimizers, norm clipping uses the joint norm of the
+    parameters of the optimizers being updated whose gradients are finite. Groups with inf/NaN gradients
+    are left alone: they skip this update, and counting them would turn every other group's clip
+    coefficient into 0 or NaN.
 
     Args:
         max_value: the largest allowed absolute gradient element (by value) or total norm (by norm).
@@ -66,15 +84,7 @@ class GradClipCallback(Callback):
 
     def clip(self, trainer, indices, finite) -> None:
         """Clip the gradients of optimizers `indices` whose entry in `finite` (index -> bool) is True."""
-        params, seen = [], set()
-        for i in indices:
-            if not finite.get(i, True):
-                continue
-            for group in trainer.opt[i].opt.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None and id(p) not in seen:  # a parameter in two optimizers counts once
-                        seen.add(id(p))
-                        params.append(p)
+        params = _clipped_params(trainer.raw_model, [trainer.opt[i].opt for i in indices if finite.get(i, True)])
         if not params:
             return
         if self.norm_type is None:

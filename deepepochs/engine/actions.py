@@ -178,10 +178,11 @@ def step_epoch_schedulers(ctx: Context) -> None:
     """Step epoch-wise schedulers with this epoch's loss; their states before are kept until the epoch
     commits, so a rollback before `commit_epoch` undoes this step instead of losing or repeating it. With
     validation points (`val_every_n_updates`) the schedulers step at each point instead, with its validation
-    loss (ReduceLROnPlateau follows the points), kept until `commit_val_point`."""
+    loss (ReduceLROnPlateau follows the points), kept until `commit_val_point`; the point before the first
+    update (`val_at_start`) steps none: nothing was trained yet."""
     loop = ctx.loop
-    if loop.val_every is not None and not loop.val_point_open:
-        return  # an epoch's end on the update clock: they stepped at its validation points
+    if loop.val_every is not None and (not loop.val_point_open or loop.run.updates == 0):
+        return  # an epoch's end on the update clock (they stepped at its points), or the point at update 0
     opts = ctx.parts.opts
     before = opts.epoch_scheduler_state()
     ctx.epoch_undo.append(lambda: opts.load_epoch_scheduler_state(before))

@@ -64,10 +64,13 @@ def fuses(ctx: Context) -> bool:
 
 
 def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
-    """Run a training task's micro-batches (the window and step layers of the machine). `total`: the
-    task's batch count when it is exact (`batch_rules.exact_length`): the last batch is then known by counting;
-    else, with accumulation, one batch is read ahead to know it, except at a window's end
-    (`batch_rules.lookahead`). With the update clock on (`Context.update_clock`), it is asked at the task's
+    """Run a training task's micro-batches from `data` (an iterable, iterated once here): the window and step
+    layers of the machine. Each micro-batch is fetched just before its forward, as a plain loop fetches it.
+    `total`: the task's batch count when it is exact (`batch_rules.exact_length`): the last batch is then
+    known by counting. Else windows close by count, and one that the data's end cuts short updates once the
+    data said it ended (`steps.close_cut_window`); except under DDP, where a window's last micro-batch must
+    be known before its backward (it syncs gradients): there one batch is read ahead, except at a window's
+    end (`batch_rules.lookahead`). With the update clock on (`Context.update_clock`), it is asked at the task's
     start and after each committed window; True when it stopped the task (`deepepochs.engine.update_clock`)."""
     parts, loop, machine = ctx.parts, ctx.loop, ctx.machine
     task = ctx.task
@@ -94,18 +97,30 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
     log_batch = console.log_batch or console.log_tqdm
     snapshot_writer = ctx.snapshots
     clock = ctx.update_clock
-    if clock is not None and clock():  # the budget was reached before this task (or a stop requested)
+    # The clock at the task's start: the budget was reached before this task, a stop was requested, or a
+    # validation point is due. The point before the first update (`val_at_start`) runs before the data's
+    # iterator is made (a DataLoader's draws its base seed from torch's generator), as a plain loop
+    # evaluates before its `for batch in data`; later ones after it, where a resumed task's random streams
+    # were put back (`continuation.TrainingBatches`).
+    if clock is not None and loop.run.updates == 0 and clock():
+        return True
+    data = iter(data)
+    if clock is not None and loop.run.updates and clock():
         return True
     data, guarded = snapshot_trigger.guard(ctx, data, "train")  # no batch is fetched once a signal arrived
     if ctx.profiler is not None:  # each fetch timed as the DataLoader's wait (`ProfileCallback`)
         data = ctx.profiler.fetching(data, "train", ctx.task.dataloader)
+    # Each micro-batch is fetched just before its forward, as in `for batch in data: forward, backward;
+    # every k: step`, so the data's random draws and the model's (dropout) interleave as in that loop.
     if k == 1:  # every batch closes its window
         batches = zip(data, itertools.repeat(True))
-    elif total is None:
-        batches = lookahead(data, k)
-    else:  # counted: a batch beyond `total` (a length that lied) still runs, closing its own window
+    elif total is not None:  # counted: a batch beyond `total` (a length that lied) still runs, closing its window
         batches = zip(data, itertools.chain(itertools.repeat(False, max(total - loop.batch_idx - 1, 0)),
                                             itertools.repeat(True)))
+    elif parts.dist.world_size > 1:  # a window's last backward must sync gradients: known one batch ahead
+        batches = lookahead(data, k)
+    else:  # windows close by count; one the data's end cuts short updates after it (`close_cut_window`)
+        batches = zip(data, itertools.repeat(False))
     try:
         for batch, is_last in batches:
             if micro_batch is not None:
@@ -135,6 +150,11 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
                 snapshot_trigger.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
             if clock is not None and loop.window_pos == 0 and loop.window_committed and clock():
                 return True  # the update clock stopped the task: no further batch is read
+        if loop.window_pos and steps.close_cut_window(ctx):  # the data ended inside a window: it updates
+            if snapshot_writer is not None:
+                snapshot_trigger.commit_point(ctx, epoch_end=False)
+            if clock is not None and clock():
+                return True
     except snapshot_trigger.FetchStopped as stop:  # a listed signal: stop before the next batch
         snapshot_trigger.stop_fetching(ctx, stop.signal)
     finally:

@@ -36,11 +36,17 @@ def task_stops(ctx: Context) -> bool:
 
 @guard
 def val_point_due(ctx: Context) -> bool:
-    """Every `val_every`-th committed update and the one reaching the budget, unless the run's records already
-    hold a validation at this count (a refit, or a resume, after the point was validated)."""
+    """Every `val_every`-th committed update, the one reaching the budget (unless `val_at_end` is False) and,
+    with `val_at_start`, update 0 (before the first update), unless the run's records already hold a
+    validation at this count (a refit, or a resume, after the point was validated)."""
     loop = ctx.loop
     every, updates = loop.val_every, loop.run.updates
-    if every is None or updates == 0 or (updates % every and not _budget_spent(ctx)):
+    if every is None:
+        return False
+    if updates == 0:
+        if not loop.val_at_start:
+            return False
+    elif updates % every and not (loop.val_at_end and _budget_spent(ctx)):
         return False
     done = ctx.history["val"].get(VAL_POINT_KEY)
     return not done or done[-1] != updates

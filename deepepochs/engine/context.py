@@ -62,15 +62,16 @@ class LoopState:
     micro-batches (0: no window is open). `resume_tasks`: the training tasks of the fit whose start honours
     a pending `resume=...` (a snapshot's position is checked against them), None otherwise. `epoch_undo`:
     how to undo the epoch-end work done before `commit_epoch`, in order (rollback; empty outside an
-    epoch's end). `update_open`: an update began (`unscale_gradients`) and its `zero_grad` has not run yet,
-    so the gradients it leaves are not kept yet (`kept_grads`). The update clock (the running fit's):
-    `target_updates` (`Trainer(max_updates=...)`, a total of committed updates, or None), `val_every`
-    (`fit(val_every_n_updates=...)`, or None), `val_point_open` (the validation stage runs at an update
-    point inside a training task), `save_position` (while a validation point's save requests run: a function
-    giving the point's mid-epoch position for the files they write, `checkpoint.save`'s default; else None).
-    `own_gradients`: the open window's gradients
-    come from the step's own `loss.backward()` (`keep_own_gradients`). `closure`: the closure a step handed
-    `self.optimize(closure=...)` while its update runs, and `closure_loss` what the optimizer's step returned.
+    epoch's end). `update_open`: an update began (`unscale_gradients`) and its `zero_grad` has not run yet, so the
+    gradients it leaves are not kept yet (`kept_grads`). The update clock (the running fit's): `target_updates`
+    (`Trainer(max_updates=...)`, a total of committed updates, or None), `val_every`
+    (`fit(val_every_n_updates=...)`, or None), `val_at_start` and `val_at_end` (fit's: a point before the first
+    update, a point at the budget that is no multiple of `val_every`), `val_point_open` (the validation stage runs
+    at an update point inside a training task), `save_position` (while a validation point's save requests run: a
+    function giving the point's mid-epoch position for the files they write, `checkpoint.save`'s default; else
+    None). `own_gradients`: the open window's gradients come from the step's own `loss.backward()`
+    (`keep_own_gradients`). `closure`: the closure a step handed `self.optimize(closure=...)` while its update runs,
+    and `closure_loss` what the optimizer's step returned.
     """
 
     run: RunState = attrs.Factory(RunState)
@@ -100,6 +101,8 @@ class LoopState:
     stop_signal: str | None = None
     target_updates: int | None = None
     val_every: int | None = None
+    val_at_start: bool = False
+    val_at_end: bool = True
     val_point_open: bool = False
     save_position: object = None
 

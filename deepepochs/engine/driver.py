@@ -181,15 +181,17 @@ class Driver:
         emit(ctx, Event.INTERRUPTED, exc)
 
     # ---- fit ----
-    def run_fit(self, train, val, val_freq, epochs, max_updates=None, val_every=None):
+    def run_fit(self, train, val, val_freq, epochs, max_updates=None, val_every=None, val_at_start=False,
+                val_at_end=True):
         """Train toward the epoch target `epochs` (a total, not a count for this call; None: unbounded) and the
         update budget `max_updates` (a total of committed updates, or None), validating every `val_every`
-        updates (`deepepochs.engine.update_clock`) or, without it, every `val_freq` epochs."""
+        updates (`deepepochs.engine.update_clock`; `val_at_start`, `val_at_end`: also before the first
+        update, at the budget) or, without it, every `val_freq` epochs."""
         ctx = self.ctx
         parts, loop = ctx.parts, ctx.loop
         fire = ctx.machine.fire_cold
         loop.target_epochs = epochs
-        update_clock.make_clock(self, val, max_updates, val_every)
+        update_clock.make_clock(self, val, max_updates, val_every, val_at_start, val_at_end)
         ctx.monitor_check = (train, val)
         ctx.snapshots = snapshot_trigger.find_writer(parts.hooks.callbacks)
         run = ctx.run
@@ -404,7 +406,7 @@ class Driver:
         parts.console.start_task(stage, epoch, loop.target_epochs if stage != "test" else 1, total,
                                  update_clock.progress(ctx) if stage == "train" else None)
         if stage == "train":
-            stopped = batches.train_batches(ctx, iter(data), meters, data.total)
+            stopped = batches.train_batches(ctx, data, meters, data.total)
             if not skip and loop.batch_idx == 0 and not stopped:
                 raise ConfigError(
                     f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"

@@ -29,10 +29,10 @@ from deepepochs.protocols import monitors_in
 from deepepochs.tasks import merge_stage_metrics, merge_values, metric_name
 
 __all__ = [
-    "backpropagate", "batch_patches", "check_metrics_without_targets", "check_step_result", "compute_loss",
-    "count_batch", "custom_step", "default_step", "dict_batch_counted", "first_batch_checks", "forward", "loss",
-    "loss_value", "name_by_key", "no_sync", "optimize", "padding_forward", "predict_step", "read_batch",
-    "report_loss", "select_update", "step_metrics", "step_patches", "user_backward", "user_loss",
+    "backpropagate", "batch_patches", "check_metrics_without_targets", "check_step_result", "close_cut_window",
+    "compute_loss", "count_batch", "custom_step", "default_step", "dict_batch_counted", "first_batch_checks",
+    "forward", "loss", "loss_value", "name_by_key", "no_sync", "optimize", "padding_forward", "predict_step",
+    "read_batch", "report_loss", "select_update", "step_metrics", "step_patches", "user_backward", "user_loss",
 ]
 
 #: Per stage, the hooks a step fires: before and after the forward pass, before the metrics.
@@ -47,6 +47,7 @@ BEFORE_OPTIMIZE, AFTER_OPTIMIZE = Event.BEFORE_OPTIMIZE.value, Event.AFTER_OPTIM
 # class costs ~0.5 us, and hashing one in the machine's table as much again, per use.
 BACKWARD, OPTIMIZE, CLIP = TriggerName.BACKWARD.value, TriggerName.OPTIMIZE.value, TriggerName.CLIP.value
 APPLY_UPDATE, FINISH_UPDATE = TriggerName.APPLY_UPDATE.value, TriggerName.FINISH_UPDATE.value
+END_BATCH = TriggerName.END_BATCH.value
 OPTIMIZE_UNSCALED = StateName.OPTIMIZE_UNSCALED.value
 
 
@@ -438,11 +439,25 @@ def optimize(ctx: Context, optimize_index, closure=None):
     return value
 
 
-def _update(ctx: Context, optimize_index) -> None:
+def close_cut_window(ctx: Context) -> bool:
+    """The data ended inside an open window, which nothing said would be its last (data without a length,
+    or shorter than its length said: `batches.train_batches` fetched each micro-batch just before its
+    forward): the window updates all optimizers now with its micro-batches' gradients, as a window closed by
+    its last micro-batch does (`optimize` from `window_open`, the update's edges, `end_batch`). True when it
+    committed an update (False: it backpropagated nothing and closed without one)."""
+    if not _update(ctx, None):
+        return False
+    ctx.hop(END_BATCH)
+    return True
+
+
+def _update(ctx: Context, optimize_index) -> bool:
+    """The `optimize` hop and, when it opens the update, the update's hops between the optimize hooks.
+    True when the update ran."""
     loop, hop = ctx.loop, ctx.hop
     select_update(ctx, optimize_index)
     if hop(OPTIMIZE) != OPTIMIZE_UNSCALED:
-        return  # an inner micro-batch: gradients keep accumulating
+        return False  # an inner micro-batch: gradients keep accumulating
     hooks = ctx.parts.hooks.by_event
     if hooks[BEFORE_OPTIMIZE]:
         emit(ctx, BEFORE_OPTIMIZE, optimize_index)
@@ -453,6 +468,7 @@ def _update(ctx: Context, optimize_index) -> None:
     hop(FINISH_UPDATE)
     if hooks[AFTER_OPTIMIZE]:
         emit(ctx, AFTER_OPTIMIZE, optimize_index)
+    return True
 
 
 @contextlib.contextmanager

@@ -62,9 +62,18 @@ def endless(data) -> str | None:
     return None
 
 
-def check_clock(train_tasks, val_tasks, max_updates: int | None, val_every: int | None) -> None:
+def check_clock(train_tasks, val_tasks, max_updates: int | None, val_every: int | None, val_at_start: bool = False,
+                val_at_end: bool = True) -> None:
     """Refuse what the update clock cannot run: `val_every_n_updates` that is not a positive int or comes
-    without validation data, and endless training data with no update budget."""
+    without validation data, `val_at_start`/`val_at_end` that are not bools or come without it, and endless
+    training data with no update budget."""
+    for name, value, default in (("val_at_start", val_at_start, False), ("val_at_end", val_at_end, True)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"fit {name} must be True or False (got {value!r})")
+        if value is not default and val_every is None:
+            raise ConfigError(f"fit {name}={value} places the validation points of the update clock, but"
+                              " val_every_n_updates is None (validation runs at epochs' ends); pass"
+                              f" val_every_n_updates=M, or leave {name}={default}")
     if val_every is not None:
         if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 1:
             raise ConfigError(f"fit val_every_n_updates must be None or a positive int, the number of updates"
@@ -89,12 +98,14 @@ def counts_updates(config, loop) -> bool:
     return config.max_updates is not None or loop.target_updates is not None or loop.val_every is not None
 
 
-def make_clock(driver, val_tasks, max_updates: int | None, val_every: int | None):
+def make_clock(driver, val_tasks, max_updates: int | None, val_every: int | None, val_at_start: bool = False,
+               val_at_end: bool = True):
     """Set the fit's clock on the loop and `Context.update_clock` to what a training task calls (None when
     neither `max_updates` nor `val_every` is given: the clock is off)."""
     ctx = driver.ctx
     loop = ctx.loop
     loop.target_updates, loop.val_every, loop.val_point_open = max_updates, val_every, False
+    loop.val_at_start, loop.val_at_end = val_at_start, val_at_end
     on = max_updates is not None or val_every is not None
     ctx.update_clock = functools.partial(clock_point, driver, val_tasks) if on else None
 

@@ -234,8 +234,9 @@ class GuardName(str, enum.Enum):
     TASK_STOPS = 'task_stops'
     """The update clock stops the training task here: the update budget is reached or a callback requested a stop."""
     VAL_POINT_DUE = 'val_point_due'
-    """fit(val_every_n_updates=M) with validation data: the committed update count is a multiple of M or reaches the
-    budget, and the records hold no validation at this count yet."""
+    """fit(val_every_n_updates=M) with validation data: the committed update count is a multiple of M, reaches the
+    budget (unless val_at_end=False) or is 0 with val_at_start=True, and the records hold no validation at this count
+    yet."""
     VAL_POINT_OPEN = 'val_point_open'
     """The validation stage runs at an update point inside a training task, not at an epoch's end."""
     RESUME_PENDING = 'resume_pending'
@@ -301,7 +302,8 @@ class ActionName(str, enum.Enum):
     """Fold the window's loss sums and metric patches into the task's."""
     STEP_EPOCH_SCHEDULERS = 'step_epoch_schedulers'
     """Step epoch-wise LR schedulers (with the monitored loss if so configured); with validation points
-    (val_every_n_updates) at each point, with its validation loss, not at epochs' ends."""
+    (val_every_n_updates) at each point, with its validation loss, not at epochs' ends nor at the point before the first
+    update (val_at_start)."""
     AVERAGE_EPOCH = 'average_epoch'
     """Move the epoch-wise weight averages (SWACallback) by the epoch's weights and step their learning-rate schedule,
     before the epoch's checkpoints are written (undone if the epoch does not commit)."""

@@ -306,7 +306,7 @@ class TrainerBase(StepMethods):
     @profiles("fit")
     def fit(self, train_dl=None, val_dl=None, metrics=None, val_freq=1, do_val_loss=True, batch_size=None,
             train_metrics=None, val_metrics=None, train_tasks=None, val_tasks=None, epochs=None,
-            val_every_n_updates=None):
+            val_every_n_updates=None, val_at_start=False, val_at_end=True):
         """Train toward the epoch target; returns the whole run's records, `{'train': {name: [per epoch]},
         'val': {...}}` (a copy of `trainer.history`: every epoch of the run, those of earlier fits and of
         a resumed checkpoint included). An exception rolls the open window back and is re-raised with
@@ -319,7 +319,10 @@ class TrainerBase(StepMethods):
 
         `val_every_n_updates=M` validates after every M-th update of the run and at `max_updates`, inside
         epochs (then not at epochs' ends); `records['val']` then has one row per validation point, with its
-        update count under `'updates'`."""
+        update count under `'updates'`. With it, `val_at_start=True` also validates before the first update
+        (a point recorded at update 0, as nanoGPT's iteration 0 or the Hugging Face Trainer's
+        `eval_on_start`), and `val_at_end=False` leaves out the point at `max_updates` when it is not a
+        multiple of M."""
         self._check_open("fit")
         finder = next((cb for cb in self._hooks.callbacks if isinstance(cb, LRFindCallback) and not cb.done), None)
         if finder is not None:  # 0.6: a fit with an LRFindCallback is a learning-rate sweep, not training
@@ -343,10 +346,11 @@ class TrainerBase(StepMethods):
         for task in val:
             task.val_freq = val_freq  # 0.6's task.val_freq
         config = self.config
-        check_clock(train, val, config.max_updates, val_every_n_updates)
+        check_clock(train, val, config.max_updates, val_every_n_updates, val_at_start, val_at_end)
         with hold_run(self, config.run_lock):  # before a pending resume reads the run's folders
             return driver.guarded("fit", lambda: driver.run_fit(train, val, val_freq, config.epoch_target,
-                                                                config.max_updates, val_every_n_updates))
+                                                                config.max_updates, val_every_n_updates,
+                                                                val_at_start, val_at_end))
 
     @profiles("test")
     def test(self, test_dl=None, metrics=None, do_loss=True, batch_size=None, tasks=None):

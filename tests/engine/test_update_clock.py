@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, RandomSampler
 
-from deepepochs import Optimizer, Trainer
+from deepepochs import ConfigError, Optimizer, Trainer
 
 N, VAL_N, BATCH, UPDATES, EVERY = 40, 20, 4, 23, 5
 
@@ -60,13 +60,17 @@ def _parts():
     return model, opt, sched
 
 
-def plain_loop(resampled=True, numpy=True):
-    """The user's loop: UPDATES updates, validation after every EVERY-th and after the last; a new iterator
-    (an epoch) when one runs out, the training loss recorded per epoch."""
+def plain_loop(resampled=True, numpy=True, at_start=False, at_end=True):
+    """The user's loop: UPDATES updates, validation after every EVERY-th and after the last (not with
+    `at_end=False`), and with `at_start` before the first (nanoGPT's iteration 0); a new iterator (an epoch)
+    when one runs out, the training loss recorded per epoch."""
     model, opt, sched = _parts()
     train, val = _loaders(resampled, numpy)
-    batches = iter(train)
     points, losses, train_losses = [], [], []
+    if at_start:  # before the training iterator is made, as fit validates at its first task's start
+        points.append(0)
+        losses.append(plain_val_loss(model, val))
+    batches = iter(train)
     train_sum, train_n = 0.0, 0
     model.train()
     for update in range(1, UPDATES + 1):
@@ -83,7 +87,7 @@ def plain_loop(resampled=True, numpy=True):
         sched.step()
         opt.zero_grad()
         train_sum, train_n = train_sum + float(loss.detach()) * len(y), train_n + len(y)
-        if update % EVERY == 0 or update == UPDATES:
+        if update % EVERY == 0 or (at_end and update == UPDATES):
             points.append(update)
             losses.append(plain_val_loss(model, val))
     train_losses.append(train_sum / train_n)
@@ -169,15 +173,19 @@ def test_a_fit_after_the_budget_is_reached_trains_nothing_more(reference):
     _assert_equal((model.state_dict(), opt.state_dict(), sched.state_dict(), records), reference)
 
 
-def test_reduce_lr_on_plateau_steps_at_each_validation_point_with_its_loss_as_in_the_plain_loop():
+@pytest.mark.parametrize("at_start", [False, True])
+def test_reduce_lr_on_plateau_steps_at_each_validation_point_with_its_loss_as_in_the_plain_loop(at_start):
     """An epoch-wise ReduceLROnPlateau with the monitored loss steps after each validation point with that
-    point's validation loss (the plain loop's `plateau.step(val_loss)`), and not again at the epoch's end."""
+    point's validation loss (the plain loop's `plateau.step(val_loss)`), and not again at the epoch's end;
+    the point before the first update (`val_at_start`) evaluates but steps nothing (nothing was trained)."""
     def parts():
         model, opt, _ = _parts()
         return model, opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
 
     model, opt, plateau = parts()
     train, val = _loaders()
+    if at_start:
+        plain_val_loss(model, val)  # its loaders draw; the scheduler does not step
     batches = iter(train)
     model.train()
     for update in range(1, UPDATES + 1):
@@ -192,8 +200,37 @@ def test_reduce_lr_on_plateau_steps_at_each_validation_point_with_its_loss_as_in
     model, opt, plateau = parts()
     trainer = Trainer(model, F.cross_entropy, Optimizer(opt, plateau, sched_with_loss=True), max_updates=UPDATES,
                       device="cpu", log_batch=False, show_info=False)
-    trainer.fit(*_loaders(), val_every_n_updates=EVERY)
+    trainer.fit(*_loaders(), val_every_n_updates=EVERY, val_at_start=at_start)
     trainer.close()
     assert plateau.state_dict() == want[2] and opt.param_groups[0]["lr"] < 0.1
     for name, value in want[0].items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("at_start,at_end", [(True, True), (True, False), (False, False)])
+def test_validation_before_the_first_update_and_without_the_budgets_point_as_the_plain_loop(at_start, at_end):
+    """val_at_start=True validates before any update (a row at update 0, its loaders drawing from torch's and
+    NumPy's generators before training does), val_at_end=False leaves out the point at the budget (23, not a
+    multiple of 5): the weights, states and records equal the plain loop's with that schedule, bit for bit."""
+    trainer, model, opt, sched = _trainer()
+    records = trainer.fit(*_loaders(), val_every_n_updates=EVERY, val_at_start=at_start, val_at_end=at_end)
+    trainer.close()
+    want = plain_loop(at_start=at_start, at_end=at_end)
+    assert records["val"]["updates"] == [0] * at_start + [5, 10, 15, 20] + [23] * at_end
+    _assert_equal((model.state_dict(), opt.state_dict(), sched.state_dict(), records), want)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"val_every_n_updates": 5, "val_at_start": 1}, r"fit val_at_start must be True or False \(got 1\)"),
+    ({"val_every_n_updates": 5, "val_at_end": None}, r"fit val_at_end must be True or False \(got None\)"),
+    ({"val_at_start": True}, r"fit val_at_start=True places the validation points of the update clock, but"
+                             r" val_every_n_updates is None .* pass val_every_n_updates=M, or leave"
+                             r" val_at_start=False"),
+    ({"val_at_end": False}, r"fit val_at_end=False .* leave val_at_end=True"),
+])
+def test_validation_point_placement_arguments_are_checked(kwargs, match):
+    """val_at_start/val_at_end must be bools, and place the points of val_every_n_updates only."""
+    trainer, _, _, _ = _trainer()
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(*_loaders(), **kwargs)
+    trainer.close()
