@@ -16,11 +16,10 @@ from __future__ import annotations
 import functools
 import itertools
 
-from deepepochs.data import workers
 from deepepochs.data.batch_rules import batch_splitter, lookahead
 from deepepochs.data.outputs import label_split
 from deepepochs.data.sampling import PaddingBatch
-from deepepochs.engine import compiled, snapshot_trigger, steps
+from deepepochs.engine import compiled, loader_starts, snapshot_trigger, steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.fsm.events import Event, TriggerName
@@ -164,7 +163,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     parts.dist.sync_eval_buffers(parts.raw_model)  # DDP: every rank evaluates rank 0's (the saved) buffers
     data, guarded = snapshot_trigger.guard(ctx, data, stage)  # a fetch a listed signal made fail stops the fit
     try:
-        for batch in workers.start(parts.dist.pad_eval(data)):
+        for batch in loader_starts.start(ctx, parts.dist.pad_eval(data)):
             if type(batch) is PaddingBatch:  # FSDP: this rank's shard has ended; its forward meets the others'
                 with autocast():
                     steps.padding_forward(ctx, split(batch.batch)[0])
