@@ -131,6 +131,10 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
             if snapshot_writer is not None and loop.window_pos == 0 and loop.window_committed:
                 snapshot_trigger.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
             if clock is not None and loop.window_pos == 0 and loop.window_committed and clock():
+                if total is not None and loop.batch_idx >= total:
+                    # The epoch's last batch: its iterator is asked once more, as a `for` loop asks it, so
+                    # that a sampler's final draw (RandomSampler's) leaves its generator where that loop's is.
+                    next(data, None)
                 return True  # the update clock stopped the task: no further batch is read
     except snapshot_trigger.FetchStopped as stop:  # a listed signal: stop before the next batch
         snapshot_trigger.stop_fetching(ctx, stop.signal)
