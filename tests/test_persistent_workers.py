@@ -139,6 +139,25 @@ def test_a_resume_with_persistent_workers_ends_as_the_uninterrupted_fit(train_pe
     assert states_equal(result, reference)
 
 
+@pytest.mark.slow
+def test_a_resume_from_an_epoch_end_file_with_persistent_workers_ends_as_the_uninterrupted_fit(tmp_path):
+    """A fit by epochs to 2, then a new trainer with new DataLoaders resumed from its epoch-end file to 4:
+    the validation of epoch 3 draws no base seed the uninterrupted run's never drew; bit-identical."""
+    def fit(epochs, resume, folder):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 2))
+        trainer = Trainer(model, F.cross_entropy, torch.optim.Adam(model.parameters(), lr=0.01), epochs=epochs,
+                          device="cpu", log_batch=False, show_info=False, resume=resume, running_id="run",
+                          callbacks=[SnapshotCallback(folder)])
+        trainer.fit(*_loaders(True, True, own_generator=False))
+        return {"model": model.state_dict(), "opt": trainer.opt[0].opt.state_dict(), "history": trainer.history}
+
+    reference = fit(4, False, tmp_path / "reference")
+    fit(2, False, tmp_path / "run")
+    with pytest.warns(DeepEpochsWarning, match="persistent workers start anew"):
+        assert states_equal(fit(4, True, tmp_path / "run"), reference)
+
+
 def test_a_fault_before_the_first_validation_makes_its_workers_afresh_without_a_warning():
     """An exception after update 3, before the validation loader's first iterator: the refit makes it as the
     uninterrupted run did (drawing its base seed), bit-identical and without the warning."""

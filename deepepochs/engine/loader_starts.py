@@ -24,7 +24,7 @@ from deepepochs.data import workers
 from deepepochs.engine.context import Context
 from deepepochs.errors import DeepEpochsWarning
 
-__all__ = ["start"]
+__all__ = ["at_epoch_end", "start"]
 
 #: The stages of a fit whose DataLoaders `start` keeps track of.
 _FIT_STAGES = ("train", "val")
@@ -39,7 +39,7 @@ def start(ctx: Context, data):
         return workers.start(data)
     run, key = ctx.run, f"{stage}/{ctx.task_index}"
     starts = run.loader_starts or {}
-    first = starts.get(key)
+    first = starts.get(key) or starts.get(f"{stage}/*")
     now = (run.epoch, run.updates)
     # A training task makes its iterator once an epoch: a refit of the epoch that made the first one makes
     # it again from that epoch's states (`engine.continuation`). A validation stage runs whole after a
@@ -59,3 +59,15 @@ def start(ctx: Context, data):
             " (e.g. from the index in __getitem__), or use persistent_workers=False, for an exact resume",
             DeepEpochsWarning, stacklevel=2)
     return iterator
+
+
+def at_epoch_end(run, completed_epochs: int, updates: int) -> dict | None:
+    """`RunState.loader_starts` as an epoch-end checkpoint implies it (it stores no position): the training
+    tasks' DataLoaders made their iterators in the epochs completed, the validation tasks' at a validation
+    the records hold (`"<stage>/*"`: every task of the stage; the base seed unknown, 0)."""
+    starts = {}
+    if completed_epochs:
+        starts["train/*"] = (completed_epochs, updates, 0)
+    if any(run.history.get("val", {}).values()):
+        starts["val/*"] = (completed_epochs, updates, 0)
+    return starts or None

@@ -147,6 +147,7 @@ class RunState:
             with persistent workers first made an iterator and the base seed it drew, as (1-based epoch,
             updates, seed): a refit or a resumed snapshot that makes the iterator anew where the uninterrupted
             run reused it draws no base seed (`deepepochs.engine.loader_starts`); None when there is none.
+            Loading an epoch-end checkpoint sets what it implies (`"val/*"`: every validation task).
         averages: the weight averages (`EMACallback`, `SWACallback`) by their `average_id`: each a dict
             whose tensors are the averaged module's own (its `state_dict()`, moved only at commit points:
             the `average_update` and `average_epoch` actions) and the average's counters; None when none
