@@ -86,6 +86,14 @@ FSDP2's per-parameter records (`FSDPModule._get_fsdp_state()._fsdp_param_groups[
     shut-down ones. Why: torch shuts persistent workers down only when the DataLoader is collected or the
     interpreter exits, and offers no call that makes a DataLoader start afresh.
     Fallback: `drop_persistent_workers` does nothing (the workers stay, as after a normal end).
+    Also read by `holds_iterator`, so that a refit or a resume that makes such a DataLoader's iterator anew,
+    where the uninterrupted run reused its own, draws no base seed (`deepepochs.engine.loader_starts`).
+    Fallback: `holds_iterator` says True (the iterator is made as torch makes it).
+`_BaseDataLoaderIter._base_seed` (the base seed a DataLoader iterator drew for its workers)
+    Used by `base_seed` to keep, for a DataLoader with persistent workers, the seed its first iterator drew:
+    a refit or a resume that must make its iterator anew seeds the new workers from it. Why: torch offers
+    no public read of it (`get_worker_info().seed` exists only inside a worker).
+    Fallback: `base_seed` says 0 (the new workers' seeds are fixed, though not the first iterator's).
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ import torch
 __all__ = [
     "autocast_enabled",
     "backward_seeded",
+    "base_seed",
     "buffers_unchanged",
     "copy_tensors",
     "compiled_module",
@@ -107,6 +116,7 @@ __all__ = [
     "fsdp_unsynced_grads_private",
     "grads_finite_on_host",
     "grads_nonfinite",
+    "holds_iterator",
     "install_loader_child_handler",
     "scaler_forget",
     "shutdown_loader_workers",
@@ -468,6 +478,18 @@ def drop_persistent_workers(loader) -> None:
         return
     shutdown_loader_workers(iterator)
     loader._iterator = None  # noqa: SLF001
+
+
+def holds_iterator(loader) -> bool:
+    """Whether a DataLoader holds the iterator its persistent workers run in (see the module doc); True when
+    that cannot be told."""
+    return getattr(loader, "_iterator", True) is not None
+
+
+def base_seed(iterator) -> int:
+    """The base seed a DataLoader iterator drew for its workers (see the module doc); 0 when unknown."""
+    seed = getattr(iterator, "_base_seed", 0)
+    return seed if isinstance(seed, int) else 0
 
 
 def shutdown_loader_workers(iterator) -> None:

@@ -6,6 +6,10 @@ One small classifier, fp16 with a scaler (one update skipped for inf gradients),
 step-wise StepLR and accumulation over 2 batches; each stage runs on it: fit (by epochs or by updates with
 validation points), test, predict and the LR sweep. `stage_result` gives what a stage returns in a form
 `states_equal` compares (a fit: weights, optimizer, scheduler, scaler and history).
+
+`DATA` is the matrix's data dimension: the DataLoaders in the main process (`'plain'`), or (`'persistent'`)
+each loading in a fork worker kept from epoch to epoch (`persistent_workers=True`), whose iterators a refit
+or a resume must make anew without drawing what the uninterrupted run never drew.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from deepepochs import Callback, Optimizer, SnapshotCallback, Trainer
 
-__all__ = ["EPOCHS", "FITS", "MAX_UPDATES", "STAGES", "VAL_EVERY", "entered_states", "loaders", "make_trainer",
+__all__ = ["DATA", "EPOCHS", "FITS", "MAX_UPDATES", "STAGES", "VAL_EVERY", "entered_states", "loaders", "make_trainer",
            "stage_result"]
 
 STAGES = ("fit", "fit_by_updates", "test", "predict", "lr_sweep")
+#: How the stages' data loads (see the module doc); the persistent kind is run in the fits.
+DATA = ("plain", "persistent")
 #: The stages a SnapshotCallback listens in.
 FITS = ("fit", "fit_by_updates")
 MAX_UPDATES, VAL_EVERY = 5, 2  # fit_by_updates: the budget ends inside epoch 2, validation points in between
@@ -39,13 +45,14 @@ class Poison(Callback):
             next(trainer.raw_model.parameters()).grad.fill_(float("inf"))
 
 
-def loaders(workers: int = 0, context: str | None = None):
+def loaders(workers: int = 0, context: str | None = None, persistent: bool = False):
     """(train, val): 40 shuffled samples in 5 batches (k=2 windows), 8 in 2; with `workers`, both load in that
-    many DataLoader worker processes started by `context`."""
+    many DataLoader worker processes started by `context`, kept from epoch to epoch with `persistent`."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(48, 6, generator=g)
     y = (x[:, 0] - x[:, 1] > 0).long()
-    options = {"num_workers": workers, "multiprocessing_context": context} if workers else {}
+    options = ({"num_workers": workers, "multiprocessing_context": context, "persistent_workers": persistent}
+               if workers else {})
     train = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=8, shuffle=True, **options)
     val = DataLoader(TensorDataset(x[40:], y[40:]), batch_size=4, **options)
     return train, val
@@ -68,9 +75,9 @@ def make_trainer(folder, stage, resume=False, snapshot_signal=None, every_n_upda
                    **options)
 
 
-def stage_result(trainer, stage, workers: int = 0, context: str | None = None):
-    """Run `stage` on a trainer; what it returns, comparable with `states_equal`."""
-    train, val = loaders(workers, context)
+def stage_result(trainer, stage, workers: int = 0, context: str | None = None, data: str = "plain"):
+    """Run `stage` on a trainer (`data`: see `DATA`); what it returns, comparable with `states_equal`."""
+    train, val = loaders(1, "fork", persistent=True) if data == "persistent" else loaders(workers, context)
     if stage == "fit":
         trainer.fit(train, val)
         return _state(trainer)

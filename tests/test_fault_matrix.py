@@ -8,6 +8,8 @@ cell must end in a documented outcome, and where the run continues it ends bit-i
   stage again gives the uninterrupted result (fit: weights, optimizer, scheduler, scaler and history);
 - SIGTERM / SIGUSR1 during fit (a `SnapshotCallback` listens): `Preempted` with 128 + the signal's number
   and a snapshot; a new trainer resumed from it ends as the uninterrupted fit;
+- every fit cell also runs with DataLoaders whose workers persist from epoch to epoch (`fault_matrix_setup.DATA`):
+  the refit and the resume make their iterators anew and end bit-identical all the same;
 - SIGTERM / SIGUSR1 where nothing listens (test, predict, the LR sweep, or after the fit disarmed): the
   handler in place gets it (the default one would end the process; here a recorder stands in for it) and
   the stage is unaffected.
@@ -36,16 +38,17 @@ import random
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from fault_matrix_setup import FITS, STAGES, entered_states, make_trainer, stage_result  # tests/
+from fault_matrix_setup import DATA, FITS, STAGES, entered_states, make_trainer, stage_result  # tests/
 from fault_matrix_target import DDP_VARIABLES, ddp_cell  # tests/
 from state_compare import states_equal  # tests/, on sys.path under pytest
 
 from deepepochs import Preempted
-from deepepochs.errors import DistributedError
+from deepepochs.errors import DeepEpochsWarning, DistributedError
 from deepepochs.fsm.machine import load_spec
 
 sys.path.insert(0, str(Path(__file__).with_name("distributed")))
@@ -57,6 +60,8 @@ SPEC = load_spec()
 FAULTS = ("exception", "SIGINT", "SIGTERM", "SIGUSR1")
 FULL = os.environ.get("DEEPEPOCHS_FAULT_MATRIX", "") == "full"
 SAMPLE_SIZE, SAMPLE_SEED = 24, 20261204
+#: the default sample's cells of each data kind but the plain one
+OTHER_DATA_SAMPLE = 6
 
 
 class Injected(Exception):
@@ -67,23 +72,23 @@ def _trainer(folder, stage, resume=False, snapshot_signal=None):
     return make_trainer(folder, stage, resume=resume, snapshot_signal=snapshot_signal)
 
 
-def _run(trainer, stage):
-    return stage_result(trainer, stage)
+def _run(trainer, stage, data="plain"):
+    return stage_result(trainer, stage, data=data)
 
 
 _REFERENCE: dict = {}
 
 
-def _reference(stage, tmp_path_factory):
-    """(the uninterrupted result, how often each state was entered) of `stage`, recorded once."""
-    if stage not in _REFERENCE:
+def _reference(stage, tmp_path_factory, data="plain"):
+    """(the uninterrupted result, how often each state was entered) of `stage` on `data`, recorded once."""
+    if (stage, data) not in _REFERENCE:
         trainer = _trainer(tmp_path_factory.mktemp("reference"), stage)
         entered = collections.Counter()
         trainer.machine.probe = lambda dest: entered.update([dest])
-        result = _run(trainer, stage)
+        result = _run(trainer, stage, data)
         trainer.machine.probe = None
-        _REFERENCE[stage] = (result, entered)
-    return _REFERENCE[stage]
+        _REFERENCE[stage, data] = (result, entered)
+    return _REFERENCE[stage, data]
 
 
 #: Worker processes for the collection run: fork where there is one (the states entered while a stage's
@@ -92,8 +97,14 @@ _COLLECT = (2, "fork") if "fork" in multiprocessing.get_all_start_methods() else
 ENTERED, WITH_WORKERS = {}, {}
 for _stage in STAGES:
     ENTERED[_stage], WITH_WORKERS[_stage] = entered_states(_stage, *_COLLECT)
-CELLS = [(stage, state, fault) for stage in STAGES for state in sorted(ENTERED[stage]) for fault in FAULTS]
-SELECTED = CELLS if FULL else sorted(random.Random(SAMPLE_SEED).sample(CELLS, min(SAMPLE_SIZE, len(CELLS))))
+#: the data kinds the matrix runs: a kind with workers needs fork, and runs in the fits
+_DATA = DATA if "fork" in multiprocessing.get_all_start_methods() else ("plain",)
+CELLS = [(stage, state, fault, data) for stage in STAGES for state in sorted(ENTERED[stage]) for fault in FAULTS
+         for data in _DATA if data == "plain" or stage in FITS]
+_PLAIN = [cell for cell in CELLS if cell[3] == "plain"]
+_OTHER = [cell for cell in CELLS if cell[3] != "plain"]
+SELECTED = CELLS if FULL else sorted(random.Random(SAMPLE_SEED).sample(_PLAIN, min(SAMPLE_SIZE, len(_PLAIN)))
+                                     + random.Random(SAMPLE_SEED).sample(_OTHER, min(OTHER_DATA_SAMPLE, len(_OTHER))))
 
 
 def test_every_state_of_the_spec_is_in_the_matrix_or_entered_only_by_a_fault():
@@ -105,12 +116,12 @@ def test_every_state_of_the_spec_is_in_the_matrix_or_entered_only_by_a_fault():
     assert {s.name for s in SPEC.states} - covered - fault_only == set()
 
 
-def _report(stage, state, fault, outcome) -> None:
+def _report(stage, state, fault, outcome, data="plain") -> None:
     """Append the cell's outcome to the file DEEPEPOCHS_FAULT_MATRIX_REPORT names (the full run's counts)."""
     path = os.environ.get("DEEPEPOCHS_FAULT_MATRIX_REPORT")
     if path:
         with open(path, "a") as fh:
-            fh.write(f"{stage} {state} {fault} {outcome}\n")
+            fh.write(f"{stage} {state} {fault} {outcome}{'' if data == 'plain' else ' ' + data}\n")
 
 
 class _Recorder:
@@ -123,12 +134,18 @@ class _Recorder:
         self.got.append(signal.Signals(signum).name)
 
 
-@pytest.mark.parametrize(("stage", "state", "fault"), SELECTED)
-def test_a_fault_in_any_state_of_any_stage_ends_in_a_documented_outcome(stage, state, fault, tmp_path,
+@pytest.mark.parametrize(("stage", "state", "fault", "data"), SELECTED)
+def test_a_fault_in_any_state_of_any_stage_ends_in_a_documented_outcome(stage, state, fault, data, tmp_path,
                                                                       tmp_path_factory):
-    """Inject `fault` on entering `state` during `stage`; the outcome is a documented one, and where the run
-    continues it ends as the uninterrupted run."""
-    reference, entered = _reference(stage, tmp_path_factory)
+    """Inject `fault` on entering `state` during `stage` on `data`; the outcome is a documented one, and where
+    the run continues it ends as the uninterrupted run."""
+    with warnings.catch_warnings():  # persistent workers made anew: the documented warning about their draws
+        warnings.filterwarnings("ignore", "continuing the fit after an interrupt", DeepEpochsWarning)
+        _fault_cell(stage, state, fault, data, tmp_path, tmp_path_factory)
+
+
+def _fault_cell(stage, state, fault, data, tmp_path, tmp_path_factory):
+    reference, entered = _reference(stage, tmp_path_factory, data)
     occurrence = 2 if entered[state] >= 2 else 1
     listened = fault in ("SIGTERM", "SIGUSR1") and stage in FITS
     trainer = _trainer(tmp_path / "snap", stage, snapshot_signal=fault if listened else None)
@@ -150,7 +167,7 @@ def test_a_fault_in_any_state_of_any_stage_ends_in_a_documented_outcome(stage, s
         trainer.machine.probe = probe
         outcome = None
         try:
-            result = _run(trainer, stage)
+            result = _run(trainer, stage, data)
         except (Injected, KeyboardInterrupt) as exc:
             outcome = "rolled back"
             assert fault in ("exception", "SIGINT") and (fault == "exception") == isinstance(exc, Injected)
@@ -162,15 +179,15 @@ def test_a_fault_in_any_state_of_any_stage_ends_in_a_documented_outcome(stage, s
             assert seen[state] >= occurrence, "the fault was never injected"
             assert fault in ("SIGTERM", "SIGUSR1") and recorder.got == [fault]
             assert states_equal(result, reference)
-            _report(stage, state, fault, "handler in place, unaffected")
+            _report(stage, state, fault, "handler in place, unaffected", data)
             return
         assert trainer.machine.state == "idle"
         if outcome == "rolled back":
-            assert states_equal(_run(trainer, stage), reference)
+            assert states_equal(_run(trainer, stage, data), reference)
         else:
             resumed = _trainer(tmp_path / "snap", stage, resume=True, snapshot_signal=fault)
-            assert states_equal(_run(resumed, stage), reference)
-        _report(stage, state, fault, outcome)
+            assert states_equal(_run(resumed, stage, data), reference)
+        _report(stage, state, fault, outcome, data)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from deepepochs import ConfigError, SnapshotCallback, TrainerBase
-from deepepochs.errors import InvalidTransition
+from deepepochs import Callback, ConfigError, SnapshotCallback, TrainerBase
+from deepepochs.errors import DeepEpochsWarning, InvalidTransition
 
 N, BATCH, EPOCHS = 48, 4, 2  # 12 batches per epoch
 QUIET = dict(log_batch=False, show_info=False, device="cpu")
@@ -311,3 +311,44 @@ def test_the_own_backward_takes_the_spec_edge_from_step_forward():
         ("optimize_clipped", "finish_update", "step_optimized"),
         ("step_optimized", "end_batch", "task_train"),
     ]
+
+
+class FailAfterUpdate(Callback):
+    """Raises once, in `on_after_optimize` of the `at`-th update: the update is applied, the step never returns."""
+
+    def __init__(self, at: int):
+        self.at, self.count = at, 0
+
+    def on_after_optimize(self, trainer, optimize_index):
+        self.count += 1
+        if self.count == self.at:
+            raise RuntimeError("boom after the update")
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_refit_after_a_fault_after_the_update_counts_the_returned_loss_of_a_self_backward_step_once(k):
+    """`self.backward(loss)`, `self.optimize()`, `return {'loss': loss.detach()}`; an exception in
+    on_after_optimize (epoch 2), then `fit()` again: the weights, optimizer and every record (the epochs'
+    training losses) equal the uninterrupted run's."""
+    reference, ref_model, ref_opts = trainer_of(ManagedBackward, gradient_accumulation_steps=k)
+    want = reference.fit(loader(host_draws=False))
+    trainer, model, opts = trainer_of(ManagedBackward, gradient_accumulation_steps=k,
+                                      callbacks=[FailAfterUpdate(17 // k)])
+    dl = loader(host_draws=False)
+    with pytest.raises(RuntimeError, match="boom after the update"):
+        trainer.fit(dl)
+    assert trainer.fit(dl) == want
+    assert_same(model, opts, ref_model, [ref_opts])
+
+
+def test_a_refit_after_a_fault_after_the_own_backward_update_says_the_batch_is_left_out_of_the_records():
+    """A step running its own `loss.backward()`: the trainer never saw the loss the step would have returned,
+    so after a fault after its update the refit warns that the epoch's records leave the batch out, naming
+    self.backward and self.loss; the weights still equal the uninterrupted run's."""
+    trainer, model, opts = trainer_of(callbacks=[FailAfterUpdate(17)])
+    dl = loader(host_draws=False)
+    with pytest.raises(RuntimeError, match="boom after the update"), \
+            pytest.warns(DeepEpochsWarning, match=r"epoch 2, batch 5 .*self\.backward\(loss\).*self\.loss"):
+        trainer.fit(dl)
+    trainer.fit(dl)
+    assert_same(model, opts, *plain_loop(False, 1, host_draws=False))

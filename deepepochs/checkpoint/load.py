@@ -17,7 +17,7 @@ from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_o
 from deepepochs.checkpoint.optimizer_rules import whole_state
 from deepepochs.checkpoint.read import _read_shards, read_checkpoint
 from deepepochs.checkpoint.write import _header, generator_states
-from deepepochs.engine import buffers, callback_states, carried, position, runstate
+from deepepochs.engine import buffers, callback_states, carried, loader_starts, position, runstate
 from deepepochs.errors import CheckpointError
 from deepepochs.parallel.ddp import is_dtensor
 from deepepochs.utils import set_rng_state
@@ -212,6 +212,7 @@ def load_into(trainer, path, ckpt: Checkpoint | None = None, trusted: bool = Fal
     if ckpt.position is None:
         loop.resume = None  # an interrupted epoch's resume point belongs to the weights we just replaced
         run.random_restore_due, run.random_replay = False, None  # and so do the generators a refit restores
+        run.loader_starts = loader_starts.at_epoch_end(run, ckpt.epoch, run.updates)
     return ckpt
 
 

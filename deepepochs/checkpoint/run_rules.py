@@ -107,6 +107,21 @@ def _data_ended(trainer, value, field: str, out: list) -> None:
     int_field(items[2], f"{field}[2]", 0, MAX_COUNT, out)
 
 
+def _loader_starts(trainer, value, field: str, out: list) -> None:
+    """Per stage and task (`"val/0"`), where its persistent DataLoader first made an iterator: (1-based epoch,
+    updates, base seed)."""
+    entries = _encoded(value, "__dict__", Mapping, field, out)
+    for key, start in (entries or {}).items():
+        items = _encoded(start, "__tuple__", list, f"{field}[{key!r}]", out)
+        if items is None:
+            continue
+        if len(items) != 3 or not all(isinstance(item, int) for item in items):
+            out.append(f"{field}[{key!r}] must hold (epoch, updates, base seed), three ints (got {got(items)})")
+            continue
+        int_field(items[0], f"{field}[{key!r}][0]", 0, MAX_COUNT, out)
+        int_field(items[1], f"{field}[{key!r}][1]", 0, MAX_COUNT, out)
+
+
 def carried_state(value, field: str, out: list) -> None:
     """One rank's entry of a file's `carried` (what the steps carry across batches, `trainer.carried`): an
     encoded dict by name. Its values are the user's own (hidden states, queues), so only the dict itself
@@ -152,4 +167,4 @@ def _grads(trainer, value, field: str, out: list) -> None:
 
 #: The rule of each run-state field a snapshot stores as it is: (trainer, value, field, problems).
 RULES = {"data_generators": _data_generators, "data_ended": _data_ended, "order_draws": _order_draws,
-         "buffers": _buffers, "grads": _grads}
+         "buffers": _buffers, "grads": _grads, "loader_starts": _loader_starts}

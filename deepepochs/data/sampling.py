@@ -198,16 +198,23 @@ _END = object()
 
 def user_generators(data) -> list:
     """The generators a DataLoader was given or made for itself (its own `generator`, its sampler's, e.g.
-    torchdata's stateful `RandomSampler`, its batch sampler's and that one's sampler's), each once, in that
-    order: what its epochs' orders and base seeds draw from besides torch's global generator."""
+    torchdata's stateful `RandomSampler`, its batch sampler's and that one's sampler's), then the `generator`
+    of an `IterableDataset` without state it streams, each once, in that order: what its epochs' orders, base
+    seeds and streamed samples draw from besides torch's global generator. (A stream's generator is kept so
+    that an epoch started again, or iterated past its trained batches, streams its samples again; a
+    map-style dataset's is not, since its trained batches are skipped at the sampler, never loaded.)"""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, LoaderOrder):
         sampler = sampler.sampler
     batch_sampler = getattr(data, "batch_sampler", None)
+    dataset = getattr(data, "dataset", None)
+    stream = dataset if isinstance(dataset, IterableDataset) and not callable(getattr(dataset, "state_dict", None)) \
+        else None
     found = []
     for generator in (getattr(data, "generator", None), getattr(sampler, "generator", None),
                       getattr(batch_sampler, "generator", None),
-                      getattr(getattr(batch_sampler, "sampler", None), "generator", None)):
+                      getattr(getattr(batch_sampler, "sampler", None), "generator", None),
+                      getattr(stream, "generator", None)):
         if isinstance(generator, torch.Generator) and not any(generator is known for known in found):
             found.append(generator)
     return found

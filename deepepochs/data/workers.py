@@ -38,6 +38,7 @@ import weakref
 from multiprocessing import forkserver, resource_tracker
 
 import attrs
+import torch
 
 from deepepochs import torch_private
 
@@ -76,16 +77,18 @@ def stage():
                 torch_private.drop_persistent_workers(loader)
 
 
-def start(data):
+def start(data, seed: int | None = None):
     """`iter(data)`, with SIGINT blocked in this thread while it runs; within a `stage`, shut down when it ends
-    (see the module doc)."""
+    (see the module doc). With `seed`, a DataLoader with persistent workers that holds no iterator (a failed
+    stage shut it down, or the DataLoader is new in a resumed run) makes one without drawing its base seed
+    from its generators: its workers are seeded from `seed` (`deepepochs.engine.loader_starts`)."""
     if not _BLOCKABLE:
-        iterator = iter(data)
+        iterator = _made(data, seed)
     else:
         _helpers_first(data)
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            iterator = iter(data)
+            iterator = _made(data, seed)
         finally:
             if signal.SIGINT not in previous:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -96,6 +99,20 @@ def start(data):
         else:
             started.iterators.add(iterator)
     return iterator
+
+
+def _made(data, seed: int | None):
+    """`iter(data)`; with `seed` (see `start`), the base seed drawn from a generator of its own instead of the
+    DataLoader's (torch's global one when it has none), which stay as they are. The sampler keeps its own
+    reference to the generator it shuffles with, so its draws are the DataLoader's as before."""
+    if seed is None or not getattr(data, "persistent_workers", False) or torch_private.holds_iterator(data):
+        return iter(data)
+    own = data.generator
+    data.generator = torch.Generator().manual_seed(seed)
+    try:
+        return iter(data)
+    finally:
+        data.generator = own
 
 
 def _helpers_first(data) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -28,9 +29,10 @@ from deepepochs.engine.finite import window_finite
 from deepepochs.engine.generators import put_back_host_state, remember_random_state
 from deepepochs.engine.registry import ACTIONS, GUARDS, action, guard
 from deepepochs.engine.runstate import record_row
-from deepepochs.errors import Preempted
+from deepepochs.errors import DeepEpochsWarning, Preempted
 from deepepochs.fsm.events import ActionName, Event
 from deepepochs.fsm.machine import load_spec
+from deepepochs.patches import ValuePatch
 
 __all__ = ["ACTIONS", "FOLDS", "GUARDS", "action", "batch_token", "bind", "check_registry", "check_registry_once",
            "folded", "guard", "record_row"]
@@ -519,9 +521,8 @@ def discard_window(ctx: Context) -> None:
             if unfinished:  # the weight averages take it, as its end would have (counted first, as it is there)
                 average_update(ctx)
         if loop.window_committed:
-            # The step's own loss is counted once the window committed; its patches never came back.
-            if ctx.step_loss is not None and not ctx.batch_counted:
-                meters.add_batch(ctx.step_loss, ctx.batch_n, ctx.step_patches)
+            if not ctx.batch_counted:  # the step's update was applied, and it raised before returning
+                _count_unreturned(ctx, meters)
             _fold_window(loop)
         else:
             meters.discard_window()
@@ -533,6 +534,26 @@ def discard_window(ctx: Context) -> None:
     callback_states.put_back(ctx)  # likewise
     put_back_host_state(ctx)  # what the dropped window drew from Python and NumPy, where kept
     kept_grads.put_back(ctx)  # the gradients the optimizers that did not step kept, without this window's
+
+
+def _count_unreturned(ctx: Context, meters) -> None:
+    """The batch whose step applied its update and then raised (a hook after the update, the step's own code
+    after `self.optimize()`): its loss counted once, as the step would have reported it. A loss the trainer
+    computed (`self.loss`, the default step) is counted with its patches; the loss a custom step gave
+    `self.backward(loss)` is counted as the `{'loss': loss.detach()}` it returns; a step that ran its own
+    `loss.backward()` gave the trainer nothing to count, which a warning says."""
+    own = ctx.backward_loss
+    if ctx.step_loss is not None:
+        meters.add_batch(ctx.step_loss, ctx.batch_n, ctx.step_patches)
+    elif own is not None and own[0] == ctx.loop.batch_idx:
+        meters.add_batch(None, ctx.batch_n, {"loss": ValuePatch(own[1], ctx.batch_n)})
+    elif ctx.task is not None and ctx.task.step_fn is not None:
+        warnings.warn(
+            f"the training step of epoch {ctx.loop.epoch}, batch {ctx.loop.batch_idx} applied its update and then"
+            " raised before returning its loss: the trainer never saw that loss (the step ran loss.backward()"
+            " itself), so the epoch's training loss and metrics leave the batch out after the refit;"
+            " backpropagate with self.backward(loss), or compute the loss with self.loss(...), to have it"
+            " counted", DeepEpochsWarning, stacklevel=2)
 
 
 @action

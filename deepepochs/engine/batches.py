@@ -16,11 +16,10 @@ from __future__ import annotations
 import functools
 import itertools
 
-from deepepochs.data import workers
 from deepepochs.data.batch_rules import batch_splitter, lookahead
 from deepepochs.data.outputs import label_split
 from deepepochs.data.sampling import PaddingBatch
-from deepepochs.engine import compiled, snapshot_trigger, steps
+from deepepochs.engine import compiled, loader_starts, snapshot_trigger, steps
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 from deepepochs.fsm.events import Event, TriggerName
@@ -149,6 +148,10 @@ def train_batches(ctx: Context, data, meters, total: int | None = None) -> bool:
             if snapshot_writer is not None and loop.window_pos == 0 and loop.window_committed:
                 snapshot_trigger.commit_point(ctx, epoch_end=False)  # a window committed: a commit point
             if clock is not None and loop.window_pos == 0 and loop.window_committed and clock():
+                if total is not None and loop.batch_idx >= total:
+                    # The epoch's last batch: its iterator is asked once more, as a `for` loop asks it, so
+                    # that a sampler's final draw (RandomSampler's) leaves its generator where that loop's is.
+                    next(data, None)
                 return True  # the update clock stopped the task: no further batch is read
         if loop.window_pos and steps.close_cut_window(ctx):  # the data ended inside a window: it updates
             if snapshot_writer is not None:
@@ -185,7 +188,7 @@ def eval_batches(ctx: Context, data, meters, stage: str, observed: bool = True, 
     console, autocast = parts.console, parts.precision.autocast
     parts.dist.sync_eval_buffers(parts.raw_model)  # DDP: every rank evaluates rank 0's (the saved) buffers
     data, guarded = snapshot_trigger.guard(ctx, data, stage)  # a fetch a listed signal made fail stops the fit
-    batches = workers.start(parts.dist.pad_eval(data))
+    batches = loader_starts.start(ctx, parts.dist.pad_eval(data))
     if ctx.profiler is not None:  # each fetch timed as the DataLoader's wait (`ProfileCallback`)
         batches = ctx.profiler.fetching(batches, stage, task.dataloader)
     try:

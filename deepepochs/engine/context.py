@@ -200,6 +200,11 @@ class Context:
         host_random_state: Python's and NumPy's generator states when the open window's first batch was
             fetched, kept only where a signal can drop the window (`generators.keep_host_state`); None otherwise.
         host_state_due: the next training fetch keeps them (set at each commit point).
+        told: the one-time notes this trainer has given (a key per note: persistent DataLoader workers
+            started anew after an interrupt, `loader_starts`); each is said once per trainer.
+        backward_loss: (1-based batch, loss) of the first loss a custom step backpropagated with
+            `self.backward(loss)` in that batch: the loss a rollback counts for the batch when the step's
+            update was applied but the step raised before returning its loss (`discard_window`).
         update_clock: with the update clock on (`max_updates` or `val_every_n_updates`), what a training
             task calls at its start and after each committed window (`deepepochs.engine.update_clock`):
             True when the task stops there; None otherwise (nothing is called).
@@ -233,6 +238,8 @@ class Context:
     host_random_state: tuple | None = None
     host_state_due: bool = False
     profiler: object = None
+    told: set = attrs.Factory(set)
+    backward_loss: tuple | None = None
 
     @property
     def run(self) -> RunState:

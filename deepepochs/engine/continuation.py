@@ -20,12 +20,11 @@ import warnings
 
 from torch.utils.data import DataLoader
 
-from deepepochs.data import workers
 from deepepochs.data.batch_rules import exact_length
 from deepepochs.data.sampling import DataOrder, LoaderOrder, iterate_past, loader_order, skip_batches
 from deepepochs.data.streams import StreamSource, generators_of, resume_warning, start_draws, stream_holder
 from deepepochs.engine import generators as random_streams
-from deepepochs.engine import position
+from deepepochs.engine import loader_starts, position
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.errors import DeepEpochsWarning
 from deepepochs.patches import TensorPatch
@@ -186,7 +185,7 @@ def _replay(ctx: Context, data, skip: int, past: int, generators: list):
 
 def _watched(ctx: Context, data):
     """The iterator of `data`, made now; a stateful source's notes where it ends (`StreamSource.watch`)."""
-    batches = workers.start(data)
+    batches = loader_starts.start(ctx, data)
     return batches if ctx.data_source is None else ctx.data_source.watch(batches)
 
 

@@ -199,6 +199,8 @@ class Driver:
             run.random_restore_due = False
             run.random_replay = (run.task_random_state, run.random_state)
             generators.set_random_state(ctx, run.random_state)
+        else:  # a new fit: its DataLoaders' first iterators are made in it (a resume puts a snapshot's back)
+            run.loader_starts = None
         generators.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
         loop.resume_tasks = train  # a pending resume=... checks a snapshot's position against them
         try:

@@ -147,6 +147,11 @@ class RunState:
         updates: the update windows the run committed (`commit_update`: applied, or skipped for inf/NaN),
             resumed runs included: the update clock (`max_updates`, `val_every_n_updates`) and the snapshots'
             count (`snapshot-u<updates>`).
+        loader_starts: per stage and task of the running fit (`"train/0"`, `"val/0"`), where its DataLoader
+            with persistent workers first made an iterator and the base seed it drew, as (1-based epoch,
+            updates, seed): a refit or a resumed snapshot that makes the iterator anew where the uninterrupted
+            run reused it draws no base seed (`deepepochs.engine.loader_starts`); None when there is none.
+            Loading an epoch-end checkpoint sets what it implies (`"val/*"`: every validation task).
         averages: the weight averages (`EMACallback`, `SWACallback`) by their `average_id`: each a dict
             whose tensors are the averaged module's own (its `state_dict()`, moved only at commit points:
             the `average_update` and `average_epoch` actions) and the average's counters; None when none
@@ -185,6 +190,8 @@ class RunState:
     # Replaced whole, by copies, at commit points (`callback_states.keep`); a capture copies them.
     callbacks: dict | None = _field(None, snapshot="the checkpoint's callbacks (every file holds them)")
     updates: int = _field(0, copy=SHARED, snapshot="the checkpoint's updates")
+    # Replaced whole when a stage's persistent DataLoader first makes an iterator (a few numbers).
+    loader_starts: dict | None = _field(None, copy=SHARED)
     # The averaged modules' own tensors: a capture copies them, a restore writes them back into the module.
     averages: dict | None = _field(None, snapshot="the checkpoint's averages", in_place=True)
 

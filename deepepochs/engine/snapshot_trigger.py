@@ -35,8 +35,7 @@ from __future__ import annotations
 import torch
 
 from deepepochs import torch_private
-from deepepochs.data import workers
-from deepepochs.engine import generators
+from deepepochs.engine import generators, loader_starts
 from deepepochs.engine.context import Context
 from deepepochs.fsm.events import TriggerName
 
@@ -89,7 +88,7 @@ def fetches(ctx: Context, data, training: bool = True):
     fetch under DDP (all stop at the same micro-batch); else stop only at a fetch the signal made fail."""
     writer, dist = ctx.snapshots, ctx.parts.dist
     agree = training and dist.world_size > 1
-    it = workers.start(data)
+    it = loader_starts.start(ctx, data)
     try:
         while True:
             batch, end, failed = None, False, False

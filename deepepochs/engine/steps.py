@@ -312,6 +312,8 @@ def user_backward(ctx: Context, value) -> None:
                 if isinstance(value, torch.Tensor) else type(value).__name__)
         raise ConfigError(f"self.backward(loss) takes a scalar loss tensor that requires grad (got {what})")
     ctx.hop(BACKWARD)
+    if ctx.backward_loss is None or ctx.backward_loss[0] != ctx.loop.batch_idx:
+        ctx.backward_loss = (ctx.loop.batch_idx, value.detach())  # the batch's first: what a rollback counts
     backpropagate(ctx, value, 1.0)
 
 

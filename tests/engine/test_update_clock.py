@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, RandomSampler
 
-from deepepochs import ConfigError, Optimizer, Trainer
+from deepepochs import ConfigError, Optimizer, SnapshotCallback, Trainer
 
 N, VAL_N, BATCH, UPDATES, EVERY = 40, 20, 4, 23, 5
 
@@ -95,9 +95,9 @@ def plain_loop(resampled=True, numpy=True, at_start=False, at_end=True):
     return model.state_dict(), opt.state_dict(), sched.state_dict(), records
 
 
-def _trainer(loss=F.cross_entropy, **kw):
+def _trainer(loss=F.cross_entropy, updates=UPDATES, **kw):
     model, opt, sched = _parts()
-    trainer = Trainer(model, loss, Optimizer(opt, sched, sched_on="step"), max_updates=UPDATES, device="cpu",
+    trainer = Trainer(model, loss, Optimizer(opt, sched, sched_on="step"), max_updates=updates, device="cpu",
                       log_batch=False, show_info=False, **kw)
     return trainer, model, opt, sched
 
@@ -160,6 +160,25 @@ def test_a_refit_after_a_fault_mid_stream_ends_bit_identical_to_the_uninterrupte
     records = trainer.fit(train, val, val_every_n_updates=EVERY)
     trainer.close()
     _assert_equal((model.state_dict(), opt.state_dict(), sched.state_dict(), records), torch_only_reference)
+
+
+def test_a_budget_ending_on_an_epochs_last_update_extended_by_a_resume_ends_as_the_plain_loop(epochs_reference,
+                                                                                              tmp_path):
+    """A budget of 20 updates, the last of epoch 2 (10 batches an epoch), then a new trainer resumed with a
+    budget of 23 from its epoch-end snapshot: the generators stand where the plain loop's `next` after the
+    last batch left them (RandomSampler draws once more there), so epoch 3 draws the plain loop's order and
+    the run ends as the plain loop of 23 updates, bit for bit."""
+    def fit(updates, resume):
+        trainer, model, opt, sched = _trainer(updates=updates, callbacks=[SnapshotCallback(tmp_path)],
+                                              running_id="extended", resume=resume)
+        records = trainer.fit(*_loaders(resampled=False), val_every_n_updates=EVERY)
+        trainer.close()
+        return trainer, (model.state_dict(), opt.state_dict(), sched.state_dict(), records)
+
+    first, _ = fit(20, False)
+    assert first.loop.completed_epochs == 2 and first.loop.run.updates == 20
+    _, result = fit(UPDATES, True)
+    _assert_equal(result, epochs_reference)
 
 
 def test_a_fit_after_the_budget_is_reached_trains_nothing_more(reference):
