@@ -87,10 +87,10 @@ def test_a_refit_inside_the_epoch_streams_past_its_trained_batches_from_the_epoc
 
 
 def test_a_resume_inside_the_epochs_first_window_streams_its_samples_again(reference, tmp_path):
-    """SIGTERM after epoch 2's first batch (the fit stops once that window's update is done): a new trainer
-    and stream resume from the snapshot, streaming past its batches from the epoch's start (with the
-    warning), bit-identical."""
-    trainer = _trainer([FaultAt(2, 0, "SIGTERM"), SnapshotCallback(tmp_path, on_signals=("SIGTERM",))])
+    """SIGTERM after epoch 2's second batch, the last of its first window (the fit stops at that window's
+    update): a new trainer and stream resume from the snapshot, streaming past its batches from the epoch's
+    start (with the warning), bit-identical."""
+    trainer = _trainer([FaultAt(2, 1, "SIGTERM"), SnapshotCallback(tmp_path, on_signals=("SIGTERM",))])
     with pytest.raises(Preempted):
         trainer.fit(DataLoader(Stream(), batch_size=4))
     resumed = _trainer([SnapshotCallback(tmp_path, on_signals=("SIGTERM",))], resume=True)
