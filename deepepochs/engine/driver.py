@@ -42,8 +42,7 @@ from deepepochs.engine import (
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
-from deepepochs.engine.stage_tasks import data_length
-from deepepochs.errors import ConfigError
+from deepepochs.engine.stage_tasks import data_length, no_batch_error
 from deepepochs.fsm.events import ActionName, Event, StateName, TriggerName
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import DEFAULT_AVERAGE_NOTES, take_default_averages
@@ -371,10 +370,7 @@ class Driver:
         if stage == "train":
             stopped = batches.train_batches(ctx, iter(data), meters, data.total)
             if not skip and loop.batch_idx == 0 and not stopped:
-                raise ConfigError(
-                    f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"
-                    " iterator (e.g. a generator) is used up after one epoch; pass a DataLoader or another"
-                    " re-iterable (a list, or an object whose __iter__ starts over)")
+                raise no_batch_error(task.dataloader, ctx.task_index, epoch)
         else:
             batches.eval_batches(ctx, data, meters, stage)
         ctx.data_source = None
