@@ -36,6 +36,7 @@ from deepepochs.engine import (
     runstate,
     snapshot_trigger,
     stage_tasks,
+    statistics_pass,
     steps,
     update_clock,
 )
@@ -167,6 +168,7 @@ class Driver:
             run.random_replay = (run.task_random_state, run.random_state)
             generators.set_random_state(ctx, run.random_state)
         generators.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
+        statistics_pass.check_sources(ctx, train)  # a BatchNorm pass refuses data it cannot read, before training
         loop.resume_tasks = train  # a pending resume=... checks a snapshot's position against them
         try:
             fire(TriggerName.FIT)
@@ -202,6 +204,7 @@ class Driver:
             if ctx.snapshots is not None:
                 snapshot_trigger.commit_point(ctx, epoch_end=True)
         loop.stage = None
+        statistics_pass.recompute(ctx)  # the averages' BatchNorm statistics, a stage with its commit point
         emit(self.ctx, Event.AFTER_FIT)
         if ctx.snapshots is not None:
             snapshot_trigger.after_fit(ctx)
