@@ -9,7 +9,8 @@ import attrs
 from deepepochs.errors import ConfigError
 
 __all__ = ["DATA_ORDERS", "METRIC_PATCHES", "NONFINITE", "OTHER_NAMES", "PRECISIONS", "RUN_LOCKS", "STRATEGIES",
-           "UNBOUNDED_EPOCHS", "VAL_POINT_KEY", "TrainerConfig", "check_choice", "check_run_name", "unknown_keywords"]
+           "UNBOUNDED_EPOCHS", "VAL_POINT_KEY", "TrainerConfig", "check_choice", "check_run_name",
+           "decimal_variable", "unknown_keywords"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 #: Other libraries' precision names (Lightning's, plain numbers) and what they are here.
@@ -64,6 +65,17 @@ def check_choice(name: str, value, choices, hint: str = "") -> None:
     if value not in choices:
         accepted = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"{name} must be one of {accepted} (got {value!r}){'; ' + hint if hint else ''}")
+
+
+def decimal_variable(name: str, value: str, what: str = "environment variable") -> int:
+    """The non-negative integer an environment variable holds, written in ASCII digits (blanks around them
+    allowed), else a `ConfigError` naming the variable. Why not `int()` alone: it also takes other scripts'
+    digits ('٣'), underscores ('1_0') and a sign, and raises a bare `ValueError` on superscripts ('²')."""
+    text = value.strip()
+    if not (text.isascii() and text.isdecimal()):
+        raise ConfigError(f"{what} {name} must be a non-negative integer (got {value!r}), written in"
+                          " the digits 0-9")
+    return int(text)
 
 
 def unknown_keywords(owner: str, unknown, known) -> TypeError:

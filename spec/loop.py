@@ -42,6 +42,12 @@ validation (`task_val`) batches are fetched while they can be; a fetch the signa
 DataLoader's workers) fires `snapshot`, which stops at the last commit point, the epoch's last update. Without
 the callback the trigger is never fired.
 
+The BatchNorm pass: a weight average that recomputes its BatchNorm statistics at the fit's end
+(`SWACallback`) fires `recompute_statistics` from `fit_done`; `statistics_due` (the average moved) leads into
+`fit_statistics`, where the pass reads its batches as a training task does, and `end_statistics` commits it
+(`commit_statistics`). A listed signal during the pass fires `snapshot` there: the averages go back to the
+last epoch's end, its snapshot is written, the fit stops, and the resumed run runs the pass again.
+
 The update clock: with `Trainer(max_updates=N)` or `fit(val_every_n_updates=M)`, every committed window (after
 its snapshot, if any) and every training task's start fire the trigger `validate` in `task_train` (hot:
 once per update).
@@ -84,6 +90,8 @@ STATES = [
       cost="optimizer"),
     S("optimize_skipped", "optimize", "The last optimizer skipped its step: its gradients were not finite.",
       cost="optimizer"),
+    S("fit_statistics", "stage", "The weight averages' BatchNorm statistics are recomputed over their data"
+      " (SWACallback's pass), after the fit's last epoch.", cost="validation"),
     S("preempted", "fit", "A listed signal stopped the fit at a commit point, after its snapshot; fit() raises"
       " Preempted."),
     S("rollback", "rollback", "An exception interrupted the loop; the open window is being discarded.",
@@ -121,6 +129,9 @@ TRIGGERS = [
       hot=True),
     T("snapshot", "A commit point passed (a window's update, an epoch's end) while a SnapshotCallback is"
       " attached: a snapshot is written if one is due, and a signal it listens for stops the fit.", hot=True),
+    T("recompute_statistics", "The fit's epochs are done: a weight average whose BatchNorm statistics are due"
+      " recomputes them over its data."),
+    T("end_statistics", "The BatchNorm pass read its batches."),
     T("interrupt", "An exception or KeyboardInterrupt escaped the running loop."),
     T("recover", "Rollback is done; the trainer is ready for fit() or test() again."),
 ]
@@ -152,6 +163,8 @@ GUARDS = [
     G("grads_present", "The optimizers named for the update hold gradients: the step backpropagated its loss"
       " itself (loss.backward())."),
     G("scales_losses", "A GradScaler scales the losses (precision='fp16')."),
+    G("statistics_due", "A weight average with BatchNorm layers moved in this run and recomputes their statistics"
+      " at the fit's end (SWACallback with bn_update=True, buffers='copy')."),
 ]
 
 A = Action
@@ -201,6 +214,8 @@ ACTIONS = [
       " the epoch, the task meters and the random states (every rank's, written by rank 0).", cost="checkpoint"),
     A("stop_on_signal", "End the fit: raise Preempted (a SystemExit whose code a scheduler can requeue on);"
       " the rollback it passes through has nothing to discard."),
+    A("commit_statistics", "Commit the BatchNorm pass: the averages keep the statistics it computed; rollback"
+      " never undoes them, and a snapshot written from here on holds them.", commit=True),
     A("discard_window", "Drop the open window's gradients, loss sums, patches and scaler step state."),
     A("reset_loop", "Clear per-run loop state so that the next fit starts a fresh window."),
 ]
@@ -363,6 +378,20 @@ TRANSITIONS = [
       conditions=["stop_signalled"], actions=["stop_on_signal"]),
     E("snapshot", "fit_done", "fit_done", "No listed signal arrived after the fit's last commit point.",
       unless=["stop_signalled"]),
+    E("recompute_statistics", "fit_done", "fit_statistics", "A weight average's BatchNorm statistics are due: the"
+      " pass reads its data.", conditions=["statistics_due"]),
+    E("recompute_statistics", "fit_done", "fit_done", "No weight average's statistics are due (none moved, or"
+      " none recomputes them).", unless=["statistics_due"]),
+    E("end_statistics", "fit_statistics", "fit_done", "The pass is done: its statistics are committed.",
+      actions=["commit_statistics"]),
+    # The pass reads batches as a training task does: once a listed signal arrived it reads no further batch.
+    E("snapshot", "fit_statistics", "preempted", "A listed signal arrived during the BatchNorm pass: no further"
+      " batch is read, the averages' statistics go back to the last commit point's, a snapshot of it is written,"
+      " then the fit stops; the resumed run runs the pass again.", conditions=["stop_signalled"],
+      actions=["discard_window", "save_snapshot", "stop_on_signal"]),
+    E("snapshot", "fit_statistics", None, "In the BatchNorm pass, a snapshot is taken only to stop the fit.",
+      unless=["stop_signalled"], error="snapshot fired in the BatchNorm pass without a stop signal; its snapshot is"
+                                       " written once it committed, from fit_done"),
     E("begin_task", "stage_test", "task_test", "A test task starts."),
     E("begin_batch", "task_test", "test_batch", "A test batch is evaluated."),
     E("end_batch", "test_batch", "task_test", "The test batch is done."),

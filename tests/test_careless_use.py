@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 from deepepochs import Callback, CheckCallback, ConfigError, EpochTask, Trainer, rename
 from deepepochs.errors import DeepEpochsWarning
@@ -78,6 +79,23 @@ def test_an_epoch_without_training_batches_is_a_config_error_naming_the_task():
     with pytest.raises(ConfigError, match=r"the train data of task 0 yielded no batch in epoch 2.*DataLoader"):
         t.fit(batches)
     assert t.loop.completed_epochs == 1
+
+
+class _NoSamples(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([])
+
+
+@pytest.mark.parametrize("budget", [{"max_updates": 5}, {"epochs": 2}])
+def test_an_empty_dataloader_without_a_length_is_called_empty(budget):
+    """A DataLoader over an IterableDataset that yields nothing is empty, not a used-up one-shot iterator."""
+    model = nn.Linear(4, 2)
+    t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), **budget, **QUIET)
+    with pytest.raises(ConfigError, match=r"the train data of task 0 is empty: it yielded no batch in epoch 1 \(got"
+                                          r" a DataLoader without a length\)") as info:
+        t.fit(DataLoader(_NoSamples(), batch_size=4))
+    assert "one-shot" not in str(info.value)
+    assert t.loop.completed_epochs == 0
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")

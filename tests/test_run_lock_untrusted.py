@@ -1,5 +1,5 @@
 """The run lock file is untrusted input (`deepepochs.checkpoint.run_lock`): a `run.lock` that is a symbolic
-link, a directory or a file this user cannot write is refused with `RunLockedError` naming it (never
+or hard link, a directory or a file this user cannot write is refused with `RunLockedError` naming it (never
 followed, never trained past unlocked); a holder record of any size, depth or content reads as a holder or
 as an unknown one, never as a raw error; and `resume=True` without a `running_id` locks the run it loads.
 """
@@ -61,6 +61,17 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_left_alon
     _refused(_trainer(tmp_path), f"cannot lock the run folder .*: its lock file {path} is a symbolic link")
     assert target.read_text() == "keep me"
     assert path.is_symlink() and not list((tmp_path / "ckpt" / "run").glob("*.ckpt"))
+
+
+def test_a_lock_file_that_is_a_hard_link_is_refused_and_the_other_file_left_alone(tmp_path):
+    """A hard link is the user's file under a second name: fit names it and never writes its record there."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    path = _lock_path(tmp_path)
+    os.link(target, path)
+    _refused(_trainer(tmp_path), f"cannot lock the run folder .*: its lock file {path} has 2 links \\(a hard link")
+    assert target.read_text() == "keep me" and path.read_text() == "keep me"
+    assert not list((tmp_path / "ckpt" / "run").glob("*.ckpt"))
 
 
 def test_a_lock_file_that_is_a_directory_is_refused(tmp_path):

@@ -144,6 +144,36 @@ def test_a_malformed_slurm_variable_is_named():
         slurm.torch_environment(dict(TASK, SLURM_PROCID="x"))
 
 
+@pytest.mark.parametrize("name", ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_NUM_TASKS"])
+@pytest.mark.parametrize("value", ["\u00b2", "\u0663", "1_0", "+1"])
+def test_a_slurm_variable_in_other_digits_is_named(name, value):
+    """A superscript, another script's digit, an underscore or a sign: a `ConfigError` naming the variable,
+    never a bare `ValueError` nor a rank `int()` read in another script's digits."""
+    with pytest.raises(ConfigError, match=rf"SLURM variable {name} must be a non-negative integer \(got "):
+        slurm.torch_environment(dict(TASK, **{name: value}))
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK"])
+def test_a_torchrun_variable_in_other_digits_is_named(monkeypatch, name):
+    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them are read by one rule, which names the variable."""
+    from deepepochs.parallel.process_group import env_int
+    monkeypatch.setenv(name, "\u00b2")
+    with pytest.raises(ConfigError, match=rf"environment variable {name} must be a non-negative integer"):
+        env_int(name)
+    monkeypatch.setenv(name, " 7 ")
+    assert env_int(name) == 7
+
+
+def test_a_trainer_under_a_malformed_world_size_names_it(monkeypatch):
+    """The Trainer reads WORLD_SIZE to pick its strategy: a superscript there is named, not a bare ValueError."""
+    import torch
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "\u00b2")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE must be a non-negative integer \(got '\u00b2'\)"):
+        de.Trainer(torch.nn.Linear(2, 1), torch.nn.functional.mse_loss,
+                   lambda p: torch.optim.SGD(p, lr=0.1))
+
+
 def test_requeue_outside_a_slurm_job_is_refused(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(ConfigError, match=r"requeue=True requeues a SLURM job, but this process runs outside one"):

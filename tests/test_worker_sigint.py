@@ -35,3 +35,49 @@ def test_a_ctrl_c_while_workers_start_rolls_every_stage_back_and_no_worker_dies_
     lines = [line for line in proc.stdout.split("\n") if line.split(" ")[0] in stages]
     assert lines == [f"{stage} 2 True{kept}" for stage in stages], proc.stdout
     assert "Traceback" not in proc.stderr and "DataLoader worker" not in proc.stderr, proc.stderr[-3000:]
+
+
+FORKSERVER_WORKERS = """
+import os, signal, sys, warnings
+import torch
+from multiprocessing import forkserver
+from torch.utils.data import DataLoader, TensorDataset
+from deepepochs.data import workers
+
+def blocked(pid):
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line for line in status if line.startswith("SigBlk:")).split()[1]
+    return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
+
+if sys.argv[1] == "started-before":
+    forkserver.ensure_running()
+data = DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=2, num_workers=2, multiprocessing_context="forkserver")
+with warnings.catch_warnings(record=True) as caught, workers.stage():
+    warnings.simplefilter("always")
+    iterator = workers.start(data)
+    next(iterator)
+    print(*[blocked(w.pid) for w in iterator._workers], blocked(os.getpid()), len(caught))
+    print(*[str(w.message) for w in caught])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status")
+                    or "forkserver" not in multiprocessing.get_all_start_methods(),
+                    reason="reads signal masks from /proc; needs the forkserver start method")
+@pytest.mark.parametrize("server", ["started-here", "started-before"])
+def test_forkserver_workers_keep_sigint_blocked_and_a_server_started_before_is_warned_of(tmp_path, server):
+    """The fork server deepepochs starts has SIGINT blocked, so every worker it forks keeps it blocked (a Ctrl-C
+    stays pending there, as in fork and spawn workers); the main thread's mask comes back as it was. A server
+    other code started before cannot be shielded: a warning says so, naming the way out."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-c", FORKSERVER_WORKERS, server], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    masks, message = proc.stdout.split("\n")[:2]
+    if server == "started-here":
+        assert masks == "True True False 0", proc.stdout
+    else:
+        assert masks == "False False False 1", proc.stdout
+        assert "the fork server was started before deepepochs could start it with SIGINT blocked" in message
+        assert "multiprocessing_context='fork' or 'spawn'" in message

@@ -25,18 +25,17 @@ evaluate the average with `evaluate=True` or `applied()`, which load its shards 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import re
 import warnings
 
 import torch
-from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
+from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn
 
+from deepepochs.callbacks import bn_pass
 from deepepochs.callbacks.base import Callback
 from deepepochs.config import check_choice
 from deepepochs.errors import ConfigError, DeepEpochsWarning
-from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["EMACallback", "SWACallback"]
 
@@ -347,9 +346,17 @@ class SWACallback(_WeightAverage):
         anneal_strategy: 'cos' or 'linear' (`SWALR`'s).
         buffers: 'copy' (torch's default: the model's buffers are copied, and `update_bn` recomputes the
             BatchNorm statistics at the fit's end) or 'average'.
-        bn_update: run `torch.optim.swa_utils.update_bn` over the training data at the fit's end (only when
-            the model has BatchNorm layers, buffers='copy' and the average has moved; not under
-            strategy='fsdp', where a model with BatchNorm layers needs bn_update=False).
+        bn_update: run `torch.optim.swa_utils.update_bn` at the fit's end (only when the model has BatchNorm
+            layers, buffers='copy' and the average has moved; not under strategy='fsdp', where a model with
+            BatchNorm layers needs bn_update=False). The pass is a stage of the fit with its own commit
+            point: a preemption signal during it stops the fit at the last epoch's end, and the resumed run
+            recomputes the statistics exactly; it leaves every generator as it found it.
+        bn_data: the data the pass reads: a re-iterable such as a DataLoader or a list of batches (a batch
+            or its first element is the model's input). None: the training DataLoaders as given, which must
+            have a length and draw without replacement; an endless or resampled stream, a one-shot iterator
+            or data without a length is refused when the fit starts, unless `bn_batches` bounds the pass
+            over a DataLoader.
+        bn_batches: read at most this many batches (an int >= 1) in the pass; None: all of them.
         evaluate: validation and `test()` evaluate the average.
 
     The rates `SWALR` sets come after an epoch-wise scheduler's step at the epoch's end; a step-wise
@@ -360,7 +367,8 @@ class SWACallback(_WeightAverage):
 
     def __init__(self, start_epoch: int | None = None, swa_lr: float | None = None, *,
                  start_update: int | None = None, anneal_epochs: int = 10, anneal_strategy: str = "cos",
-                 buffers: str = "copy", bn_update: bool = True, evaluate: bool = False):
+                 buffers: str = "copy", bn_update: bool = True, bn_data=None, bn_batches: int | None = None,
+                 evaluate: bool = False):
         if (start_epoch is None) == (start_update is None):
             raise ConfigError(f"SWACallback takes start_epoch or start_update, exactly one (got start_epoch="
                               f"{start_epoch!r}, start_update={start_update!r}); start_epoch=E averages each epoch"
@@ -379,8 +387,13 @@ class SWACallback(_WeightAverage):
         check_choice("SWACallback anneal_strategy", anneal_strategy, ("cos", "linear"))
         self.anneal_strategy = anneal_strategy
         self.bn_update = _flag("SWACallback bn_update", bn_update)
+        if bn_batches is not None:
+            _count("SWACallback bn_batches", bn_batches, 1, ", the most batches the BatchNorm pass reads, or None")
+        bn_pass.check_bn_data(bn_data, bn_batches)
+        self.bn_data, self.bn_batches = bn_data, bn_batches
+        self._bn_sources: list = []
+        self._bn_model = False  # whether the model has BatchNorm layers (set when attached)
         self._schedules = None
-        self._loaders = []
         super().__init__(buffers, evaluate)
 
     def __repr__(self) -> str:
@@ -392,10 +405,13 @@ class SWACallback(_WeightAverage):
     def _make(self, model):
         return AveragedModel(model, use_buffers=self.buffers == "average")
 
+    def on_attach(self, trainer) -> None:
+        super().on_attach(trainer)
+        self._bn_model = bn_pass.has_batch_norm(trainer.raw_model)
+
     def _check_sharded(self, model):
         """`update_bn` runs the averaged module's forward, which the sharded average's mirror lacks."""
-        if self.bn_update and self.buffers == "copy" and any(
-                isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):  # noqa: SLF001
+        if self.bn_update and self.buffers == "copy" and bn_pass.has_batch_norm(model):
             raise ConfigError("SWACallback bn_update=True recomputes BatchNorm statistics with the averaged"
                               " model's forward, which strategy='fsdp' does not give it (got a model with"
                               " BatchNorm layers); pass bn_update=False, or buffers='average'")
@@ -411,9 +427,6 @@ class SWACallback(_WeightAverage):
         if self.start_update is not None and budget is not None and self.start_update > budget:
             raise ConfigError(f"SWACallback start_update must be at most the fit's max_updates ({budget}), or"
                               f" nothing is averaged (got {self.start_update})")
-
-    def on_before_train_epochs(self, trainer, tasks, epoch_idx):
-        self._loaders = [task.dataloader for task in tasks]
 
     def _schedule(self, trainer, steps: int) -> list:
         """One `SWALR` per optimizer, positioned after `steps` steps (its rate follows from the optimizer's
@@ -452,12 +465,34 @@ class SWACallback(_WeightAverage):
             state["epochs"] += 1
             self._schedules = (state["epochs"], self._schedules[1])
 
+    # ---- the BatchNorm pass (the engine's `deepepochs.engine.statistics_pass`) ----
+    def _passes(self) -> bool:
+        return self.bn_update and self.buffers == "copy" and self._bn_model
+
+    def statistics_source(self, trainer, loaders: list) -> None:
+        """At the fit's start: the data the pass reads, `bn_data` or the fit's training DataLoaders `loaders`,
+        which are refused (`ConfigError`) when the pass could not read them again or would not end."""
+        if not self._passes():
+            return
+        if self.bn_data is None:
+            bn_pass.refuse_training_data(loaders, self.bn_batches)
+        self._bn_sources = [self.bn_data] if self.bn_data is not None else list(loaders)
+
+    def statistics_due(self, trainer) -> bool:
+        """Whether the pass runs at this fit's end: the average moved (in this fit or before it)."""
+        return self._passes() and self.updates > 0 and bool(self._bn_sources)
+
+    def recompute_statistics(self, trainer, read) -> None:
+        """Recompute the average's BatchNorm statistics (torch's `update_bn`) over the pass's data, each batch
+        fetched through `read`, leaving every generator as it was; under DDP every rank then takes rank 0's
+        statistics (one broadcast: the ranks' orders, and so the float sums, may differ)."""
+        bn_pass.recompute(self.averaged, self._bn_sources, self.bn_batches, read, trainer.device)
+        if trainer.world_size > 1:
+            trainer.dist.broadcast_model(self.averaged)
+
     def on_after_fit(self, trainer):
-        """Recompute the average's BatchNorm statistics over the training data (torch's `update_bn`), leaving
-        every generator as it was so that a later fit draws what it would have drawn. The data is the training
-        DataLoaders as given (the whole data, also under DDP, where every rank then takes rank 0's statistics:
-        one broadcast, at the fit's end, as the ranks' orders, and so the float sums, may differ). A fit that
-        ended before the start (its total was not known in advance: by epochs, or stopped early) is warned of."""
+        """Warn of a fit that ended before the start (its total was not known in advance: by epochs, or
+        stopped early): nothing was averaged. (The BatchNorm pass ran before, as a stage of the fit.)"""
         if self.updates == 0:
             start = (f"start_epoch={self.start_epoch}" if self.start_update is None
                      else f"start_update={self.start_update}")
@@ -465,13 +500,3 @@ class SWACallback(_WeightAverage):
                           f" {trainer.loop.run.updates}, before {start}; evaluate=True validated and tested the"
                           " model itself and applied() refuses. Start earlier or train longer",
                           DeepEpochsWarning, stacklevel=2)
-            return
-        if not (self.bn_update and self.buffers == "copy" and self.updates and self._loaders):
-            return
-        generators = rng_state()
-        try:
-            update_bn(itertools.chain(*self._loaders), self.averaged, device=trainer.device)
-        finally:
-            set_rng_state(generators)
-        if trainer.world_size > 1:  # the ranks' orders of the data may differ: every rank takes rank 0's
-            trainer.dist.broadcast_model(self.averaged)

@@ -16,10 +16,10 @@ only if that file system passes `flock` locks between hosts (NFSv4, GPFS, BeeGFS
 wrote it. Under DDP rank 0 (the process that writes) takes the lock and the ranks agree on the outcome.
 
 The lock file is untrusted input: it is never opened through a symbolic link, a lock file that cannot be
-locked (a link, a directory, a file this user cannot write) stops the fit with `RunLockedError` naming it
-(a fit never trains unlocked), and its holder record is read with a size and nesting bound, anything
-malformed naming an unknown holder. `resume=True` without a `running_id` moves the lock to the run whose
-files it reads (`lock_resumed_run`).
+locked (a symbolic or hard link, a directory, a file this user cannot write) stops the fit with
+`RunLockedError` naming it (a fit never trains unlocked), and its holder record is read with a size and
+nesting bound, anything malformed naming an unknown holder. `resume=True` without a `running_id` moves the
+lock to the run whose files it reads (`lock_resumed_run`).
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def _read_info(fd: int) -> dict | None:
 
 def _open_lock_file(folder: Path, path: Path) -> int:
     """Open (create) the lock file `path` for locking, or raise `RunLockedError` naming it and what is wrong
-    (a symbolic link, which is never followed; a directory or other non-file; not writable by this user):
+    (a symbolic link, which is never followed; a hard link; a directory or other non-file; not writable by
+    this user):
     a lock that cannot be taken is never trained past. FileNotFoundError: the folder vanished (retry)."""
     def refuse(what: str) -> RunLockedError:
         return RunLockedError(f"cannot lock the run folder {folder}: its lock file {path} {what}; remove or fix it,"
@@ -179,9 +180,14 @@ def _open_lock_file(folder: Path, path: Path) -> int:
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise refuse(f"cannot be opened for writing by this user ({e.strerror})") from e
         raise refuse(f"cannot be opened ({e.strerror or e})") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise refuse("is not a regular file")
+    if info.st_nlink > 1:  # a hard link is another name of someone's file, which the lock record would overwrite
+        os.close(fd)
+        raise refuse(f"has {info.st_nlink} links (a hard link to another file), which a lock file is never allowed"
+                     " to have")
     return fd
 
 

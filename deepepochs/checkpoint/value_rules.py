@@ -3,7 +3,9 @@
 A state that mirrors a live object's (optimizers, schedulers, the GradScaler, monitors, the random
 generators) must be *like* the trainer's own `state_dict()` value (`like`), recursively: the same keys,
 lists of the same length, the same Python type for every hyper-parameter (an int where the trainer holds a
-float is accepted: schedulers turn one into the other), numbers finite, and tensors of the same kind. On
+float is accepted when it is a float exactly, at most 2**53 in size: the float it equals behaves the same in
+every scheduler's and optimizer's arithmetic; a larger one is refused), numbers finite, and tensors of the
+same kind. On
 top of it, fields with a meaning have a range (`RANGES`: a learning rate is not negative, a beta lies in
 [0, 1), a counter lies in [0, `MAX_COUNT`]). The checks of whole files build on these
 (`deepepochs.checkpoint.field_rules`, `deepepochs.checkpoint.optimizer_rules`).
@@ -16,8 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["MAX_COUNT", "MAX_INT", "MAX_LR", "MAX_TEXT", "RANGES", "bounded", "got", "in_range", "int_field",
-           "is_number", "like"]
+__all__ = ["MAX_COUNT", "MAX_EXACT_FLOAT_INT", "MAX_INT", "MAX_LR", "MAX_TEXT", "RANGES", "bounded", "got",
+           "in_range", "int_field", "is_number", "like"]
 
 #: The largest counter (epoch, step, update, batch) a file may record: far beyond any run, far below the
 #: values at which float arithmetic on a counter loses whole units.
@@ -27,6 +29,8 @@ MAX_COUNT = 2**40
 MAX_LR = 1e6
 MAX_INT = 2**64  # any other int (a generator's state word, a time in nanoseconds) fits in 64 bits
 MAX_TEXT = 4096  # characters of a string field (a run id, a stop reason)
+#: The largest int accepted where the trainer holds a float: every int up to it is exactly a float.
+MAX_EXACT_FLOAT_INT = 2**53
 
 _COUNTERS = ("last_epoch", "_step_count", "step", "epoch", "bad_epochs", "best_epoch", "saved_epoch", "updates",
              "num_bad_epochs", "cooldown_counter", "_growth_tracker", "T_cur", "count", "skipped",
@@ -108,6 +112,9 @@ def like(saved, live, field: str, out: list, name=None) -> None:
     if isinstance(live, float):
         if not is_number(saved):
             out.append(f"{field} must be a number (got {got(saved)})")
+        elif isinstance(saved, int) and abs(saved) > MAX_EXACT_FLOAT_INT:
+            out.append(f"{field} must be a float like the trainer's (got {got(saved)}: an int beyond 2**53, which"
+                       " no float equals)")
         elif not math.isfinite(saved) and not (math.isinf(saved) and math.isinf(live)):
             out.append(f"{field} must be a finite number (got {got(saved)})")
         else:

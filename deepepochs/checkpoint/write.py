@@ -84,6 +84,22 @@ def carried_states(trainer, position: Mapping | None) -> list:
     return _per_rank(trainer.dist, carried.stored(now), gather=True)
 
 
+def _refuse_inside_epoch(loop, path: Path) -> None:
+    """Raise `CheckpointError` when the run stands inside an epoch that has not ended (its training or its
+    validation ran in part): a file without a position cannot say where (see `save`)."""
+    point = loop.resume
+    if point is None or point.epoch <= loop.completed_epochs:
+        return
+    where = (f"training task {point.task_index} of epoch {point.epoch}, {point.batches_done} batches committed"
+             if point.task_index >= 0 else f"epoch {point.epoch}, after its training and before its end")
+    raise CheckpointError(
+        f"checkpoint.save({str(path)!r}) was called inside {where}: a file without a position there would say"
+        f" epoch {loop.completed_epochs} ended, and a resume from it would train epoch {point.epoch} again on"
+        " weights that already trained part of it; save at an epoch's end (on_after_epoch), ask for one with"
+        " trainer.request_save(fn) (it runs at the epoch's end, or at a validation point with its position), or"
+        " use SnapshotCallback, which records the position inside the epoch")
+
+
 def _per_rank(dist, mine, gather: bool) -> list:
     """`mine` of every rank in rank order (one all-gather), or with `gather=False` at this rank's index only."""
     if dist.world_size == 1:
@@ -148,8 +164,11 @@ def save(trainer, path, position: Mapping | None = None, writer=None, after=None
     folder of that name written by every rank (`shard_storage`). `path` is replaced whichever form it had
     before. `position` as for `snapshot`; None: where the loop stands, which is a position at a validation
     point of the update clock (a save `trainer.request_save` asked for there: `LoopState.save_position`),
-    so that a resume from the file continues inside the epoch exactly. When the save fails, every rank
-    raises (see `_agreed`).
+    so that a resume from the file continues inside the epoch exactly. Anywhere else inside an epoch (a hook
+    of a training task or of the epoch's validation, or after a fault interrupted the epoch) a file without a
+    position would say the previous epoch ended while its weights trained part of this one: that is refused
+    (`CheckpointError`, nothing written). When the save fails, every rank raises (see `_agreed`).
+
 
     With `writer` (a `background.BackgroundWriter`, one file only), rank 0 makes a host copy of the state and
     hands it to the writer, which writes it after the write in flight, if any, and then calls `after(path)`; the
@@ -158,6 +177,8 @@ def save(trainer, path, position: Mapping | None = None, writer=None, after=None
     path, dist = Path(path), trainer.dist
     if position is None and trainer.loop.save_position is not None:
         position = trainer.loop.save_position()
+    if position is None:
+        _refuse_inside_epoch(trainer.loop, path)
     if not dist.shards_model:
         ckpt = snapshot(trainer, position)
         if writer is None:

@@ -12,11 +12,14 @@ so the workers keep a SIGINT pending and end when the stage shuts them down, as 
 intends (it swallows KeyboardInterrupt). The main process loses nothing: a SIGINT that arrived while blocked
 is delivered when `start` returns. Processes a worker starts inherit the mask too.
 
-multiprocessing's helper processes are started first, outside the block: its resource tracker (started at
-the first spawn or forkserver worker, it unblocks SIGINT in the starting thread once it runs, which would
-expose every worker started after it) and the fork server (whose mask every process it forks would keep).
-So forkserver workers are not covered (they are forked by the server), nor is data whose workers start later
-than its `iter()` (an iterator wrapping a DataLoader inside its `__next__`).
+multiprocessing's resource tracker is started first, outside the block (started at the first spawn or
+forkserver worker, it unblocks SIGINT in the starting thread once it runs, which would expose every worker
+started after it). The fork server, which forks forkserver workers (the default start method on Linux from
+Python 3.14), is then started inside the block: it keeps the mask, and so does every worker it forks. A fork
+server that other code started before deepepochs' first forkserver DataLoader cannot be shielded so (its
+mask is its own): its workers may take a Ctrl-C, which a warning says once, naming the way out (start
+nothing on the fork server before the first fit, or use fork or spawn workers). Data whose workers start
+later than its `iter()` (an iterator wrapping a DataLoader inside its `__next__`) is not covered either.
 
 A stage that ends before its iterators are exhausted (an exception, a Ctrl-C, the update budget reached
 mid-epoch) shuts their workers down as it ends (`stage`), not when the garbage collector reaches them: an
@@ -34,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import signal
+import warnings
 import weakref
 from multiprocessing import forkserver, resource_tracker
 
@@ -41,6 +45,7 @@ import attrs
 import torch
 
 from deepepochs import torch_private
+from deepepochs.errors import DeepEpochsWarning
 
 __all__ = ["stage", "start"]
 
@@ -122,7 +127,33 @@ def _helpers_first(data) -> None:
     context = getattr(data, "multiprocessing_context", None)  # a DataLoader's; None: multiprocessing's default
     method = (context.get_start_method() if context is not None
               else multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0])
-    if method == "forkserver":
-        forkserver.ensure_running()  # starts the resource tracker too
-    elif method == "spawn":
+    if method in ("forkserver", "spawn"):
         resource_tracker.ensure_running()
+    if method == "forkserver":
+        _start_fork_server()
+
+
+#: The fork server this module started with SIGINT blocked (its pid), or None.
+_shielded_server: list = [None]
+
+
+def _start_fork_server() -> None:
+    """Start multiprocessing's fork server with SIGINT blocked in this thread, so that it and every worker it
+    forks keep it blocked; warn once when another fork server runs already (module doc)."""
+    server = forkserver._forkserver  # noqa: SLF001  (the stdlib's one server; its pid says whether it runs)
+    running = getattr(server, "_forkserver_pid", None)
+    if running is not None and running != _shielded_server[0]:
+        if _shielded_server[0] != "warned":
+            _shielded_server[0] = "warned"
+            warnings.warn("forkserver DataLoader workers may take a Ctrl-C: the fork server was started before"
+                          " deepepochs could start it with SIGINT blocked, and every worker it forks keeps its"
+                          " signal mask; start nothing on the fork server before the first fit, or use"
+                          " multiprocessing_context='fork' or 'spawn'", DeepEpochsWarning, stacklevel=4)
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        if signal.SIGINT not in previous:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _shielded_server[0] = getattr(server, "_forkserver_pid", None)

@@ -588,6 +588,6 @@ def batch_token(ctx: Context) -> tuple:
     return (loop.epoch, loop.batch_idx, id(loop.meters))
 
 
-# The update clock's guards and actions, in a module of their own; imported here so that the registry is
-# complete wherever this module is.
-from deepepochs.engine import clock_rules  # noqa: E402, F401  (it imports the registry, not this module)
+# The update clock's and the BatchNorm pass's guards and actions, in modules of their own; imported here so
+# that the registry is complete wherever this module is (they import the registry, not this module).
+from deepepochs.engine import clock_rules, statistics_pass  # noqa: E402, F401

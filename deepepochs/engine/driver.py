@@ -38,14 +38,14 @@ from deepepochs.engine import (
     runstate,
     snapshot_trigger,
     stage_tasks,
+    statistics_pass,
     steps,
     update_clock,
 )
 from deepepochs.engine.context import Context, ResumePoint
 from deepepochs.engine.emit import emit
 from deepepochs.engine.signals import InterruptGuard
-from deepepochs.engine.stage_tasks import data_length
-from deepepochs.errors import ConfigError
+from deepepochs.engine.stage_tasks import data_length, no_batch_error
 from deepepochs.fsm.events import ActionName, Event, StateName, TriggerName
 from deepepochs.fsm.machine import LoopMachine
 from deepepochs.metrics import DEFAULT_AVERAGE_NOTES, take_default_averages
@@ -202,6 +202,7 @@ class Driver:
         else:  # a new fit: its DataLoaders' first iterators are made in it (a resume puts a snapshot's back)
             run.loader_starts = None
         generators.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
+        statistics_pass.check_sources(ctx, train)  # a BatchNorm pass refuses data it cannot read, before training
         loop.resume_tasks = train  # a pending resume=... checks a snapshot's position against them
         try:
             fire(TriggerName.FIT)
@@ -240,6 +241,7 @@ class Driver:
             if ctx.snapshots is not None:
                 snapshot_trigger.commit_point(ctx, epoch_end=True)
         loop.stage = None
+        statistics_pass.recompute(ctx)  # the averages' BatchNorm statistics, a stage with its commit point
         emit(self.ctx, Event.AFTER_FIT)
         if ctx.snapshots is not None:
             snapshot_trigger.after_fit(ctx)
@@ -410,10 +412,7 @@ class Driver:
         if stage == "train":
             stopped = batches.train_batches(ctx, data, meters, data.total)
             if not skip and loop.batch_idx == 0 and not stopped:
-                raise ConfigError(
-                    f"the train data of task {ctx.task_index} yielded no batch in epoch {epoch}: a one-shot"
-                    " iterator (e.g. a generator) is used up after one epoch; pass a DataLoader or another"
-                    " re-iterable (a list, or an object whose __iter__ starts over)")
+                raise no_batch_error(task.dataloader, ctx.task_index, epoch)
         else:
             batches.eval_batches(ctx, data, meters, stage)
         ctx.data_source = None

@@ -7,12 +7,14 @@ from the classes, so the engine needs nothing of the facade but the object itsel
 
 from __future__ import annotations
 
+import collections.abc
+
 from deepepochs.data.batch_rules import check_batch_size
 from deepepochs.engine.context import Context
 from deepepochs.errors import ConfigError
 from deepepochs.tasks import STEP_NAMES, EpochTask, ahead_of, check_metric_names
 
-__all__ = ["data_length", "default_step", "make_tasks", "resolve_step"]
+__all__ = ["data_length", "default_step", "make_tasks", "no_batch_error", "resolve_step"]
 
 
 def default_step(method):
@@ -69,6 +71,21 @@ def make_tasks(ctx: Context, stage: str, dataloader, tasks, metrics, do_loss, ba
         task.step_fn = resolve_step(parts.facade, task, stage)
         task.targets_checked = False  # batch_patches checks once that metrics can do without targets
     return out
+
+
+def no_batch_error(data, index: int, epoch: int) -> ConfigError:
+    """The error for training data (task `index`) that yielded no batch in `epoch`: a one-shot iterator (a
+    generator) used up by an earlier epoch or fit, or data that is empty although it has no length to tell
+    so in advance (a DataLoader over an `IterableDataset` yielding nothing)."""
+    if isinstance(data, collections.abc.Iterator):
+        return ConfigError(
+            f"the train data of task {index} yielded no batch in epoch {epoch}: a one-shot iterator (e.g. a"
+            f" generator, got {type(data).__name__}) is used up after one epoch; pass a DataLoader or another"
+            " re-iterable (a list, or an object whose __iter__ starts over)")
+    return ConfigError(
+        f"the train data of task {index} is empty: it yielded no batch in epoch {epoch} (got a"
+        f" {type(data).__name__} without a length); check its dataset (an IterableDataset whose __iter__ yields"
+        " nothing, a shard of this rank left empty) and drop_last; training data must yield at least one batch")
 
 
 def data_length(data) -> int | None:

@@ -137,6 +137,9 @@ class StateName(str, enum.Enum):
     """Gradients are clipped; optimizers step in turn (the last one stepped)."""
     OPTIMIZE_SKIPPED = 'optimize_skipped'
     """The last optimizer skipped its step: its gradients were not finite."""
+    FIT_STATISTICS = 'fit_statistics'
+    """The weight averages' BatchNorm statistics are recomputed over their data (SWACallback's pass), after the fit's
+    last epoch."""
     PREEMPTED = 'preempted'
     """A listed signal stopped the fit at a commit point, after its snapshot; fit() raises Preempted."""
     ROLLBACK = 'rollback'
@@ -199,6 +202,10 @@ class TriggerName(str, enum.Enum):
     SNAPSHOT = 'snapshot'
     """A commit point passed (a window's update, an epoch's end) while a SnapshotCallback is attached: a snapshot is
     written if one is due, and a signal it listens for stops the fit."""
+    RECOMPUTE_STATISTICS = 'recompute_statistics'
+    """The fit's epochs are done: a weight average whose BatchNorm statistics are due recomputes them over its data."""
+    END_STATISTICS = 'end_statistics'
+    """The BatchNorm pass read its batches."""
     INTERRUPT = 'interrupt'
     """An exception or KeyboardInterrupt escaped the running loop."""
     RECOVER = 'recover'
@@ -248,6 +255,9 @@ class GuardName(str, enum.Enum):
     """The optimizers named for the update hold gradients: the step backpropagated its loss itself (loss.backward())."""
     SCALES_LOSSES = 'scales_losses'
     """A GradScaler scales the losses (precision='fp16')."""
+    STATISTICS_DUE = 'statistics_due'
+    """A weight average with BatchNorm layers moved in this run and recomputes their statistics at the fit's end
+    (SWACallback with bn_update=True, buffers='copy')."""
 
 
 class ActionName(str, enum.Enum):
@@ -323,6 +333,9 @@ class ActionName(str, enum.Enum):
     STOP_ON_SIGNAL = 'stop_on_signal'
     """End the fit: raise Preempted (a SystemExit whose code a scheduler can requeue on); the rollback it passes through
     has nothing to discard."""
+    COMMIT_STATISTICS = 'commit_statistics'
+    """Commit the BatchNorm pass: the averages keep the statistics it computed; rollback never undoes them, and a
+    snapshot written from here on holds them."""
     DISCARD_WINDOW = 'discard_window'
     """Drop the open window's gradients, loss sums, patches and scaler step state."""
     RESET_LOOP = 'reset_loop'

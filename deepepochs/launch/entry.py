@@ -12,6 +12,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from deepepochs.config import decimal_variable
 from deepepochs.errors import ConfigError
 from deepepochs.launch.child import _ENV_RANK, _ENV_WORLD_SIZE
 from deepepochs.launch.importable import _check_importable
@@ -149,8 +150,8 @@ def _job_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     try:
-        return int(os.environ.get(_ENV_RANK, "0"))
-    except ValueError:
+        return decimal_variable(_ENV_RANK, os.environ.get(_ENV_RANK, "0"))
+    except ConfigError:
         return 0  # a malformed RANK is the Trainer's to report when it joins the group
 
 

@@ -89,7 +89,7 @@ class DDPPolicy(PolicyBase):
         self._closed = False
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.local_rank = env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else self.rank
         self.is_main = self.rank == 0
         self._nccl = dist.get_backend() == "nccl"
         self.model: DistributedDataParallel | None = None

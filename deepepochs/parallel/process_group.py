@@ -19,20 +19,21 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from deepepochs.errors import DistributedError
+from deepepochs.config import decimal_variable
 from deepepochs.parallel.exit_watchdog import bounded
 from deepepochs.parallel.rendezvous import join_store
 
-__all__ = ["EXIT_RELEASE_BOUND_S", "GroupUse", "destroy_group", "env_int"]
+__all__ = ["EXIT_RELEASE_BOUND_S", "INTEGER_VARIABLES", "GroupUse", "destroy_group", "env_int"]
+
+
+#: The integer variables torch's `env://` rendezvous and deepepochs read from the environment.
+INTEGER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
 
 
 def env_int(name: str) -> int:
-    """The integer value of environment variable `name` (RANK, WORLD_SIZE, LOCAL_RANK), or a clear error."""
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise DistributedError(f"environment variable {name} must be an integer (got {value!r})") from None
+    """The integer value of environment variable `name` (RANK, WORLD_SIZE, LOCAL_RANK), or a `ConfigError`
+    naming it."""
+    return decimal_variable(name, os.environ[name])
 
 
 # How many live users (`GroupUse` objects not yet released) the default group this module initialised has
@@ -66,6 +67,9 @@ def _init_group_from_env(backend: str, timeout: float) -> None:
     collectives fail after `timeout` seconds of waiting for another rank (`rendezvous.join_store`)."""
     global _env_store, _groups_initialised
     if _env_store is None:
+        for name in INTEGER_VARIABLES:  # before torch's own int() reads them
+            if name in os.environ:
+                env_int(name)
         _env_store = join_store(timeout)  # within `timeout`, or an error naming the ranks that did not arrive
     store = dist.PrefixStore(f"deepepochs/group-{_groups_initialised}", _env_store)
     _groups_initialised += 1

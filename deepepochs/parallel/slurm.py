@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 
+from deepepochs.config import decimal_variable
 from deepepochs.errors import ConfigError
 
 __all__ = ["adopt_environment", "first_host", "in_slurm_job", "requeue", "torch_environment"]
@@ -117,9 +118,7 @@ def torch_environment(environ=None) -> dict[str, str] | None:
     source = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
     values["tasks"] = tasks
     for name, value in values.items():
-        if not value.strip().isdigit():
-            shown = source if name == "tasks" else name
-            raise ConfigError(f"SLURM variable {shown} must be a non-negative integer (got {value!r})")
+        decimal_variable(source if name == "tasks" else name, value, "SLURM variable")
     if int(tasks) < 2:
         return None
     if int(values["SLURM_PROCID"]) >= int(tasks):  # torch would wait forever: that rank is outside the world

@@ -297,10 +297,12 @@ def test_commit_actions_are_last_on_the_edges_that_commit_updates_and_epochs():
     """A commit action ends every edge that runs it, but for after-commit actions (a held Ctrl-C raised once
     the update is committed): the stepping apply_update edges and finish_update edges end with
     commit_update, the end_epoch edges with commit_epoch, the end_stage edges leaving a validation point of
-    the update clock with commit_val_point; no other edge commits."""
+    the update clock with commit_val_point, the end_statistics edge leaving the BatchNorm pass with
+    commit_statistics; no other edge commits."""
     commit = {a.name for a in SPEC.actions if a.commit}
     after = {a.name for a in SPEC.actions if a.after_commit}
-    assert commit == {"commit_update", "commit_epoch", "commit_val_point"} and after == {"release_interrupts"}
+    assert commit == {"commit_update", "commit_epoch", "commit_val_point", "commit_statistics"}
+    assert after == {"release_interrupts"}
     for t in SPEC.transitions:
         body = [a for a in t.actions if a not in after]
         assert not set(body[:-1]) & commit, (t.source, t.trigger, t.actions)
@@ -315,6 +317,7 @@ def test_commit_actions_are_last_on_the_edges_that_commit_updates_and_epochs():
         ("epoch_end", "end_epoch", ("step_epoch_schedulers", "average_epoch", "save_checkpoints", "commit_epoch")),
         ("epoch_end", "end_epoch", ("step_epoch_schedulers", "average_epoch", "commit_epoch")),
         ("stage_val", "end_stage", ("step_epoch_schedulers", "save_checkpoints", "commit_val_point")),
+        ("fit_statistics", "end_statistics", ("commit_statistics",)),
     }
 
 
