@@ -320,7 +320,13 @@ _HOST_FLAGS: list = []  # [found flag, its NumPy view, scale 1]: the CPU tensors
 
 SUM_CHECK_MEAN_NUMEL = 32768
 """`grads_finite_on_host` sums gradients holding at least this many elements on average (`sums_pay_off`);
-smaller ones take the fused check, whose one call costs less than a sum per gradient."""
+smaller ones take the fused check, whose one call costs less than a sum per gradient. On the summed path,
+a gradient under a quarter of it (`SUM_CHECK_MIN_NUMEL`) still takes the fused check, with the others that
+small."""
+
+SUM_CHECK_MIN_NUMEL = SUM_CHECK_MEAN_NUMEL // 4
+"""The smallest gradient `grads_finite_on_host` sums (on its summed path); smaller ones, in one fused call,
+cost less than an op and a host read each (15.6k instructions per bias of the MLP's)."""
 
 
 def sums_pay_off(tensors: list[torch.Tensor]) -> bool:
@@ -333,16 +339,25 @@ def grads_finite_on_host(grads: list[torch.Tensor], summed: bool = False) -> boo
     """`not grads_nonfinite(grads)` for CPU gradients, read at once (no sync on the CPU); it runs on every
     update.
 
-    `summed` (for large gradients, see `sums_pay_off`): each gradient is summed and the sums added on the
-    host; an inf or NaN anywhere makes the total non-finite. The fused check also writes every gradient
-    back (times 1), so on large gradients it takes ~1.6x as long as the sums' read-only pass. A non-finite
-    total is confirmed by the exact check, because finite values can add up past the dtype's range (fp16
-    already at 65504). Otherwise the fused check runs directly, into a flag kept between calls (a fresh
-    flag read with `.item()` costs ~2x)."""
+    `summed` (for large gradients, see `sums_pay_off`): each gradient of `SUM_CHECK_MIN_NUMEL` elements or
+    more is summed and the sums added on the host; an inf or NaN anywhere makes the total non-finite. The
+    fused check also writes every gradient back (times 1), so on large gradients it takes ~1.6x as long as
+    the sums' read-only pass; the smaller ones (biases) take the fused check, one call for all of them,
+    where a sum each would cost an op and a host read apiece. A non-finite total is confirmed by the exact
+    check of every gradient, because finite values can add up past the dtype's range (fp16 already at
+    65504). Otherwise the fused check runs directly, into a flag kept between calls (a fresh flag read
+    with `.item()` costs ~2x)."""
     if summed:
-        total = sum([g.sum().item() for g in grads])
+        small, total = [], 0.0
+        for g in grads:
+            if g.numel() < SUM_CHECK_MIN_NUMEL:
+                small.append(g)
+            else:
+                total += g.sum().item()
         if type(total) is float and math.isfinite(total):  # complex gradients: the exact check
-            return True
+            if not small:
+                return True
+            grads = small
     if not _HOST_FLAGS:
         found = torch.zeros(1)
         _HOST_FLAGS.extend((found, found.numpy(), torch.ones(1)))

@@ -76,11 +76,14 @@ def _plain_loop(model, layout, batches):
     return model
 
 
-@pytest.fixture(params=["fused", "summed"])
+@pytest.fixture(params=["fused", "summed", "mixed"])
 def check_path(request, monkeypatch):
-    """Which CPU path the check takes: the threshold of `sums_pay_off` set so that this small model's
-    gradients are summed ('summed') or not ('fused'); the choice is made when the trainer is built."""
-    monkeypatch.setattr(torch_private, "SUM_CHECK_MEAN_NUMEL", 1 if request.param == "summed" else 10**12)
+    """Which CPU path the check takes: the thresholds of `sums_pay_off` and `grads_finite_on_host` set so
+    that this small model's gradients are summed ('summed'), not ('fused'), or the first weight (24
+    elements) summed and the three smaller gradients in the fused call ('mixed'); the choice of path is made
+    when the trainer is built."""
+    monkeypatch.setattr(torch_private, "SUM_CHECK_MEAN_NUMEL", 10**12 if request.param == "fused" else 1)
+    monkeypatch.setattr(torch_private, "SUM_CHECK_MIN_NUMEL", 9 if request.param == "mixed" else 1)
     return request.param
 
 
@@ -100,7 +103,7 @@ def test_an_inf_or_nan_in_any_single_gradient_stops_the_update_on_either_check_p
     for poison in POISONS:
         model = Net(poison)
         model.load_state_dict(init.state_dict())
-        assert torch_private.sums_pay_off(list(model.parameters())) is (check_path == "summed")
+        assert torch_private.sums_pay_off(list(model.parameters())) is (check_path != "fused")
         trainer = Trainer(model, nn.functional.mse_loss, _optimizers(model, layout), epochs=1, device="cpu",
                           show_info=False, log_batch=False)
         with pytest.raises(FloatingPointError, match=rf"non-finite gradient \(the loss is finite\).*batch {BAD_BATCH}"):
@@ -114,6 +117,7 @@ def test_finite_gradients_whose_sum_overflows_are_not_taken_for_inf(monkeypatch)
     """On the summed path, a gradient holding two finite elements of 3e38 sums past float32's range: the
     exact check confirms it finite, and the update is applied as in the plain loop (no raise, same weights)."""
     monkeypatch.setattr(torch_private, "SUM_CHECK_MEAN_NUMEL", 1)
+    monkeypatch.setattr(torch_private, "SUM_CHECK_MIN_NUMEL", 1)
     torch.manual_seed(0)
     init = Net()
     big = {0: (3e38, 3e38)}

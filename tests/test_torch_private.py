@@ -330,17 +330,20 @@ def test_grads_nonfinite_flags_exactly_when_some_gradient_is_not_finite(monkeypa
     flag = tp.grads_nonfinite(grads)
     assert flag.dtype == torch.float32 and flag.numel() == 1
     assert (float(flag) != 0.0) == expected == (where is not None)
-    for summed in (False, True):  # the fused check, then the sums of large gradients
+    # the fused check; the sums of every gradient; the sums of the two over 4 elements, the others fused
+    for summed, least in ((False, 1), (True, 1), (True, 5)):
+        monkeypatch.setattr(tp, "SUM_CHECK_MIN_NUMEL", least)
         assert tp.grads_finite_on_host(grads, summed) is (not expected)
         assert tp.grads_finite_on_host([torch.ones(2)], summed)  # the reused flag starts over
     for g, b in zip(grads, before):
         assert torch.equal(g.to_dense().nan_to_num(posinf=9.0), b.to_dense().nan_to_num(posinf=9.0))
 
 
-def test_summed_gradients_that_overflow_or_cancel_are_checked_exactly():
+def test_summed_gradients_that_overflow_or_cancel_are_checked_exactly(monkeypatch):
     """The read-only path for large gradients adds their sums: finite values past the dtype's range (a
     non-finite total) are still finite gradients, +inf and -inf (a NaN total) are not, and complex
     gradients (a complex total) are checked exactly, as the fused check's fallback checks them."""
+    monkeypatch.setattr(tp, "SUM_CHECK_MIN_NUMEL", 1)  # these small gradients summed too
     big = torch.full((8,), 60000.0, dtype=torch.float16)
     assert not math.isfinite(big.sum().item()) and tp.grads_finite_on_host([big, torch.ones(3)], summed=True)
     assert not tp.grads_finite_on_host([torch.tensor([math.inf, 1.0]), torch.tensor([-math.inf])], summed=True)

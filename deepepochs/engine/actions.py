@@ -413,7 +413,7 @@ def zero_grad(ctx: Context) -> None:
     indices = loop.update_indices
     opts.zero_grad(indices)
     loop.update_open = False
-    if len(indices) < len(opts.items) or ctx.run.grads is not None:  # else nothing is left to keep
+    if len(indices) < len(opts.items) or loop.run.grads is not None:  # else nothing is left to keep
         kept_grads.keep(ctx)
 
 

@@ -45,7 +45,7 @@ def keep(ctx: Context, fresh: bool = False) -> None:
     """A commit point: make the run state's `carried` a copy of `trainer.carried` as it is now. Nothing is
     copied while both are empty (a run that carries nothing pays one check per update); `fresh`, at a fit's
     start, always takes it."""
-    live, run = ctx.carried, ctx.run
+    live, run = ctx.carried, ctx.loop.run  # the run state, without `ctx.run`'s property call: once per update
     if fresh or live or run.carried:
         run.carried = copied(live)
 
