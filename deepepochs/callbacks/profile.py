@@ -152,7 +152,7 @@ class ProfileCallback(Callback):
     # ---- results ----
     @property
     def shares(self) -> dict[str, float]:
-        """`{category: share of the last run's wall time}`."""
+        """Each category's share of the last run's wall time (a dict from category name to share)."""
         return category_shares(self.table)
 
     def summary(self, limit: int = 12) -> str:
