@@ -134,7 +134,8 @@ def untracked_run(make_trainer, fit) -> tuple[dict, dict]:
     return weights(model), history
 
 
-def preempted_then_resumed(make_trainer, fit, tracker, folder, running_id: str, epoch: int, batch, check_first) -> dict:
+def preempted_then_resumed(make_trainer, fit, tracker, folder, running_id: str, epoch: int, batch, check_first,
+                           between=None) -> dict:
     """A job preempted by SIGTERM in epoch `epoch` (after training batch `batch`, or in that epoch's validation
     with None: `test_snapshots.SendAt`), closed, `check_first(its trainer)`, then the requeued job
     (`resume=True`) fitted to the end and closed; returns the resumed model's weights. `make_trainer(callbacks,
@@ -145,6 +146,8 @@ def preempted_then_resumed(make_trainer, fit, tracker, folder, running_id: str, 
         fit(first)
     first.close()  # the requeued job's predecessor has ended
     check_first(first)
+    if between is not None:  # what a new process would start afresh (the requeued job is one)
+        between()
     resumed, model = make_trainer([SnapshotCallback(folder), tracker()], resume=True, running_id=running_id)
     fit(resumed)
     resumed.close()

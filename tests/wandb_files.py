@@ -52,11 +52,16 @@ def records(path):
             yield record
 
 
-def run_files(folder, run_id: str) -> list[Path]:
+def run_files(folder, run_id: str, count: int = 1) -> list[Path]:
     """The run files of the W&B run `run_id` under `folder` (a W&B `dir`), oldest first (a resumed offline
-    run writes a file of its own next to the first), once each holds its run's exit record."""
-    paths = sorted(Path(folder).glob(f"wandb/*-{run_id}/run-{run_id}.wandb"))
+    run writes a file of its own next to the first), once `count` of them exist (W&B's core may create a
+    run's folder after `run.finish()` returned) and each holds its run's exit record."""
     deadline = time.monotonic() + WRITTEN_S
+    while True:
+        paths = sorted(Path(folder).glob(f"wandb/*-{run_id}/run-{run_id}.wandb"))
+        if len(paths) >= count or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     for path in paths:
         while not any(record.WhichOneof("record_type") == "exit" for record in records(path)):
             assert time.monotonic() < deadline, f"W&B never wrote the end of {path}"

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from deepepochs.reporting.wandb_run import wandb_run_id
 
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "logging.md"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
-                                reason="wandb is not installed: pip install 'deepepochs[wandb]'")
+                                reason="wandb is not installed: pip install -e '.[wandb]'")
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +36,12 @@ def offline(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")
+    yield
+    import wandb
+
+    # Each test with a W&B core of its own: after a test whose job a SIGTERM preempted, the next run of the same
+    # process otherwise found no core writing its files (a preempted job's process ends in real use).
+    wandb.teardown()
 
 
 def _tracker(folder):
@@ -91,9 +98,17 @@ def test_a_sigterm_then_resume_continues_one_wandb_run_with_each_step_once(tmp_p
         assert 6 < stopped < 12
         assert scalar_series(run_files(tmp_path, running_id)) == by_updates._expected(first.history, stopped, [6])
 
+    def new_job():
+        """The requeued job is a new process, with a W&B core of its own, started in a later second: W&B names an
+        offline run's folder by the second it starts, and two in one second would share one folder."""
+        import wandb
+
+        wandb.teardown()
+        time.sleep(1.0 - time.time() % 1.0 + 0.05)
+
     resumed = preempted_then_resumed(by_updates._trainer, by_updates._fit, lambda: _tracker(tmp_path), tmp_path,
-                                     running_id, 2, batch, check_first)
-    files = run_files(tmp_path, running_id)
+                                     running_id, 2, batch, check_first, between=new_job)
+    files = run_files(tmp_path, running_id, count=2)
     assert len(files) == 2
     assert scalar_series(files) == by_updates._expected(history, by_updates.BUDGET, [6, 12, 15])
     _each_step_once(files)
