@@ -433,7 +433,8 @@ class Boom(Exception):
 def expected_hot(n_batches, k, n_opts, epochs, skipped_window_of=None):
     """The hot triggers the spec prescribes for the default step: per window `begin_window`, per
     micro-batch `begin_batch backward optimize`, on the window's last one `clip`, one `apply_update` per
-    optimizer, `finish_update`; then `end_batch`. Items are (epoch, batch, trigger)."""
+    optimizer, `finish_update`; then `end_batch`; after the epoch's training stage `validate` (hot: the update
+    clock fires it after every update). Items are (epoch, batch, trigger)."""
     out = []
     for epoch in range(1, epochs + 1):
         for start in range(1, n_batches + 1, k):
@@ -445,6 +446,7 @@ def expected_hot(n_batches, k, n_opts, epochs, skipped_window_of=None):
                     out += [(epoch, b, "clip"), *[(epoch, b, "apply_update")] * n_opts,
                             (epoch, b, "finish_update")]
                 out.append((epoch, b, "end_batch"))
+        out.append((epoch, n_batches, "validate"))
     return out
 
 
