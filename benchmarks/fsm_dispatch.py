@@ -62,9 +62,12 @@ def _compiled_batch(machine: LoopMachine):
     return lambda: run(ctx, None, None, None, True)
 
 
-def _enter(machine: LoopMachine, *cold: str) -> None:
-    for trigger in cold:
-        machine.fire_cold(trigger)
+def _enter(machine: LoopMachine, *triggers: str) -> None:
+    """Walk the machine along `triggers`: cold ones through `transitions`, hot ones (`validate`, which the
+    update clock fires per update) on the compiled table."""
+    hot = {t.name for t in machine.spec.triggers if t.hot}
+    for trigger in triggers:
+        (machine.fire if trigger in hot else machine.fire_cold)(trigger)
 
 
 def _time_per_call(fn, calls: int, repeats: int) -> float:

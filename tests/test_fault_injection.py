@@ -150,6 +150,9 @@ def test_a_fault_on_entering_any_state_is_recovered_exactly(scenario, state):
         pytest.skip("entered only under the update clock (max_updates / val_every_n_updates), which these"
                     " scenarios do not use: tests/test_fault_matrix.py's fit_by_updates stage faults it, and"
                     " tests/engine/test_update_clock.py refits after faults at its validation points")
+    if state == "fit_statistics":
+        pytest.skip("entered only by SWACallback's BatchNorm pass (bn_update=True over a BatchNorm model), which"
+                    " these scenarios do not use: tests/callbacks/test_swa_statistics.py signals the fit inside it")
     if scenario.endswith("-k1-fused") and state == "window_open":
         pytest.skip("fused one-batch windows take task_train --window_step|window_skip_step--> task_train")
     if scenario.endswith("-fused") and state in FUSED_INNER:
@@ -303,7 +306,8 @@ def test_a_fault_inside_a_fused_step_is_recovered_exactly(scenario, point, exc_t
     assert t.machine.state == "idle" and all(p.grad is None for p in model.parameters())
     assert t.loop.resume.batches_done == (at if FUSED_POINTS[point] else before)
     t.fit(data, VAL)
-    assert {"update_step", "window_step"} & {r.trigger for r in t.machine.records()}
+    # the refit runs fused micro-batches again (a window the data's end cuts short updates on its own edges)
+    assert {"update_step", "window_step", "accumulate_step"} & {r.trigger for r in t.machine.records()}
     assert t.loop.completed_epochs == EPOCHS and t.opt.lrs() == reference.opt.lrs()
     for p, q in zip(model.parameters(), reference.raw_model.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)

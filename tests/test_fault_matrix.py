@@ -107,10 +107,16 @@ SELECTED = CELLS if FULL else sorted(random.Random(SAMPLE_SEED).sample(_PLAIN, m
                                      + random.Random(SAMPLE_SEED).sample(_OTHER, min(OTHER_DATA_SAMPLE, len(_OTHER))))
 
 
+#: States no stage of the matrix enters yet, each with the tests that fault it instead (the matrix has no SWA
+#: stage: SWACallback's BatchNorm pass over a BatchNorm model is the only way into `fit_statistics`).
+COVERED_ELSEWHERE = {"fit_statistics": "tests/callbacks/test_swa_statistics.py: a SIGTERM during the pass, over"
+                                       " the training data and over bn_data, resumed bit-identical"}
+
+
 def test_every_state_of_the_spec_is_in_the_matrix_or_entered_only_by_a_fault():
     """The matrix follows the spec: a state no clean stage enters must be one only a fault leads to (the
     destination of an `interrupt` or `snapshot` edge), else the matrix would miss it."""
-    covered = set().union(*ENTERED.values())
+    covered = set().union(*ENTERED.values()) | set(COVERED_ELSEWHERE)
     fault_only = {t.dest for t in SPEC.transitions if t.trigger in ("interrupt", "snapshot") and t.dest}
     assert {s.name for s in SPEC.states} - covered <= fault_only - covered
     assert {s.name for s in SPEC.states} - covered - fault_only == set()

@@ -302,8 +302,9 @@ def test_a_plot_file_without_matplotlib_is_an_error_naming_the_plot_extra(monkey
     with Trainer(model, F.cross_entropy, **_quiet()) as trainer:
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(ConfigError, match=r"plot='lr\.png' saves the curve with matplotlib, which is not"
-                                              r" installed: pip install 'deepepochs\[plot\]'"):
+                                              r" installed: pip install matplotlib \(the clone's extra: pip"
+                                              r" install -e '\.\[plot\]'\)"):
             trainer.find_lr(DataLoader(TensorDataset(x, y), batch_size=BATCH), num_steps=5, plot="lr.png")
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    with pytest.raises(ConfigError, match=r"deepepochs\[plot\]"):
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[plot\]'"):
         LRFindCallback(plot="lr.png")
