@@ -209,12 +209,12 @@ def resume_on_three() -> int:
 
 
 def _snapshot_then_resume(out: Path) -> dict:
-    """Mid-epoch snapshots every 3 updates (every rank writes its shards); both ranks fail at epoch 2
-    batch 4, one update after the snapshot of epoch 2 batch 3; a new 2-process Trainer resumes from it to
+    """Mid-epoch snapshots at every 4th update of the run (every rank writes its shards); both ranks fail at
+    epoch 2 batch 4, one update after the snapshot of epoch 2 batch 3 (update 8); a new 2-process Trainer resumes from it to
     the end. The parent resumes a copy of the same snapshot in 1 process."""
     snapshots = out / "snapshots"
     kwargs = {"running_id": SNAPSHOT_RUN_ID, "fuse_steps": False}
-    with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=3, on_signals=())], **kwargs) as trainer:
+    with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=4, on_signals=())], **kwargs) as trainer:
 
         def probe(dest):
             if dest == "step_forward" and trainer.loop.epoch == 2 and trainer.loop.batch_idx == 4:
@@ -232,7 +232,7 @@ def _snapshot_then_resume(out: Path) -> dict:
                 if trainer.is_main_process else None)
         if trainer.is_main_process:  # what a sharded snapshot killed before its commit leaves
             (snapshots / SNAPSHOT_RUN_ID / "snapshot-u000000009.ckpt" / "shards-000000000000").mkdir(parents=True)
-    with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=3, on_signals=())], resume=True,
+    with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=4, on_signals=())], resume=True,
                   **kwargs) as trainer:
         records = trainer.fit(_train_loader(), val_loader())
         folder = snapshots / SNAPSHOT_RUN_ID
