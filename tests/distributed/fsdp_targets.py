@@ -210,8 +210,8 @@ def resume_on_three() -> int:
 
 def _snapshot_then_resume(out: Path) -> dict:
     """Mid-epoch snapshots at every 4th update of the run (every rank writes its shards); both ranks fail at
-    epoch 2 batch 4, one update after the snapshot of epoch 2 batch 3 (update 8); a new 2-process Trainer resumes from it to
-    the end. The parent resumes a copy of the same snapshot in 1 process."""
+    epoch 2 batch 4, one update after the snapshot of epoch 2 batch 3 (update 8); a new 2-process Trainer
+    resumes from it to the end. The parent resumes a copy of the same snapshot in 1 process."""
     snapshots = out / "snapshots"
     kwargs = {"running_id": SNAPSHOT_RUN_ID, "fuse_steps": False}
     with _trainer(callbacks=[SnapshotCallback(snapshots, every_n_updates=4, on_signals=())], **kwargs) as trainer:
