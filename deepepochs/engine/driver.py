@@ -112,6 +112,15 @@ class Driver:
         return stage_tasks.make_tasks(self.ctx, stage, dataloader, tasks, metrics, do_loss, batch_size, call)
 
     # ---- errors: interrupt -> rollback -> idle, with the flight record ----
+    def honour_resume(self) -> None:
+        """Load a pending `resume=...` now (the `resume_checkpoint` action a fit's or test's first edge runs),
+        judged against the target the next fit() takes (Trainer(epochs=)), as that fit's own resume would be:
+        whether a finished run trains on, and what the resume says about it. A no-op without one."""
+        ctx = self.ctx
+        if ctx.loop.resume_pending:
+            ctx.loop.target_epochs = ctx.parts.config.epoch_target
+            actions.ACTIONS[ActionName.RESUME_CHECKPOINT](ctx)
+
     def guarded(self, name: str, run):
         """Run `fit`/`test` (`name`) with SIGINT held during updates; on any exception roll back and
         re-raise it with the flight record attached."""

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import copy
 
-from deepepochs.engine import actions, buffers, carried, runstate
-from deepepochs.fsm.events import ActionName
+from deepepochs.engine import buffers, carried, runstate
 from deepepochs.utils import rng_state, set_rng_state
 
 __all__ = ["trial_fit"]
@@ -27,11 +26,7 @@ def trial_fit(driver, tasks, callbacks, more_epochs: int):
     epoch: no early stop pending, no interrupted epoch continued (both come back afterwards)."""
     ctx = driver.ctx
     parts, run = ctx.parts, ctx.run
-    if ctx.loop.resume_pending:
-        # Judged against the target the next fit() takes (Trainer(epochs=)), as that fit's own resume
-        # would be: whether a finished run trains on, and what the resume says about it.
-        ctx.loop.target_epochs = parts.config.epoch_target
-        actions.ACTIONS[ActionName.RESUME_CHECKPOINT](ctx)
+    driver.honour_resume()
     console, hooks = parts.console, parts.hooks
     saved_run = runstate.capture(run)
     model = {k: v.detach().clone() for k, v in parts.raw_model.state_dict().items()}

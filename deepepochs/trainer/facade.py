@@ -102,7 +102,8 @@ class TrainerBase(StepMethods):
         resume: False; True resumes the run named by `running_id` when it has checkpoints and starts it
             fresh when it has none (without `running_id`: the newest checkpoint of any run under the
             monitors' `ckpt_dir`s); '<run id>' resumes that run, which must exist. Honoured at the first
-            `fit`, `test` or `predict`; the console says which run was loaded, from which file and why.
+            `fit`, `test` or `predict` (or at `resume_now()`); the console says which run was loaded, from
+            which file and why.
         running_id: the run's name, the folder of its checkpoints and logs (default: the start time).
         hyper_params: a dict written to TensorBoard with each test's results.
         log_long: print 7 digits instead of 4.
@@ -491,6 +492,19 @@ class TrainerBase(StepMethods):
         self._check_open("load_checkpoint")
         self.last_checkpoint = load_into(self, path, trusted=trusted)
         self.loop.resume_pending = False
+        return self
+
+    def resume_now(self):
+        """Honour a pending `resume=...` now instead of at the first `fit`, `test` or `predict`: afterwards
+        the model, optimizers, schedulers and `trainer.loop.run` (`updates`, the records) hold what the
+        resume loaded, as a plain loop knows its step right after reading its checkpoint. The run's folders
+        are locked while they are read, as a fit locks them (`run_lock`); the fit that follows locks them
+        again. Give the optimizers their schedulers before calling it: the checkpoint loads into them. Every
+        rank calls it (under DDP the resume is collective). Without a pending resume it does nothing. Returns
+        the trainer."""
+        self._check_open("resume_now")
+        with hold_run(self, self.config.run_lock):
+            self._driver.guarded("resume_now", self._driver.honour_resume)
         return self
 
     def explain(self) -> str:
