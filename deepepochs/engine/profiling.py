@@ -203,6 +203,21 @@ class Timeline:
         run.__wrapped__, run.part = fn, name
         return run
 
+    def at_updates(self, name: str, fn, cost: str = "other") -> None:
+        """Call `fn()` at each update boundary of the run (the first state entered after an update commits, or
+        after a rollback took updates back), its time charged as the part `name` of that state. It wraps this
+        instance's `enter` (set up before the run binds it): a timeline without such a call runs as before."""
+        enter, call, loop = self.enter, self.timed(name, fn, cost=cost), self.loop
+        last = [loop.run.updates]
+
+        def enter_at_updates(state: str) -> None:
+            enter(state)
+            if loop.run.updates != last[0]:
+                last[0] = loop.run.updates
+                call()
+
+        self.enter = enter_at_updates
+
     def costs_apart(self, name: str) -> bool:
         """Whether the part `name` is timed apart: it counts as something else than its state (a checkpoint
         write, a hook), or the times it starts are kept (`marks`)."""

@@ -1,0 +1,145 @@
+"""ProfileCallback(torch_profiler=...): torch's operator trace for a window of updates merged into the profile's
+trace file on the loop's clock (read back from the file and checked against the loop's own state events), and
+device time per state on a CUDA device (skipped without one)."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from trace_events import nested  # tests/, on sys.path under pytest
+
+from deepepochs import ProfileCallback, Trainer
+from deepepochs.engine.operator_trace import CLOCK_MARK, clock_offset
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: every CPU operator runs on the loop's thread (and fast on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fit(profiler, device="cpu", batches=16, epochs=1):
+    """A two-layer model fitted for `batches` updates (one batch per update) under `profiler`."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4 * batches, 8), torch.randint(0, 2, (4 * batches,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[profiler],
+                      log_batch=False, show_info=False, device=device)
+    trainer.fit(DataLoader(TensorDataset(x, y), batch_size=4), epochs=epochs)
+    return trainer
+
+
+def read(path):
+    """The trace file's complete events."""
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+
+
+def inside(event, outer):
+    return outer["ts"] <= event["ts"] and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"]
+
+
+def test_operators_sit_inside_the_forward_and_backward_states_of_the_loop_thread(tmp_path):
+    """With torch_profiler=True the trace file holds torch's operators on the loop's track (pid = rank, tid 0):
+    every matrix product lies inside a forward or backward state event of that track, and the loop's and
+    torch's events together nest as one stack (each operator inside the state visit that contains it)."""
+    path = tmp_path / "profile.json"
+    fit(ProfileCallback(trace=path, torch_profiler=True))
+    events = read(path)
+    ops = [e for e in events if e["cat"] == "cpu_op"]
+    products = [e for e in ops if e["name"] in ("aten::addmm", "aten::mm")]
+    assert {e["name"] for e in products} == {"aten::addmm", "aten::mm"}  # forward's addmm, backward's mm
+    assert all(e["pid"] == 0 and e["tid"] == 0 for e in ops)
+    compute = [e for e in events if e["cat"] in ("forward", "backward") and e["tid"] == 0]
+    for op in products:
+        assert any(inside(op, state) for state in compute), op
+    mm_in_backward = [op for op in products if op["name"] == "aten::mm"]
+    backward = [e for e in compute if e["name"] == "step_backward"]
+    assert all(any(inside(op, state) for state in backward) for op in mm_in_backward)
+    assert nested([e for e in events if e["pid"] == 0 and e["tid"] == 0])
+    assert CLOCK_MARK not in {e["name"] for e in events}
+
+
+def test_only_the_scheduled_updates_are_profiled(tmp_path):
+    """A schedule counted in updates: wait 2, warm up 1, record 2 keeps the operators of updates 4 and 5 (each
+    has its forward's addmm) and none of any other update; True's window is updates 3 to 5."""
+    for schedule, recorded in ((torch.profiler.schedule(wait=2, warmup=1, active=2, repeat=1), {4, 5}),
+                               (True, {3, 4, 5})):
+        path = tmp_path / "profile.json"
+        fit(ProfileCallback(trace=path, torch_profiler=schedule))
+        events = read(path)
+        updates = {int(e["name"].split()[1]): e for e in events if e["cat"] == "update"}
+        assert set(range(1, 17)) <= set(updates)  # and the run's tail after the last update
+        ops = [e for e in events if e["cat"] == "cpu_op"]
+        assert ops
+        holding = {n for n, update in updates.items() for op in ops if inside(op, update)}
+        assert holding == recorded
+        assert all(any(inside(op, updates[n]) for n in recorded) for op in ops)
+        for n in recorded:
+            assert any(op["name"] == "aten::addmm" and inside(op, updates[n]) for op in ops)
+        assert json.loads(path.read_text())["otherData"]["torch_profiler"]["windows"] == 1
+
+
+def test_without_torch_profiler_nothing_of_torch_profiler_runs(tmp_path, monkeypatch):
+    """torch_profiler=None (the default) never builds a torch.profiler.profile: a fit with a trace runs with
+    it made to fail, and its trace holds the loop's events only; the same fit asking for it does fail."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.profiler.profile was called")
+
+    monkeypatch.setattr(torch.profiler, "profile", refuse)
+    path = tmp_path / "profile.json"
+    fit(ProfileCallback(trace=path), batches=4)
+    document = json.loads(path.read_text())
+    assert "torch_profiler" not in document["otherData"]
+    assert not [e for e in document["traceEvents"] if e.get("cat") in ("cpu_op", "user_annotation")]
+    with pytest.raises(AssertionError, match="torch.profiler.profile was called"):
+        fit(ProfileCallback(trace=path, torch_profiler=True), batches=4)
+
+
+def test_the_trace_keeps_no_operators_older_than_its_window(tmp_path):
+    """With trace_updates=3 the operators of updates 3 to 5 of 16 are dropped with their updates."""
+    path = tmp_path / "profile.json"
+    profiler = ProfileCallback(trace=path, torch_profiler=True, trace_updates=3)
+    fit(profiler)
+    assert profiler.operators.windows == 1
+    assert not [e for e in read(path) if e["cat"] == "cpu_op"]
+
+
+def test_the_clock_offset_is_the_middle_of_what_every_mark_allows():
+    """Each mark bounds torch's clock minus ours: its start between the readings before and inside it, its end
+    between inside and after; the offset is the middle of the bounds all marks share."""
+    offset = 1_000_000
+    marks = [(100, 110, 130), (200, 204, 220)]
+    found = [{"ts": (105 + offset) / 1000, "dur": 15 / 1000}, {"ts": (203 + offset) / 1000, "dur": 10 / 1000}]
+    # mark 1: start 105 -> [offset - 5, offset + 5], end 120 -> [offset - 10, offset + 10]; mark 2: start 203 ->
+    # [offset - 1, offset + 3], end 213 -> [offset - 7, offset + 9]: shared [offset - 1, offset + 3]
+    assert clock_offset(found, marks) == offset + 1
+    assert clock_offset([], []) is None and clock_offset(found[:1], marks) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device time per state needs a CUDA device")
+def test_on_cuda_each_row_has_its_device_time_and_they_cover_the_stream():
+    """On a CUDA device every row has 'device_seconds'; the compute states hold device time, and the rows add
+    up to no more than the run's wall time (the stream's span lies inside the run)."""
+    profiler = ProfileCallback()
+    fit(profiler, device="cuda")
+    rows = {row["state"]: row for row in profiler.table}
+    assert all("device_seconds" in row for row in profiler.table)
+    assert rows["step_forward/forward"]["device_seconds"] > 0 and rows["step_backward"]["device_seconds"] > 0
+    total = sum(row["device_seconds"] for row in profiler.table)
+    assert 0 < total <= profiler.timeline.wall_ns / 1e9
+    assert "device s" in profiler.summary()
+
+
+def test_on_the_cpu_the_rows_have_no_device_time():
+    """Without CUDA the table is the host's alone: no 'device_seconds' field, no device column."""
+    profiler = ProfileCallback()
+    fit(profiler, batches=4)
+    assert not any("device_seconds" in row for row in profiler.table)
+    assert "device s" not in profiler.summary()
