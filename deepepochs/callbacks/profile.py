@@ -117,13 +117,12 @@ class ProfileCallback(Callback):
         self._mark = self._interval = None
         if ctx.parts.dist.world_size > 1:  # when each window's synchronising micro-batch starts, for `straggler`
             self._running.marks[ActionName.SYNC_GRADIENTS.value] = collections.deque(maxlen=self.trace_updates)
-        cuda = ctx.parts.device.type == "cuda"
-        self._device = DeviceTimes() if cuda else None
+        self._device = DeviceTimes.for_device(ctx.parts.device)
         if self._device is not None:
             self._device.install(self._running)
         self.operators = None
         if self.torch_schedule is not None and run == "fit":  # a schedule counted in updates: fits only
-            self.operators = OperatorTrace(self.torch_schedule, cuda)
+            self.operators = OperatorTrace(self.torch_schedule, ctx.parts.device.type == "cuda")
             self._running.at_updates("torch_profiler", functools.partial(_step, self.operators, self._running))
             self.operators.start()
         return self._running

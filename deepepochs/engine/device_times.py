@@ -24,14 +24,23 @@ class DeviceTimes:
     given one and runs as before.
     """
 
-    def __init__(self):
-        import torch
+    def __init__(self, event=None):
+        if event is None:
+            import torch
 
-        self._event = lambda: torch.cuda.Event(enable_timing=True)
+            def event():
+                return torch.cuda.Event(enable_timing=True)
+
+        self._event = event  # makes an event: `record()`, `query()`, `synchronize()`, `elapsed_time(later)` in ms
         self.totals: dict[tuple, int] = {}
         self._pending: list[tuple] = []  # (the key closed at the event, the event), oldest first
         self._last = None  # the newest event already read: the next interval starts there
         self._free: list = []
+
+    @classmethod
+    def for_device(cls, device) -> DeviceTimes | None:
+        """One for a run on `device` when it is a CUDA device, else None (the host's clock alone)."""
+        return cls() if device.type == "cuda" else None
 
     def mark(self, closing) -> None:
         """Record an event on the current stream, closing the interval of `closing` (None: opens one)."""

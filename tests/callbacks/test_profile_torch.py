@@ -3,6 +3,7 @@ trace file on the loop's clock (read back from the file and checked against the 
 device time per state on a CUDA device (skipped without one)."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -143,3 +144,55 @@ def test_on_the_cpu_the_rows_have_no_device_time():
     fit(profiler, batches=4)
     assert not any("device_seconds" in row for row in profiler.table)
     assert "device s" not in profiler.summary()
+
+
+class HostEvent:
+    """A stand-in for a CUDA event on the CPU: `record()` reads the host clock, and a device that lags `lag`
+    events behind the newest recorded one (`query()` is False for those); counts the events made."""
+
+    made = 0
+    recorded: list = []
+    lag = 0
+
+    def __init__(self):
+        HostEvent.made += 1
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter_ns()
+        HostEvent.recorded.append(self)
+
+    def query(self):
+        return self not in HostEvent.recorded[len(HostEvent.recorded) - HostEvent.lag:]
+
+    def synchronize(self):
+        HostEvent.lag = 0
+
+    def elapsed_time(self, later):
+        assert self.query() and later.query(), "read before the device passed it"
+        return (later.t - self.t) / 1e6
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_device_times_are_read_at_update_boundaries_into_each_row(monkeypatch, lag):
+    """The device-time bookkeeping, with events that read the host clock standing in for CUDA's (on a device
+    lagging `lag` events behind): each row's device_seconds matches its host seconds (both clocks are the
+    host's here, the events recorded where the host time moves), no event is read before the device passed it,
+    and read events are reused, so a run of 32 updates makes about one update's worth, not one per mark."""
+    from deepepochs.engine.device_times import DeviceTimes
+
+    monkeypatch.setattr(HostEvent, "recorded", [])
+    monkeypatch.setattr(HostEvent, "made", 0)
+    monkeypatch.setattr(HostEvent, "lag", lag)
+    monkeypatch.setattr(DeviceTimes, "for_device", classmethod(lambda cls, device: cls(event=HostEvent)))
+    profiler = ProfileCallback()
+    fit(profiler, batches=32)
+    assert all("device_seconds" in row for row in profiler.table)
+    for row in profiler.table:  # each mark is recorded a few microseconds before the host's time moves on
+        assert row["device_seconds"] == pytest.approx(row["seconds"], rel=0.05, abs=2e-5 * row["count"]), row
+    device = sum(row["device_seconds"] for row in profiler.table)
+    assert device == pytest.approx(sum(row["seconds"] for row in profiler.table), rel=0.02)
+    per_update = len(HostEvent.recorded) / 32
+    assert per_update > 10  # a dozen marks and more per batch
+    assert HostEvent.made <= 2 * per_update  # an update's worth of events in use, not the run's
+    assert "device s" in profiler.summary()
