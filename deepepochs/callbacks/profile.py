@@ -199,9 +199,9 @@ class ProfileCallback(Callback):
 
 
 def _step(operators: OperatorTrace, timeline: Timeline) -> None:
-    """An update boundary of a fit under torch.profiler: its schedule's next step; the operators older than
-    the trace's kept window are dropped (memory stays bounded)."""
+    """An update boundary of a fit under torch.profiler: its schedule's next step; the operator windows that
+    ended before the trace's kept updates are dropped (memory stays bounded)."""
     operators.step()
     segments = timeline.trace.segments
-    if operators.events and segments:
+    if segments:
         operators.drop_before(segments[0][1])

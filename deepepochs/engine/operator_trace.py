@@ -15,6 +15,7 @@ to a few microseconds.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import tempfile
@@ -79,7 +80,7 @@ class OperatorTrace:
         self._main = (os.getpid(), threading.get_native_id())  # torch's (pid, tid) of the loop's thread
         self._lane_of: dict[tuple, int] = {}
         self._marks: list[tuple[int, int, int]] = []  # (before, inside, after) per mark, on our clock
-        self.events: list[tuple] = []
+        self._kept: collections.deque[tuple[int, list]] = collections.deque()  # (its last end, its events)
         self.lanes: dict[int, str] = {}
         self.windows = 0
 
@@ -115,9 +116,15 @@ class OperatorTrace:
             self._mark()
         self._profile.stop()
 
+    @property
+    def events(self) -> list[tuple]:
+        """The events of the windows kept, oldest first."""
+        return [event for _, events in self._kept for event in events]
+
     def drop_before(self, t: int) -> None:
-        """Forget the events that end before `t` (our clock): the trace keeps a bounded window."""
-        self.events = [event for event in self.events if event[3] >= t]
+        """Forget the windows that ended before `t` (our clock): the trace keeps a bounded number of updates."""
+        while self._kept and self._kept[0][0] < t:
+            self._kept.popleft()
 
     def _read(self, profile) -> None:
         """`on_trace_ready`: export the window to a temporary file, read it back, keep its events."""
@@ -136,12 +143,15 @@ class OperatorTrace:
         if offset is None:
             return  # no mark came back: the window cannot be placed on the loop's clock
         self.windows += 1
+        kept = []
         for e in events:
             if e.get("ph") != "X" or "dur" not in e or str(e.get("name", "")).startswith(_LEFT_OUT):
                 continue
             t0 = round(e["ts"] * 1000) - offset
-            self.events.append((e["name"], e.get("cat", "torch"), t0, t0 + round(e["dur"] * 1000),
-                                self._lane((e.get("pid"), e.get("tid")), names), e.get("args")))
+            kept.append((e["name"], e.get("cat", "torch"), t0, t0 + round(e["dur"] * 1000),
+                         self._lane((e.get("pid"), e.get("tid")), names), e.get("args")))
+        if kept:
+            self._kept.append((max(event[3] for event in kept), kept))
 
     def _lane(self, where: tuple, names: dict) -> int:
         lane = self._lane_of.get(where)

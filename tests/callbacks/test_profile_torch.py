@@ -103,12 +103,22 @@ def test_without_torch_profiler_nothing_of_torch_profiler_runs(tmp_path, monkeyp
 
 
 def test_the_trace_keeps_no_operators_older_than_its_window(tmp_path):
-    """With trace_updates=3 the operators of updates 3 to 5 of 16 are dropped with their updates."""
+    """With trace_updates=3 the operators of updates 3 to 5 of 16 are dropped with their updates; a schedule
+    that repeats (record every second update) keeps only the windows inside the last updates the trace keeps."""
     path = tmp_path / "profile.json"
     profiler = ProfileCallback(trace=path, torch_profiler=True, trace_updates=3)
     fit(profiler)
     assert profiler.operators.windows == 1
     assert not [e for e in read(path) if e["cat"] == "cpu_op"]
+    repeating = torch.profiler.schedule(wait=0, warmup=1, active=1)  # updates 2, 4, ..., 16 recorded
+    profiler = ProfileCallback(trace=path, torch_profiler=repeating, trace_updates=4)
+    fit(profiler)
+    assert profiler.operators.windows == 8
+    events = read(path)
+    updates = {int(e["name"].split()[1]): e for e in events if e["cat"] == "update"}
+    assert set(updates) == {14, 15, 16, 17}  # the last three updates and the run's tail
+    ops = [e for e in events if e["name"] == "aten::addmm"]
+    assert len(ops) == 2 * 2 and all(any(inside(op, updates[n]) for n in (14, 16)) for op in ops)  # 2 layers
 
 
 def test_the_clock_offset_is_the_middle_of_what_every_mark_allows():
