@@ -67,7 +67,8 @@ class OperatorTrace:
         events: `(name, cat, t0, t1, lane, args)` per recorded event, `t0`/`t1` on `time.perf_counter_ns`'s
             clock; `lane` 0 is the thread that runs the loop, the others numbered from 1 as first seen.
         lanes: `{lane: name}` of the lanes beside 0 (torch's thread and stream names).
-        windows: how many windows were read back.
+        windows: how many windows were read back and placed on our clock; `unplaced`: how many were left
+            out, their clock marks missing (the trace file says so).
     """
 
     def __init__(self, schedule, cuda: bool = False):
@@ -82,7 +83,7 @@ class OperatorTrace:
         self._marks: list[tuple[int, int, int]] = []  # (before, inside, after) per mark, on our clock
         self._kept: collections.deque[tuple[int, list]] = collections.deque()  # (its last end, its events)
         self.lanes: dict[int, str] = {}
-        self.windows = 0
+        self.windows = self.unplaced = 0
 
     def _recording(self) -> bool:
         return self._profile.current_action in (self._actions.RECORD, self._actions.RECORD_AND_SAVE)
@@ -96,25 +97,29 @@ class OperatorTrace:
 
     def start(self) -> None:
         """Start the profiler (update 0 of the schedule)."""
-        self._profile.start()
-        if self._recording():
-            self._mark()
+        self._moving(self._profile.start, before=False)
 
     def step(self) -> None:
         """An update boundary: the schedule's next step (a window that ends now is read back)."""
-        if self._recording():
-            self._mark()
-        with warnings.catch_warnings():  # each window is read back as it ends: keeping only the last is meant
-            warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
-            self._profile.step()
-        if self._recording():
-            self._mark()
+        self._moving(self._step)
 
     def stop(self) -> None:
         """The run ended: stop the profiler (a window still recording is read back)."""
-        if self._recording():
+        self._moving(self._profile.stop, after=False)
+
+    def _step(self) -> None:
+        with warnings.catch_warnings():  # each window is read back as it ends: keeping only the last is meant
+            warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
+            self._profile.step()
+
+    def _moving(self, move, before: bool = True, after: bool = True) -> None:
+        """`move` the profiler on, with clock marks at the end of the window it leaves and the start of the one
+        it enters (`before`, `after`: where a window can be recording)."""
+        if before and self._recording():
             self._mark()
-        self._profile.stop()
+        move()
+        if after and self._recording():
+            self._mark()
 
     @property
     def events(self) -> list[tuple]:
@@ -140,8 +145,9 @@ class OperatorTrace:
         found = sorted((e for e in events if e.get("ph") == "X" and e.get("name") == CLOCK_MARK
                         and (e.get("pid"), e.get("tid")) == self._main), key=lambda e: e["ts"])
         offset = clock_offset(found, marks)
-        if offset is None:
-            return  # no mark came back: the window cannot be placed on the loop's clock
+        if offset is None:  # its marks did not come back: it cannot be placed on the loop's clock
+            self.unplaced += 1
+            return
         self.windows += 1
         kept = []
         for e in events:

@@ -208,7 +208,8 @@ def trace_document(window, run: str, started: int, stopped: int, rank: int, tabl
             if args:
                 event["args"] = args
             events.append(event)
-        other["torch_profiler"] = {"windows": operators.windows, "events": len(operators.events)}
+        other["torch_profiler"] = {"windows": operators.windows, "events": len(operators.events),
+                                   "unplaced_windows": operators.unplaced}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
