@@ -135,8 +135,13 @@ class ProfileCallback(Callback):
             self.operators.stop()  # after the run's clock stopped: reading the last window back is not the run's
         device = None
         if self._device is not None:
-            self._device.read(wait=True)
-            device, self._device = self._device.totals, None
+            times, self._device = self._device, None
+            try:
+                times.read(wait=True)
+                device = times.totals
+            except RuntimeError:  # a CUDA error that failed the run comes back here: the run's own error is raised
+                if not failed:
+                    raise
         self.table = table_rows(timeline.totals, timeline.cost_of, timeline.wall_ns, device)
         self.bottleneck, self.verdict = verdict(self.table, run, timeline.loaders.get("train"))
         self.straggler = None

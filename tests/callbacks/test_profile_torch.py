@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from trace_events import nested  # tests/, on sys.path under pytest
 
-from deepepochs import ProfileCallback, Trainer
+from deepepochs import Callback, ProfileCallback, Trainer
 from deepepochs.engine.operator_trace import CLOCK_MARK, clock_offset
 from deepepochs.reporting.profile_report import CATEGORIES
 
@@ -61,14 +61,16 @@ class SlowBackward(nn.Module):
 
 
 def fit(profiler, device="cpu", batches=16, epochs=1, sleep=None, backward_sleep=None):
-    """A two-layer model fitted for `batches` updates (one batch per update) under `profiler`; `sleep`: seconds
+    """A two-layer model fitted for `batches` updates (one batch per update) under `profiler` (or a list of
+    callbacks); `sleep`: seconds
     each item takes to read; `backward_sleep`: seconds each backward pass sleeps."""
     torch.manual_seed(0)
     x, y = torch.randn(4 * batches, 8), torch.randint(0, 2, (4 * batches,))
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     if backward_sleep is not None:
         model.append(SlowBackward(backward_sleep))
-    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[profiler],
+    callbacks = profiler if isinstance(profiler, list) else [profiler]
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), callbacks=callbacks,
                       log_batch=False, show_info=False, device=device)
     data = TensorDataset(x, y) if sleep is None else SlowPairs(x, y, sleep)
     trainer.fit(DataLoader(data, batch_size=4), epochs=epochs)
@@ -270,3 +272,30 @@ def test_device_times_are_read_at_update_boundaries_into_each_row(monkeypatch, l
     assert per_update > 10  # a dozen marks and more per batch
     assert HostEvent.made <= 2 * per_update  # an update's worth of events in use, not the run's
     assert "device s" in profiler.summary()
+
+
+class BrokenDevice(HostEvent):
+    """A device whose every wait raises, as CUDA does after a kernel failed."""
+
+    def synchronize(self):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+class Boom(Callback):
+    def on_after_train_batch(self, trainer, metrics, batch_idx):
+        raise ValueError("the run's own error")
+
+
+def test_a_failed_runs_own_error_is_raised_not_the_devices_at_the_profiles_end(monkeypatch):
+    """When the device fails (every wait raises) a run that failed raises its own error, its table without
+    device time; a run that did not fail raises the device's."""
+    from deepepochs.engine.device_times import DeviceTimes
+
+    monkeypatch.setattr(HostEvent, "recorded", [])
+    monkeypatch.setattr(DeviceTimes, "for_device", classmethod(lambda cls, device: cls(event=BrokenDevice)))
+    profiler = ProfileCallback()
+    with pytest.raises(ValueError, match="the run's own error"):
+        fit([Boom(), profiler], batches=2)
+    assert profiler.table and not any("device_seconds" in row for row in profiler.table)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        fit(profiler, batches=2)
