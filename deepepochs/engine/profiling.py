@@ -22,7 +22,9 @@ away after it, by swapping what the loop already looks up, never by a branch on 
 - the batch loops wrap their batches' iterator in `Timeline.fetching` (asked once per task).
 
 With `trace_window > 0` the timeline also keeps the visits themselves for a trace (`TraceWindow`), grouped
-under their epoch and the update they lead to, the last `trace_window` updates at most.
+under their epoch and the update they lead to, the last `trace_window` updates at most. What runs once per
+update (torch.profiler's step, reading a CUDA run's device times) hooks in through `Timeline.at_updates`, on
+the one timeline that needs it.
 """
 
 from __future__ import annotations
