@@ -10,11 +10,14 @@ written in the spec (`State.cost`, `Action.cost`). Without this callback none of
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 from pathlib import Path
 
 from deepepochs.callbacks.base import Callback
+from deepepochs.engine.device_times import DeviceTimes
+from deepepochs.engine.operator_trace import OperatorTrace, default_schedule, is_schedule
 from deepepochs.engine.profiling import Timeline
 from deepepochs.errors import ConfigError
 from deepepochs.fsm.events import ActionName
@@ -49,9 +52,19 @@ class ProfileCallback(Callback):
             chrome://tracing), one complete event per state visit, under its epoch and update. Under DDP
             rank 0 writes every rank's track into it (process r: rank r); after a failed run each rank
             writes its own (`<stem>.rank<r><suffix>` for r > 0). Each rank's `table` is its own.
-        torch_profiler: reserved for merging torch's operator trace; only None or False are accepted.
+        torch_profiler: also run torch.profiler during a fit and merge its operator trace into the `trace`
+            file, on the loop's clock, so that each operator sits under the state it ran in (the loop thread's
+            on the loop's track, other threads and CUDA streams on tracks beside it). A
+            `torch.profiler.schedule(wait=..., warmup=..., active=..., repeat=...)` counted in updates (the
+            profiler steps at update boundaries, not per micro-batch), or True for a window of three updates
+            after two (`wait=1, warmup=1, active=3`). Needs `trace`. None or False: torch.profiler is not
+            touched.
         trace_updates: how many of the last updates the trace keeps (memory stays bounded; the file says
             how many were dropped).
+
+    On a CUDA device each row also has `'device_seconds'`: the device's time in that state, from CUDA events
+    recorded on the current stream and read at update boundaries and the run's end (no synchronisation per
+    batch); the summary adds the column.
 
     Example:
         >>> profiler = ProfileCallback()
@@ -69,14 +82,22 @@ class ProfileCallback(Callback):
             if not folder.is_dir():
                 raise ConfigError(f"trace={str(trace)!r}: the folder {str(folder)!r} does not exist; create it"
                                   " first or write the trace elsewhere")
-        if torch_profiler not in (None, False):
-            raise ConfigError(f"torch_profiler must be None or False in this version (got {torch_profiler!r}):"
-                              " merging torch's operator trace is not available yet; run torch.profiler yourself"
-                              " around the fit")
+        if torch_profiler is True:
+            torch_profiler = default_schedule()
+        elif torch_profiler is None or torch_profiler is False:
+            torch_profiler = None
+        elif not is_schedule(torch_profiler):
+            raise ConfigError(f"torch_profiler must be None, False, True (a window of a few updates) or a"
+                              f" torch.profiler.schedule(...) (got {torch_profiler!r})")
+        if torch_profiler is not None and trace is None:
+            raise ConfigError("torch_profiler needs trace=<a file path>: torch's operator trace is merged into that"
+                              " file (got trace=None)")
         if isinstance(trace_updates, bool) or not isinstance(trace_updates, int) or trace_updates < 1:
             raise ConfigError(f"trace_updates must be a whole number >= 1 (got {trace_updates!r})")
         self.trace = None if trace is None else Path(trace)
         self.trace_updates = trace_updates
+        self.torch_schedule = torch_profiler
+        self.operators: OperatorTrace | None = None  # the last fit's torch.profiler events
         self.table: list[dict] = []
         self.bottleneck: str | None = None
         self.verdict: str | None = None
@@ -87,6 +108,7 @@ class ProfileCallback(Callback):
         self._running: Timeline | None = None
         self._mark: tuple[dict, int] | None = None  # (ns per category, when) at the last validation point
         self._interval: tuple[int, dict] | None = None  # (its step, its shares)
+        self._device: DeviceTimes | None = None
 
     # ---- called by the engine around a run (deepepochs.engine.profiling.profiled) ----
     def profile_begin(self, ctx, run: str) -> Timeline:
@@ -95,13 +117,32 @@ class ProfileCallback(Callback):
         self._mark = self._interval = None
         if ctx.parts.dist.world_size > 1:  # when each window's synchronising micro-batch starts, for `straggler`
             self._running.marks[ActionName.SYNC_GRADIENTS.value] = collections.deque(maxlen=self.trace_updates)
+        self._device = DeviceTimes.for_device(ctx.parts.device)
+        if self._device is not None:
+            self._device.install(self._running)
+        self.operators = None
+        if self.torch_schedule is not None and run == "fit":  # a schedule counted in updates: fits only
+            self.operators = OperatorTrace(self.torch_schedule, ctx.parts.device.type == "cuda")
+            self._running.at_updates("torch_profiler", functools.partial(_step, self.operators, self._running))
+            self.operators.start()
         return self._running
 
     def profile_end(self, ctx, run: str, timeline: Timeline, failed: bool) -> None:
         """The run ended (`failed`: it raised): make the table and verdict, write the trace, and print the
         summary of a run that did not fail."""
         self.timeline, self.run, self._running = timeline, run, None
-        self.table = table_rows(timeline.totals, timeline.cost_of, timeline.wall_ns)
+        if self.operators is not None:
+            self.operators.stop()  # after the run's clock stopped: reading the last window back is not the run's
+        device = None
+        if self._device is not None:
+            times, self._device = self._device, None
+            try:
+                times.read(wait=True)
+                device = times.totals
+            except RuntimeError:  # a CUDA error that failed the run comes back here: the run's own error is raised
+                if not failed:
+                    raise
+        self.table = table_rows(timeline.totals, timeline.cost_of, timeline.wall_ns, device)
         self.bottleneck, self.verdict = verdict(self.table, run, timeline.loaders.get("train"))
         self.straggler = None
         syncs = timeline.marks.get(ActionName.SYNC_GRADIENTS.value)
@@ -139,7 +180,7 @@ class ProfileCallback(Callback):
         would never join."""
         rank = dist.rank
         document = trace_document(timeline.trace, run, timeline.started, timeline.stopped, rank, self.table,
-                                  timeline.started_wall)
+                                  timeline.started_wall, self.operators)
         if dist.world_size > 1 and not failed:
             documents = dist.all_gather_object(document)
             if rank != 0:
@@ -160,3 +201,12 @@ class ProfileCallback(Callback):
         if self.timeline is None:
             return "Where the time goes: nothing profiled yet"
         return summary_text(self.table, self.run, self.timeline.wall_ns / 1e9, self.verdict, limit, self.straggler)
+
+
+def _step(operators: OperatorTrace, timeline: Timeline) -> None:
+    """An update boundary of a fit under torch.profiler: its schedule's next step; the operator windows that
+    ended before the trace's kept updates are dropped (memory stays bounded)."""
+    operators.step()
+    segments = timeline.trace.segments
+    if segments:
+        operators.drop_before(segments[0][1])

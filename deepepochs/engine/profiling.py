@@ -22,7 +22,9 @@ away after it, by swapping what the loop already looks up, never by a branch on 
 - the batch loops wrap their batches' iterator in `Timeline.fetching` (asked once per task).
 
 With `trace_window > 0` the timeline also keeps the visits themselves for a trace (`TraceWindow`), grouped
-under their epoch and the update they lead to, the last `trace_window` updates at most.
+under their epoch and the update they lead to, the last `trace_window` updates at most. What runs once per
+update (torch.profiler's step, reading a CUDA run's device times) hooks in through `Timeline.at_updates`, on
+the one timeline that needs it.
 """
 
 from __future__ import annotations
@@ -202,6 +204,21 @@ class Timeline:
 
         run.__wrapped__, run.part = fn, name
         return run
+
+    def at_updates(self, name: str, fn, cost: str = "other") -> None:
+        """Call `fn()` at each update boundary of the run (the first state entered after an update commits, or
+        after a rollback took updates back), its time charged as the part `name` of that state. It wraps this
+        instance's `enter` (set up before the run binds it): a timeline without such a call runs as before."""
+        enter, call, loop = self.enter, self.timed(name, fn, cost=cost), self.loop
+        last = [loop.run.updates]
+
+        def enter_at_updates(state: str) -> None:
+            enter(state)
+            if loop.run.updates != last[0]:
+                last[0] = loop.run.updates
+                call()
+
+        self.enter = enter_at_updates
 
     def costs_apart(self, name: str) -> bool:
         """Whether the part `name` is timed apart: it counts as something else than its state (a checkpoint

@@ -22,12 +22,18 @@ def _row_name(key: tuple[str, str | None]) -> str:
     return state if part is None else f"{state}/{part}"
 
 
-def table_rows(totals: Mapping[tuple[str, str | None], list[int]], cost_of: Callable, wall_ns: int) -> list[dict]:
+def table_rows(totals: Mapping[tuple[str, str | None], list[int]], cost_of: Callable, wall_ns: int,
+               device: Mapping[tuple[str, str | None], int] | None = None) -> list[dict]:
     """One row per `(state, part)` the run spent time in, the largest first: `{'state', 'category', 'count',
-    'seconds', 'share'}` (`share`: of the run's wall time `wall_ns`)."""
+    'seconds', 'share'}` (`share`: of the run's wall time `wall_ns`); with `device` (`{(state, part): ns}` of
+    a CUDA run) also `'device_seconds'`."""
     wall = max(wall_ns, 1)
     rows = [{"state": _row_name(key), "category": cost_of(key), "count": count, "seconds": ns / 1e9,
              "share": ns / wall} for key, (count, ns) in totals.items() if ns or count]
+    if device is not None:
+        keys = [key for key, (count, ns) in totals.items() if ns or count]
+        for row, key in zip(rows, keys):
+            row["device_seconds"] = device.get(key, 0) / 1e9
     rows.sort(key=lambda row: (-row["seconds"], row["state"]))
     return rows
 
@@ -134,10 +140,12 @@ def summary_text(rows: list[dict], run: str, wall_s: float, verdict_text: str | 
     lines = [f"Where the time goes ({run}: {wall_s:.3f} s wall, {100 * covered:.1f} % attributed)",
              "  " + "  ".join(f"{c} {100 * shares[c]:.1f}%" for c in CATEGORIES if shares[c] >= 0.0005)]
     width = max([len(row["state"]) for row in rows[:limit]] + [5])
-    lines.append(f"  {'state':<{width}}  {'category':<10}  {'count':>8}  {'seconds':>9}  {'share':>6}")
+    device = bool(rows) and "device_seconds" in rows[0]  # a CUDA run's device time per row
+    lines.append(f"  {'state':<{width}}  {'category':<10}  {'count':>8}  {'seconds':>9}  {'share':>6}"
+                 + "  device s" * device)
     for row in rows[:limit]:
         lines.append(f"  {row['state']:<{width}}  {row['category']:<10}  {row['count']:>8}  {row['seconds']:>9.4f}"
-                     f"  {100 * row['share']:>5.1f}%")
+                     f"  {100 * row['share']:>5.1f}%" + (f"  {row['device_seconds']:>8.4f}" if device else ""))
     if len(rows) > limit:
         rest = rows[limit:]
         lines.append(f"  ({len(rest)} more rows: {sum(r['seconds'] for r in rest):.4f} s)")
@@ -173,11 +181,15 @@ def _complete(name: str, cat: str, t0: int, t1: int, origin: int, pid: int) -> d
 
 
 def trace_document(window, run: str, started: int, stopped: int, rank: int, table: list[dict],
-                   started_wall: int = 0) -> dict:
+                   started_wall: int = 0, operators=None) -> dict:
     """The Chrome trace-event document of a run's `TraceWindow`: the run, its epochs, the segments (each
     update and what led to it), and every state visit and part inside them, as complete events on one track
     (`pid` = the rank); `otherData` also holds the whole run's `table` (for the graph's heat map) and the
-    host clock's time at its start, `started_wall` (ns; `merge_traces` lines ranks up by it)."""
+    host clock's time at its start, `started_wall` (ns; `merge_traces` lines ranks up by it).
+
+    `operators` (an `OperatorTrace`, `ProfileCallback(torch_profiler=...)`): torch's events, on the same clock,
+    the loop thread's on the loop's track (under the state each ran in), other threads' and streams' on tracks
+    of their own beside it."""
     events = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
               {"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "loop"}},
               _complete(run, "run", started, stopped, started, rank)]
@@ -185,11 +197,20 @@ def trace_document(window, run: str, started: int, stopped: int, rank: int, tabl
     for name, t0, t1, visits in window.segments:
         events.append(_complete(name, "update", t0, t1, started, rank))
         events += [_complete(n, cat, a, b, started, rank) for n, cat, a, b in visits]
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"producer": "deepepochs ProfileCallback", "run": run, "rank": rank,
-                          "trace_updates": window.segments.maxlen, "dropped_updates": window.dropped_segments,
-                          "dropped_events": window.dropped_events, "table": table,
-                          "started_wall": started_wall}}
+    other = {"producer": "deepepochs ProfileCallback", "run": run, "rank": rank,
+             "trace_updates": window.segments.maxlen, "dropped_updates": window.dropped_segments,
+             "dropped_events": window.dropped_events, "table": table, "started_wall": started_wall}
+    if operators is not None:
+        events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": lane, "args": {"name": name}}
+                   for lane, name in operators.lanes.items()]
+        for name, cat, t0, t1, lane, args in operators.events:
+            event = {**_complete(name, cat, t0, t1, started, rank), "tid": lane}
+            if args:
+                event["args"] = args
+            events.append(event)
+        other["torch_profiler"] = {"windows": operators.windows, "events": len(operators.events),
+                                   "unplaced_windows": operators.unplaced}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
 def merge_traces(documents: list[dict]) -> dict:

@@ -232,7 +232,11 @@ def test_the_trace_is_trace_event_json_with_every_visit_inside_its_update_and_ep
     ({"trace": "/no/such/folder/profile.json"}, "trace='/no/such/folder/profile.json': the folder '/no/such/folder'"
                                                 " does not exist"),
     ({"trace": 3}, "trace must be a file path (str or os.PathLike) or None (got int)"),
-    ({"torch_profiler": "yes"}, "torch_profiler must be None or False in this version (got 'yes')"),
+    ({"torch_profiler": "yes", "trace": "p.json"}, "torch_profiler must be None, False, True (a window of a few"
+                                                   " updates) or a torch.profiler.schedule(...) (got 'yes')"),
+    ({"torch_profiler": len}, "torch_profiler must be None, False, True"),
+    ({"torch_profiler": True}, "torch_profiler needs trace=<a file path>: torch's operator trace is merged into that"
+                               " file (got trace=None)"),
     ({"trace_updates": 0}, "trace_updates must be a whole number >= 1 (got 0)"),
 ])
 def test_bad_arguments_are_refused_naming_them(kw, message):

@@ -1,6 +1,6 @@
 """What `test_ddp_profile.py` runs in two processes through `launch`: a profiled fit under DDP (gloo, CPU)
-whose rank 1 reads a dataset that sleeps per item (a straggler), writing one trace. Each rank saves its
-table and trace path to `$DEEPEPOCHS_TEST_OUT/rank<r>.pt`.
+whose rank 1 reads a dataset that sleeps per item (a straggler), writing one trace with torch's operators of a
+window of updates. Each rank saves its table and trace path to `$DEEPEPOCHS_TEST_OUT/rank<r>.pt`.
 """
 
 import os
@@ -48,7 +48,7 @@ def run_profiled() -> int:
     try:
         torch.manual_seed(0)
         model = nn.Linear(4, 2)
-        profiler = ProfileCallback(trace=out / "profile.json")
+        profiler = ProfileCallback(trace=out / "profile.json", torch_profiler=True)  # updates 3 to 5 (of 4)
         trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2,
                           callbacks=[profiler], log_batch=False, show_info=False, run_lock="off")
         trainer.fit(DataLoader(Items(rank), batch_size=4))

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.distributed
 
 def test_each_rank_profiles_itself_and_rank_0_writes_one_trace_with_a_track_per_rank(tmp_path):
     """Rank 1's sleeping dataset shows in its own table (data) and not in rank 0's; the one trace file holds
-    both ranks' events, each track nested run > epoch > update > visit."""
+    both ranks' events, each loop track nested run > epoch > update > visit > part > torch's operator, and
+    each rank's operators of its profiled updates (read back when the run stopped) under its forward states."""
     out = tmp_path / "run"
     out.mkdir()
     ranks = launched_ranks(P.run_profiled, P.OUT_ENV, out)
@@ -34,9 +35,14 @@ def test_each_rank_profiles_itself_and_rank_0_writes_one_trace_with_a_track_per_
     events = [e for e in document["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == {0, 1}
     for pid in (0, 1):
-        track = [e for e in events if e["pid"] == pid]
+        track = [e for e in events if e["pid"] == pid and e["tid"] == 0]  # the loop's thread, operators included
         assert nested(track)
         assert sum(e["cat"] == "run" for e in track) == 1
+        forwards = [e for e in track if e["name"] == "forward"]
+        ops = [e for e in track if e["name"] == "aten::addmm"]
+        assert len(ops) == 2  # one per profiled update: 3 and 4, the run's last (2 epochs of 2 batches per rank)
+        assert all(any(f["ts"] <= op["ts"] and op["ts"] + op["dur"] <= f["ts"] + f["dur"] for f in forwards)
+                   for op in ops)
     assert [r["rank"] for r in document["otherData"]["ranks"]] == [0, 1]
     # both ranks name rank 1, which read slowly, as the one the gradient synchronisations waited for
     for rank in ranks:
