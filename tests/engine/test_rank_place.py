@@ -65,3 +65,30 @@ def test_a_collective_is_named_by_the_deepepochs_function_that_issued_it():
     assert rank_place._activity([user, c10d], False) == (None, "all_reduce (from user code)")
     assert rank_place._activity([ours, backward], True) == (None, "gradient all-reduce")
     assert rank_place._activity([ours, backward], False) == (None, None)
+
+
+def test_the_place_carries_the_path_since_the_fit_started_numbered_from_it():
+    """The held fit's place lists its transitions since the fit's start (where the ranks' paths start
+    together), numbered from 0, the cold ones apart; they equal the flight record's last ones."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    hold = _Hold()
+    trainer = Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2, device="cpu",
+                      callbacks=[hold], log_batch=False, show_info=False)
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(4)]
+    trainer.fit(data[:1])  # a first fit: the second's path starts after it
+    fit = threading.Thread(target=trainer.fit, args=(data,), kwargs={"epochs": 3})
+    fit.start()
+    try:
+        assert hold.inside.wait(30)
+        path = rank_place.reader(trainer._ctx, trainer._driver)()["path"]
+        records = trainer._ctx.machine.records()
+    finally:
+        hold.release.set()
+        fit.join(30)
+    entries = path["entries"]
+    assert [entry[0] for entry in entries] == list(range(path["count"]))  # fewer than the flight record keeps
+    assert [tuple(entry[1:]) for entry in entries] == [tuple(r) for r in records[-path["count"]:]]
+    assert entries[0][3:] == ["idle", "fit", "fit_running"]
+    assert [entry[4] for entry in path["cold"]] == ["fit", "next_epoch", "begin_train", "begin_task"]
+    assert path["waiting_at"] is None
