@@ -53,10 +53,10 @@ class PathAgreement:
         point = place["path"]["waiting_at"]
         self.points += 1
         key = f"{self.prefix}/{self.points}"
-        store = self._connect()
-        store.set(f"{key}/{self.rank}", json.dumps({**place, "time": time.time()}))
         peers = [rank for rank in range(self.world_size) if rank != self.rank]
         try:
+            store = self._connect()
+            store.set(f"{key}/{self.rank}", json.dumps({**place, "time": time.time()}))
             store.wait([f"{key}/{rank}" for rank in peers], datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:  # a timeout (DistStoreError), or the store's host (rank 0) is gone
             said = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
