@@ -32,6 +32,7 @@ from deepepochs.data.outputs import ModelLoss
 from deepepochs.errors import (
     CheckpointError,
     ConfigError,
+    DesyncError,
     DistributedError,
     InvalidTransition,
     MigrationWarning,
@@ -64,6 +65,7 @@ __all__ = [
     "ConfigError",
     "ConfusionMetrics",
     "ConfusionPatch",
+    "DesyncError",
     "DistributedError",
     "EMACallback",
     "EpochTask",

@@ -4,6 +4,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DeepEpochsWarning",
+    "DesyncError",
     "DistributedError",
     "InvalidTransition",
     "MigrationWarning",
@@ -30,10 +31,25 @@ class DistributedError(RuntimeError):
     Attributes:
         ranks: when a collective failed under a group deepepochs created, every rank's last place, from the
             ranks' heartbeats: rank -> {'state', 'stage', 'epoch', 'update', 'batch', 'collective',
-            'seconds_since_heartbeat', 'seconds_in_place', 'callback', 'alive'} (None: not known); else None.
+            'seconds_since_heartbeat', 'seconds_in_place', 'callback', 'stop' (the reason of a stop this rank
+            requested), 'alive'} (None: not known); else None.
     """
 
     ranks: dict | None = None
+
+
+class DesyncError(DistributedError):
+    """The ranks of a distributed run took different paths through the loop (a stop requested on one rank only,
+    one rank's evaluation task ending while another still issues a collective in it): raised on every rank that
+    sees it, at the point where the ranks compare their paths (a task's end, the fit's end) or when a collective
+    failed, instead of a hang.
+
+    Attributes:
+        parting: the first transition since the ranks last agreed where their paths part, as a sentence.
+        ranks: every rank's last place, as `DistributedError.ranks`.
+    """
+
+    parting: str | None = None
 
 
 class RunLockedError(RuntimeError):

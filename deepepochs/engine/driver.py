@@ -211,6 +211,7 @@ class Driver:
         else:  # a new fit: its DataLoaders' first iterators are made in it (a resume puts a snapshot's back)
             run.loader_starts = None
         generators.remember_random_state(ctx)  # the fit's start is where a fault before any commit returns
+        ctx.machine.agreed()  # the ranks' paths start together: their training data was agreed (make_tasks)
         statistics_pass.check_sources(ctx, train)  # a BatchNorm pass refuses data it cannot read, before training
         loop.resume_tasks = train  # a pending resume=... checks a snapshot's position against them
         try:
@@ -250,6 +251,7 @@ class Driver:
             if ctx.snapshots is not None:
                 snapshot_trigger.commit_point(ctx, epoch_end=True)
         loop.stage = None
+        rank_place.agree(ctx, "the end of the fit")  # a rank that stopped alone waits here for its peers
         statistics_pass.recompute(ctx)  # the averages' BatchNorm statistics, a stage with its commit point
         emit(self.ctx, Event.AFTER_FIT)
         if ctx.snapshots is not None:
@@ -338,6 +340,7 @@ class Driver:
         """`test`: the `test` edge (a pending `resume=...` loads on it), the run header, the test stage and
         `end_stage`; prints and returns the metrics."""
         ctx = self.ctx
+        ctx.machine.agreed()  # the ranks' paths start together here: fit and test start on every rank
         ctx.machine.fire_cold(TriggerName.TEST)
         self._header()
         metrics = self.eval_stage("test", tasks, 1)
@@ -427,6 +430,7 @@ class Driver:
         ctx.data_source = None
         parts.console.end_task()
         self._raise_pending_nonfinite(meters)
+        rank_place.agree(ctx, rank_place.task_end(stage, ctx.task_index, epoch))  # before the task's collectives
         parts.dist.check_batch_counts(loop.batch_idx, stage)
         metrics = self._task_metrics(meters)
         emit(self.ctx, after_task, task, metrics)

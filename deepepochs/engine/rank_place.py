@@ -1,6 +1,7 @@
 """A rank's place in the loop, as its peers read it from its heartbeat (`deepepochs.parallel.heartbeat`): the
 machine's state, the stage, the 1-based epoch, the update, the 1-based batch, and what the thread running the loop
-is in, a callback or a collective.
+is in, a callback or a collective (or the agreement on the ranks' paths), and the path it took since the ranks
+last agreed (`LoopMachine.path`).
 
 Nothing here runs per batch. The heartbeat thread calls `reader(ctx, driver)()` every beat: it reads the counters
 the loop keeps anyway and looks at the training thread's Python stack (`sys._current_frames`) for a callback
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from deepepochs.engine.context import Context
 from deepepochs.engine.emit import emit
 
-__all__ = ["COLLECTIVE_WORDS", "failure_place", "place", "reader"]
+__all__ = ["COLLECTIVE_WORDS", "agree", "failure_place", "place", "reader", "task_end"]
 
 #: The collectives deepepochs issues, by the function that issues them, in the loop's words.
 COLLECTIVE_WORDS = {
@@ -72,9 +73,12 @@ def place(ctx: Context, codes: list) -> dict:
     grad_sync = bool(getattr(ctx.parts.train_model, "require_backward_grad_sync", False))
     callback, collective = _activity(codes, grad_sync)
     stage = loop.stage
-    return {"state": ctx.machine.state, "stage": stage, "epoch": loop.epoch,
+    machine = ctx.machine
+    if machine.waiting_at is not None:
+        collective = f"path agreement at {machine.waiting_at}"
+    return {"state": machine.state, "stage": stage, "epoch": loop.epoch,
             "update": ctx.run.updates + (stage == "train"), "batch": loop.batch_idx, "collective": collective,
-            "callback": callback}
+            "callback": callback, "stop": loop.stop.reason if loop.stop is not None else None, "path": machine.path()}
 
 
 def reader(ctx: Context, driver) -> Callable[[], dict]:
@@ -97,3 +101,30 @@ def failure_place(ctx: Context, exc: BaseException) -> dict | None:
         return place(ctx, [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)])
     except Exception:  # noqa: BLE001 (see the docstring)
         return None
+
+
+_STAGE_WORDS = {"train": "training", "val": "validation", "test": "test"}
+
+
+def task_end(stage: str, index: int, epoch: int) -> str:
+    """The agreement point at the end of a task, in words: 'the end of validation task 1 of epoch 2'."""
+    of_epoch = f" of epoch {epoch}" if stage != "test" else ""
+    return f"the end of {_STAGE_WORDS[stage]} task {index + 1}{of_epoch}"
+
+
+def agree(ctx: Context, point: str) -> None:
+    """Under DDP, compare the ranks' paths since their last agreement at `point`, a place of the loop every rank
+    passes (a task's end, before its collectives; the fit's end): this rank waits there for its peers, and
+    `DesyncError` is raised when the paths parted (`DistPolicy.agree_paths`), e.g. a stop requested on one rank
+    only, or a longer evaluation shard while a peer's code still issues collectives in it, instead of meeting
+    in a collective that does not match. One process does nothing."""
+    dist = ctx.parts.dist
+    if dist.world_size == 1:
+        return
+    machine = ctx.machine
+    machine.waiting_at = point
+    try:
+        dist.agree_paths(place(ctx, []))
+    finally:
+        machine.waiting_at = None
+    machine.agreed()

@@ -159,6 +159,12 @@ class LoopMachine:
 
     The probe attribute, when set, is called as `probe(state)` after every transition; tests use it to
     inject faults at each state.
+
+    Paths since an agreement: the ranks of a distributed run compare the transitions they took since they last
+    agreed (`agreed`; `path` lists them), to name the first one where their paths part. `taken` counts every
+    transition (an attribute increment, no call, on the hot path); the hot ones are read back from the flight
+    record, the cold ones are also kept apart (`cold_path`), since a rank may legitimately take more hot ones
+    than its peers (a longer evaluation shard).
     """
 
     def __init__(self, guards, actions, loop, history: int = 64):
@@ -171,6 +177,11 @@ class LoopMachine:
         self.loop = loop
         self.probe: Callable[[str], None] | None = None
         self._cold = frozenset(t.name for t in self.spec.triggers if not t.hot)
+        self.taken = 0  # transitions taken since the machine was built
+        self.mark = 0  # `taken` when the ranks last agreed on their paths
+        # The cold transitions since then: (index since the mark, epoch, batch, source, trigger, dest).
+        self.cold_path: collections.deque[tuple] = collections.deque(maxlen=history)
+        self.waiting_at: str | None = None  # the point where this rank waits for its peers' paths, if it does
 
     @property
     def state(self) -> str:
@@ -198,6 +209,7 @@ class LoopMachine:
         model.state = dest
         loop = self.loop
         self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
+        self.taken += 1
         for action in actions:
             action()
         if self.probe is not None:
@@ -208,6 +220,7 @@ class LoopMachine:
         """Record an edge the caller took itself (a compiled micro-batch's fused edge), then probe."""
         loop = self.loop
         self.history.append((loop.epoch, loop.batch_idx, source, trigger, dest))
+        self.taken += 1
         if self.probe is not None:
             self.probe(dest)
 
@@ -222,10 +235,31 @@ class LoopMachine:
             self._invalid(source, trigger)
         dest = self.model.state
         name = getattr(trigger, "value", trigger)  # a TriggerName member is recorded by its plain name
-        self.history.append((self.loop.epoch, self.loop.batch_idx, source, name, dest))
+        entry = (self.loop.epoch, self.loop.batch_idx, source, name, dest)
+        self.history.append(entry)
+        self.cold_path.append((self.taken - self.mark, *entry))
+        self.taken += 1
         if self.probe is not None:
             self.probe(dest)
         return dest
+
+    def agreed(self) -> None:
+        """The ranks agree on their paths here: the next transition is the first of a new path."""
+        self.mark = self.taken
+        self.cold_path.clear()
+
+    def path(self) -> dict:
+        """The transitions since the last agreement, as JSON-able lists `[index since the agreement, epoch,
+        batch, source, trigger, dest]`: `entries` (those the flight record still holds), `cold` (the cold ones),
+        `count` (how many were taken) and `waiting_at` (where this rank waits for its peers, or None)."""
+        for _ in range(3):  # another thread may read while the loop moves: read until both reads agree
+            taken, history, cold = self.taken, list(self.history), list(self.cold_path)
+            if taken == self.taken:
+                break
+        first = taken - len(history) - self.mark
+        entries = [[first + n, *record] for n, record in enumerate(history) if first + n >= 0]
+        return {"entries": entries, "cold": [list(record) for record in cold], "count": taken - self.mark,
+                "waiting_at": self.waiting_at}
 
     def allowed(self, state: str | None = None) -> list[str]:
         """Triggers that have an edge from `state` (default: the current state)."""

@@ -53,6 +53,7 @@ from torch.utils.data import (
 from deepepochs.data.sampling import ShortestShard, len_or_minus_one, shard, unsplit_warning
 from deepepochs.errors import DeepEpochsWarning, DistributedError
 from deepepochs.parallel.heartbeat import Heartbeat, read_places
+from deepepochs.parallel.path_agreement import PathAgreement
 from deepepochs.parallel.process_group import GroupUse, env_int
 from deepepochs.parallel.single import PolicyBase
 from deepepochs.parallel.stall_report import rank_entry, stall_error
@@ -95,6 +96,7 @@ class DDPPolicy(PolicyBase):
         self.model: DistributedDataParallel | None = None
         self._unsplit_said = False  # the warning about training data used as given: once per trainer
         self._heartbeat: Heartbeat | None = None  # this rank's place for its peers (`publish_places`)
+        self._agreement: PathAgreement | None = None  # where the ranks compare their paths (`agree_paths`)
 
     @staticmethod
     def _local_device(device: torch.device) -> torch.device:
@@ -348,6 +350,18 @@ class DDPPolicy(PolicyBase):
         if address is not None and self._heartbeat is None:
             self._heartbeat = Heartbeat(*address, self.rank, self._group.places_key, read_place)
 
+    def agree_paths(self, place: dict) -> None:
+        """Wait for every rank at this point of the loop (`place`: this rank's, its path's `waiting_at` names the
+        point) and compare the paths the ranks took since the last one: `DesyncError` when they parted
+        (`deepepochs.parallel.path_agreement`). Only for a group deepepochs created (its store is known)."""
+        address = self._group.store_address
+        if address is None:
+            return
+        if self._agreement is None:
+            self._agreement = PathAgreement(address, self.rank, self.world_size, f"{self._group.places_key}/paths",
+                                            self.timeout_s)
+        self._agreement.agree(place, self._stall_error)
+
     def timed_out(self, exc: BaseException, where: str, place: dict | None = None) -> DistributedError | None:
         """If `exc` is a collective's failure (a timeout, or a peer whose connection ended: gloo and NCCL report
         them as RuntimeErrors), the `DistributedError` to raise instead, else None. With heartbeats it names
@@ -380,7 +394,8 @@ class DDPPolicy(PolicyBase):
         records[self.rank] = {**place, "time": now, "since": last["since"] if same else now}
         alive[self.rank] = True
         ranks = {rank: rank_entry(records[rank], alive[rank], now) for rank in range(self.world_size)}
-        return stall_error(self.rank, self.world_size, what, ranks, said)
+        paths = {rank: (records[rank] or {}).get("path") for rank in range(self.world_size)}
+        return stall_error(self.rank, self.world_size, what, ranks, said, paths)
 
     def close(self) -> None:
         """Release the process group: destroyed if deepepochs created it and no other trainer still uses it."""
@@ -396,6 +411,7 @@ class DDPPolicy(PolicyBase):
         destructor can wait forever for its worker thread (see `process_group.destroy_group`). The heartbeat
         stops first: nothing of this policy writes to the job's store after its release."""
         beat, self._heartbeat = self._heartbeat, None
+        self._agreement = None  # its store connection closes with it
         if beat is not None:
             beat.close()
         model, self.model = self.model, None

@@ -211,6 +211,9 @@ class SingleProcess(PolicyBase):
     def publish_places(self, read_place) -> None:
         """Publish this rank's place (`read_place()`) for its peers to read; one process has no peers."""
 
+    def agree_paths(self, place: dict) -> None:
+        """Wait for the peers at this point of the loop and compare their paths; one process has no peers."""
+
     def timed_out(self, exc: BaseException, where: str, place: dict | None = None) -> DistributedError | None:
         """The `DistributedError` a collective's failure `exc` stands for; never one in one process."""
         return None

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 
-from deepepochs.errors import DistributedError
+from deepepochs.errors import DesyncError, DistributedError
+from deepepochs.parallel.path_compare import parting
 
 __all__ = ["PLACE_KEYS", "rank_entry", "stall_error", "stall_sentence"]
 
-#: The keys of each rank's entry in `DistributedError.ranks` (besides 'alive', 'callback' and 'seconds_in_place').
+#: The keys of each rank's entry in `DistributedError.ranks` (besides 'alive', 'callback', 'stop' and
+#: 'seconds_in_place').
 PLACE_KEYS = ("state", "stage", "epoch", "update", "batch", "collective", "seconds_since_heartbeat")
 
 _STAGES = {"train": "training", "val": "validation", "test": "test", "predict": "prediction"}
@@ -28,6 +30,7 @@ def rank_entry(record: dict | None, alive: bool | None, now: float | None = None
     entry["seconds_since_heartbeat"] = round(now - record["time"], 1) if "time" in record else None
     entry["seconds_in_place"] = round(now - record["since"], 1) if "since" in record else None
     entry["callback"] = record.get("callback")
+    entry["stop"] = record.get("stop")
     entry["alive"] = alive
     return entry
 
@@ -71,17 +74,23 @@ def stall_sentence(ranks: dict[int, dict]) -> str:
     return "; ".join(parts)
 
 
-def stall_error(rank: int, world_size: int, what: str, ranks: dict[int, dict], said: str) -> DistributedError:
+def stall_error(rank: int, world_size: int, what: str, ranks: dict[int, dict], said: str,
+                paths: dict[int, dict | None] | None = None) -> DistributedError:
     """The error of rank `rank` whose collective failed (`what`: how), naming every rank's place: the sentence
-    first, then one line per rank, then what torch said. `.ranks` holds the entries."""
+    first, then one line per rank, then what torch said. `.ranks` holds the entries. When the ranks' `paths`
+    (`LoopMachine.path`, from their heartbeats) part, a `DesyncError` naming where, first."""
     lines = []
     for other in sorted(ranks):
         entry = ranks[other]
-        shown = ", ".join(f"{key} {entry[key]!r}" for key in (*PLACE_KEYS, "callback", "alive")
+        shown = ", ".join(f"{key} {entry[key]!r}" for key in (*PLACE_KEYS, "callback", "stop", "alive")
                           if entry.get(key) is not None)
         lines.append(f"  rank {other}: {shown or 'nothing known'}")
-    error = DistributedError(
-        f"rank {rank} of {world_size}: {what}: {stall_sentence(ranks)}.\nEvery rank's last place (from the ranks'"
-        " heartbeats):\n" + "\n".join(lines) + f"\nTorch said: {said}")
+    parted = parting(paths) if paths else None
+    apart = f"the ranks' paths parted: {parted}. " if parted else ""
+    error = (DesyncError if parted else DistributedError)(
+        f"rank {rank} of {world_size}: {what}: {apart}{stall_sentence(ranks)}.\nEvery rank's last place (from the"
+        " ranks' heartbeats):\n" + "\n".join(lines) + f"\nTorch said: {said}")
     error.ranks = ranks
+    if parted:
+        error.parting = parted
     return error
