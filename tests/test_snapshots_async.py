@@ -128,6 +128,40 @@ def test_host_copy_shares_no_storage_and_keeps_shared_tensors_shared():
     assert copied["a"] is copied["b"][0]
 
 
+def test_host_copy_reuses_its_memory_for_the_same_tensors_and_allocates_for_changed_ones():
+    """`HostCopy.take` copies into the buffers of the copy before when the tensors keep their kind; a tensor whose
+    shape changed gets new memory; every copy holds the values of its own moment."""
+    weight, bias = torch.randn(4, 3), torch.randn(4)
+    host = background.HostCopy()
+    first = host.take({"w": weight, "b": bias})
+    pointers = (first["w"].data_ptr(), first["b"].data_ptr())
+    weight.add_(1)
+    second = host.take({"w": weight, "b": bias})
+    assert (second["w"].data_ptr(), second["b"].data_ptr()) == pointers
+    assert torch.equal(second["w"], weight) and second["w"].data_ptr() != weight.data_ptr()
+    third = host.take({"w": weight, "b": torch.randn(5)})
+    assert third["w"].data_ptr() == pointers[0] and third["b"].data_ptr() != pointers[1]
+    assert third["b"].shape == (5,)
+
+
+def test_a_write_in_flight_keeps_its_copy_while_the_next_snapshot_waits(tmp_path):
+    """The writer copies the next state only once the write before it ended (the copies share memory): a slow
+    first write still writes the state of its own moment, and the second file holds the changed state."""
+    def slow_write(data, path):
+        time.sleep(0.3)
+        torch.save(dict(data), path)
+
+    writer = background.BackgroundWriter(slow_write)
+    weight = torch.zeros(1000)
+    writer.submit({"w": weight}, tmp_path / "first.pt")
+    weight.fill_(2)
+    writer.submit({"w": weight}, tmp_path / "second.pt")
+    assert writer.waited > 0.1
+    assert writer.finish("test")
+    assert torch.equal(torch.load(tmp_path / "first.pt")["w"], torch.zeros(1000))
+    assert torch.equal(torch.load(tmp_path / "second.pt")["w"], torch.full((1000,), 2.0))
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_async_write_must_be_a_bool(tmp_path, value):
     with pytest.raises(ConfigError, match=r"SnapshotCallback async_write must be True or False \(got"):

@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs.checkpoint import background, names, shard_storage
+from deepepochs.checkpoint import names, shard_storage
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
 from deepepochs.engine import callback_states, carried, runstate
@@ -170,9 +170,10 @@ def save(trainer, path, position: Mapping | None = None, writer=None, after=None
     (`CheckpointError`, nothing written). When the save fails, every rank raises (see `_agreed`).
 
 
-    With `writer` (a `background.BackgroundWriter`, one file only), rank 0 makes a host copy of the state and
-    hands it to the writer, which writes it after the write in flight, if any, and then calls `after(path)`; the
-    call returns once the copy is made, and the writer keeps a failure for its owner to report.
+    With `writer` (a `background.BackgroundWriter`, one file only), rank 0 hands the state to the writer, which
+    waits for the write in flight, if any, makes its host copy of the state, writes that beside training and
+    then calls `after(path)`; the call returns once the copy is made, and the writer keeps a failure for its
+    owner to report.
     """
     path, dist = Path(path), trainer.dist
     if position is None and trainer.loop.save_position is not None:
@@ -184,7 +185,7 @@ def save(trainer, path, position: Mapping | None = None, writer=None, after=None
         if writer is None:
             _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
         else:
-            _agreed(dist, path, lambda: writer.submit(background.host_copy(ckpt.to_dict()), path, after))
+            _agreed(dist, path, lambda: writer.submit(ckpt.to_dict(), path, after))
         return path if dist.is_main else None
     if writer is not None:
         raise CheckpointError("a background write takes one checkpoint file; under strategy='fsdp' every rank"
