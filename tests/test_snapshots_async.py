@@ -19,6 +19,7 @@ from test_snapshots import _data, _equal, _fit, _last, _state, _trainer
 
 from deepepochs import CheckCallback, ConfigError, SnapshotCallback
 from deepepochs.checkpoint import background, read_checkpoint
+from deepepochs.checkpoint import write as ckpt_write
 from deepepochs.errors import DeepEpochsWarning
 
 
@@ -106,6 +107,24 @@ def test_a_failed_background_write_warns_once_and_the_run_goes_on(tmp_path, monk
     assert read_checkpoint(tmp_path / "run" / "snapshot-u000000004.ckpt").updates == 4
     assert not list((tmp_path / "run").glob(".*.tmp"))
     assert _equal(_state(trainer, model), both[False][1])
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_snapshots_written_over_rotated_files_equal_fresh_ones(tmp_path, both, monkeypatch, async_write):
+    """Rotation hands the file it prunes to the next snapshot, which is written over it (its blocks reused): with
+    keep=2, every snapshot from the fourth on; the files kept equal the fresh files of the run that kept them all,
+    and no hidden file is left once the fit has ended."""
+    taken, take = [], ckpt_write._take_spare
+    monkeypatch.setattr(ckpt_write, "_take_spare", lambda spare, temp: taken.append(take(spare, temp)) or taken[-1])
+    trainer, _ = _trainer(tmp_path, every_n_updates=1, keep=2, async_write=async_write)
+    _fit(trainer)
+    assert taken.count(True) == 21 - 3
+    kept, reference = _files(tmp_path), _files(both[False][0])
+    assert len(kept) == 2 and set(kept) <= set(reference)
+    for name, ckpt in kept.items():
+        for field in ("model", "optimizers", "schedulers", "rng", "position", "history", "updates", "carried"):
+            assert states_equal(getattr(ckpt, field), getattr(reference[name], field)), (name, field)
+    assert not list((tmp_path / "run").glob(".*"))
 
 
 def test_the_fit_returns_once_its_last_snapshot_is_on_disk(tmp_path):
