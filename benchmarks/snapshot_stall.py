@@ -128,10 +128,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="25,100", help="model sizes in millions of parameters")
     parser.add_argument("--every", type=int, default=5, help="a snapshot every N updates")
-    parser.add_argument("--periods", type=int, default=4, help="snapshots per run")
+    parser.add_argument("--periods", type=int, default=6, help="snapshots per run")
     parser.add_argument("--output", default=str(RESULTS_DIR / "snapshot_stall.json"))
     args = parser.parse_args()
-    rows = []
+    rows, load = [], {"start": os.getloadavg()}  # a shared machine's other work inflates every row
     updates = args.every * (args.periods + 1) + 2
     for millions in [int(s) for s in args.sizes.split(",") if s]:
         with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +150,9 @@ def main() -> None:
         print(f"{millions}: async / plain copy {by_mode['async'] / by_mode['plain copy']:.2f}x,"
               f" async / reused copy {by_mode['async'] / by_mode['reused copy']:.2f}x,"
               f" async / sync {by_mode['async'] / by_mode['sync']:.2f}x")
-    write_json(args.output, {"machine": machine_info(), "every_n_updates": args.every, "rows": rows})
+    load["end"] = os.getloadavg()
+    write_json(args.output, {"machine": machine_info(), "load_average": load, "every_n_updates": args.every,
+                             "rows": rows})
 
 
 if __name__ == "__main__":
