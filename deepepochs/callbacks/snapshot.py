@@ -70,7 +70,9 @@ class SnapshotCallback(Callback):
             data error), and once a signal arrived the fit fetches no further batch; in an accumulation
             window still open then, its micro-batches are dropped and the snapshot is the last commit
             point's (see `deepepochs.engine.snapshot_trigger`).
-        keep: how many snapshot files to keep (the most progressed: completed epochs, then updates).
+        keep: how many snapshot files to keep (the most progressed: completed epochs, then updates). The file
+            pruned is hidden (`checkpoint.retire`) and the next snapshot written over it, reusing its disk blocks;
+            it is removed when the fit ends.
         exit_code: the exit status of `Preempted`; None: 128 + the signal's number (143 for SIGTERM), what
             a shell reports for a process ended by that signal.
         async_write: write each snapshot beside training: at the commit point the loop waits only for a copy of
@@ -80,7 +82,8 @@ class SnapshotCallback(Callback):
             flight, and the fit stops once both are on disk; the fit's end, an interruption, `close()` and the
             interpreter's exit wait for the write. A failed background write is reported once, as a warning at
             the next commit point (or the fit's end), and training goes on from the previous snapshot's
-            safety. Costs one extra host copy of the state while a write is in flight. Not under
+            safety. Costs one extra host copy of the state, kept from the fit's first snapshot to its end (every
+            snapshot copies into it: a memory copy, without allocating). Not under
             `strategy='fsdp'` (refused when attached).
         requeue: in a SLURM job, ask SLURM to requeue it (`scontrol requeue $SLURM_JOB_ID`, from rank 0)
             once a signal stopped the fit and its snapshot is written, so that the same sbatch script runs
