@@ -131,6 +131,7 @@ bench-instructions: install
 # of ~25M and ~100M parameters with Adam on the CPU (a few minutes; several GB of memory and of disk in /tmp)
 bench-snapshots: install-runtime
 	$(PYTHON) benchmarks/snapshot_stall.py
+	$(PYTHON) benchmarks/snapshot_parts.py
 
 bench-memory: install-runtime
 	$(PYTHON) benchmarks/memory_steady.py

@@ -17,6 +17,7 @@ from torch import nn
 import deepepochs.checkpoint as ckpt_mod
 import deepepochs.checkpoint.write as ckpt_write
 from deepepochs import CheckpointError, ConfigError, Trainer
+from deepepochs.checkpoint import archive
 from deepepochs.errors import DeepEpochsWarning
 
 
@@ -154,6 +155,34 @@ def test_temporary_files_of_killed_saves_are_removed_at_the_next_save(tmp_path):
         f.write_bytes(b"x" * 1000)
     ckpt_mod.write_atomic({"x": torch.zeros(1)}, folder / "another.ckpt")
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_a_write_over_a_retired_file_reuses_it_and_keeps_nothing_of_it(tmp_path):
+    """`retire` takes a checkpoint out of sight (a temporary name of this process); `write_atomic(spare=...)` writes
+    over that file in place (the same inode: its blocks are reused), cut to the new length: it equals a fresh
+    write of the same data in size and content, and passes the archive checks."""
+    old = ckpt_mod.write_atomic({"w": torch.randn(10_000)}, tmp_path / "old.ckpt")
+    inode = old.stat().st_ino
+    spare = ckpt_mod.retire(old)
+    assert not old.exists() and spare.name.startswith(".old.ckpt.") and spare.suffix == ".tmp"
+    small = {"w": torch.arange(10.0)}
+    new = ckpt_mod.write_atomic(small, tmp_path / "new.ckpt", spare=spare)
+    fresh = ckpt_mod.write_atomic(small, tmp_path / "fresh.ckpt")
+    assert new.stat().st_ino == inode and not spare.exists()
+    assert new.stat().st_size == fresh.stat().st_size
+    archive.check_archive(new)
+    assert torch.equal(torch.load(new, weights_only=True)["w"], small["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.ckpt", "new.ckpt"]
+
+
+def test_a_failed_write_over_a_retired_file_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path, before = _saved_checkpoint(tmp_path)
+    spare = ckpt_mod.retire(ckpt_mod.write_atomic({"w": torch.zeros(100)}, path.parent / "pruned.ckpt"))
+    monkeypatch.setattr(ckpt_write, "open", lambda file, mode: io.BufferedWriter(_FullDisk(64), 64), raising=False)
+    with pytest.raises(CheckpointError, match="no space left on the device"):
+        ckpt_mod.write_atomic({"model": {"w": torch.zeros(10_000)}}, path, spare=spare)
+    assert torch.load(path, weights_only=True)["epoch"] == before["epoch"]
+    assert not spare.exists() and not list(path.parent.glob(".*"))
 
 
 def test_temporary_files_of_killed_saves_are_removed_at_resume(tmp_path):

@@ -19,6 +19,7 @@ from test_snapshots import _data, _equal, _fit, _last, _state, _trainer
 
 from deepepochs import CheckCallback, ConfigError, SnapshotCallback
 from deepepochs.checkpoint import background, read_checkpoint
+from deepepochs.checkpoint import write as ckpt_write
 from deepepochs.errors import DeepEpochsWarning
 
 
@@ -108,6 +109,24 @@ def test_a_failed_background_write_warns_once_and_the_run_goes_on(tmp_path, monk
     assert _equal(_state(trainer, model), both[False][1])
 
 
+@pytest.mark.parametrize("async_write", [False, True])
+def test_snapshots_written_over_rotated_files_equal_fresh_ones(tmp_path, both, monkeypatch, async_write):
+    """Rotation hands the file it prunes to the next snapshot, which is written over it (its blocks reused): with
+    keep=2, every snapshot from the fourth on; the files kept equal the fresh files of the run that kept them all,
+    and no hidden file is left once the fit has ended."""
+    taken, take = [], ckpt_write._take_spare
+    monkeypatch.setattr(ckpt_write, "_take_spare", lambda spare, temp: taken.append(take(spare, temp)) or taken[-1])
+    trainer, _ = _trainer(tmp_path, every_n_updates=1, keep=2, async_write=async_write)
+    _fit(trainer)
+    assert taken.count(True) == 21 - 3
+    kept, reference = _files(tmp_path), _files(both[False][0])
+    assert len(kept) == 2 and set(kept) <= set(reference)
+    for name, ckpt in kept.items():
+        for field in ("model", "optimizers", "schedulers", "rng", "position", "history", "updates", "carried"):
+            assert states_equal(getattr(ckpt, field), getattr(reference[name], field)), (name, field)
+    assert not list((tmp_path / "run").glob(".*"))
+
+
 def test_the_fit_returns_once_its_last_snapshot_is_on_disk(tmp_path):
     trainer, _ = _trainer(tmp_path, every_n_updates=None, async_write=True, epochs=1)
     snap = next(cb for cb in trainer.callbacks if isinstance(cb, SnapshotCallback))
@@ -126,6 +145,40 @@ def test_host_copy_shares_no_storage_and_keeps_shared_tensors_shared():
     data["n"]["count"] = 2
     assert not torch.equal(copied["a"], weight) and copied["n"]["count"] == 1
     assert copied["a"] is copied["b"][0]
+
+
+def test_host_copy_reuses_its_memory_for_the_same_tensors_and_allocates_for_changed_ones():
+    """`HostCopy.take` copies into the buffers of the copy before when the tensors keep their kind; a tensor whose
+    shape changed gets new memory; every copy holds the values of its own moment."""
+    weight, bias = torch.randn(4, 3), torch.randn(4)
+    host = background.HostCopy()
+    first = host.take({"w": weight, "b": bias})
+    pointers = (first["w"].data_ptr(), first["b"].data_ptr())
+    weight.add_(1)
+    second = host.take({"w": weight, "b": bias})
+    assert (second["w"].data_ptr(), second["b"].data_ptr()) == pointers
+    assert torch.equal(second["w"], weight) and second["w"].data_ptr() != weight.data_ptr()
+    third = host.take({"w": weight, "b": torch.randn(5)})
+    assert third["w"].data_ptr() == pointers[0] and third["b"].data_ptr() != pointers[1]
+    assert third["b"].shape == (5,)
+
+
+def test_a_write_in_flight_keeps_its_copy_while_the_next_snapshot_waits(tmp_path):
+    """The writer copies the next state only once the write before it ended (the copies share memory): a slow
+    first write still writes the state of its own moment, and the second file holds the changed state."""
+    def slow_write(data, path):
+        time.sleep(0.3)
+        torch.save(dict(data), path)
+
+    writer = background.BackgroundWriter(slow_write)
+    weight = torch.zeros(1000)
+    writer.submit({"w": weight}, tmp_path / "first.pt")
+    weight.fill_(2)
+    writer.submit({"w": weight}, tmp_path / "second.pt")
+    assert writer.waited > 0.1
+    assert writer.finish("test")
+    assert torch.equal(torch.load(tmp_path / "first.pt")["w"], torch.zeros(1000))
+    assert torch.equal(torch.load(tmp_path / "second.pt")["w"], torch.full((1000,), 2.0))
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

@@ -70,7 +70,9 @@ class SnapshotCallback(Callback):
             data error), and once a signal arrived the fit fetches no further batch; in an accumulation
             window still open then, its micro-batches are dropped and the snapshot is the last commit
             point's (see `deepepochs.engine.snapshot_trigger`).
-        keep: how many snapshot files to keep (the most progressed: completed epochs, then updates).
+        keep: how many snapshot files to keep (the most progressed: completed epochs, then updates). The file
+            pruned is hidden (`checkpoint.retire`) and the next snapshot written over it, reusing its disk blocks;
+            it is removed when the fit ends.
         exit_code: the exit status of `Preempted`; None: 128 + the signal's number (143 for SIGTERM), what
             a shell reports for a process ended by that signal.
         async_write: write each snapshot beside training: at the commit point the loop waits only for a copy of
@@ -80,7 +82,8 @@ class SnapshotCallback(Callback):
             flight, and the fit stops once both are on disk; the fit's end, an interruption, `close()` and the
             interpreter's exit wait for the write. A failed background write is reported once, as a warning at
             the next commit point (or the fit's end), and training goes on from the previous snapshot's
-            safety. Costs one extra host copy of the state while a write is in flight. Not under
+            safety. Costs one extra host copy of the state, kept from the fit's first snapshot to its end (every
+            snapshot copies into it: a memory copy, without allocating). Not under
             `strategy='fsdp'` (refused when attached).
         requeue: in a SLURM job, ask SLURM to requeue it (`scontrol requeue $SLURM_JOB_ID`, from rank 0)
             once a signal stopped the fit and its snapshot is written, so that the same sbatch script runs
@@ -132,7 +135,8 @@ class SnapshotCallback(Callback):
         self._last = time.monotonic()
         self._signal: str | None = None
         self._previous: dict = {}
-        self._writer = background.BackgroundWriter(checkpoint.write_atomic) if async_write else None
+        self._writer = background.BackgroundWriter(self._write_file) if async_write else None
+        self._spare: Path | None = None  # the file rotation took out last, which the next write goes over
         self.waited_seconds = 0.0  # time snapshots waited for the background write before them
 
     def __repr__(self) -> str:
@@ -209,7 +213,8 @@ class SnapshotCallback(Callback):
         if writer is None or self._signal is not None:
             # synchronous; a preemption's snapshot also after the write in flight: both are on disk when it stops
             self.finish_writes()
-            path = checkpoint.save(trainer, target, position)
+            spare, self._spare = self._spare, None
+            path = checkpoint.save(trainer, target, position, spare=spare)
             if path is not None:
                 self._prune(folder)
             return path
@@ -218,10 +223,22 @@ class SnapshotCallback(Callback):
         self.waited_seconds += writer.waited
         return path
 
+    def _write_file(self, data, path: Path) -> Path:
+        """The background writer's write: `checkpoint.write_atomic`, over the spare file rotation left."""
+        spare, self._spare = self._spare, None
+        return checkpoint.write_atomic(data, path, spare=spare)
+
     def finish_writes(self) -> None:
         """Wait for the background write in flight, if any (bounded), and report a failed one."""
         if self._writer is not None:
             self._writer.finish("SnapshotCallback")
+
+    def _end_writes(self) -> None:
+        """`finish_writes`, then remove the spare file: nothing is written until the next fit."""
+        self.finish_writes()
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.unlink(missing_ok=True)
 
     def exit_code(self, signal_name: str) -> int:
         """`Preempted`'s exit status for `signal_name`."""
@@ -230,12 +247,16 @@ class SnapshotCallback(Callback):
     def _prune(self, folder: Path) -> None:
         """Keep the `keep` most progressed snapshots (`checkpoint.by_progress`: completed epochs, then updates,
         then time, the order resume takes them in); also remove sharded snapshot folders never committed
-        (their save was killed: each snapshot has a new name, so no later save would tidy them)."""
+        (their save was killed: each snapshot has a new name, so no later save would tidy them). The first file
+        pruned is kept out of sight as the spare the next snapshot is written over (`checkpoint.retire`)."""
         found = list(folder.glob(f"snapshot-u*{checkpoint.SUFFIX}"))
         files = checkpoint.by_progress([p for p in found if checkpoint.exists(p)])
         for old in files[self.keep:] + [p for p in found if p.is_dir() and not checkpoint.exists(p)]:
             try:
-                checkpoint.remove(old)
+                if self._spare is None and old.is_file():
+                    self._spare = checkpoint.retire(old)
+                else:
+                    checkpoint.remove(old)
             except OSError:
                 pass
 
@@ -265,14 +286,14 @@ class SnapshotCallback(Callback):
         self._arm()
 
     def on_after_fit(self, trainer):
-        self.finish_writes()  # the last snapshot is on disk when fit() returns
+        self._end_writes()  # the last snapshot is on disk when fit() returns
 
     def on_close(self, trainer):
-        self.finish_writes()
+        self._end_writes()
 
     def on_interrupted(self, trainer, exception):
         self._disarm()
-        self.finish_writes()  # on disk before the run's lock is released
+        self._end_writes()  # on disk before the run's lock is released
         if self.requeue and isinstance(exception, Preempted) and trainer.dist.is_main:
             try:
                 done = slurm.requeue()

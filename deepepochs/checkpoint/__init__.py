@@ -25,7 +25,15 @@ from deepepochs.checkpoint.format import (
 )
 from deepepochs.checkpoint.load import check_fits, copied_to_cpu, load_averages, load_into, load_model_state
 from deepepochs.checkpoint.read import exists, modified_ns, read_checkpoint, read_weights
-from deepepochs.checkpoint.write import consolidate, remove, remove_stale_temps, save, snapshot, write_atomic
+from deepepochs.checkpoint.write import (
+    consolidate,
+    remove,
+    remove_stale_temps,
+    retire,
+    save,
+    snapshot,
+    write_atomic,
+)
 from deepepochs.errors import CheckpointError
 
 __all__ = [
@@ -54,6 +62,7 @@ __all__ = [
     "remove_stale_temps",
     "resume_once",
     "resume_scope",
+    "retire",
     "save",
     "snapshot",
     "write_atomic",

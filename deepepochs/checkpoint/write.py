@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from deepepochs.checkpoint import background, names, shard_storage
+from deepepochs.checkpoint import names, shard_storage
 from deepepochs.checkpoint.format import COMPILED_PREFIX, Checkpoint, monitors_of, plain_records
 from deepepochs.checkpoint.read import _read_shards, _shard_folder, read_checkpoint
 from deepepochs.engine import callback_states, carried, runstate
@@ -39,6 +39,7 @@ __all__ = [
     "generator_states",
     "remove",
     "remove_stale_temps",
+    "retire",
     "save",
     "snapshot",
     "write_atomic",
@@ -157,7 +158,7 @@ def _run_records(trainer, position: Mapping | None) -> Mapping:
     return records
 
 
-def save(trainer, path, position: Mapping | None = None, writer=None, after=None) -> Path | None:
+def save(trainer, path, position: Mapping | None = None, writer=None, after=None, spare=None) -> Path | None:
     """Save the trainer's state to `path`, every rank calling it; returns `path` on rank 0, else None.
 
     One file written atomically by rank 0 (`snapshot`, `write_atomic`), or under FSDP a sharded checkpoint
@@ -170,9 +171,11 @@ def save(trainer, path, position: Mapping | None = None, writer=None, after=None
     (`CheckpointError`, nothing written). When the save fails, every rank raises (see `_agreed`).
 
 
-    With `writer` (a `background.BackgroundWriter`, one file only), rank 0 makes a host copy of the state and
-    hands it to the writer, which writes it after the write in flight, if any, and then calls `after(path)`; the
-    call returns once the copy is made, and the writer keeps a failure for its owner to report.
+    With `writer` (a `background.BackgroundWriter`, one file only), rank 0 hands the state to the writer, which
+    waits for the write in flight, if any, makes its host copy of the state, writes that beside training and
+    then calls `after(path)`; the call returns once the copy is made, and the writer keeps a failure for its
+    owner to report. `spare`: a file `retire` took out of the folder, which the synchronous one-file write
+    overwrites (`write_atomic`); removed otherwise.
     """
     path, dist = Path(path), trainer.dist
     if position is None and trainer.loop.save_position is not None:
@@ -182,10 +185,11 @@ def save(trainer, path, position: Mapping | None = None, writer=None, after=None
     if not dist.shards_model:
         ckpt = snapshot(trainer, position)
         if writer is None:
-            _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path))
+            _agreed(dist, path, lambda: write_atomic(ckpt.to_dict(), path, spare=spare))
         else:
-            _agreed(dist, path, lambda: writer.submit(background.host_copy(ckpt.to_dict()), path, after))
+            _agreed(dist, path, lambda: writer.submit(ckpt.to_dict(), path, after))
         return path if dist.is_main else None
+    _take_spare(spare, None)
     if writer is not None:
         raise CheckpointError("a background write takes one checkpoint file; under strategy='fsdp' every rank"
                               " writes its shards: save without a writer")
@@ -330,22 +334,58 @@ def remove_stale_temps(folder) -> list[Path]:
     return removed
 
 
-def write_atomic(data: Mapping, path) -> Path:
+def _temp_name(path: Path) -> Path:
+    """A hidden name, unique to this process and call and not ending in SUFFIX, beside `path`: resume never
+    mistakes it for a checkpoint, and `remove_stale_temps` removes it once this process no longer runs."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}")
+
+
+def retire(path) -> Path:
+    """Take the checkpoint file `path` out of its folder for reuse (rotation pruning it): renamed, atomically, to
+    a temporary name of this process (`_temp_name`); returns that name, a spare for `write_atomic`."""
+    path = Path(path)
+    spare = _temp_name(path)
+    os.replace(path, spare)
+    return spare
+
+
+def _take_spare(spare, temp: Path | None) -> bool:
+    """Rename the spare file `spare` (None: none) to `temp` when it lies in `temp`'s folder; otherwise remove it.
+    Whether `temp` is now that file."""
+    if spare is None:
+        return False
+    spare = Path(spare)
+    try:
+        if temp is not None and spare.parent == temp.parent:
+            os.replace(spare, temp)
+            return True
+        spare.unlink(missing_ok=True)
+    except OSError:  # gone already, or not ours to move: the write makes a new file
+        pass
+    return False
+
+
+def write_atomic(data: Mapping, path, spare=None) -> Path:
     """`torch.save(data)` to `path` atomically: a temporary file in the same folder, then `os.replace`.
 
     The temporary file must be in the same folder: `os.replace` is atomic only within one file system.
     A failed write removes it and raises `CheckpointError`; the previous file at `path` is untouched.
+    `spare`: a file of the same folder that `retire` took out of it, or None. The write then goes over it in
+    place (renamed to the temporary name, overwritten, cut to the new length): its disk blocks and cached pages
+    are reused, where a new file would have the file system allocate (and, at the old file's removal, discard)
+    as many again, which for a snapshot of a gigabyte costs more than writing it.
     """
     path = Path(path)
-    # Hidden, unique per writer, and not ending in SUFFIX: resume never mistakes it for a checkpoint.
-    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}")
+    temp = _temp_name(path)
     if path.is_dir():  # only a complete sharded checkpoint holding nothing else is replaced by the file
         _check_replaceable(path, committed=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(path.parent)
-        with open(temp, "wb") as f:
+        reused = _take_spare(spare, temp)
+        with open(temp, "r+b" if reused else "wb") as f:
             torch.save(dict(data), f)
+            f.truncate()  # a longer spare keeps nothing past the new file's end
             f.flush()
             os.fsync(f.fileno())  # the data must be on disk before the rename makes it the checkpoint
         if path.is_dir():  # a sharded checkpoint of that name (checked above): the file replaces it
