@@ -129,7 +129,7 @@ CELLS = _PLAIN + [cell for data in _DATA[1:] for cell in _kind_cells(data)]
 #: the default sample: SAMPLE_SIZE plain cells, OTHER_DATA_SAMPLE of each other kind, each fault in the pass
 SELECTED = CELLS if FULL else sorted(set(
     random.Random(SAMPLE_SEED).sample(_PLAIN, min(SAMPLE_SIZE, len(_PLAIN)))
-    + [cell for data in _DATA[1:] for cell in random.Random(SAMPLE_SEED).sample(
+    + [cell for turn, data in enumerate(_DATA[1:]) for cell in random.Random(SAMPLE_SEED + turn).sample(
         [cell for cell in CELLS if cell[3] == data], OTHER_DATA_SAMPLE)]
     + [cell for cell in _PLAIN if cell[1] == "fit_statistics"]))
 
