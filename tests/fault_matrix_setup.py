@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from deepepochs import Callback, Optimizer, SnapshotCallback, SWACallback, Trainer, TrainerBase
 
 __all__ = ["BN_BATCHES", "DATA", "EPOCHS", "FITS", "MAX_UPDATES", "STAGES", "STEPS", "SWA_START", "VAL_EVERY",
-           "OwnBackward", "ReturnedLoss", "Stream", "entered_states", "loaders", "make_trainer", "stage_result"]
+           "OwnBackward", "ReturnedLoss", "Stream", "entered_states", "loaders", "make_trainer", "stage_data",
+           "stage_result"]
 
 STAGES = ("fit", "fit_by_updates", "fit_swa", "test", "predict", "lr_sweep")
 #: How the stages' data loads and which step trains (see the module doc); the kinds but 'plain' run in the fits.
@@ -128,11 +129,16 @@ def make_trainer(folder, stage, resume=False, snapshot_signal=None, every_n_upda
                                     **options)
 
 
-def stage_result(trainer, stage, workers: int = 0, context: str | None = None, data: str = "plain"):
-    """Run `stage` on a trainer (`data`: see `DATA`); what it returns, comparable with `states_equal`."""
+def stage_data(data: str = "plain", workers: int = 0, context: str | None = None):
+    """(train, val) of `data` (see `DATA`), made anew."""
     train, val = loaders(1, "fork", persistent=True) if data == "persistent" else loaders(workers, context)
-    if data == "stream":
-        train = DataLoader(Stream(), batch_size=8)
+    return (DataLoader(Stream(), batch_size=8), val) if data == "stream" else (train, val)
+
+
+def stage_result(trainer, stage, workers: int = 0, context: str | None = None, data: str = "plain", given=None):
+    """Run `stage` on a trainer (`data`: see `DATA`) with the (train, val) `given`, else made anew; what it
+    returns, comparable with `states_equal`."""
+    train, val = given if given is not None else stage_data(data, workers, context)
     if stage in ("fit", "fit_swa"):
         trainer.fit(train, val)
         return _state(trainer)
