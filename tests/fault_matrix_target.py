@@ -1,6 +1,7 @@
 """One fault-matrix cell in a process of its own (run as a script by tests/test_fault_matrix.py).
 
-`python fault_matrix_target.py MODE STAGE STATE OCCURRENCE FAULT CONTEXT FOLDER OUT`, MODE one of:
+`python fault_matrix_target.py MODE STAGE STATE OCCURRENCE FAULT CONTEXT FOLDER OUT` (MATRIX_THREADS: torch's
+thread count, the test process's), MODE one of:
 
 - `group`: run STAGE with 2 DataLoader workers per loader started by CONTEXT (fork or spawn); on the
   OCCURRENCE-th entry into STATE, send FAULT (SIGTERM, SIGUSR1, SIGINT) to this process's whole group, as a
@@ -77,7 +78,9 @@ def main() -> None:
     mode, stage, state, occurrence, fault, context, folder, out = sys.argv[1:]
     occurrence = int(occurrence)
     _foreground_sigint()
-    torch.set_num_threads(1)
+    # the test process's thread count: BatchNorm's reductions split over threads round otherwise than over one,
+    # and the result is compared bit for bit with the uninterrupted run the test process made
+    torch.set_num_threads(int(os.environ["MATRIX_THREADS"]))
     if mode == "resume":
         trainer = make_trainer(folder, stage, resume=True, every_n_updates=1)
         torch.save({"outcome": "resumed", "result": stage_result(trainer, stage)}, out)

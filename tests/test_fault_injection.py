@@ -152,7 +152,8 @@ def test_a_fault_on_entering_any_state_is_recovered_exactly(scenario, state):
                     " tests/engine/test_update_clock.py refits after faults at its validation points")
     if state == "fit_statistics":
         pytest.skip("entered only by SWACallback's BatchNorm pass (bn_update=True over a BatchNorm model), which"
-                    " these scenarios do not use: tests/callbacks/test_swa_statistics.py signals the fit inside it")
+                    " these scenarios do not use: tests/test_fault_matrix.py's fit_swa stage faults it with every"
+                    " fault kind and data kind, tests/callbacks/test_swa_statistics.py signals the fit inside it")
     if scenario.endswith("-k1-fused") and state == "window_open":
         pytest.skip("fused one-batch windows take task_train --window_step|window_skip_step--> task_train")
     if scenario.endswith("-fused") and state in FUSED_INNER:
