@@ -69,3 +69,29 @@ def test_a_signal_that_kills_validation_workers_stops_at_the_epochs_last_update_
     resumed.fit(train, val)
     assert counter.batches == 18  # epoch 3 only: epoch 2 resumed after its training
     assert states_equal(_state(resumed, model), _state(reference, ref_model))
+
+
+def test_a_signal_that_kills_validation_workers_at_a_validation_point_resumes_validating_that_point(tmp_path):
+    """Under the update clock the same signal during epoch 2's first validation point (update 8): the snapshot
+    holds the run as update 8 left it, without the point's row (a point stopped while it validates has no
+    metrics to record), and the resume validates that point before training on; the history, weights and
+    optimizer state end as the uninterrupted run's. Before, the file recorded the point's update with no
+    metrics and the resume never validated it."""
+    clock = {"trainer_kw": {"max_updates": 15}}
+    reference, ref_model = _trainer(None, **clock)
+    train, val = _data()
+    reference.fit(train, val, val_every_n_updates=4)
+    trainer, _ = _trainer(tmp_path, on_signals=("SIGTERM",), **clock)
+    train, val = _data()
+    with pytest.raises(Preempted) as info:
+        trainer.fit(train, WorkersKilledAt(val, [trainer], epoch=2), val_every_n_updates=4)
+    stop = info.value
+    assert ("task_val", "snapshot", "preempted") in [(r.source, r.trigger, r.dest)
+                                                      for r in stop.deepepochs_flight_record]
+    saved = read_checkpoint(stop.path)
+    assert saved.updates == 8 and saved.history["val"]["updates"] == [4]
+    resumed, model = _trainer(tmp_path, resume=True, on_signals=("SIGTERM",), **clock)
+    train, val = _data()
+    resumed.fit(train, val, val_every_n_updates=4)
+    assert resumed.history["val"]["updates"] == [4, 8, 12, 15]
+    assert states_equal(_state(resumed, model), _state(reference, ref_model))

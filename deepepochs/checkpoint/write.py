@@ -141,14 +141,16 @@ def _run_records(trainer, position: Mapping | None) -> Mapping:
     commits (`save_checkpoints` precedes `commit_epoch`; `epoch_undo` is pending then), so that epoch's
     metrics are added to the history here; a validation point's save likewise runs before
     `commit_val_point`, so the point's row is added (and nothing else: the epoch goes on, its position in
-    the file)."""
+    the file). A snapshot taken while the point still validates holds the records of the point's update
+    (`runstate.val_point_validated`)."""
     loop = trainer.loop
     run = loop.run
-    if not loop.val_point_open and (position is not None or not loop.epoch_undo):
+    point_validated = runstate.val_point_validated(loop, run.last_metrics)
+    if not point_validated and (position is not None or not loop.epoch_undo):
         return run.history
     records = {stage: {name: list(values) for name, values in metrics.items()}
                for stage, metrics in run.history.items()}
-    if loop.val_point_open:
+    if point_validated:
         runstate.record_val_point(records.setdefault("val", {}), run.updates, run.last_metrics.get("val", {}))
         return records
     for stage, metrics in run.last_metrics.items():

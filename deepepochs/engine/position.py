@@ -78,7 +78,9 @@ def capture(ctx: Context) -> dict | None:
     if point is None or point.task_index < 0 or ctx.train_meters is None:
         return None
     data_state = ctx.data_state
-    commit = generators.random_state(ctx) if loop.val_point_open else ctx.random_state
+    # a validated point: torch's generators as its validation left them; else those of the last commit point
+    commit = (generators.random_state(ctx) if runstate.val_point_validated(loop, ctx.last_metrics)
+              else ctx.random_state)
     mine = {"random": {"commit": _states(commit), "task": _states(ctx.task_random_state),
                        "host": rng_state()},  # Python's and NumPy's (and torch's) as of now: the commit point
             "meters": [encode_meters(meters) for meters in ctx.train_meters],

@@ -33,7 +33,8 @@ import attrs
 from deepepochs.config import VAL_POINT_KEY  # defined where the trackers (`reporting`) can read it too
 
 __all__ = ["DEEP", "GENERIC", "SHARED", "VAL_POINT_KEY", "ResumePoint", "RunState", "StopRequest", "capture",
-           "generic_fields", "record_row", "record_val_point", "restore", "write_in_place"]
+           "generic_fields", "record_row", "record_val_point", "restore", "val_point_validated",
+           "write_in_place"]
 
 #: `copy` metadata: `capture` deep-copies the value (the default: safe for any new field).
 DEEP = "deep"
@@ -236,6 +237,14 @@ def record_row(records: dict, metrics: dict, aligned: bool) -> None:
         for name, values in records.items():
             if name not in metrics and len(values) == epochs:
                 values.append(math.nan)
+
+
+def val_point_validated(loop, last_metrics: dict) -> bool:
+    """Whether a validation point of the update clock is open and its validation has run (its metrics wait in
+    `last_metrics` for `commit_val_point`): a file written then (the point's own `save_checkpoints`) holds the
+    point as validated. One written while the point still validates (a signal's snapshot of the last commit
+    point, from `task_val`) holds the run as the point's update left it, and its resume validates the point."""
+    return loop.val_point_open and "val" in last_metrics
 
 
 def record_val_point(records: dict, updates: int, metrics: dict) -> None:
