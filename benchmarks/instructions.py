@@ -53,7 +53,7 @@ from common import RESULTS_DIR, machine_info, median, print_verdicts, quiet_stdo
 
 #: Budget, in instructions per batch against the raw loop of the same run: the tiny model with a
 #: DataLoader at most this ratio; pre-batched and the MLP below pytorch-ignite's ratio.
-TINY_LOADER_LIMIT = 1.025
+TINY_LOADER_LIMIT = 1.020
 
 #: name: (model, feed, loops, n1, n2). n1 and n2 are multiples of 4 (the k=4 loops update every 4 batches).
 WORKLOADS = {

@@ -246,10 +246,11 @@ class TaskMeters:
                     host = self.host = loss.device.type == "cpu"
                 loss = float(loss) if host else loss.detach()
             self.add_done(loss, n, None)
-        for patches in self.window_patches:
-            self.fold_patches(patches)
+        if self.window_patches:  # no metrics: nothing to fold or clear
+            for patches in self.window_patches:
+                self.fold_patches(patches)
+            self.window_patches.clear()
         self.window_losses.clear()
-        self.window_patches.clear()
 
     def fold_patches(self, patches: Mapping) -> None:
         """Add one batch's metric patches to the task totals."""

@@ -316,7 +316,7 @@ def grads_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
     return found
 
 
-_HOST_FLAGS: list = []  # [found flag, its NumPy view, scale 1]: the CPU tensors `grads_finite_on_host` reuses
+_HOST_FLAGS: list = []  # [found flag, a memoryview of it, scale 1]: what `grads_finite_on_host` reuses
 
 SUM_CHECK_MEAN_NUMEL = 32768
 """`grads_finite_on_host` sums gradients holding at least this many elements on average (`sums_pay_off`);
@@ -346,7 +346,8 @@ def grads_finite_on_host(grads: list[torch.Tensor], summed: bool = False) -> boo
     where a sum each would cost an op and a host read apiece. A non-finite total is confirmed by the exact
     check of every gradient, because finite values can add up past the dtype's range (fp16 already at
     65504). Otherwise the fused check runs directly, into a flag kept between calls (a fresh flag read
-    with `.item()` costs ~2x)."""
+    with `.item()` costs ~2x). The flag is zero between calls (set back only after it was found nonzero,
+    or the check raised), and is read and written through a memoryview (a NumPy item costs ~2x)."""
     if summed:
         small, total = [], 0.0
         for g in grads:
@@ -360,11 +361,17 @@ def grads_finite_on_host(grads: list[torch.Tensor], summed: bool = False) -> boo
             grads = small
     if not _HOST_FLAGS:
         found = torch.zeros(1)
-        _HOST_FLAGS.extend((found, found.numpy(), torch.ones(1)))
+        _HOST_FLAGS.extend((found, memoryview(found.numpy()), torch.ones(1)))
     found, view, one = _HOST_FLAGS
+    try:
+        _check_into(grads, found, one)
+    except BaseException:
+        view[0] = 0.0  # the next check starts from a zero flag
+        raise
+    if view[0] == 0.0:
+        return True
     view[0] = 0.0
-    _check_into(grads, found, one)
-    return float(view[0]) == 0.0
+    return False
 
 
 def _check_into(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:

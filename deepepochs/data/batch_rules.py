@@ -200,8 +200,10 @@ def batch_splitter(has_loss_fn: bool, device: torch.device, non_blocking: bool, 
     def split(batch):
         if type(batch) in (tuple, list) and len(batch) == 2:
             x, y = batch
-            if type(x) is tensor and type(y) is tensor and x.is_cpu and y.is_cpu and y.dim():
-                return x, y, y.shape[0]
+            if type(x) is tensor and type(y) is tensor and x.is_cpu and y.is_cpu:
+                shape = y.shape  # one read: a label of no dimension (shape ()) is no batch of samples
+                if shape:
+                    return x, y, shape[0]
         return prepare_batch(batch, True, device, non_blocking, None, target_key, counted_dict)
 
     return split

@@ -80,7 +80,7 @@ class DataOrder(DistributedSampler):
         elif self.policy is not None and self.policy.order_seed is not None:
             self.seed = self.policy.order_seed
         skip, self.skip = self.skip, 0
-        return itertools.islice(super().__iter__(), skip, None)
+        return _past(super().__iter__(), skip)
 
 
 @attrs.define(slots=True, eq=False)
@@ -171,7 +171,7 @@ class LoaderOrder(Sampler[int]):
         skip, self.skip = self.skip, 0
         replay, self._replay = self._replay, None
         if not isinstance(self.sampler, RANDOM_SAMPLERS):
-            return itertools.islice(iter(self.sampler), skip, None)
+            return _past(iter(self.sampler), skip)
         generator = self.sampler.generator  # None: the sampler draws from torch's global generator
         now = None
         if replay is not None:
@@ -190,10 +190,16 @@ class LoaderOrder(Sampler[int]):
             torch.set_rng_state(now)
         if first is _END:
             return iter(())
-        return itertools.islice(itertools.chain((first,), indices), skip, None)
+        return _past(itertools.chain((first,), indices), skip)
 
 
 _END = object()
+
+
+def _past(indices, skip: int):
+    """The iterator `indices` past its first `skip` items: itself when none are skipped (an `islice` would
+    cost a step per index of every batch)."""
+    return itertools.islice(indices, skip, None) if skip else indices
 
 
 def user_generators(data) -> list:

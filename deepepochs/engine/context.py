@@ -136,6 +136,8 @@ class Parts:
             (`at='epoch'`) actions.
         stateful: the callbacks that keep a state (`state_dict()`, `load_state_dict()`) by name
             (`deepepochs.engine.callback_states`), kept at commit points and loaded back by a rollback.
+        on_cuda: whether `device` is a CUDA device, whose generator is kept besides the CPU's
+            (`engine.generators`); derived once from `device`, whose `type` builds a new string per read.
     """
 
     config: TrainerConfig
@@ -155,6 +157,11 @@ class Parts:
     pick_targets: Callable | None = None
     averagers: list[Callable[[object, str], None]] = attrs.Factory(list)
     stateful: dict = attrs.Factory(dict)
+    on_cuda: bool = attrs.field(init=False)
+
+    @on_cuda.default
+    def _on_cuda(self) -> bool:
+        return self.device.type == "cuda"
 
 
 @attrs.define(slots=True, eq=False)

@@ -53,7 +53,8 @@ def window_finite(ctx: Context, grads: list[torch.Tensor]) -> bool:
     if bad:
         return _finite_or_raise(ctx, bad, raise_, dist, "loss")
     if grads:
-        grads = dist.local_shards(grads)  # FSDP: this rank's shards; the flag is agreed over the ranks below
+        if dist.shards_model:  # FSDP: this rank's shards; the flag is agreed over the ranks below
+            grads = dist.local_shards(grads)
         if flag is None and grads[0].is_cpu:
             bad = not torch_private.grads_finite_on_host(grads, parts.opts.sum_check)  # no sync on the CPU
         else:
@@ -65,6 +66,8 @@ def window_finite(ctx: Context, grads: list[torch.Tensor]) -> bool:
             return True
         bad = bool(flag) if dist.world_size == 1 else dist.reduce_sum(flag.float().reshape(1)).item() != 0.0
         return _finite_or_raise(ctx, bad, raise_, None, "loss or gradient")
+    if not bad and dist.world_size == 1:  # the common case: nothing to agree on over ranks, nothing to raise
+        return True
     return _finite_or_raise(ctx, bad, raise_, dist, "gradient (the loss is finite)")
 
 

@@ -21,10 +21,10 @@ __all__ = ["keep_host_state", "put_back_host_state", "random_state", "remember_r
 def random_state(ctx: Context) -> tuple:
     """torch's generator states: the CPU's, and the training GPU's (None elsewhere), as copies of the
     generators (`Generator.clone_state`: no state tensor is made; `state_tensor` makes one)."""
-    device = ctx.parts.device
-    if device.type != "cuda":
+    parts = ctx.parts
+    if not parts.on_cuda:
         return torch.default_generator.clone_state(), None
-    return torch.default_generator.clone_state(), _gpu_copy(device)
+    return torch.default_generator.clone_state(), _gpu_copy(parts.device)
 
 
 def _gpu_copy(device: torch.device):

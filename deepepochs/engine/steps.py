@@ -396,11 +396,12 @@ def backward(ctx: Context, root: torch.Tensor, share: float) -> None:
     `root` (the multiply's backward would hand exactly that on), made once per share and kept in
     `ctx.seeds`, instead of a multiply, its backward node and an implicit `ones_like` per micro-batch."""
     seeds = ctx.seeds
-    seed = seeds.get(share)
-    if seed is None or seed.dim() != root.dim() or seed.dtype != root.dtype:  # a loss has one element
+    key = (share, root.dtype, root.dim())  # a loss has one element: its shape is its number of dimensions
+    seed = seeds.get(key)
+    if seed is None:
         if len(seeds) >= 16:  # batch sizes that vary without bound (bucketing) must not grow the cache
             seeds.clear()
-        seed = seeds[share] = torch.full_like(root, share)
+        seed = seeds[key] = torch.full_like(root, share)
     if type(root) is torch.Tensor:
         torch_private.backward_seeded(root, seed)  # the seed matches root: torch's checks of the pair skipped
     else:  # a tensor subclass keeps its own backward
