@@ -201,6 +201,19 @@ class DeepEpochsProfiled(DeepEpochs):
         super().__init__(model)
 
 
+class DeepEpochsUpdateClock(DeepEpochs):
+    """Training by updates: the update clock asks at every committed update whether a validation point or the
+    budget is due (neither is, inside the measured batches: the points fall every 10**6 updates)."""
+
+    kwargs = {"log_batch": False, "show_info": False, "max_updates": 10**9}
+    note = "console off, the update clock: max_updates=10**9, fit(val_every_n_updates=10**6)"
+    val = [(torch.zeros(4, 16), torch.zeros(4, dtype=torch.long))]  # never read: no point falls due
+
+    def epoch(self, data):
+        self.epochs += 1
+        self.trainer.fit(data, self.val, epochs=self.epochs, val_every_n_updates=10**6)
+
+
 class DeepEpochsAccumulate(DeepEpochs):
     reference = "raw_acc4"
     window = 4
@@ -295,6 +308,7 @@ VARIANTS = {
     "deepepochs_console": DeepEpochsDefault,
     "deepepochs_every_edge": DeepEpochsEveryEdge,
     "deepepochs_profiled": DeepEpochsProfiled,
+    "deepepochs_clock": DeepEpochsUpdateClock,
     "raw_acc4": RawAccumulate,
     "deepepochs_acc4": DeepEpochsAccumulate,
     "raw_acc4_seeded": RawAccumulateSeeded,
